@@ -1,0 +1,83 @@
+// Operand checks shared by every matmul FFI handler (CPU and CUDA). The Python layer validates
+// first and names the offending argument; these checks keep a handler safe when called directly.
+#ifndef JAX_FP4_VALIDATE_H_
+#define JAX_FP4_VALIDATE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fp4 {
+
+struct MatmulShape {
+  int64_t m = 0, n = 0, k = 0, k_blocks = 0;
+};
+
+inline std::string DimsToString(xla::ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(dims[i]);
+  }
+  return out + "]";
+}
+
+inline bool IsActivationType(xla::ffi::DataType dtype, bool allow_f32) {
+  return dtype == xla::ffi::DataType::F16 || dtype == xla::ffi::DataType::BF16 ||
+         (allow_f32 && dtype == xla::ffi::DataType::F32);
+}
+
+// Checks packed [N, K/2], scale [N, ceil(K/block)], global scale (1 element) and block size;
+// fills n, k, k_blocks. Returns "" when valid, else a description of the problem.
+inline std::string CheckWeightOperands(xla::ffi::Span<const int64_t> packed_dims,
+                                       xla::ffi::Span<const int64_t> scale_dims,
+                                       size_t global_scale_count, int64_t block_size,
+                                       MatmulShape* shape) {
+  if (block_size <= 0) return "block_size must be positive, got " + std::to_string(block_size);
+  if (packed_dims.size() != 2) return "packed must be rank 2, got " + DimsToString(packed_dims);
+  shape->n = packed_dims[0];
+  shape->k = 2 * packed_dims[1];
+  shape->k_blocks = (shape->k + block_size - 1) / block_size;
+  if (scale_dims.size() != 2 || scale_dims[0] != shape->n || scale_dims[1] != shape->k_blocks) {
+    return "scale must be [" + std::to_string(shape->n) + ", " + std::to_string(shape->k_blocks) +
+           "], got " + DimsToString(scale_dims);
+  }
+  if (global_scale_count != 1) {
+    return "global_scale must hold one element, got " + std::to_string(global_scale_count);
+  }
+  return "";
+}
+
+// Checks a matmul's operands: a [M, K], weight operands, bias [N] or empty, y [M, N].
+inline std::string CheckMatmulOperands(xla::ffi::DataType a_type,
+                                       xla::ffi::Span<const int64_t> a_dims,
+                                       xla::ffi::Span<const int64_t> packed_dims,
+                                       xla::ffi::Span<const int64_t> scale_dims,
+                                       size_t global_scale_count, xla::ffi::DataType bias_type,
+                                       size_t bias_count, xla::ffi::DataType y_type,
+                                       xla::ffi::Span<const int64_t> y_dims, int64_t block_size,
+                                       bool allow_f32, MatmulShape* shape) {
+  std::string problem =
+      CheckWeightOperands(packed_dims, scale_dims, global_scale_count, block_size, shape);
+  if (!problem.empty()) return problem;
+  if (!IsActivationType(a_type, allow_f32)) return "a has an unsupported element type";
+  if (a_dims.size() != 2 || a_dims[1] != shape->k) {
+    return "a must be [M, " + std::to_string(shape->k) + "], got " + DimsToString(a_dims);
+  }
+  shape->m = a_dims[0];
+  if (y_type != a_type) return "y must have a's element type";
+  if (y_dims.size() != 2 || y_dims[0] != shape->m || y_dims[1] != shape->n) {
+    return "y must be [" + std::to_string(shape->m) + ", " + std::to_string(shape->n) + "], got " +
+           DimsToString(y_dims);
+  }
+  if (bias_count != 0 && (bias_type != a_type || bias_count != static_cast<size_t>(shape->n))) {
+    return "bias must be empty or hold N = " + std::to_string(shape->n) +
+           " elements of a's type, got " + std::to_string(bias_count);
+  }
+  return "";
+}
+
+}  // namespace jax_fp4
+
+#endif  // JAX_FP4_VALIDATE_H_

@@ -1,0 +1,26 @@
+"""jax_fp4: NVFP4 weight-only matmul for JAX.
+
+    w = jax_fp4.quantize(weight)            # float [N, K] -> NVFP4Weight
+    y = jax_fp4.matmul(a, w, bias)          # a [..., K] fp16/bf16 -> y [..., N]
+"""
+
+from jax_fp4 import _ffi  # registers the FFI targets
+from jax_fp4._dispatch import BACKENDS, GEMV_MAX_M
+from jax_fp4._format import NVFP4Weight, dequantize, pack_codes, quantize, unpack_codes
+from jax_fp4._matmul import dispatch_path, matmul
+from jax_fp4._primitive import nvfp4_matmul_p
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "GEMV_MAX_M",
+    "NVFP4Weight",
+    "dequantize",
+    "dispatch_path",
+    "matmul",
+    "nvfp4_matmul_p",
+    "pack_codes",
+    "quantize",
+    "unpack_codes",
+]

@@ -1,0 +1,102 @@
+"""Choosing the kernel for one matmul from static shapes: pure functions, tested on any machine.
+
+Paths:
+  empty      M, N or K is zero: no kernel, zeros (+ bias) or an empty array.
+  reference  the pure-JAX decomposition (dequantize to float32, dot at HIGHEST precision).
+  cpu        the fused C++ FFI handler (decode + dot, fp32 accumulation).
+  gemv       CUDA fused decode GEMV for small M (block_size 16, K % 32 == 0, fp16/bf16).
+  dequant    CUDA dequantize kernel into an fp16/bf16 [N, K] buffer, then XLA's dot (cuBLAS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant")
+
+# Largest M served by the decode GEMV under "auto" (spec: M <= 8; raise only with measurements).
+GEMV_MAX_M = 8
+
+_HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The static facts a path decision depends on."""
+
+    m: int
+    n: int
+    k: int
+    block_size: int
+    dtype: np.dtype
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment variable: 0/1/true/false/yes/no/on/off; anything else is an error."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name} must be a boolean (0/1/true/false/yes/no), got {raw!r}")
+
+
+def gemv_unsupported_reason(p: Problem) -> str | None:
+    if p.dtype not in _HALF_DTYPES:
+        return f"a must be float16 or bfloat16, got {p.dtype}"
+    if p.block_size != 16:
+        return f"block_size must be 16, got {p.block_size}"
+    if p.k % 32:
+        return f"K must be a multiple of 32, got {p.k}"
+    return None
+
+
+def dequant_unsupported_reason(p: Problem) -> str | None:
+    if p.dtype not in _HALF_DTYPES:
+        return f"a must be float16 or bfloat16, got {p.dtype}"
+    return None
+
+
+_PLATFORM_OF = {"cpu": "cpu", "gemv": "cuda", "dequant": "cuda"}
+_UNSUPPORTED = {"gemv": gemv_unsupported_reason, "dequant": dequant_unsupported_reason}
+
+
+def check_backend(backend: str, p: Problem) -> None:
+    """Raise ValueError if a forced backend cannot serve the problem (platform-independent part)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} (or None), got {backend!r}")
+    reason = _UNSUPPORTED.get(backend, lambda _: None)(p)
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot serve this matmul: {reason}")
+
+
+def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bool) -> str:
+    """The path for one matmul lowered for `platform` ('cpu', 'cuda', ...)."""
+    check_backend(backend, p)
+    if p.m == 0 or p.n == 0 or p.k == 0:
+        return "empty"
+    if backend == "reference":
+        return "reference"
+    if backend != "auto":
+        needed = _PLATFORM_OF[backend]
+        if platform != needed or (needed == "cuda" and not has_cuda_kernels):
+            why = "this jax_fp4 build has no CUDA kernels" if platform == needed else (
+                f"the computation is lowered for platform {platform!r}")
+            raise ValueError(f"backend={backend!r} needs platform {needed!r}, but {why}")
+        return backend
+    if platform == "cpu":
+        return "cpu"
+    if platform == "cuda" and has_cuda_kernels:
+        if gemv_unsupported_reason(p) is None and p.m <= GEMV_MAX_M:
+            return "gemv"
+        if dequant_unsupported_reason(p) is None:
+            return "dequant"
+    return "reference"

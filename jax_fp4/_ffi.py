@@ -1,0 +1,43 @@
+"""Loading the compiled modules and registering their XLA FFI targets with JAX."""
+
+from __future__ import annotations
+
+import jax
+
+try:
+    from jax_fp4 import _jax_fp4_cpu
+except ImportError as err:  # pragma: no cover - only in a source tree that was never built
+    raise ImportError(
+        "jax_fp4's compiled CPU module is missing; install the package with `pip install .` "
+        "(or `pip install -e .`) so that CMake builds it") from err
+
+try:
+    from jax_fp4 import _jax_fp4_cuda
+except ImportError:  # built without nvcc: CPU (and the reference lowering) only
+    _jax_fp4_cuda = None
+
+_PLATFORM_MODULES = {"cpu": _jax_fp4_cpu, "CUDA": _jax_fp4_cuda}
+
+
+def _register_all() -> dict[str, list[str]]:
+    registered: dict[str, list[str]] = {}
+    for platform, module in _PLATFORM_MODULES.items():
+        if module is None:
+            continue
+        for name, capsule in module.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+            registered.setdefault(platform, []).append(name)
+    return registered
+
+
+REGISTERED_TARGETS = _register_all()
+
+
+def has_cuda_kernels() -> bool:
+    """Whether this build carries the CUDA module (nvcc was found when it was built)."""
+    return _jax_fp4_cuda is not None
+
+
+def cuda_architectures() -> str:
+    """The CUDA architectures compiled in, e.g. '80-real;90a-real;120a-real;80-virtual'."""
+    return _jax_fp4_cuda.architectures() if _jax_fp4_cuda is not None else ""

@@ -1,0 +1,214 @@
+"""The NVFP4 weight format: the `NVFP4Weight` container, quantization and dequantization.
+
+Layout (ONNX Runtime MatMulBlockQuantizedFp4Weight, NVIDIA ModelOpt):
+  packed        uint8 [N, K/2]; logical element 2j in the low nibble, 2j+1 in the high nibble.
+  scale         E4M3FN [N, ceil(K/block_size)], given as float8_e4m3fn or raw uint8 bytes.
+  global_scale  float32 scalar, multiplied: W[n, k] = e2m1(code) * e4m3(scale[n, k // bs]) * gs.
+
+Stacked weights (layers, experts) add leading axes to all three arrays; every function here keeps
+them, so an NVFP4Weight works as a leaf container under vmap, scan and shardings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_MIN_SUBNORMAL = 2.0**-9
+
+# Decoded value of each 4-bit E2M1 code; bit 3 is the sign (0x8 is -0).
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+
+_SCALE_DTYPES = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
+
+
+@jax.tree_util.register_pytree_node_class
+class NVFP4Weight:
+    """An NVFP4-quantized weight matrix of logical shape [..., N, K].
+
+    Args:
+      packed: uint8 [..., N, K/2], two E2M1 codes per byte (even element in the low nibble).
+      scale: [..., N, ceil(K/block_size)] E4M3 block scales, float8_e4m3fn or raw uint8 bytes.
+      global_scale: float32 scalar (per stacked weight: shape [...]), ModelOpt's weight_scale_2.
+      block_size: elements per scale block (16 for NVFP4); static pytree metadata.
+    """
+
+    def __init__(self, packed, scale, global_scale, block_size: int = 16):
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+            raise TypeError(f"NVFP4Weight: block_size must be an int, got {block_size!r}")
+        if block_size <= 0:
+            raise ValueError(f"NVFP4Weight: block_size must be positive, got {block_size}")
+        if isinstance(global_scale, (float, int, np.floating)):
+            global_scale = np.float32(global_scale)
+        for name, value in (("packed", packed), ("scale", scale), ("global_scale", global_scale)):
+            if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+                raise TypeError(f"NVFP4Weight: {name} must be an array, got {type(value).__name__}")
+        if np.dtype(packed.dtype) != np.uint8:
+            raise TypeError(f"NVFP4Weight: packed must be uint8 [N, K/2], got dtype {packed.dtype}")
+        if packed.ndim < 2:
+            raise ValueError(f"NVFP4Weight: packed must be [N, K/2] (rank >= 2), got shape {packed.shape}")
+        if np.dtype(scale.dtype) not in _SCALE_DTYPES:
+            raise TypeError(
+                f"NVFP4Weight: scale must be float8_e4m3fn or uint8 (raw E4M3 bytes), got dtype {scale.dtype}")
+        if not jnp.issubdtype(global_scale.dtype, jnp.floating):
+            raise TypeError(f"NVFP4Weight: global_scale must be float32, got dtype {global_scale.dtype}")
+        *lead, n, half_k = packed.shape
+        expected_scale = (*lead, n, math.ceil(2 * half_k / block_size))
+        if tuple(scale.shape) != expected_scale:
+            raise ValueError(
+                f"NVFP4Weight: scale must have shape {expected_scale} = [N, ceil(K/block_size)] for "
+                f"packed {tuple(packed.shape)} and block_size {block_size}, got {tuple(scale.shape)}")
+        if tuple(global_scale.shape) != tuple(lead):
+            raise ValueError(
+                f"NVFP4Weight: global_scale must be a scalar (shape {tuple(lead)}), got shape "
+                f"{tuple(global_scale.shape)}")
+        if global_scale.dtype != np.float32:
+            global_scale = global_scale.astype(np.float32)
+        self.packed = packed
+        self.scale = scale
+        self.global_scale = global_scale
+        self.block_size = int(block_size)
+
+    # Pytree protocol: children are the arrays; block_size is static. Unflattening bypasses
+    # __init__ because transforms rebuild the container with tracers or placeholders.
+    def tree_flatten(self):
+        return (self.packed, self.scale, self.global_scale), self.block_size
+
+    @classmethod
+    def tree_unflatten(cls, block_size, children):
+        obj = object.__new__(cls)
+        obj.packed, obj.scale, obj.global_scale = children
+        obj.block_size = block_size
+        return obj
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape [..., N, K]."""
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+    @property
+    def n(self) -> int:
+        return self.packed.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return 2 * self.packed.shape[-1]
+
+    @property
+    def ndim(self) -> int:
+        return self.packed.ndim
+
+    @property
+    def scale_bytes(self):
+        """The block scales as raw uint8 E4M3 bytes (what the kernels read)."""
+        return scale_as_bytes(self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in (self.packed, self.scale, self.global_scale))
+
+    def __repr__(self):
+        return f"NVFP4Weight(shape={self.shape}, block_size={self.block_size})"
+
+
+def scale_as_bytes(scale):
+    """E4M3 scales as uint8 bytes, whether given as float8_e4m3fn or already as bytes."""
+    if np.dtype(scale.dtype) == np.uint8:
+        return scale
+    return jax.lax.bitcast_convert_type(jnp.asarray(scale), jnp.uint8)
+
+
+def unpack_codes(packed):
+    """uint8 [..., K/2] -> uint8 E2M1 codes [..., K] (low nibble first)."""
+    packed = jnp.asarray(packed)
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def pack_codes(codes):
+    """uint8 E2M1 codes [..., K] (K even) -> packed uint8 [..., K/2]."""
+    codes = jnp.asarray(codes, jnp.uint8)
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_codes: the last axis must be even, got {codes.shape[-1]}")
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
+
+
+def e4m3_to_float32(scale):
+    """E4M3 scales (bytes or float8_e4m3fn) -> float32, exactly (NaN bytes stay NaN)."""
+    as_fp8 = jax.lax.bitcast_convert_type(scale_as_bytes(scale), jnp.float8_e4m3fn)
+    return as_fp8.astype(jnp.float32)
+
+
+def dequantize(w: NVFP4Weight, dtype=jnp.float32):
+    """The dense weight [..., N, K] = e2m1 * e4m3 block scale * global scale, computed in float32
+    and rounded once to `dtype`."""
+    if not isinstance(w, NVFP4Weight):
+        raise TypeError(f"dequantize: w must be an NVFP4Weight, got {type(w).__name__}")
+    k = w.k
+    values = jnp.asarray(E2M1_VALUES)[unpack_codes(w.packed)]
+    block_scale = jnp.repeat(e4m3_to_float32(w.scale), w.block_size, axis=-1)[..., :k]
+    gs = jnp.asarray(w.global_scale, jnp.float32)[..., None, None]
+    return (values * block_scale * gs).astype(dtype)
+
+
+def _e2m1_round(x):
+    """Float32 values already clipped to [-6, 6] -> E2M1 codes, round to nearest, ties to even."""
+    mag = jnp.abs(x)
+    # Thresholds between neighbouring magnitudes; `<=` where the tie goes down to the even code.
+    code = jnp.where(mag <= 0.25, 0,
+           jnp.where(mag < 0.75, 1,
+           jnp.where(mag <= 1.25, 2,
+           jnp.where(mag < 1.75, 3,
+           jnp.where(mag <= 2.5, 4,
+           jnp.where(mag < 3.5, 5,
+           jnp.where(mag <= 5.0, 6, 7)))))))
+    sign = jnp.where((x < 0) & (code > 0), 8, 0)
+    return (code | sign).astype(jnp.uint8)
+
+
+def quantize(w, block_size: int = 16) -> NVFP4Weight:
+    """Quantize a float matrix [..., N, K] to NVFP4 with NVIDIA ModelOpt's algorithm.
+
+    global scale g = amax|W| / (6 * 448) (1.0 for an all-zero matrix); per block
+    s = amax_block / (6 g), 1.0 for a zero block, clamped to [2^-9, 448] and rounded to E4M3
+    (nearest, ties to even); codes = E2M1(W / (e4m3(s) g)), nearest, ties to even, saturating at 6.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+        raise ValueError(f"quantize: block_size must be a positive int, got {block_size!r}")
+    w = jnp.asarray(w)
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(f"quantize: w must be a float matrix [N, K], got dtype {w.dtype}")
+    if w.ndim < 2:
+        raise ValueError(f"quantize: w must be [N, K] (rank >= 2), got shape {w.shape}")
+    k = w.shape[-1]
+    if k % 2:
+        raise ValueError(f"quantize: K (the last axis) must be even to pack two codes per byte, got {k}")
+    w = w.astype(jnp.float32)
+    k_blocks = math.ceil(k / block_size)
+
+    amax = jnp.max(jnp.abs(w), axis=(-2, -1)) if k else jnp.zeros(w.shape[:-2], jnp.float32)
+    gscale = jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0).astype(jnp.float32)
+
+    padded = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, k_blocks * block_size - k)])
+    blocks = padded.reshape(*w.shape[:-1], k_blocks, block_size)
+    block_amax = jnp.max(jnp.abs(blocks), axis=-1)
+    s = block_amax / (E2M1_MAX * gscale[..., None, None])
+    s = jnp.where(s == 0, 1.0, s)
+    s = jnp.clip(s, E4M3_MIN_SUBNORMAL, E4M3_MAX)
+    scale = s.astype(jnp.float8_e4m3fn)
+
+    step = scale.astype(jnp.float32)[..., None] * gscale[..., None, None, None]
+    scaled = jnp.clip(blocks / step, -E2M1_MAX, E2M1_MAX)
+    codes = _e2m1_round(scaled).reshape(*w.shape[:-1], k_blocks * block_size)[..., :k]
+    return NVFP4Weight(pack_codes(codes), scale, gscale, block_size=block_size)

@@ -1,0 +1,225 @@
+"""The `nvfp4_matmul` primitive and all its rules: abstract eval, per-platform lowering, batching,
+JVP and transpose.
+
+Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale uint8 [N, ceil(K/bs)],
+global_scale float32 [], and bias [N] (a's dtype) when has_bias. Result: [..., N] in a's dtype.
+The lowering picks a path from static shapes (`_dispatch.select_path`); the chosen path shows in
+the HLO as the FFI custom-call target, or, for pure-JAX paths, as a `jax_fp4/<path>` op name.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_fp4 import _dispatch, _ffi
+from jax_fp4._format import NVFP4Weight, dequantize
+
+nvfp4_matmul_p = Primitive("nvfp4_matmul")
+
+
+def bind(a, packed, scale, global_scale, bias, *, block_size: int, backend: str):
+    """Bind the primitive; `bias` may be None. Operands must already be validated."""
+    operands = (a, packed, scale, global_scale) + (() if bias is None else (bias,))
+    return nvfp4_matmul_p.bind(*operands, block_size=block_size, backend=backend,
+                               has_bias=bias is not None)
+
+
+def _split(operands, has_bias):
+    a, packed, scale, global_scale = operands[:4]
+    return a, packed, scale, global_scale, (operands[4] if has_bias else None)
+
+
+# ---- abstract evaluation ------------------------------------------------------------------------
+
+def _abstract_eval(*operands, block_size, backend, has_bias):
+    del block_size, backend
+    a, packed = operands[0], operands[1]
+    return jax.core.ShapedArray(a.shape[:-1] + (packed.shape[0],), a.dtype)
+
+
+nvfp4_matmul_p.def_abstract_eval(_abstract_eval)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_bind(**params):
+    return jax.jit(functools.partial(nvfp4_matmul_p.bind, **params))
+
+
+# Eager (un-jitted) calls compile the primitive alone, like any jnp operation.
+nvfp4_matmul_p.def_impl(lambda *operands, **params: _jitted_bind(**params)(*operands))
+
+
+# ---- path implementations (traced inside the lowering) ----------------------------------------
+
+def _empty(a, packed, scale, global_scale, bias, *, block_size, **_):
+    out = jnp.zeros(a.shape[:-1] + (packed.shape[0],), a.dtype)
+    return out if bias is None else out + bias
+
+
+def _reference(a, packed, scale, global_scale, bias, *, block_size, **_):
+    w = dequantize(NVFP4Weight.tree_unflatten(block_size, (packed, scale, global_scale)), jnp.float32)
+    y = jnp.matmul(a.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(a.dtype)
+
+
+def _as_2d(fn):
+    """Run a kernel on a [M, K] view of a [..., K] activation."""
+    @functools.wraps(fn)
+    def wrapped(a, *args, **kwargs):
+        lead = a.shape[:-1]
+        y = fn(a.reshape(math.prod(lead), a.shape[-1]), *args, **kwargs)
+        return y.reshape(*lead, y.shape[-1])
+    return wrapped
+
+
+def _bias_operand(bias, dtype):
+    # The handlers take bias [N], or an empty array for "no bias", so one target serves both.
+    return jnp.zeros((0,), dtype) if bias is None else bias
+
+
+@_as_2d
+def _cpu(a, packed, scale, global_scale, bias, *, block_size, **_):
+    out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
+    call = jax.ffi.ffi_call("jax_fp4_matmul_cpu", out)
+    return call(a, packed, scale, global_scale, _bias_operand(bias, a.dtype),
+                block_size=np.int64(block_size))
+
+
+@_as_2d
+def _gemv(a, packed, scale, global_scale, bias, *, block_size, **_):
+    out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
+    call = jax.ffi.ffi_call("jax_fp4_gemv_cuda", out)
+    return call(a, packed, scale, global_scale, _bias_operand(bias, a.dtype),
+                block_size=np.int64(block_size),
+                use_mma=_dispatch.env_flag("JAX_FP4_GEMV_MMA", True),
+                row_tiling=_dispatch.env_flag("JAX_FP4_GEMV_ROW_TILING", True))
+
+
+def _dequant(a, packed, scale, global_scale, bias, *, block_size, **_):
+    n, k = packed.shape[0], a.shape[-1]
+    call = jax.ffi.ffi_call("jax_fp4_dequant_cuda", jax.ShapeDtypeStruct((n, k), a.dtype))
+    w = call(packed, scale, global_scale, block_size=np.int64(block_size))
+    y = jnp.matmul(a, w.T, preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(a.dtype)
+
+
+_PATHS = {"empty": _empty, "reference": _reference, "cpu": _cpu, "gemv": _gemv, "dequant": _dequant}
+
+
+def problem_of(a_shape, a_dtype, packed_shape, block_size) -> _dispatch.Problem:
+    return _dispatch.Problem(m=math.prod(a_shape[:-1]), n=packed_shape[0], k=2 * packed_shape[1],
+                             block_size=block_size, dtype=np.dtype(a_dtype))
+
+
+def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend) -> str:
+    return _dispatch.select_path(platform, backend,
+                                 problem_of(a_shape, a_dtype, packed_shape, block_size),
+                                 has_cuda_kernels=_ffi.has_cuda_kernels())
+
+
+def _lowering(ctx, *operands, block_size, backend, has_bias, platform):
+    a_aval, packed_aval = ctx.avals_in[0], ctx.avals_in[1]
+    path = path_for(platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend)
+    impl = _PATHS[path]
+
+    def lowered(*ops):
+        with jax.named_scope(f"jax_fp4/{path}"):
+            return impl(*_split(ops, has_bias), block_size=block_size)
+
+    return mlir.lower_fun(lowered, multiple_results=False)(ctx, *operands)
+
+
+# Platforms without kernels (and the default for any other) lower to the reference decomposition.
+mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="other"))
+mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="cpu"), platform="cpu")
+mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="cuda"), platform="cuda")
+
+
+# ---- batching -----------------------------------------------------------------------------------
+
+def _batch(operands, dims, *, block_size, backend, has_bias):
+    a_dim, weight_dims = dims[0], dims[1:]
+    if all(d is None for d in weight_dims):
+        # vmap over activations only: the batch axis joins the leading (M) axes.
+        a = jnp.moveaxis(operands[0], a_dim, 0)
+        return nvfp4_matmul_p.bind(a, *operands[1:], block_size=block_size, backend=backend,
+                                   has_bias=has_bias), 0
+    # vmap over stacked weights (experts, layers) or biases: one matmul per weight, in a loop.
+    size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
+    batched = [jnp.moveaxis(x, d, 0) if d is not None else None
+               for x, d in zip(operands, dims)]
+
+    def one(sliced):
+        ops = [s if b is not None else x for x, s, b in zip(operands, sliced, batched)]
+        return nvfp4_matmul_p.bind(*ops, block_size=block_size, backend=backend, has_bias=has_bias)
+
+    xs = [b if b is not None else jnp.zeros((size,), jnp.int8) for b in batched]
+    return jax.lax.map(one, xs), 0
+
+
+batching.primitive_batchers[nvfp4_matmul_p] = _batch
+
+
+# ---- autodiff -----------------------------------------------------------------------------------
+# y = gs * (a @ D^T) + bias with D the block-scaled codes: linear in (a, bias) for a fixed global
+# scale, and linear in the global scale for fixed a. The packed codes and block scales are integer
+# data and have no tangent.
+
+def _is_zero(t):
+    return type(t) is ad.Zero
+
+
+def _jvp(primals, tangents, *, block_size, backend, has_bias):
+    a, packed, scale, global_scale, bias = _split(primals, has_bias)
+    da, _, _, dgs, dbias = _split(tangents, has_bias)
+    y = bind(a, packed, scale, global_scale, bias, block_size=block_size, backend=backend)
+    out_tangents = []
+    if not (_is_zero(da) and (dbias is None or _is_zero(dbias))):
+        da = ad.instantiate_zeros(da)
+        dbias = None if dbias is None else ad.instantiate_zeros(dbias)
+        out_tangents.append(bind(da, packed, scale, global_scale, dbias, block_size=block_size,
+                                 backend=backend))
+    if not _is_zero(dgs):
+        out_tangents.append(bind(a, packed, scale, dgs, None, block_size=block_size, backend=backend))
+    if not out_tangents:
+        return y, ad.Zero.from_primal_value(y)
+    return y, functools.reduce(jnp.add, out_tangents)
+
+
+def _transpose(ct, *operands, block_size, backend, has_bias):
+    a, packed, scale, global_scale, bias = _split(operands, has_bias)
+    if ad.is_undefined_primal(packed) or ad.is_undefined_primal(scale):
+        raise TypeError("jax_fp4: the quantized weight (packed codes, block scales) is not differentiable")
+    if _is_zero(ct):
+        ct = jnp.zeros(ct.aval.shape, ct.aval.dtype)
+    ct_a = ct_gs = ct_bias = None
+    if ad.is_undefined_primal(global_scale):
+        # y is linear in gs: dL/dgs = sum(ct * y(gs=1)), with `a` a known primal here.
+        unit = bind(a, packed, scale, jnp.float32(1), None, block_size=block_size, backend=backend)
+        ct_gs = jnp.sum(ct.astype(jnp.float32) * unit.astype(jnp.float32))
+    else:
+        if ad.is_undefined_primal(a):
+            w = dequantize(NVFP4Weight.tree_unflatten(block_size, (packed, scale, global_scale)),
+                           jnp.float32)
+            ct_a = jnp.matmul(ct.astype(jnp.float32), w,
+                              precision=jax.lax.Precision.HIGHEST).astype(a.aval.dtype)
+        if has_bias and ad.is_undefined_primal(bias):
+            ct_bias = jnp.sum(ct.astype(jnp.float32).reshape(-1, ct.shape[-1]), axis=0).astype(
+                bias.aval.dtype)
+    result = [ct_a, None, None, ct_gs]
+    return result + ([ct_bias] if has_bias else [])
+
+
+ad.primitive_jvps[nvfp4_matmul_p] = _jvp
+ad.primitive_transposes[nvfp4_matmul_p] = _transpose
