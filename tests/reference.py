@@ -1,0 +1,78 @@
+"""An independent float64 NumPy model of NVFP4 and of the matmul, written from the format's
+definition (not from jax_fp4's code), plus random-input helpers shared by the tests."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def e2m1_decode(codes) -> np.ndarray:
+    """4-bit codes -> float64: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0."""
+    codes = np.asarray(codes, np.int64)
+    sign = np.where(codes & 8, -1.0, 1.0)
+    exponent = (codes >> 1) & 3
+    mantissa = codes & 1
+    magnitude = np.where(exponent == 0, 0.5 * mantissa,
+                         (1.0 + 0.5 * mantissa) * np.exp2(exponent - 1.0))
+    return sign * magnitude
+
+
+def e4m3_decode(bytes_) -> np.ndarray:
+    """E4M3FN bytes -> float64: bias 7, subnormal m * 2^-9, NaN at S.1111.111, no Inf."""
+    b = np.asarray(bytes_, np.int64)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exponent = (b >> 3) & 0xF
+    mantissa = b & 7
+    magnitude = np.where(exponent == 0, mantissa * 2.0**-9,
+                         (1.0 + mantissa / 8.0) * np.exp2(exponent - 7.0))
+    magnitude = np.where((exponent == 15) & (mantissa == 7), np.nan, magnitude)
+    return sign * magnitude
+
+
+def unpack(packed) -> np.ndarray:
+    """uint8 [..., K/2] -> codes [..., K]: element 2j in the low nibble, 2j+1 in the high one."""
+    packed = np.asarray(packed, np.uint8)
+    out = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), np.uint8)
+    out[..., 0::2] = packed & 0xF
+    out[..., 1::2] = packed >> 4
+    return out
+
+
+def dequantize(packed, scale_bytes, global_scale, block_size) -> np.ndarray:
+    """float64 W[n, k] = e2m1(code) * e4m3(scale[n, k // block_size]) * global_scale."""
+    codes = unpack(packed)
+    k = codes.shape[-1]
+    block_of_k = np.arange(k) // block_size
+    scale = e4m3_decode(np.asarray(scale_bytes))[..., block_of_k]
+    return e2m1_decode(codes) * scale * np.float64(global_scale)
+
+
+def matmul(a, packed, scale_bytes, global_scale, block_size, bias=None) -> np.ndarray:
+    """float64 Y = A @ W^T (+ bias)."""
+    w = dequantize(packed, scale_bytes, global_scale, block_size)
+    y = np.asarray(a, np.float64) @ w.T
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    return y
+
+
+def random_weight(rng, n, k, block_size=16, scale_low=0x28, scale_high=0x48):
+    """Random packed codes (all 16 codes), E4M3 scale bytes in [scale_low, scale_high)
+    (about 2^-2 .. 2^2) and a random positive global scale."""
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    scale = rng.integers(scale_low, scale_high, size=(n, math.ceil(k / block_size)), dtype=np.uint8)
+    global_scale = np.float32(rng.uniform(0.5, 2.0) * 2.0**rng.integers(-8, 1))
+    return packed, scale, global_scale
+
+
+def relative_error(y, ref) -> float:
+    y = np.asarray(y, np.float64)
+    ref = np.asarray(ref, np.float64)
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(y - ref) / (denom if denom else 1.0))
+
+
+# Norm-wise tolerance: output rounding (2^-8 bf16, 2^-11 fp16) plus fp32 accumulation, with margin.
+TOLERANCE = {"bfloat16": 8e-3, "float16": 1.5e-3, "float32": 1e-5}

@@ -1,0 +1,163 @@
+"""NVFP4 decoding, packing and ModelOpt quantization against hand-worked values."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_fp4
+from jax_fp4._format import e4m3_to_float32
+from tests import reference
+
+E2M1_BY_HAND = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+SCALE_ONE = 0x38  # E4M3 byte of 1.0
+
+
+def test_reference_decoders_match_hand_values():
+    np.testing.assert_array_equal(reference.e2m1_decode(np.arange(16)), E2M1_BY_HAND)
+    hand = {0x00: 0.0, 0x01: 2.0**-9, 0x07: 7 * 2.0**-9, 0x08: 2.0**-6, 0x38: 1.0, 0x3A: 1.25,
+            0x7E: 448.0, 0x80: -0.0, 0xB8: -1.0, 0xFE: -448.0}
+    for byte, value in hand.items():
+        assert reference.e4m3_decode(byte) == value, hex(byte)
+    assert np.isnan(reference.e4m3_decode(0x7F)) and np.isnan(reference.e4m3_decode(0xFF))
+
+
+def test_all_e2m1_codes_decode():
+    codes = np.arange(16, dtype=np.uint8)
+    w = jax_fp4.NVFP4Weight(jax_fp4.pack_codes(codes[None]), np.full((1, 1), SCALE_ONE, np.uint8),
+                            1.0, block_size=16)
+    got = np.asarray(jax_fp4.dequantize(w))[0]
+    np.testing.assert_array_equal(got, E2M1_BY_HAND)
+    assert np.signbit(got[8])  # code 0x8 is -0 and decodes to zero
+
+
+def test_all_e4m3_bytes_decode():
+    all_bytes = np.arange(256, dtype=np.uint8)
+    got = np.asarray(e4m3_to_float32(all_bytes), np.float64)
+    want = reference.e4m3_decode(all_bytes)
+    np.testing.assert_array_equal(got, want)  # NaN positions must match too
+    assert np.isnan(got[[0x7F, 0xFF]]).all() and np.isnan(got).sum() == 2
+    # float8_e4m3fn input gives the same values as raw bytes
+    as_fp8 = all_bytes.view(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(e4m3_to_float32(as_fp8), np.float64), want)
+
+
+def test_pack_unpack_round_trip():
+    rng = np.random.default_rng()
+    codes = rng.integers(0, 16, size=(5, 3, 38), dtype=np.uint8)
+    packed = np.asarray(jax_fp4.pack_codes(codes))
+    assert packed.shape == (5, 3, 19) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(packed & 0xF, codes[..., 0::2])  # even element: low nibble
+    np.testing.assert_array_equal(packed >> 4, codes[..., 1::2])
+    np.testing.assert_array_equal(np.asarray(jax_fp4.unpack_codes(packed)), codes)
+    np.testing.assert_array_equal(reference.unpack(packed), codes)
+
+
+def test_dequantize_matches_reference_any_block_size():
+    rng = np.random.default_rng()
+    for n, k, bs in [(7, 38, 16), (5, 34, 7), (3, 10, 3), (4, 64, 32), (2, 6, 1)]:
+        packed, scale, gs = reference.random_weight(rng, n, k, bs)
+        w = jax_fp4.NVFP4Weight(packed, scale, gs, block_size=bs)
+        got = np.asarray(jax_fp4.dequantize(w, jnp.float32), np.float64)
+        np.testing.assert_allclose(got, reference.dequantize(packed, scale, gs, bs), rtol=1e-7)
+
+
+def _one_block(values):
+    return np.asarray(values, np.float32)[None, :]
+
+
+def test_quantize_ties_and_codes_by_hand():
+    # Global amax 2688 gives g = 1, so each block scale is amax_block / 6.
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0]
+    w = np.concatenate([_one_block(ties), _one_block([2688.0] + [0.0] * 15)], axis=1)
+    q = jax_fp4.quantize(w)
+    assert float(q.global_scale) == 1.0
+    np.testing.assert_array_equal(np.asarray(q.scale_bytes), [[SCALE_ONE, 0x7E]])  # 1.0 and 448
+    codes = np.asarray(jax_fp4.unpack_codes(q.packed))[0]
+    # 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4, 6->6; negative zero codes stay +0
+    np.testing.assert_array_equal(codes[:16], [0, 2, 2, 4, 4, 6, 6, 7, 0, 10, 10, 12, 12, 14, 14, 15])
+    np.testing.assert_array_equal(codes[16:], [7] + [0] * 15)
+
+
+def test_quantize_scale_rounding_saturation_zero_and_tiny_blocks():
+    g_block = [2688.0] + [0.0] * 15
+    saturating = [6.375] + [0.0] * 15   # s = 1.0625 rounds (tie, to even) to 1.0; 6.375/1 saturates to 6
+    tie_up = [6 * 1.1875] + [0.0] * 15  # s = 1.1875 is a tie between 1.125 and 1.25: even is 1.25
+    zeros = [0.0] * 16                  # zero block: scale 1.0, codes 0
+    tiny = [1e-6] + [0.0] * 15          # s below 2^-9 is clamped to the smallest subnormal
+    w = np.concatenate([_one_block(b) for b in (g_block, saturating, tie_up, zeros, tiny)], axis=1)
+    q = jax_fp4.quantize(w)
+    np.testing.assert_array_equal(np.asarray(q.scale_bytes), [[0x7E, 0x38, 0x3A, 0x38, 0x01]])
+    codes = np.asarray(jax_fp4.unpack_codes(q.packed))[0].reshape(5, 16)
+    assert codes[1, 0] == 7 and codes[2, 0] == 7 and (codes[3] == 0).all() and codes[4, 0] == 0
+
+
+def test_quantize_error_is_quantization_noise():
+    rng = np.random.default_rng()
+    w = rng.standard_normal((64, 200)).astype(np.float32)  # K not a multiple of the block
+    for bs in (16, 32, 7):
+        q = jax_fp4.quantize(w, block_size=bs)
+        assert q.shape == (64, 200) and q.scale.shape == (64, -(-200 // bs))
+        deq = reference.dequantize(q.packed, q.scale_bytes, q.global_scale, bs)
+        assert reference.relative_error(deq, w) < 0.12  # E2M1 with per-block scale: ~9% rms
+
+
+def test_quantize_all_zero_and_stacked():
+    q = jax_fp4.quantize(np.zeros((3, 32), np.float32))
+    assert float(q.global_scale) == 1.0 and not np.asarray(jax_fp4.dequantize(q)).any()
+    rng = np.random.default_rng()
+    stack = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    qs = jax_fp4.quantize(stack)
+    assert qs.shape == (2, 8, 32) and qs.global_scale.shape == (2,)
+    one = jax_fp4.quantize(stack[1])
+    np.testing.assert_array_equal(np.asarray(qs.packed[1]), np.asarray(one.packed))
+
+
+def test_weight_container_pytree_and_transforms():
+    rng = np.random.default_rng()
+    packed, scale, gs = reference.random_weight(rng, 6, 32)
+    w_bytes = jax_fp4.NVFP4Weight(packed, scale, gs)
+    w_fp8 = jax_fp4.NVFP4Weight(packed, scale.view(ml_dtypes.float8_e4m3fn), gs)
+    assert w_bytes.shape == (6, 32) and w_bytes.n == 6 and w_bytes.k == 32
+    np.testing.assert_array_equal(np.asarray(jax_fp4.dequantize(w_bytes)),
+                                  np.asarray(jax_fp4.dequantize(w_fp8)))
+    leaves, treedef = jax.tree_util.tree_flatten(w_fp8)
+    assert len(leaves) == 3
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert rebuilt.block_size == 16 and rebuilt.shape == (6, 32)
+    # Through jit, device_put and scan as a leaf container.
+    doubled = jax.jit(lambda w: jax_fp4.NVFP4Weight(w.packed, w.scale, 2 * w.global_scale))(w_fp8)
+    np.testing.assert_allclose(np.asarray(jax_fp4.dequantize(doubled)),
+                               2 * np.asarray(jax_fp4.dequantize(w_fp8)))
+    placed = jax.device_put(w_fp8, jax.devices()[0])
+    assert isinstance(placed, jax_fp4.NVFP4Weight) and placed.block_size == 16
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(packed=np.zeros((4, 8), np.int8)), TypeError),
+    (dict(packed=np.zeros((8,), np.uint8)), ValueError),
+    (dict(scale=np.zeros((4, 2), np.float32)), TypeError),
+    (dict(scale=np.zeros((4, 3), np.uint8)), ValueError),
+    (dict(global_scale=np.ones((2,), np.float32)), ValueError),
+    (dict(global_scale=np.int32(1)), TypeError),
+    (dict(block_size=0), ValueError),
+    (dict(block_size=1.5), TypeError),
+])
+def test_weight_container_rejects_bad_input(bad, error):
+    args = dict(packed=np.zeros((4, 8), np.uint8), scale=np.zeros((4, 1), np.uint8),
+                global_scale=np.float32(1), block_size=16)
+    args.update(bad)
+    with pytest.raises(error, match="NVFP4Weight"):
+        jax_fp4.NVFP4Weight(**args)
+
+
+def test_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match="even"):
+        jax_fp4.quantize(np.ones((2, 3), np.float32))
+    with pytest.raises(TypeError, match="float"):
+        jax_fp4.quantize(np.ones((2, 4), np.int32))
+    with pytest.raises(ValueError, match="block_size"):
+        jax_fp4.quantize(np.ones((2, 4), np.float32), block_size=0)
+    with pytest.raises(ValueError, match="rank"):
+        jax_fp4.quantize(np.ones((4,), np.float32))
