@@ -1,0 +1,536 @@
+"""NVFP4 checkpoints: NVIDIA ModelOpt and compressed-tensors (llm-compressor) tensors <-> NVFP4Weight,
+and a dependency-free safetensors reader/writer that handles float8 (F8_E4M3) without torch.
+
+    tensors = jax_fp4.checkpoint.load_safetensors("ckpt_dir")    # {layer: NVFP4Weight, other: array}
+    w = tensors["model.layers.0.mlp.down_proj"]                  # an NVFP4Weight
+    jax_fp4.checkpoint.save_safetensors({"proj": w}, "out.safetensors")   # ModelOpt layout
+
+Conventions (per layer ``L``; block size 16, low nibble = even element):
+
+  ModelOpt            ``L.weight`` uint8 [N, K/2], ``L.weight_scale`` float8_e4m3fn [N, K/16],
+                      ``L.weight_scale_2`` float32 scalar, MULTIPLIED (= NVFP4Weight.global_scale);
+                      ``L.input_scale`` (activation scale for W4A4) is ignored.
+  compressed-tensors  ``L.weight_packed`` uint8 [N, K/2], ``L.weight_scale`` float8_e4m3fn [N, K/16],
+                      ``L.weight_global_scale`` float32 [1] holding the RECIPROCAL (6*448/amax): the
+                      dequantized weight is divided by it; ``L.input_global_scale`` is ignored.
+
+Arrays come back as host NumPy arrays (memory-mapped from the file where possible); put them on
+devices with ``jax.device_put`` (with a sharding if you like) or let the first jit do it.
+
+Nothing here imports torch or the ``safetensors`` package: the file format is an 8-byte
+little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}`` (plus an
+optional ``__metadata__`` string map), then the raw little-endian bytes of every tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jax_fp4._format import NVFP4Weight
+
+__all__ = [
+    "CheckpointError",
+    "from_compressed_tensors",
+    "from_modelopt",
+    "from_tensors",
+    "fuse",
+    "load_safetensors",
+    "read_safetensors",
+    "save_safetensors",
+    "to_compressed_tensors",
+    "to_modelopt",
+]
+
+NVFP4_BLOCK_SIZE = 16
+
+_F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+_U8 = np.dtype(np.uint8)
+_F32 = np.dtype(np.float32)
+
+# safetensors dtype names <-> NumPy / ml_dtypes dtypes.
+_ST_DTYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": _U8,
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": _F32,
+    "F64": np.dtype(np.float64),
+    "C64": np.dtype(np.complex64),
+    "F8_E4M3": _F8,
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+if hasattr(ml_dtypes, "float8_e8m0fnu"):
+    _ST_DTYPES["F8_E8M0"] = np.dtype(ml_dtypes.float8_e8m0fnu)
+_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
+
+_MODELOPT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
+_MODELOPT_IGNORED = ("input_scale",)
+_CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+_CT_IGNORED = ("input_global_scale",)
+
+
+def _is_float(dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return bool(np.issubdtype(dtype, np.floating)) or dtype.name in ("bfloat16", "float8_e4m3fn",
+                                                                     "float8_e5m2")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's tensors do not form a valid NVFP4 layer (missing, mis-shaped or mistyped)."""
+
+
+# ---- checkpoint tensors <-> NVFP4Weight ---------------------------------------------------------
+
+def _get(tensors: Mapping, name: str, suffix: str, convention: str, needed: Sequence[str]):
+    key = f"{name}.{suffix}"
+    if key not in tensors:
+        present = [f"{name}.{s}" for s in needed if f"{name}.{s}" in tensors]
+        raise CheckpointError(
+            f"{convention} layer {name!r}: tensor {key!r} is missing (a {convention} NVFP4 layer "
+            f"needs {', '.join(repr(f'{name}.{s}') for s in needed)}; found {present})")
+    value = tensors[key]
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise CheckpointError(f"{convention} layer {name!r}: {key!r} must be an array, got "
+                              f"{type(value).__name__}")
+    return key, np.asarray(value)
+
+
+def _check_block_size(block_size, where: str) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+        raise ValueError(f"{where}: block_size must be a positive int, got {block_size!r}")
+    return int(block_size)
+
+
+def _build(convention, name, packed_key, packed, scale_key, scale, gs_key, gs, block_size):
+    """Validate one layer's three tensors and build the NVFP4Weight (gs already multiplicative)."""
+    where = f"{convention} layer {name!r}"
+    if packed.dtype != _U8:
+        hint = (" (a float weight: this layer is not NVFP4-quantized)"
+                if _is_float(packed.dtype) else "")
+        raise CheckpointError(f"{where}: {packed_key!r} must be uint8 (two E2M1 codes per byte), got "
+                              f"dtype {packed.dtype}{hint}")
+    if packed.ndim < 2:
+        raise CheckpointError(f"{where}: {packed_key!r} must be [N, K/2] (rank >= 2), got shape "
+                              f"{tuple(packed.shape)}")
+    if scale.dtype != _F8:
+        hint = " (uint8 block scales are E8M0: an MXFP4 checkpoint?)" if scale.dtype == _U8 else ""
+        raise CheckpointError(f"{where}: {scale_key!r} must be float8_e4m3fn (F8_E4M3), got dtype "
+                              f"{scale.dtype}{hint}")
+    *lead, n, half_k = packed.shape
+    k = 2 * half_k
+    expected = (*lead, n, math.ceil(k / block_size))
+    if tuple(scale.shape) != expected:
+        raise CheckpointError(
+            f"{where}: {scale_key!r} must have shape {expected} = [N, ceil(K/{block_size})] for "
+            f"{packed_key!r} of shape {tuple(packed.shape)} (K = {k}), got {tuple(scale.shape)}")
+    if not _is_float(gs.dtype):
+        raise CheckpointError(f"{where}: {gs_key!r} must be float32, got dtype {gs.dtype}")
+    lead = tuple(lead)
+    if gs.shape in ((), (1,)):
+        gs = np.broadcast_to(gs.reshape(()), lead)  # one global scale (for every stacked weight)
+    elif tuple(gs.shape) == (*lead, 1):
+        gs = gs.reshape(lead)
+    elif tuple(gs.shape) != lead:
+        raise CheckpointError(f"{where}: {gs_key!r} must be a scalar (shape () or (1,)"
+                              f"{f' or {lead}' if lead else ''}), got shape {tuple(gs.shape)}")
+    gs = np.array(gs, np.float32)
+    if not (np.all(np.isfinite(gs)) and np.all(gs > 0)):
+        raise CheckpointError(f"{where}: {gs_key!r} must be finite and positive, got {gs.tolist()}")
+    return NVFP4Weight(packed, scale, gs, block_size=block_size)
+
+
+def from_modelopt(tensors: Mapping, name: str, *, block_size: int = NVFP4_BLOCK_SIZE) -> NVFP4Weight:
+    """The NVFP4Weight of ModelOpt layer `name` from `name.weight` (uint8 [N, K/2]),
+    `name.weight_scale` (float8_e4m3fn [N, K/16]) and `name.weight_scale_2` (float32 scalar,
+    multiplied). `name.input_scale` is ignored. Raises CheckpointError naming the layer and the
+    tensor when one is missing or has the wrong dtype or shape."""
+    block_size = _check_block_size(block_size, "from_modelopt")
+    needed = _MODELOPT_SUFFIXES
+    pk, packed = _get(tensors, name, "weight", "ModelOpt", needed)
+    sk, scale = _get(tensors, name, "weight_scale", "ModelOpt", needed)
+    gk, gs = _get(tensors, name, "weight_scale_2", "ModelOpt", needed)
+    return _build("ModelOpt", name, pk, packed, sk, scale, gk, gs, block_size)
+
+
+def from_compressed_tensors(tensors: Mapping, name: str, *,
+                            block_size: int = NVFP4_BLOCK_SIZE) -> NVFP4Weight:
+    """The NVFP4Weight of compressed-tensors (``nvfp4-pack-quantized``) layer `name` from
+    `name.weight_packed`, `name.weight_scale` and `name.weight_global_scale`.
+
+    compressed-tensors stores the RECIPROCAL global scale (6*448/amax; dequantization divides by
+    it); the returned weight holds the multiplicative float32 ``1 / weight_global_scale``, which
+    equals the exact quotient within half an ulp of float32."""
+    block_size = _check_block_size(block_size, "from_compressed_tensors")
+    needed = _CT_SUFFIXES
+    pk, packed = _get(tensors, name, "weight_packed", "compressed-tensors", needed)
+    sk, scale = _get(tensors, name, "weight_scale", "compressed-tensors", needed)
+    gk, inv = _get(tensors, name, "weight_global_scale", "compressed-tensors", needed)
+    if not _is_float(inv.dtype):
+        raise CheckpointError(f"compressed-tensors layer {name!r}: {gk!r} must be float32, got dtype "
+                              f"{inv.dtype}")
+    inv = inv.astype(np.float32)
+    if not (np.all(np.isfinite(inv)) and np.all(inv > 0)):
+        raise CheckpointError(f"compressed-tensors layer {name!r}: {gk!r} must be finite and "
+                              f"positive, got {inv.tolist()}")
+    return _build("compressed-tensors", name, pk, packed, sk, scale, gk,
+                  np.float32(1.0) / inv, block_size)
+
+
+def _weight_arrays(w, where: str):
+    if not isinstance(w, NVFP4Weight):
+        raise TypeError(f"{where}: w must be an NVFP4Weight, got {type(w).__name__}")
+    if w.block_size != NVFP4_BLOCK_SIZE:
+        raise ValueError(f"{where}: NVFP4 checkpoints use block_size {NVFP4_BLOCK_SIZE}, got "
+                         f"{w.block_size}")
+    packed = np.asarray(w.packed)
+    scale = np.asarray(w.scale)
+    if scale.dtype == _U8:
+        scale = scale.view(_F8)
+    gs = np.asarray(w.global_scale, np.float32)
+    return packed, scale, gs
+
+
+def _check_name(name, where: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: name must be a non-empty layer name, got {name!r}")
+    return name
+
+
+def to_modelopt(w: NVFP4Weight, name: str) -> dict[str, np.ndarray]:
+    """The ModelOpt tensors of `w` as layer `name`: ``{name.weight: uint8 [N, K/2],
+    name.weight_scale: float8_e4m3fn [N, K/16], name.weight_scale_2: float32 scalar}``, bit-exact
+    (`from_modelopt` of the result gives back the same bytes)."""
+    _check_name(name, "to_modelopt")
+    packed, scale, gs = _weight_arrays(w, "to_modelopt")
+    return {f"{name}.weight": packed, f"{name}.weight_scale": scale, f"{name}.weight_scale_2": gs}
+
+
+def to_compressed_tensors(w: NVFP4Weight, name: str) -> dict[str, np.ndarray]:
+    """The compressed-tensors tensors of `w` as layer `name`: ``weight_packed``, ``weight_scale``
+    and ``weight_global_scale`` = float32(1 / global_scale) of shape [1] (per stacked weight:
+    [..., 1]). The reciprocal is rounded to float32, so a round trip through this convention
+    reproduces the global scale to within one ulp (codes and block scales exactly)."""
+    _check_name(name, "to_compressed_tensors")
+    packed, scale, gs = _weight_arrays(w, "to_compressed_tensors")
+    inv = (np.float32(1.0) / gs).astype(np.float32).reshape(*gs.shape, 1)
+    return {f"{name}.weight_packed": packed, f"{name}.weight_scale": scale,
+            f"{name}.weight_global_scale": inv}
+
+
+def _dtype_of(tensors: Mapping, key: str):
+    value = tensors.get(key)
+    return None if value is None else np.dtype(getattr(value, "dtype", np.asarray(value).dtype))
+
+
+def _layer_names(tensors: Mapping) -> dict[str, str]:
+    """Layer name -> convention ('modelopt' or 'compressed-tensors') for every NVFP4 layer.
+
+    A layer is NVFP4 if it has its global scale (``weight_scale_2`` / ``weight_global_scale``),
+    or if it looks like one that lost it (uint8 codes with float8_e4m3fn block scales): those are
+    then rejected with an error naming the missing tensor. Other quantized layers (FP8, int4
+    ``pack-quantized`` with int32 ``weight_packed``, ...) are not NVFP4 and pass through."""
+    layers: dict[str, str] = {}
+    for key in tensors:
+        if not isinstance(key, str):
+            continue
+        prefix, _, suffix = key.rpartition(".")
+        if not prefix:
+            continue
+        convention = None
+        if suffix == "weight_scale_2":
+            convention = "modelopt"
+        elif suffix == "weight_global_scale":
+            convention = "compressed-tensors"
+        elif suffix == "weight_scale" and _dtype_of(tensors, key) == _F8:
+            if _dtype_of(tensors, f"{prefix}.weight_packed") == _U8:
+                convention = "compressed-tensors"
+            elif _dtype_of(tensors, f"{prefix}.weight") == _U8:
+                convention = "modelopt"
+        if convention is None:
+            continue
+        if layers.get(prefix, convention) != convention:
+            raise CheckpointError(
+                f"layer {prefix!r} mixes the ModelOpt ({prefix}.weight_scale_2) and "
+                f"compressed-tensors ({prefix}.weight_global_scale) conventions")
+        layers[prefix] = convention
+    return layers
+
+
+def from_tensors(tensors: Mapping, *, block_size: int = NVFP4_BLOCK_SIZE) -> dict:
+    """Convert every NVFP4 layer of a flat tensor mapping, detecting the convention per layer.
+
+    Returns a dict from layer name to NVFP4Weight for ModelOpt layers (recognised by
+    ``L.weight_scale_2``) and compressed-tensors layers (``L.weight_global_scale``), with every
+    other tensor (biases, norms, embeddings, float, FP8 or int4 layers) passed through unchanged.
+    uint8 codes with float8_e4m3fn block scales but no global scale are an NVFP4 layer missing a
+    tensor: CheckpointError. The activation scales
+    ``L.input_scale`` / ``L.input_global_scale`` of converted layers are dropped."""
+    block_size = _check_block_size(block_size, "from_tensors")
+    layers = _layer_names(tensors)
+    out: dict = {}
+    consumed: set = set()
+    for name, convention in sorted(layers.items()):
+        if convention == "modelopt":
+            out[name] = from_modelopt(tensors, name, block_size=block_size)
+            suffixes = _MODELOPT_SUFFIXES + _MODELOPT_IGNORED
+        else:
+            out[name] = from_compressed_tensors(tensors, name, block_size=block_size)
+            suffixes = _CT_SUFFIXES + _CT_IGNORED
+        consumed.update(f"{name}.{s}" for s in suffixes)
+    for key, value in tensors.items():
+        if key in consumed:
+            continue
+        if key in out:
+            raise CheckpointError(f"tensor {key!r} has the same name as an NVFP4 layer built from "
+                                  f"{key!r}.weight*; cannot return both")
+        out[key] = value
+    return out
+
+
+def fuse(weights) -> NVFP4Weight:
+    """Concatenate NVFP4 weights along N (fused q/k/v or gate/up projections).
+
+    `weights` is a sequence of NVFP4Weight, or a mapping from layer name to NVFP4Weight (the names
+    then appear in errors). All must have the same K, block size and leading (stacked) shape, and
+    bit-identical global scales: a fused layer has one global scale, and rescaling the block scales
+    of a part would change its values. Quantize the concatenated float weights once to get parts
+    that share a global scale (ModelOpt does this for the layers runtimes fuse)."""
+    if isinstance(weights, Mapping):
+        names, ws = [str(k) for k in weights], list(weights.values())
+    else:
+        ws = list(weights)
+        names = [f"weights[{i}]" for i in range(len(ws))]
+    if not ws:
+        raise ValueError("fuse: weights is empty")
+    for name, w in zip(names, ws):
+        if not isinstance(w, NVFP4Weight):
+            raise TypeError(f"fuse: {name} must be an NVFP4Weight, got {type(w).__name__}")
+    first, first_name = ws[0], names[0]
+    for name, w in zip(names[1:], ws[1:]):
+        if w.block_size != first.block_size:
+            raise ValueError(f"fuse: {name} has block_size {w.block_size}, expected "
+                             f"{first.block_size} (as {first_name})")
+        if w.k != first.k or w.shape[:-2] != first.shape[:-2]:
+            raise ValueError(f"fuse: {name} has shape {w.shape}; every part needs K = {first.k} and "
+                             f"leading shape {first.shape[:-2]} (as {first_name}, shape {first.shape})")
+    scales = [np.asarray(w.global_scale, np.float32) for w in ws]
+    if any(not np.array_equal(s.view(np.uint32), scales[0].view(np.uint32)) for s in scales[1:]):
+        listed = ", ".join(f"{n}: {s.tolist()}" for n, s in zip(names, scales))
+        raise ValueError(
+            f"fuse: the parts have different global scales ({listed}); a fused layer needs one "
+            "shared global scale. Quantize the concatenated float weights once "
+            "(jax_fp4.quantize(jnp.concatenate([...], axis=-2))) instead of fusing separately "
+            "quantized parts")
+    packed = np.concatenate([np.asarray(w.packed) for w in ws], axis=-2)
+    scale = np.concatenate([np.asarray(w.scale).view(_U8) for w in ws], axis=-2)
+    if np.asarray(first.scale).dtype == _F8:
+        scale = scale.view(_F8)
+    return NVFP4Weight(packed, scale, scales[0].copy(), block_size=first.block_size)
+
+
+# ---- safetensors files ------------------------------------------------------------------------
+
+def _check_little_endian() -> None:
+    if sys.byteorder != "little":
+        raise NotImplementedError("jax_fp4.checkpoint reads and writes safetensors on little-endian hosts only")
+
+
+def _read_one(path: Path) -> dict[str, np.ndarray]:
+    _check_little_endian()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise CheckpointError(f"{path}: header length {header_len} exceeds the file size {size}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: the safetensors header must be a JSON object")
+        data_start = 8 + header_len
+        data_len = size - data_start
+        # The map outlives the file object: the arrays below are read-only views into it.
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            st_dtype, shape, (begin, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+        if st_dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {st_dtype!r}, which jax_fp4 "
+                                  f"cannot read (supported: {', '.join(sorted(_ST_DTYPES))})")
+        dtype = _ST_DTYPES[st_dtype]
+        count = math.prod(shape)
+        if not (0 <= begin <= end <= data_len) or end - begin != count * dtype.itemsize:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ({st_dtype} {shape}) needs {count * dtype.itemsize} bytes, "
+                f"its data_offsets are [{begin}, {end}) of a {data_len}-byte data section")
+        if count == 0:
+            out[name] = np.zeros(shape, dtype)
+        else:
+            out[name] = np.frombuffer(buf, dtype=dtype, count=count,
+                                      offset=data_start + begin).reshape(shape)
+    return out
+
+
+def _index_weight_map(index: Path) -> dict:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("'weight_map' is not an object")
+    except FileNotFoundError:
+        raise
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
+    return weight_map
+
+
+def _sources(path_or_paths) -> tuple[list[Path], dict[str, Path]]:
+    """The files to read, and the tensor names index files promise (name -> index file)."""
+    if isinstance(path_or_paths, (str, os.PathLike)):
+        items = [Path(path_or_paths)]
+    else:
+        items = [Path(p) for p in path_or_paths]
+        if not items:
+            raise FileNotFoundError("read_safetensors: no paths given")
+    files: list[Path] = []
+    promised: dict[str, Path] = {}
+
+    def add_index(index: Path):
+        weight_map = _index_weight_map(index)
+        files.extend(index.parent / f for f in dict.fromkeys(weight_map.values()))
+        promised.update((name, index) for name in weight_map)
+
+    for item in items:
+        if item.is_dir():
+            indexes = sorted(item.glob("*.safetensors.index.json"))
+            if len(indexes) > 1:
+                raise CheckpointError(f"{item}: several index files {[p.name for p in indexes]}; pass one")
+            if indexes:
+                add_index(indexes[0])
+            else:
+                found = sorted(item.glob("*.safetensors"))
+                if not found:
+                    raise FileNotFoundError(f"{item}: no .safetensors files in this directory")
+                files.extend(found)
+        elif item.name.endswith(".json"):
+            add_index(item)
+        elif item.is_file():
+            files.append(item)
+        else:
+            raise FileNotFoundError(f"{item}: no such safetensors file or directory")
+    return list(dict.fromkeys(files)), promised
+
+
+def read_safetensors(path_or_paths) -> dict[str, np.ndarray]:
+    """The raw tensors of one or several .safetensors files, without any NVFP4 conversion.
+
+    Accepts a file, a directory (its ``*.safetensors.index.json`` if it has one, else every
+    ``*.safetensors`` file in it), a ``.safetensors.index.json`` file of a sharded checkpoint, or a
+    list of any of these. Every dtype, F8_E4M3 included, is read with NumPy / ml_dtypes (no torch).
+    Arrays are read-only views of memory-mapped files. A tensor present in two files is an error,
+    and so is one listed in an index but absent from its file."""
+    files, promised = _sources(path_or_paths)
+    tensors: dict[str, np.ndarray] = {}
+    origin: dict[str, Path] = {}
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such safetensors file"
+                                    f"{' (listed in an index)' if promised else ''}")
+        for name, array in _read_one(path).items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} is in both {origin[name]} and {path}")
+            tensors[name] = array
+            origin[name] = path
+    missing = [name for name in promised if name not in tensors]
+    if missing:
+        raise CheckpointError(f"{promised[missing[0]]}: {len(missing)} tensor(s) listed in the index "
+                              f"are absent from their files, e.g. {missing[:5]}")
+    return tensors
+
+
+def load_safetensors(path_or_paths, *, block_size: int = NVFP4_BLOCK_SIZE) -> dict:
+    """Read one or several .safetensors files (see `read_safetensors`) and convert every NVFP4
+    layer, ModelOpt or compressed-tensors, detected per layer (see `from_tensors`).
+
+    Returns a dict from layer name to NVFP4Weight, plus every other tensor unchanged (as NumPy)."""
+    return from_tensors(read_safetensors(path_or_paths), block_size=block_size)
+
+
+def save_safetensors(tensors: Mapping, path, *, metadata: Mapping[str, str] | None = None) -> None:
+    """Write a .safetensors file readable by the `safetensors` library (torch included).
+
+    `tensors` maps names to arrays (NumPy, JAX, anything `np.asarray` takes; float8 stays F8_E4M3
+    / F8_E5M2, bfloat16 BF16) or to NVFP4Weight values, which are written in the ModelOpt layout
+    under their name (`to_modelopt`). `metadata` is an optional str -> str map stored in the
+    header's ``__metadata__``."""
+    arrays: dict[str, np.ndarray] = {}
+
+    def put(name, array):
+        if name in arrays:
+            raise ValueError(f"save_safetensors: tensor {name!r} appears twice (an NVFP4Weight "
+                             "expands to NAME.weight, NAME.weight_scale, NAME.weight_scale_2)")
+        arrays[name] = array
+
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"save_safetensors: tensor names must be non-empty strings, got {name!r}")
+        if isinstance(value, NVFP4Weight):
+            for key, array in to_modelopt(value, name).items():
+                put(key, array)
+            continue
+        array = np.asarray(value)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("="))
+        if array.dtype not in _ST_NAMES:
+            raise TypeError(f"save_safetensors: tensor {name!r} has dtype {array.dtype}, which "
+                            f"safetensors cannot store (supported: {sorted(map(str, _ST_NAMES))})")
+        put(name, array)
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str)
+                                        for k, v in metadata.items()):
+        raise TypeError("save_safetensors: metadata must map str to str")
+
+    _check_little_endian()
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    order = sorted(arrays)
+    for name in order:
+        array = arrays[name]
+        nbytes = array.size * array.dtype.itemsize
+        header[name] = {"dtype": _ST_NAMES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for name in order:
+            array = arrays[name]
+            f.write(np.ascontiguousarray(array).tobytes())

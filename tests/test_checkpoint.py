@@ -1,0 +1,347 @@
+"""jax_fp4.checkpoint: ModelOpt / compressed-tensors conventions, the safetensors reader and writer,
+fusing, and the errors bad checkpoints give. Needs neither torch nor the safetensors package; the
+cross-checks against them run only where they are installed."""
+
+import json
+import struct
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_fp4
+from jax_fp4 import checkpoint as ck
+from tests import reference
+
+F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+# jax_fp4.quantize, compiled once per shape (eagerly it dispatches dozens of small ops).
+quantize = jax.jit(jax_fp4.quantize, static_argnames="block_size")
+
+
+def _float_weight(seed, n=48, k=64):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, k)) * rng.uniform(0.01, 3.0)).astype(np.float32)
+
+
+def _same_bits(a: jax_fp4.NVFP4Weight, b: jax_fp4.NVFP4Weight):
+    assert a.shape == b.shape and a.block_size == b.block_size
+    np.testing.assert_array_equal(np.asarray(a.packed), np.asarray(b.packed))
+    np.testing.assert_array_equal(np.asarray(a.scale_bytes), np.asarray(b.scale_bytes))
+    np.testing.assert_array_equal(np.asarray(a.global_scale, np.float32).view(np.uint32),
+                                  np.asarray(b.global_scale, np.float32).view(np.uint32))
+
+
+def _ref_dense(w) -> np.ndarray:
+    return reference.dequantize(np.asarray(w.packed), np.asarray(w.scale_bytes),
+                                np.float64(np.asarray(w.global_scale)), w.block_size)
+
+
+# ---- round trips ------------------------------------------------------------------------------
+
+def test_modelopt_round_trip_through_a_file_is_bit_exact(tmp_path):
+    w = quantize(_float_weight(0))
+    tensors = ck.to_modelopt(w, "model.layers.0.mlp.down_proj")
+    assert {k: (v.dtype, v.shape) for k, v in tensors.items()} == {
+        "model.layers.0.mlp.down_proj.weight": (np.dtype(np.uint8), (48, 32)),
+        "model.layers.0.mlp.down_proj.weight_scale": (F8, (48, 4)),
+        "model.layers.0.mlp.down_proj.weight_scale_2": (np.dtype(np.float32), ()),
+    }
+    bias = np.random.default_rng(1).standard_normal(48).astype(np.float32)
+    path = tmp_path / "model.safetensors"
+    ck.save_safetensors({**tensors, "model.layers.0.mlp.down_proj.bias": bias,
+                         "model.layers.0.mlp.down_proj.input_scale": np.float32(0.5)}, path)
+    loaded = ck.load_safetensors(path)
+    assert set(loaded) == {"model.layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj.bias"}
+    _same_bits(loaded["model.layers.0.mlp.down_proj"], w)
+    np.testing.assert_array_equal(loaded["model.layers.0.mlp.down_proj.bias"], bias)
+    # Writing what was loaded gives the same bytes again.
+    again = tmp_path / "again.safetensors"
+    ck.save_safetensors(loaded, again)
+    stripped = tmp_path / "stripped.safetensors"
+    ck.save_safetensors({**tensors, "model.layers.0.mlp.down_proj.bias": bias}, stripped)
+    assert again.read_bytes() == stripped.read_bytes()
+    # The layer computes what the float64 reference says the stored weight is.
+    x = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
+    y = jax_fp4.matmul(jnp.asarray(x), loaded["model.layers.0.mlp.down_proj"])
+    assert reference.relative_error(y, x @ _ref_dense(w).T) < 1e-5
+
+
+def test_compressed_tensors_stores_the_reciprocal_global_scale(tmp_path):
+    w = quantize(_float_weight(3))
+    tensors = ck.to_compressed_tensors(w, "proj")
+    inv = tensors["proj.weight_global_scale"]
+    assert inv.dtype == np.float32 and inv.shape == (1,)
+    np.testing.assert_allclose(np.float64(inv[0]) * np.float64(np.asarray(w.global_scale)), 1.0, rtol=2**-23)
+    # Dequantization DIVIDES by the stored value (compressed-tensors' definition), in float64:
+    expected = reference.dequantize(tensors["proj.weight_packed"],
+                                    tensors["proj.weight_scale"].view(np.uint8), 1.0, 16) / np.float64(inv[0])
+    ck.save_safetensors({**tensors, "proj.input_global_scale": np.ones(1, np.float32)},
+                        tmp_path / "ct.safetensors")
+    loaded = ck.load_safetensors(tmp_path / "ct.safetensors")
+    assert set(loaded) == {"proj"}
+    got = loaded["proj"]
+    np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(w.packed))
+    np.testing.assert_array_equal(np.asarray(got.scale_bytes), np.asarray(w.scale_bytes))
+    assert got.global_scale.dtype == np.float32
+    assert np.float32(got.global_scale) == np.float32(1) / inv[0]
+    np.testing.assert_allclose(_ref_dense(got), expected, rtol=2**-23, atol=0)
+    np.testing.assert_allclose(np.asarray(jax_fp4.dequantize(got)), expected, rtol=2**-22, atol=0)
+
+
+def test_a_checkpoint_with_both_conventions_and_other_tensors(tmp_path):
+    a = quantize(_float_weight(4))
+    b = quantize(_float_weight(5, n=32, k=32))
+    fp8_weight = np.random.default_rng(6).standard_normal((8, 16)).astype(F8)
+    others = {
+        "embed.weight": np.random.default_rng(7).standard_normal((10, 4)).astype(ml_dtypes.bfloat16),
+        "norm.weight": np.ones(64, np.float16),
+        "fp8.weight": fp8_weight, "fp8.weight_scale": np.float32(0.25),   # FP8 layer: passed through
+        "w4.weight_packed": np.arange(8, dtype=np.int32).reshape(2, 4),       # int4 pack-quantized too
+        "w4.weight_scale": np.ones((2, 1), ml_dtypes.bfloat16), "w4.weight_shape": np.array([2, 32]),
+        "position_ids": np.arange(12, dtype=np.int64).reshape(1, 12),
+        "flags": np.array([True, False]),
+    }
+    ck.save_safetensors({**ck.to_modelopt(a, "q"), **ck.to_compressed_tensors(b, "k"), **others,
+                         "q.input_scale": np.float32(1.0)}, tmp_path / "mixed.safetensors",
+                        metadata={"format": "pt"})
+    loaded = ck.load_safetensors(tmp_path / "mixed.safetensors")
+    assert set(loaded) == {"q", "k", *others}
+    _same_bits(loaded["q"], a)
+    np.testing.assert_array_equal(np.asarray(loaded["k"].packed), np.asarray(b.packed))
+    for name, value in others.items():
+        assert loaded[name].dtype == np.asarray(value).dtype and loaded[name].shape == np.shape(value)
+        np.testing.assert_array_equal(loaded[name].reshape(-1).view(np.uint8),
+                                      np.asarray(value).reshape(-1).view(np.uint8))
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    weights = {f"layers.{i}.proj": quantize(_float_weight(10 + i)) for i in range(3)}
+    files = {"model-00001-of-00002.safetensors": ["layers.0.proj", "layers.1.proj"],
+             "model-00002-of-00002.safetensors": ["layers.2.proj"]}
+    weight_map = {}
+    for filename, names in files.items():
+        tensors = {}
+        for name in names:
+            tensors.update(ck.to_modelopt(weights[name], name))
+        if filename.startswith("model-00002"):
+            # A layer split over two shards: its scale_2 sits in the other file.
+            del tensors["layers.2.proj.weight_scale_2"]
+            extra = {"layers.2.proj.weight_scale_2": np.asarray(weights["layers.2.proj"].global_scale)}
+            ck.save_safetensors(extra, tmp_path / "model-extra.safetensors")
+            weight_map["layers.2.proj.weight_scale_2"] = "model-extra.safetensors"
+        ck.save_safetensors(tensors, tmp_path / filename)
+        weight_map.update((key, filename) for key in tensors)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for source in (tmp_path, index, sorted(tmp_path.glob("*.safetensors"))):
+        loaded = ck.load_safetensors(source)
+        assert set(loaded) == set(weights)
+        for name, w in weights.items():
+            _same_bits(loaded[name], w)
+    # An index promising a tensor its file lacks.
+    weight_map["layers.9.proj.weight"] = "model-extra.safetensors"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ck.CheckpointError, match=r"absent from their files.*layers\.9\.proj\.weight"):
+        ck.load_safetensors(tmp_path)
+    # The same tensor in two files.
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes((tmp_path / "model-extra.safetensors").read_bytes())
+    with pytest.raises(ck.CheckpointError, match="'layers.2.proj.weight_scale_2' is in both"):
+        ck.read_safetensors([tmp_path / "model-extra.safetensors", copy])
+
+
+def test_stacked_weights_round_trip(tmp_path):
+    stacked = quantize(np.stack([_float_weight(20), _float_weight(21)]))
+    assert stacked.global_scale.shape == (2,)
+    ck.save_safetensors({"experts": stacked}, tmp_path / "e.safetensors")
+    _same_bits(ck.load_safetensors(tmp_path / "e.safetensors")["experts"], stacked)
+
+
+# ---- fusing -----------------------------------------------------------------------------------
+
+def test_fuse_parts_that_share_a_global_scale():
+    q, k, v = _float_weight(30, n=32), _float_weight(31, n=16), _float_weight(32, n=16)
+    whole = quantize(np.concatenate([q, k, v]))      # one global scale, as ModelOpt exports
+    bounds = [(0, 32), (32, 48), (48, 64)]
+    parts = {name: jax_fp4.NVFP4Weight(np.asarray(whole.packed)[a:b], np.asarray(whole.scale)[a:b],
+                                       np.asarray(whole.global_scale))
+             for name, (a, b) in zip(("q_proj", "k_proj", "v_proj"), bounds)}
+    _same_bits(ck.fuse(parts), whole)
+    _same_bits(ck.fuse(list(parts.values())), whole)
+
+
+def test_fuse_refuses_different_global_scales():
+    q, k = quantize(_float_weight(33, n=32)), quantize(_float_weight(34, n=16) * 7)
+    with pytest.raises(ValueError, match=r"different global scales \(gate_proj: .*, up_proj: .*\)"):
+        ck.fuse({"gate_proj": q, "up_proj": k})
+    with pytest.raises(ValueError, match=r"weights\[1\] has shape \(16, 32\).*K = 64"):
+        ck.fuse([q, quantize(_float_weight(35, n=16, k=32))])
+    with pytest.raises(ValueError, match="empty"):
+        ck.fuse([])
+    with pytest.raises(TypeError, match="must be an NVFP4Weight"):
+        ck.fuse([q, np.zeros((4, 4))])
+
+
+# ---- bad checkpoints --------------------------------------------------------------------------
+
+def _modelopt(seed=40):
+    return ck.to_modelopt(quantize(_float_weight(seed)), "layer")
+
+
+def test_missing_companion_tensors_name_the_layer():
+    t = _modelopt()
+    del t["layer.weight_scale"]
+    with pytest.raises(ck.CheckpointError,
+                       match=r"ModelOpt layer 'layer': tensor 'layer.weight_scale' is missing"):
+        ck.from_modelopt(t, "layer")
+    t = _modelopt()
+    del t["layer.weight_scale_2"]
+    with pytest.raises(ck.CheckpointError, match=r"'layer.weight_scale_2' is missing"):
+        ck.from_tensors(t)          # uint8 weight + block scales: recognised, then refused
+    t = ck.to_compressed_tensors(quantize(_float_weight(41)), "ct")
+    del t["ct.weight_global_scale"]
+    with pytest.raises(ck.CheckpointError,
+                       match=r"compressed-tensors layer 'ct'.*'ct.weight_global_scale' is missing"):
+        ck.from_tensors(t)
+    with pytest.raises(ck.CheckpointError, match=r"'absent.weight' is missing"):
+        ck.from_modelopt(_modelopt(), "absent")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("layer.weight_scale", np.zeros((48, 3), F8),
+     r"must have shape \(48, 4\) = \[N, ceil\(K/16\)\].*got \(48, 3\)"),
+    ("layer.weight_scale", np.zeros((47, 4), F8), r"must have shape \(48, 4\).*got \(47, 4\)"),
+    ("layer.weight_scale", np.ones((48, 4), np.float32),
+     r"must be float8_e4m3fn \(F8_E4M3\), got dtype float32"),
+    ("layer.weight_scale", np.ones((48, 4), np.uint8), r"got dtype uint8 \(uint8 block scales are E8M0"),
+    ("layer.weight", np.ones((48, 64), np.float16), r"must be uint8 .* got dtype float16 \(a float weight"),
+    ("layer.weight", np.ones(32, np.uint8), r"must be \[N, K/2\] \(rank >= 2\)"),
+    ("layer.weight_scale_2", np.ones(3, np.float32), r"must be a scalar .* got shape \(3,\)"),
+    ("layer.weight_scale_2", np.int32(1), r"must be float32, got dtype int32"),
+    ("layer.weight_scale_2", np.float32(np.nan), r"must be finite and positive"),
+    ("layer.weight_scale_2", np.float32(-1.0), r"must be finite and positive"),
+])
+def test_wrong_shapes_and_dtypes_raise_clearly(key, value, message):
+    t = _modelopt()
+    t[key] = value
+    with pytest.raises(ck.CheckpointError, match=r"ModelOpt layer 'layer': .*" + message):
+        ck.from_modelopt(t, "layer")
+
+
+def test_bad_files(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\x01\x02")
+    with pytest.raises(ck.CheckpointError, match="not a safetensors file"):
+        ck.read_safetensors(path)
+    path.write_bytes(struct.pack("<Q", 1000) + b"{}")
+    with pytest.raises(ck.CheckpointError, match="exceeds the file size"):
+        ck.read_safetensors(path)
+    header = json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)   # truncated data
+    with pytest.raises(ck.CheckpointError, match=r"tensor 'x' \(F32 \[4\]\) needs 16 bytes"):
+        ck.read_safetensors(path)
+    header = json.dumps({"x": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
+    with pytest.raises(ck.CheckpointError, match="dtype 'F4'"):
+        ck.read_safetensors(path)
+    with pytest.raises(FileNotFoundError):
+        ck.load_safetensors(tmp_path / "nope.safetensors")
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .safetensors files"):
+        ck.load_safetensors(tmp_path / "empty_dir")
+
+
+def test_writer_arguments():
+    w = quantize(_float_weight(50), block_size=32)
+    with pytest.raises(ValueError, match="block_size 16, got 32"):
+        ck.to_modelopt(w, "x")
+    with pytest.raises(ValueError, match="name must be a non-empty"):
+        ck.to_modelopt(quantize(_float_weight(50)), "")
+    with pytest.raises(TypeError, match="must be an NVFP4Weight"):
+        ck.to_modelopt(np.zeros((4, 4)), "x")
+    with pytest.raises(ValueError, match="appears twice"):
+        ck.save_safetensors({"x": quantize(_float_weight(50)), "x.weight": np.zeros(1)}, "/dev/null")
+    with pytest.raises(TypeError, match="cannot store"):
+        ck.save_safetensors({"x": np.array(["a"])}, "/dev/null")
+
+
+# ---- interoperability -------------------------------------------------------------------------
+
+def test_files_read_by_the_safetensors_library(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones((0, 2), np.int64),
+               "c": np.array([1.5], np.float16)}
+    ck.save_safetensors(tensors, tmp_path / "x.safetensors", metadata={"format": "np"})
+    theirs = safetensors_numpy.load_file(str(tmp_path / "x.safetensors"))
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(theirs[name], value)
+        assert theirs[name].dtype == value.dtype
+    safetensors_numpy.save_file(tensors, str(tmp_path / "y.safetensors"))
+    ours = ck.read_safetensors(tmp_path / "y.safetensors")
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(ours[name], value)
+
+
+def test_float8_interoperates_with_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    st_torch = pytest.importorskip("safetensors.torch")
+    w = quantize(_float_weight(60))
+    ck.save_safetensors({"layer": w}, tmp_path / "ours.safetensors")
+    theirs = st_torch.load_file(str(tmp_path / "ours.safetensors"))
+    assert theirs["layer.weight_scale"].dtype == torch.float8_e4m3fn
+    np.testing.assert_array_equal(theirs["layer.weight_scale"].view(torch.uint8).numpy(),
+                                  np.asarray(w.scale_bytes))
+    st_torch.save_file(theirs, str(tmp_path / "torch.safetensors"))
+    _same_bits(ck.load_safetensors(tmp_path / "torch.safetensors")["layer"], w)
+
+
+def test_core_imports_neither_flax_nor_safetensors():
+    code = ("import sys, jax_fp4, jax_fp4.checkpoint; "
+            "bad = [m for m in ('flax', 'safetensors', 'torch') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_nnx_model_save_and_load(tmp_path):
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    from jax_fp4 import nnx as fp4nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([nnx.Linear(32, 32, rngs=rngs, bias_init=nnx.initializers.normal(1.0))
+                                    for _ in range(2)])
+            self.out = nnx.Linear(32, 8, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = jnp.tanh(block(x))
+            return self.out(x)
+
+    model = fp4nnx.quantize_model(Net(nnx.Rngs(0)))
+    tensors = fp4nnx.export_weights(model)
+    assert set(tensors) == {"blocks.0", "blocks.0.bias", "blocks.1", "blocks.1.bias", "out"}
+    ck.save_safetensors(tensors, tmp_path / "net.safetensors")
+    fresh = fp4nnx.quantize_model(Net(nnx.Rngs(1)))
+    x = jnp.asarray(np.random.default_rng(70).standard_normal((3, 32)), jnp.float32)
+    assert not np.array_equal(fresh(x), model(x))
+    loaded = ck.load_safetensors(tmp_path / "net.safetensors")
+    fp4nnx.load_weights(fresh, loaded)
+    np.testing.assert_array_equal(fresh(x), model(x))
+    del loaded["blocks.1.bias"]
+    with pytest.raises(ck.CheckpointError, match=r"'blocks.1' has a bias but 'blocks.1.bias' is missing"):
+        fp4nnx.load_weights(fresh, loaded)
+    loaded["blocks.1.bias"] = np.zeros(32, np.float32)
+    loaded["out"] = quantize(_float_weight(71, n=8, k=64))
+    with pytest.raises(ck.CheckpointError, match=r"'out' has shape \(8, 64\).*expects \(8, 32\)"):
+        fp4nnx.load_weights(fresh, loaded)
+    del loaded["out"]
+    with pytest.raises(ck.CheckpointError, match=r"no NVFP4 weight 'out'"):
+        fp4nnx.load_weights(fresh, loaded)
+    fp4nnx.load_weights(fresh, loaded, strict=False)
