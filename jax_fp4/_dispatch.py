@@ -6,6 +6,10 @@ Paths:
   cpu        the fused C++ FFI handler (decode + dot, fp32 accumulation).
   gemv       CUDA fused decode GEMV for small M (block_size 16, K % 32 == 0, fp16/bf16).
   dequant    CUDA dequantize kernel into an fp16/bf16 [N, K] buffer, then XLA's dot (cuBLAS).
+  fused      CUDA fused NVFP4 x fp16/bf16 GEMM for Hopper (sm_90a), no dequantized copy; forced
+             only until its crossover against dequant is measured (see benchmarks/NOTES_fused.md).
+  native     CUDA W4A4 SM120 (Blackwell GeForce) CUTLASS GEMM: activations quantized to NVFP4;
+             only when JAX_FP4_NATIVE_SM120=1 (or forced) on compute capability 12.x.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import os
 
 import numpy as np
 
-BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant")
+from jax_fp4 import _fused, _native
+
+BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 
 # Largest M served by the decode GEMV under "auto" (spec: M <= 8; raise only with measurements).
 GEMV_MAX_M = 8
@@ -65,7 +71,13 @@ def dequant_unsupported_reason(p: Problem) -> str | None:
     return None
 
 
-_PLATFORM_OF = {"cpu": "cpu", "gemv": "cuda", "dequant": "cuda"}
+def fused_unsupported_reason(p: Problem, capability) -> str | None:
+    if capability is None or capability[0] != 9:
+        return f"it needs a Hopper GPU (compute capability 9.x), this device has {capability}"
+    return _fused.fused_supported(p.m, p.n, p.k, p.block_size, p.dtype)
+
+
+_PLATFORM_OF = {"cpu": "cpu", "gemv": "cuda", "dequant": "cuda", "fused": "cuda", "native": "cuda"}
 _UNSUPPORTED = {"gemv": gemv_unsupported_reason, "dequant": dequant_unsupported_reason}
 
 
@@ -78,25 +90,42 @@ def check_backend(backend: str, p: Problem) -> None:
         raise ValueError(f"backend={backend!r} cannot serve this matmul: {reason}")
 
 
-def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bool) -> str:
-    """The path for one matmul lowered for `platform` ('cpu', 'cuda', ...)."""
+def _check_platform(backend: str, platform: str, has_cuda_kernels: bool) -> None:
+    needed = _PLATFORM_OF[backend]
+    if platform != needed or (needed == "cuda" and not has_cuda_kernels):
+        why = "this jax_fp4 build has no CUDA kernels" if platform == needed else (
+            f"the computation is lowered for platform {platform!r}")
+        raise ValueError(f"backend={backend!r} needs platform {needed!r}, but {why}")
+
+
+def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bool,
+                capability: tuple[int, int] | None = None, native_enabled: bool = False) -> str:
+    """The path for one matmul lowered for `platform` ('cpu', 'cuda', ...).
+
+    `capability` is the CUDA device's (major, minor) and `native_enabled` the value of
+    JAX_FP4_NATIVE_SM120; both matter only on 'cuda'.
+    """
     check_backend(backend, p)
     if p.m == 0 or p.n == 0 or p.k == 0:
         return "empty"
     if backend == "reference":
         return "reference"
     if backend != "auto":
-        needed = _PLATFORM_OF[backend]
-        if platform != needed or (needed == "cuda" and not has_cuda_kernels):
-            why = "this jax_fp4 build has no CUDA kernels" if platform == needed else (
-                f"the computation is lowered for platform {platform!r}")
-            raise ValueError(f"backend={backend!r} needs platform {needed!r}, but {why}")
+        _check_platform(backend, platform, has_cuda_kernels)
+        if backend == "native":  # raises ValueError with the reason when it cannot run
+            _native.native_path_applies(capability, native_enabled, "native", p.m, p.n, p.k,
+                                        p.block_size, p.dtype)
+        elif backend == "fused" and (reason := fused_unsupported_reason(p, capability)):
+            raise ValueError(f"backend='fused' cannot serve this matmul: {reason}")
         return backend
     if platform == "cpu":
         return "cpu"
     if platform == "cuda" and has_cuda_kernels:
         if gemv_unsupported_reason(p) is None and p.m <= GEMV_MAX_M:
             return "gemv"
+        if _native.native_path_applies(capability, native_enabled, "auto", p.m, p.n, p.k,
+                                       p.block_size, p.dtype):
+            return "native"
         if dequant_unsupported_reason(p) is None:
             return "dequant"
     return "reference"

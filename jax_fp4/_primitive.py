@@ -18,7 +18,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_fp4 import _dispatch, _ffi
+from jax_fp4 import _dispatch, _ffi, _native, _sharding
+from jax_fp4 import _fused as _fused_facts
 from jax_fp4._format import NVFP4Weight, dequantize
 
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
@@ -41,7 +42,11 @@ def _split(operands, has_bias):
 def _abstract_eval(*operands, block_size, backend, has_bias):
     del block_size, backend
     a, packed = operands[0], operands[1]
-    return jax.core.ShapedArray(a.shape[:-1] + (packed.shape[0],), a.dtype)
+    shape = a.shape[:-1] + (packed.shape[0],)
+    sharding = _sharding.result_sharding(a, packed)  # only under explicit mesh axes
+    if sharding is None:
+        return jax.core.ShapedArray(shape, a.dtype)
+    return jax.core.ShapedArray(shape, a.dtype, sharding=sharding)
 
 
 nvfp4_matmul_p.def_abstract_eval(_abstract_eval)
@@ -54,6 +59,7 @@ def _jitted_bind(**params):
 
 # Eager (un-jitted) calls compile the primitive alone, like any jnp operation.
 nvfp4_matmul_p.def_impl(lambda *operands, **params: _jitted_bind(**params)(*operands))
+_sharding.register_primitive(nvfp4_matmul_p)  # the lowering needs the devices (partitioning)
 
 
 # ---- path implementations (traced inside the lowering) ----------------------------------------
@@ -76,7 +82,7 @@ def _as_2d(fn):
     @functools.wraps(fn)
     def wrapped(a, *args, **kwargs):
         lead = a.shape[:-1]
-        y = fn(a.reshape(math.prod(lead), a.shape[-1]), *args, **kwargs)
+        y = fn(_sharding.merge_leading(a), *args, **kwargs)
         return y.reshape(*lead, y.shape[-1])
     return wrapped
 
@@ -114,7 +120,18 @@ def _dequant(a, packed, scale, global_scale, bias, *, block_size, **_):
     return y.astype(a.dtype)
 
 
-_PATHS = {"empty": _empty, "reference": _reference, "cpu": _cpu, "gemv": _gemv, "dequant": _dequant}
+@_as_2d
+def _fused(a, packed, scale, global_scale, bias, *, block_size, **_):
+    m, n, k = a.shape[0], packed.shape[0], a.shape[1]
+    outs = (jax.ShapeDtypeStruct((m, n), a.dtype),
+            jax.ShapeDtypeStruct((_fused_facts.fused_workspace_elems(m, n, k),), jnp.float32))
+    y, _ = jax.ffi.ffi_call(_fused_facts.TARGET, outs)(
+        a, packed, scale, global_scale, _bias_operand(bias, a.dtype), block_size=np.int64(block_size))
+    return y
+
+
+_PATHS = {"empty": _empty, "reference": _reference, "cpu": _cpu, "gemv": _gemv, "dequant": _dequant,
+          "fused": _fused, "native": _native.native_matmul}
 
 
 def problem_of(a_shape, a_dtype, packed_shape, block_size) -> _dispatch.Problem:
@@ -123,15 +140,18 @@ def problem_of(a_shape, a_dtype, packed_shape, block_size) -> _dispatch.Problem:
 
 
 def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend) -> str:
+    on_cuda = platform == "cuda"
     return _dispatch.select_path(platform, backend,
                                  problem_of(a_shape, a_dtype, packed_shape, block_size),
-                                 has_cuda_kernels=_ffi.has_cuda_kernels())
+                                 has_cuda_kernels=_ffi.has_cuda_kernels(),
+                                 capability=_native.device_capability() if on_cuda else None,
+                                 native_enabled=on_cuda and _dispatch.env_flag(_native.NATIVE_ENV, False))
 
 
 def _lowering(ctx, *operands, block_size, backend, has_bias, platform):
     a_aval, packed_aval = ctx.avals_in[0], ctx.avals_in[1]
     path = path_for(platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend)
-    impl = _PATHS[path]
+    impl = _sharding.wrap_impl(ctx, path, _PATHS[path], block_size=block_size, has_bias=has_bias)
 
     def lowered(*ops):
         with jax.named_scope(f"jax_fp4/{path}"):

@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "cpu/handlers.h"
+#include "jax_fp4/gemv_config.h"
 
 namespace nb = nanobind;
 
@@ -20,4 +21,16 @@ NB_MODULE(_jax_fp4_cpu, m) {
     targets["jax_fp4_matmul_cpu"] = Capsule(JaxFp4MatmulCpu);
     return targets;
   });
+  // The CUDA decode GEMV's launch heuristic (pure; exposed so CPU tests can check it).
+  m.def(
+      "gemv_launch_config",
+      [](int64_t m, int64_t n, int64_t k, int64_t num_sms) {
+        const jax_fp4::GemvLaunchConfig cfg = jax_fp4::gemv_launch_config(m, n, k, num_sms);
+        nb::dict out;
+        out["col_tiles"] = cfg.col_tiles;
+        out["k_split"] = cfg.k_split;
+        out["rows_per_block"] = cfg.rows_per_block;
+        return out;
+      },
+      nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("num_sms") = 132);
 }

@@ -1,0 +1,188 @@
+"""Times the fused sm_90 NVFP4 GEMM (jax_fp4_fused_cuda) against jnp.dot on bf16 weights and the
+dequant path (dequantize kernel + XLA dot), all in the same run.
+
+Each measurement is a jitted chain of L matmuls over L distinct weights (L chosen so that the
+weights of a chain exceed the 60 MB L2 several times over), timed as the median over repeats of a
+batch of back-to-back calls, divided by the number of matmuls.
+
+    python benchmarks/fused_timing.py [--shapes 11008x4096,4096x11008] [--ms 16,64,256] [--json PATH]
+
+The fused target comes from the jax_fp4 package when it registers it, else from the shared library
+named by JAX_FP4_FUSED_LIB (which must also export JaxFp4DequantCuda for the dequant column when the
+package is not importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+FUSED = "jax_fp4_fused_cuda"
+DEQUANT = "jax_fp4_dequant_cuda"
+DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
+DEFAULT_MS = "16,32,64,128,256,512,1024,2048,4096"
+CHAIN_BYTES = 200e6  # each chain's fp4 weights exceed the 60 MB L2 about 3x
+
+
+def register_targets() -> str:
+    """Registers the fused (and dequant) targets; returns where they came from."""
+    try:
+        from jax_fp4 import _ffi
+        got = _ffi.REGISTERED_TARGETS.get("CUDA", [])
+        if FUSED in got and DEQUANT in got:
+            return "package"
+    except Exception:
+        pass
+    lib = os.environ.get("JAX_FP4_FUSED_LIB")
+    if not lib:
+        raise SystemExit("jax_fp4_fused_cuda is not registered: build the package or set JAX_FP4_FUSED_LIB")
+    so = ctypes.CDLL(lib)
+    for name, sym in ((FUSED, "JaxFp4FusedCuda"), (DEQUANT, "JaxFp4DequantCuda")):
+        try:
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(so, sym)), platform="CUDA")
+        except Exception as err:  # already registered
+            print(f"note: {name}: {err}")
+    return lib
+
+
+def fused_call(a, packed, scale, gs):
+    m, n = a.shape[0], packed.shape[0]
+    call = jax.ffi.ffi_call(FUSED, (jax.ShapeDtypeStruct((m, n), a.dtype),
+                                    jax.ShapeDtypeStruct((0,), jnp.float32)))
+    y, _ = call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16))
+    return y
+
+
+def dequant_call(a, packed, scale, gs):
+    # The same computation as jax_fp4's "dequant" path (_primitive._dequant).
+    n, k = packed.shape[0], a.shape[-1]
+    call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((n, k), a.dtype))
+    w = call(packed, scale, gs, block_size=np.int64(16))
+    return jnp.matmul(a, w.T, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def bf16_call(a, w):
+    return jnp.dot(a, w.T)
+
+
+def time_chain(fn, args, n_mm, target_s=0.015, reps=5):
+    """Median seconds per matmul of fn(*args) (a chain of n_mm matmuls)."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    inner = max(1, min(200, int(target_s / one)))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / (inner * n_mm))
+    return statistics.median(samples), (max(samples) - min(samples)) / statistics.median(samples)
+
+
+def write_json(path, dev, dtype, records):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"device": dev.device_kind, "dtype": dtype.name, "jax": jax.__version__,
+                   "method": "jitted chain of distinct weights, median of 5 batches, per matmul",
+                   "records": records}, f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxK,NxK,...")
+    ap.add_argument("--ms", default=DEFAULT_MS)
+    ap.add_argument("--variants", default="bf16,dequant,fused")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fused_timing.json"))
+    args = ap.parse_args()
+    source = register_targets()
+    dtype = jnp.dtype(args.dtype)
+    variants = args.variants.split(",")
+    dev = jax.devices()[0]
+    print(f"device {dev.device_kind}, targets from {source}, dtype {dtype.name}", flush=True)
+
+    records = []
+    key = jax.random.PRNGKey(0)
+    for shape in args.shapes.split(","):
+        n, k = (int(x) for x in shape.split("x"))
+        fp4_bytes = n * k // 2 + n * (k // 16)
+        n_mm = max(2, math.ceil(CHAIN_BYTES / fp4_bytes))
+        keys = jax.random.split(jax.random.fold_in(key, n * 7 + k), 3 * n_mm + 1)
+        weights = []
+        for i in range(n_mm):
+            packed = jax.random.randint(keys[3 * i], (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+            scale = jax.random.randint(keys[3 * i + 1], (n, k // 16), 0x28, 0x48, jnp.int32).astype(jnp.uint8)
+            weights.append((packed, scale, jnp.full((1,), 2.0**-6, jnp.float32)))
+        w16 = [None] * n_mm
+        if "bf16" in variants:
+            w16 = [(jax.random.normal(keys[3 * i + 2], (n, k), jnp.float32) * 0.02).astype(dtype)
+                   for i in range(n_mm)]
+        jax.block_until_ready((weights, w16))
+
+        @jax.jit
+        def chain_fused(a, ws):
+            return [fused_call(a, *w) for w in ws]
+
+        @jax.jit
+        def chain_dequant(a, ws):
+            return [dequant_call(a, *w) for w in ws]
+
+        @jax.jit
+        def chain_bf16(a, ws):
+            return [bf16_call(a, w) for w in ws]
+
+        for m in (int(x) for x in args.ms.split(",")):
+            a = (jax.random.normal(keys[-1], (m, k), jnp.float32)).astype(dtype)
+            row = {"n": n, "k": k, "m": m, "chain": n_mm}
+            for v in variants:
+                fn, ws = {"fused": (chain_fused, weights), "dequant": (chain_dequant, weights),
+                          "bf16": (chain_bf16, w16)}[v]
+                try:
+                    sec, spread = time_chain(fn, (a, ws), n_mm)
+                except Exception as err:  # report and keep going
+                    print(f"  {v} N={n} K={k} M={m}: FAILED {type(err).__name__}: {err}", flush=True)
+                    row[f"{v}_us"] = None
+                    continue
+                row[f"{v}_us"] = sec * 1e6
+                row[f"{v}_spread"] = spread
+                row[f"{v}_tflops"] = 2.0 * m * n * k / sec / 1e12
+                wbytes = (n * k * 2) if v == "bf16" else fp4_bytes
+                row[f"{v}_weight_tbps"] = wbytes / sec / 1e12
+            if row.get("bf16_us") and row.get("fused_us"):
+                row["fused_speedup_vs_bf16"] = row["bf16_us"] / row["fused_us"]
+            if row.get("bf16_us") and row.get("dequant_us"):
+                row["dequant_speedup_vs_bf16"] = row["bf16_us"] / row["dequant_us"]
+            records.append(row)
+            print("  " + json.dumps({kk: (round(vv, 3) if isinstance(vv, float) else vv)
+                                     for kk, vv in row.items()}), flush=True)
+            write_json(args.json, dev, dtype, records)  # after every row: partial runs keep data
+        del weights, w16
+
+    print(f"\n{'N':>6} {'K':>6} {'M':>5} | {'bf16 us':>8} {'deq us':>8} {'fused us':>8} | "
+          f"{'fused x':>7} {'deq x':>6} {'fused TF':>8} {'fused TB/s':>10}")
+    for r in records:
+        def f(key, fmt="8.1f"):
+            v = r.get(key)
+            return format(v, fmt) if v is not None else " " * 7 + "-"
+        print(f"{r['n']:>6} {r['k']:>6} {r['m']:>5} | {f('bf16_us')} {f('dequant_us')} {f('fused_us')} | "
+              f"{f('fused_speedup_vs_bf16', '7.2f')} {f('dequant_speedup_vs_bf16', '6.2f')} "
+              f"{f('fused_tflops', '8.1f')} {f('fused_weight_tbps', '10.2f')}")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+// Host-side helpers shared by the CUDA FFI handlers (gemv.cu, dequant.cu).
+#ifndef JAX_FP4_CUDA_COMMON_CUH_
+#define JAX_FP4_CUDA_COMMON_CUH_
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fp4 {
+namespace cuda {
+
+struct DeviceInfo {
+  int sm = 0;        // compute capability, major * 10 + minor
+  int num_sms = 0;   // multiprocessor count
+};
+
+// The current device's compute capability and SM count, queried once per device and cached.
+// cudaGetDevice / cudaDeviceGetAttribute neither synchronise nor touch a stream, so this is legal
+// while XLA captures the call into a CUDA graph.
+inline cudaError_t GetDeviceInfo(DeviceInfo* info) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> cache[kMaxDevices];  // (sm << 32) | num_sms; 0 = not queried yet
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 0 && device < kMaxDevices) {
+    const int64_t packed = cache[device].load(std::memory_order_relaxed);
+    if (packed != 0) {
+      info->sm = static_cast<int>(packed >> 32);
+      info->num_sms = static_cast<int>(packed & 0xFFFFFFFF);
+      return cudaSuccess;
+    }
+  }
+  int major = 0, minor = 0, sms = 0;
+  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  info->sm = major * 10 + minor;
+  info->num_sms = sms > 0 ? sms : 1;
+  if (device >= 0 && device < kMaxDevices) {
+    cache[device].store((static_cast<int64_t>(info->sm) << 32) | info->num_sms,
+                        std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
+
+inline xla::ffi::Error CudaError(const char* where, cudaError_t err) {
+  return xla::ffi::Error::Internal(std::string(where) + ": " + cudaGetErrorName(err) + ": " +
+                                   cudaGetErrorString(err));
+}
+
+// The launch just made (checked without synchronising).
+inline xla::ffi::Error CheckLaunch(const char* where) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return CudaError(where, err);
+  return xla::ffi::Error::Success();
+}
+
+inline bool IsAligned(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace cuda
+}  // namespace jax_fp4
+
+#endif  // JAX_FP4_CUDA_COMMON_CUH_

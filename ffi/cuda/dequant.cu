@@ -1,0 +1,170 @@
+// CUDA dequantize: w[n, k] = round_to_dtype((e2m1(code) * e4m3(scale[n, k / bs])) * gs), computed
+// in fp32 (the first product is exact) and rounded once. NaN scale bytes give NaN. The prefill
+// path of the operator: XLA's dot (cuBLAS) consumes w.
+//
+// * Fast path (K % 16 == 0, block_size % 16 == 0, aligned buffers): a thread per 16 elements,
+//   one 8-byte load of packed weight, one scale byte, two 16-byte stores.
+// * General path (any block_size > 0, any even K, blocks that split a byte, partial trailing
+//   blocks): a thread per packed byte, each element with its own scale index, one 4-byte store.
+// Both use grid-stride loops with 64-bit indices and never touch memory outside the operands.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "cuda/common.cuh"
+#include "cuda/handlers.h"
+#include "jax_fp4/nvfp4.h"
+#include "jax_fp4/nvfp4_cuda.cuh"
+#include "jax_fp4/validate.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_fp4 {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// The 8 E2M1 codes of one packed word, scaled: out[i] holds elements 2i, 2i+1 as a T pair.
+template <typename T>
+__device__ __forceinline__ void DequantWord(uint32_t q, float s, float gs, uint32_t (&out)[4]) {
+  using Tr = HalfTraits<T>;
+  using Hf = HalfTraits<__half>;
+  const uint32_t q4 = q << 4;
+  // fp16 decode is e2m1 * 2^-14 and s carries 2^14: the product is e2m1 * e4m3, exact in fp32.
+  const float2 p0 = Hf::pair_to_float2(decode_e2m1_pair<__half, 0>(q, q4));
+  const float2 p1 = Hf::pair_to_float2(decode_e2m1_pair<__half, 1>(q, q4));
+  const float2 p2 = Hf::pair_to_float2(decode_e2m1_pair<__half, 2>(q, q4));
+  const float2 p3 = Hf::pair_to_float2(decode_e2m1_pair<__half, 3>(q, q4));
+  out[0] = Tr::pair_from_floats((p0.x * s) * gs, (p0.y * s) * gs);
+  out[1] = Tr::pair_from_floats((p1.x * s) * gs, (p1.y * s) * gs);
+  out[2] = Tr::pair_from_floats((p2.x * s) * gs, (p2.y * s) * gs);
+  out[3] = Tr::pair_from_floats((p3.x * s) * gs, (p3.y * s) * gs);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    DequantFastKernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scale,
+                      const float* __restrict__ global_scale, T* __restrict__ w, int64_t n,
+                      int64_t k, int64_t k_blocks, int64_t block_size) {
+  const float gs = __ldg(global_scale);
+  const int64_t groups_per_row = k / 16;
+  const int64_t total = n * groups_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += stride) {
+    const int64_t row = i / groups_per_row;
+    const int64_t group = i - row * groups_per_row;
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(packed + row * (k / 2)) + group);
+    const float s =
+        e4m3_to_float_fast(__ldg(scale + row * k_blocks + (group * 16) / block_size)) * 16384.0f;
+    uint32_t lo[4], hi[4];
+    DequantWord<T>(q.x, s, gs, lo);
+    DequantWord<T>(q.y, s, gs, hi);
+    uint4* dst = reinterpret_cast<uint4*>(w + row * k + group * 16);
+    dst[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    dst[1] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    DequantGeneralKernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scale,
+                         const float* __restrict__ global_scale, T* __restrict__ w, int64_t n,
+                         int64_t k, int64_t k_blocks, int64_t block_size) {
+  using Tr = HalfTraits<T>;
+  const float gs = __ldg(global_scale);
+  const int64_t row_bytes = k / 2;
+  const int64_t total = n * row_bytes;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += stride) {
+    const int64_t row = i / row_bytes;
+    const int64_t k0 = 2 * (i - row * row_bytes);
+    const uint32_t byte = __ldg(packed + i);
+    const uint8_t* srow = scale + row * k_blocks;
+    const float s0 = e4m3_to_float_fast(__ldg(srow + k0 / block_size));
+    const float s1 = e4m3_to_float_fast(__ldg(srow + (k0 + 1) / block_size));
+    const float v0 = (e2m1_to_float(byte & 0xFu) * s0) * gs;
+    const float v1 = (e2m1_to_float(byte >> 4) * s1) * gs;
+    *reinterpret_cast<uint32_t*>(w + row * k + k0) = Tr::pair_from_floats(v0, v1);
+  }
+}
+
+template <typename T>
+cudaError_t LaunchDequant(cudaStream_t stream, const DeviceInfo& info, const uint8_t* packed,
+                          const uint8_t* scale, const float* gs, void* out, int64_t n, int64_t k,
+                          int64_t k_blocks, int64_t block_size) {
+  T* w = static_cast<T*>(out);
+  const bool fast = k % 16 == 0 && block_size % 16 == 0 && IsAligned(packed, 8) && IsAligned(w, 16);
+  const int64_t work = fast ? n * (k / 16) : n * (k / 2);
+  // Enough blocks to fill the device several times over; grid-stride beyond that.
+  const int64_t max_blocks = static_cast<int64_t>(info.num_sms) * 32;
+  const unsigned blocks =
+      static_cast<unsigned>(std::max<int64_t>(1, std::min(CeilDiv(work, kThreads), max_blocks)));
+  if (fast) {
+    DequantFastKernel<T><<<blocks, kThreads, 0, stream>>>(packed, scale, gs, w, n, k, k_blocks,
+                                                          block_size);
+  } else {
+    DequantGeneralKernel<T><<<blocks, kThreads, 0, stream>>>(packed, scale, gs, w, n, k,
+                                                             k_blocks, block_size);
+  }
+  return cudaGetLastError();
+}
+
+ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
+                           ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                           ffi::Result<ffi::AnyBuffer> w, int64_t block_size) {
+  MatmulShape shape;
+  const std::string problem = CheckWeightOperands(packed.dimensions(), scale.dimensions(),
+                                                  global_scale.element_count(), block_size, &shape);
+  if (!problem.empty()) return ffi::Error::InvalidArgument("jax_fp4_dequant_cuda: " + problem);
+  const ffi::DataType dtype = w->element_type();
+  if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("jax_fp4_dequant_cuda: w must be float16 or bfloat16");
+  }
+  const auto w_dims = w->dimensions();
+  if (w_dims.size() != 2 || w_dims[0] != shape.n || w_dims[1] != shape.k) {
+    return ffi::Error::InvalidArgument("jax_fp4_dequant_cuda: w must be [" +
+                                       std::to_string(shape.n) + ", " + std::to_string(shape.k) +
+                                       "], got " + DimsToString(w_dims));
+  }
+  if (shape.n == 0 || shape.k == 0) return ffi::Error::Success();
+  if (!IsAligned(w->untyped_data(), 4)) {
+    return ffi::Error::InvalidArgument("jax_fp4_dequant_cuda: w must be 4-byte aligned");
+  }
+
+  DeviceInfo info;
+  cudaError_t err = GetDeviceInfo(&info);
+  if (err != cudaSuccess) return CudaError("jax_fp4_dequant_cuda: device query", err);
+  if (dtype == ffi::DataType::F16) {
+    err = LaunchDequant<__half>(stream, info, packed.typed_data(), scale.typed_data(),
+                                global_scale.typed_data(), w->untyped_data(), shape.n, shape.k,
+                                shape.k_blocks, block_size);
+  } else {
+    err = LaunchDequant<__nv_bfloat16>(stream, info, packed.typed_data(), scale.typed_data(),
+                                       global_scale.typed_data(), w->untyped_data(), shape.n,
+                                       shape.k, shape.k_blocks, block_size);
+  }
+  if (err != cudaSuccess) return CudaError("jax_fp4_dequant_cuda: kernel launch", err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jax_fp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantCuda, jax_fp4::cuda::DequantCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, ceil(K/bs)]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
+                                  .Ret<ffi::AnyBuffer>()          // w [N, K] f16 / bf16
+                                  .Attr<int64_t>("block_size"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,722 @@
+// Fused NVFP4 x FP16/BF16 GEMM for sm_90a (M > 8): the packed weight streams from HBM into shared
+// memory (cp.async, multi-stage), is decoded in registers straight into the wgmma A-operand
+// fragment with the E4M3 block scale folded in (exact), and feeds wgmma.mma_async (A = weight
+// from registers, B = activations from 128B-swizzled shared memory), fp32 accumulation; global
+// scale and bias in the epilogue. Split-K across the CTAs of a thread-block cluster, reduced
+// on chip through distributed shared memory in a fixed order (deterministic, no workspace).
+//
+// Roles of the GEMM dimensions (the weight is the wgmma "M" operand):
+//   wgmma M (64 per instruction) = weight rows n (output columns),
+//   wgmma N (BM = 64 or 128)     = activation rows m,
+//   wgmma K (16 per instruction) = k; one k16 step is exactly one NVFP4 scale block.
+//
+// CTA tile: 256 weight rows x BM activation rows, 256 threads = 2 warpgroups; warpgroup wg owns
+// weight rows [128 wg, 128 wg + 128) as two m64 tiles j = 0, 1. Pipeline stage = 128 K elements:
+//   act    [BM][128] f16/bf16 as two [BM][64] K-major 128B-swizzled wgmma B tiles (1024-aligned)
+//   packed [256][64 B]  (16-byte quarter q of row r stored at quarter q ^ ((r >> 1) & 3))
+//   scale  [256][8 B]   raw E4M3
+// Each thread converts the 8 scale bytes of "its" row (row = thread index, the row it also
+// cp.async'ed) into 16-bit pairs {s, s} * 2^7 (fp16) / 2^119 (bf16) in a double-buffered table.
+//
+// wgmma register-A fragment (per warp, identical to mma.m16n8k16's A): lane (g = lane / 4,
+// t = lane % 4) of warp w holds rows 16 w + g and 16 w + g + 8, k pairs (2t, 2t+1) and
+// (2t+8, 2t+9) of the k16 step. In packed bytes of a row's 32-byte sub-chunk (64 k), that is byte
+// t of each of the 8 words: the lane reads the row's 32 bytes (2 x LDS.128, broadcast within the
+// quad), gathers byte t of each word with prmt (6 prmt), and decodes pairs with the exact bit
+// trick of jax_fp4/nvfp4_cuda.cuh (value e2m1 * 2^-14 fp16 / 2^-126 bf16), then one packed
+// multiply by the scale pair gives e2m1 * e4m3 * 2^-7 exactly; the epilogue multiplies by 2^7 gs.
+//
+// One wgmma commit group = one (sub-chunk of 64 k, m64 tile): decode tile j into registers
+// A[j] while the previous group (the other tile) runs; wgmma.wait_group 1 after each commit
+// retires the group that last read A[j ^ 1].
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "cuda/common.cuh"
+#include "cuda/fused_gemm.h"
+#include "jax_fp4/nvfp4.h"
+#include "jax_fp4/nvfp4_cuda.cuh"
+#include "jax_fp4/validate.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAX_FP4_FUSED_SM90A 1
+#else
+#define JAX_FP4_FUSED_SM90A 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace jax_fp4 {
+namespace cuda {
+namespace fused_detail {  // named, not anonymous: helpers unused on non-sm_90a passes stay quiet
+
+constexpr int kThreads = 256;         // 2 warpgroups
+constexpr int kTileN = 256;           // weight rows per CTA
+constexpr int kStageK = 128;          // K per pipeline stage
+constexpr int kMaxSplit = 8;          // portable cluster size
+constexpr int kFillStages = 2;        // split heuristic: per-CTA fixed cost in stage units
+
+template <int BM>
+struct FusedConfig {
+  static constexpr int kStages = BM == 64 ? 6 : 4;
+  static constexpr int kActBytes = BM * kStageK * 2;         // two [BM][64] swizzled tiles
+  static constexpr int kActSubBytes = BM * 128;              // one [BM][64] tile
+  static constexpr int kPackedBytes = kTileN * kStageK / 2;  // 16 KB
+  static constexpr int kScaleBytes = kTileN * kStageK / 16;  // 2 KB
+  static constexpr int kConvBufBytes = kTileN * 32;          // 8 scale pairs per row
+  static constexpr int kPipeBytes = kStages * (kActBytes + kPackedBytes + kScaleBytes);
+  static constexpr int kEpiStride = kTileN + 4;              // floats; conflict-free staging
+  static constexpr int kEpiBytes = BM * kEpiStride * 4;
+  static constexpr int kBodyBytes = kPipeBytes + 2 * kConvBufBytes;
+  static constexpr int kSmemBytes = 1024 + (kBodyBytes > kEpiBytes ? kBodyBytes : kEpiBytes);
+  static_assert(kSmemBytes <= 232448, "shared memory over the sm_90 limit");
+  static_assert(kActSubBytes % 1024 == 0, "wgmma B tiles must stay 1024-byte aligned");
+};
+
+// ---- small PTX wrappers ----------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsync8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint4 LdShared128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint2 LdShared64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StShared128(uint32_t addr, uint32_t x, uint32_t y, uint32_t z,
+                                            uint32_t w) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z),
+               "r"(w)
+               : "memory");
+}
+
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void FenceReg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void FenceReg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// wgmma shared-memory descriptor: K-major operand, 128-byte swizzle, 8-row groups 1024 B apart.
+__device__ __forceinline__ uint64_t MakeDesc(uint32_t smem_addr) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4) | (1ull << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// ---- wgmma m64nNk16, A from registers, B K-major from shared memory (generated) -------------
+#if JAX_FP4_FUSED_SM90A
+__device__ __forceinline__ void WgmmaM64N64F16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, uint32_t scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+__device__ __forceinline__ void WgmmaM64N64Bf16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint64_t desc, uint32_t scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+__device__ __forceinline__ void WgmmaM64N128F16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint64_t desc, uint32_t scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+__device__ __forceinline__ void WgmmaM64N128Bf16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                           uint32_t a3, uint64_t desc, uint32_t scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+#endif  // JAX_FP4_FUSED_SM90A
+
+template <typename T, int BM>
+__device__ __forceinline__ void WgmmaRS(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t desc,
+                                        uint32_t scale_d) {
+#if JAX_FP4_FUSED_SM90A
+  if constexpr (BM == 64) {
+    if constexpr (std::is_same_v<T, __half>) {
+      WgmmaM64N64F16(d, a[0], a[1], a[2], a[3], desc, scale_d);
+    } else {
+      WgmmaM64N64Bf16(d, a[0], a[1], a[2], a[3], desc, scale_d);
+    }
+  } else {
+    static_assert(BM == 128, "BM must be 64 or 128");
+    if constexpr (std::is_same_v<T, __half>) {
+      WgmmaM64N128F16(d, a[0], a[1], a[2], a[3], desc, scale_d);
+    } else {
+      WgmmaM64N128Bf16(d, a[0], a[1], a[2], a[3], desc, scale_d);
+    }
+  }
+#endif
+}
+
+// ---- decode helpers --------------------------------------------------------------------------
+
+// Byte t of each word of v (t from the selector t | (t + 4) << 4 | ...): {v.x.t, v.y.t, v.z.t, v.w.t}.
+__device__ __forceinline__ uint32_t GatherBytes(const uint4& v, uint32_t sel) {
+  const uint32_t x01 = prmt(v.x, v.y, sel);
+  const uint32_t x23 = prmt(v.z, v.w, sel);
+  return prmt(x01, x23, 0x5410u);
+}
+
+// E4M3 byte -> 16-bit pair {s, s} * 2^7 (fp16) or * 2^119 (bf16): exact; NaN stays NaN.
+template <typename T>
+__device__ __forceinline__ uint32_t ScalePair(uint32_t byte) {
+  using Tr = HalfTraits<T>;
+  const float s = e4m3_to_float_fast(byte & 0xFFu) * Tr::kScaleMul;
+  return Tr::pair_from_floats(s, s);
+}
+
+// The 16 A-fragment registers of one (row pair, 64-k sub-chunk): out[s] = {a0, a1, a2, a3} of k16
+// step s. pk_lo / pk_hi: shared addresses of the two rows' 64-byte packed stage rows; cv_lo /
+// cv_hi: their 16-byte scale-pair slots for this sub-chunk.
+template <typename T>
+__device__ __forceinline__ void DecodeTile(uint32_t (&out)[4][4], uint32_t pk_lo, uint32_t pk_hi,
+                                           uint32_t q0, uint32_t q1, uint32_t cv_lo,
+                                           uint32_t cv_hi, uint32_t sel) {
+  using Tr = HalfTraits<T>;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const uint32_t pk = r == 0 ? pk_lo : pk_hi;
+    const uint4 v0 = LdShared128(pk + q0);
+    const uint4 v1 = LdShared128(pk + q1);
+    const uint4 sc = LdShared128(r == 0 ? cv_lo : cv_hi);
+    const uint32_t p0 = GatherBytes(v0, sel);
+    const uint32_t p1 = GatherBytes(v1, sel);
+    const uint32_t p0s = p0 << 4, p1s = p1 << 4;
+    // step 0: bytes 0 (k 2t) and 1 (k 2t + 8) of p0; step 1: bytes 2, 3; steps 2, 3: p1.
+    out[0][r] = Tr::pair_mul(decode_e2m1_pair<T, 0>(p0, p0s), sc.x);
+    out[0][2 + r] = Tr::pair_mul(decode_e2m1_pair<T, 1>(p0, p0s), sc.x);
+    out[1][r] = Tr::pair_mul(decode_e2m1_pair<T, 2>(p0, p0s), sc.y);
+    out[1][2 + r] = Tr::pair_mul(decode_e2m1_pair<T, 3>(p0, p0s), sc.y);
+    out[2][r] = Tr::pair_mul(decode_e2m1_pair<T, 0>(p1, p1s), sc.z);
+    out[2][2 + r] = Tr::pair_mul(decode_e2m1_pair<T, 1>(p1, p1s), sc.z);
+    out[3][r] = Tr::pair_mul(decode_e2m1_pair<T, 2>(p1, p1s), sc.w);
+    out[3][2 + r] = Tr::pair_mul(decode_e2m1_pair<T, 3>(p1, p1s), sc.w);
+  }
+}
+
+// ---- the kernel ------------------------------------------------------------------------------
+
+template <typename T, int BM>
+__global__ void __launch_bounds__(kThreads, 1)
+    FusedGemmKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                    const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                    const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
+                    int vec_store) {
+#if JAX_FP4_FUSED_SM90A
+  using Cfg = FusedConfig<BM>;
+  using Tr = HalfTraits<T>;
+  constexpr int S = Cfg::kStages;
+  constexpr int kAcc = BM / 2;
+  namespace cg = cooperative_groups;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_base = SmemAddr(smem_raw);
+  const uint32_t align_pad = ((raw_base + 1023u) & ~1023u) - raw_base;
+  uint8_t* smem = smem_raw + align_pad;
+  const uint32_t sbase = raw_base + align_pad;
+  const uint32_t act_base = sbase;
+  const uint32_t pk_base = act_base + S * Cfg::kActBytes;
+  const uint32_t sc_base = pk_base + S * Cfg::kPackedBytes;
+  const uint32_t cv_base = sc_base + S * Cfg::kScaleBytes;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+
+  const int n0 = blockIdx.x * kTileN;
+  const int m0 = blockIdx.y * BM;
+  const int splits = gridDim.z;
+  const int ks = k / kStageK;
+  const int kc0 = static_cast<int>(static_cast<int64_t>(blockIdx.z) * ks / splits);
+  const int kc1 = static_cast<int>(static_cast<int64_t>(blockIdx.z + 1) * ks / splits);
+  const int nst = kc1 - kc0;
+  const int64_t row_bytes = k / 2;
+  const int64_t kb = k / 16;
+
+  // Load bookkeeping. Activations: 16 chunks of 16 B per row per stage; thread tid copies chunk
+  // tid % 16 of rows tid / 16 + 16 i. Packed: 4 chunks per row; chunk tid % 4 of rows
+  // tid / 4 + 64 i. Scales: the 8 bytes of row tid.
+  const int a_ch = tid & 15, a_r0 = tid >> 4;
+  const uint32_t a_dst0 = (a_ch >> 3) * Cfg::kActSubBytes + a_r0 * 128 +
+                          (((a_ch & 7) ^ (a_r0 & 7)) << 4);
+  const int p_q = tid & 3, p_r0 = tid >> 2;
+  const uint32_t p_dst0 = p_r0 * 64 + ((p_q ^ ((p_r0 >> 1) & 3)) << 4);
+  const uint8_t* s_src = scale + static_cast<int64_t>(min(n0 + tid, n - 1)) * kb;
+
+  auto load_stage = [&](int c, int slot) {
+    const int64_t kel = static_cast<int64_t>(c) * kStageK;
+    const uint32_t act_slot = act_base + slot * Cfg::kActBytes;
+#pragma unroll
+    for (int i = 0; i < BM / 16; ++i) {
+      const int row = m0 + a_r0 + 16 * i;
+      const bool valid = row < m;
+      const T* src = a + (valid ? static_cast<int64_t>(row) * k : 0) + kel + a_ch * 8;
+      CpAsync16(act_slot + a_dst0 + i * 16 * 128, src, valid ? 16u : 0u);
+    }
+    const uint32_t pk_slot = pk_base + slot * Cfg::kPackedBytes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = min(n0 + p_r0 + 64 * i, n - 1);
+      const uint8_t* src = packed + static_cast<int64_t>(row) * row_bytes + c * 64 + p_q * 16;
+      CpAsync16(pk_slot + p_dst0 + i * 64 * 64, src, 16u);
+    }
+    CpAsync8(sc_base + slot * Cfg::kScaleBytes + tid * 8, s_src + static_cast<int64_t>(c) * 8);
+  };
+
+  // Decode-side constants of this lane.
+  const uint32_t sel = static_cast<uint32_t>(t) | (static_cast<uint32_t>(t + 4) << 4);
+  const uint32_t pswz = (g >> 1) & 3;  // packed quarter swizzle of rows 16 w + g (+ 8)
+  const uint32_t cswz = (g >> 2) & 1;  // scale-pair half swizzle
+  const int row_lo0 = wg * 128 + wq * 16 + g;  // tile j adds 64 j; the high row adds 8
+
+  // Accumulators are not zeroed: the first wgmma of each tile runs with scale-d = 0 (D = A * B).
+  // (Zeroing them with ordinary moves makes ptxas serialize every wgmma: warning C7515.)
+  // Every CTA has at least one stage (split <= K / 128).
+  float acc[2][kAcc];
+  uint32_t afrag[2][4][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) afrag[j][s][r] = 0u;
+    }
+  }
+
+  // Prologue: stages 0 .. S-3 in flight (one commit group each, empty past the end).
+#pragma unroll
+  for (int p = 0; p < S - 2; ++p) {
+    if (p < nst) load_stage(kc0 + p, p);
+    CpAsyncCommit();
+  }
+
+  int slot = 0;             // slot of stage `it`
+  int pf_slot = S - 2;      // slot of stage `it + S - 2`
+  for (int it = 0; it < nst; ++it) {
+    CpAsyncWait<S - 3>();  // stage `it` (this thread's copies) landed
+    {
+      // Scale pairs of this thread's row for this stage: double-buffered by stage parity.
+      const uint2 raw = LdShared64(sc_base + slot * Cfg::kScaleBytes + tid * 8);
+      const uint32_t cv_row = cv_base + (it & 1) * Cfg::kConvBufBytes + tid * 32;
+      const uint32_t sw = (tid >> 2) & 1;
+      StShared128(cv_row + ((0u ^ sw) << 4), ScalePair<T>(raw.x), ScalePair<T>(raw.x >> 8),
+                  ScalePair<T>(raw.x >> 16), ScalePair<T>(raw.x >> 24));
+      StShared128(cv_row + ((1u ^ sw) << 4), ScalePair<T>(raw.y), ScalePair<T>(raw.y >> 8),
+                  ScalePair<T>(raw.y >> 16), ScalePair<T>(raw.y >> 24));
+    }
+    FenceProxyAsync();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+    __syncthreads();
+    // Refill the slot of stage it - 2: its decode finished before this barrier and its wgmma
+    // groups were retired by the wait_group 1 after stage it - 1's first group.
+    if (it + S - 2 < nst) load_stage(kc0 + it + S - 2, pf_slot);
+    CpAsyncCommit();
+
+    const uint32_t act_slot = act_base + slot * Cfg::kActBytes;
+    const uint32_t pk_slot = pk_base + slot * Cfg::kPackedBytes;
+    const uint32_t cv_buf = cv_base + (it & 1) * Cfg::kConvBufBytes;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t q0 = ((2u * h) ^ pswz) << 4;
+      const uint32_t q1 = ((2u * h + 1u) ^ pswz) << 4;
+      const uint32_t cvo = ((static_cast<uint32_t>(h) ^ cswz) << 4);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int r_lo = row_lo0 + 64 * j;
+        DecodeTile<T>(afrag[j], pk_slot + r_lo * 64, pk_slot + (r_lo + 8) * 64, q0, q1,
+                      cv_buf + r_lo * 32 + cvo, cv_buf + (r_lo + 8) * 32 + cvo, sel);
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) FenceReg(acc[j][i]);
+        WgmmaFence();
+        const uint32_t b_tile = act_slot + h * Cfg::kActSubBytes;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          WgmmaRS<T, BM>(acc[j], afrag[j][s], MakeDesc(b_tile + s * 32),
+                         (it > 0 || h > 0 || s > 0) ? 1u : 0u);
+        }
+        WgmmaCommit();
+        WgmmaWait<1>();  // retires the previous group (the other tile); this one stays in flight
+        // The group that read afrag[j ^ 1] is retired: keep those registers alive until here.
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) FenceReg(afrag[j ^ 1][s][r]);
+        }
+      }
+    }
+    slot = slot + 1 == S ? 0 : slot + 1;
+    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+  }
+  WgmmaWait<0>();
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) FenceReg(acc[j][i]);
+  }
+  CpAsyncWait<0>();
+  __syncthreads();  // pipeline smem free: stage the fp32 tile as E[m][n]
+
+  float* epi = reinterpret_cast<float*>(smem);
+  constexpr int ST = Cfg::kEpiStride;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int nl = row_lo0 + 64 * j;
+#pragma unroll
+    for (int b = 0; b < BM / 8; ++b) {
+      const int ml = 8 * b + 2 * t;
+      epi[ml * ST + nl] = acc[j][4 * b + 0];
+      epi[(ml + 1) * ST + nl] = acc[j][4 * b + 1];
+      epi[ml * ST + nl + 8] = acc[j][4 * b + 2];
+      epi[(ml + 1) * ST + nl + 8] = acc[j][4 * b + 3];
+    }
+  }
+
+  // Split-K reduction across the cluster (ranks = blockIdx.z), summed in rank order.
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const float alpha = __ldg(global_scale) * 128.0f;  // undo the 2^-7 of the folded scale
+  const int c4 = tid & 63;
+  const int nn = n0 + 4 * c4;
+  for (int ml = rank + splits * (tid >> 6); ml < BM; ml += splits * (kThreads / 64)) {
+    const int mm = m0 + ml;
+    if (mm >= m || nn >= n) break;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q = 0; q < splits; ++q) {
+      const float* remote = cluster.map_shared_rank(epi, q);
+      const float4 v = *reinterpret_cast<const float4*>(remote + ml * ST + 4 * c4);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+    T out[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = min(nn + e, n - 1);
+      const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.0f;
+      out[e] = Tr::from_float(fmaf(vals[e], alpha, b));
+    }
+    T* dst = y + static_cast<int64_t>(mm) * n + nn;
+    if (vec_store && nn + 3 < n) {
+      const uint16_t* bits = reinterpret_cast<const uint16_t*>(out);
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(static_cast<uint32_t>(bits[0]) | (static_cast<uint32_t>(bits[1]) << 16),
+                     static_cast<uint32_t>(bits[2]) | (static_cast<uint32_t>(bits[3]) << 16));
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (nn + e < n) dst[e] = out[e];
+      }
+    }
+  }
+  cluster.sync();  // keep this CTA's shared memory alive until every rank has read it
+#endif  // JAX_FP4_FUSED_SM90A
+}
+
+// ---- host side -------------------------------------------------------------------------------
+
+template <typename T, int BM>
+cudaError_t PrepareKernel(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> prepared[kMaxDevices];
+  if (device >= 0 && device < kMaxDevices && prepared[device].load(std::memory_order_acquire)) {
+    return cudaSuccess;
+  }
+  const cudaError_t err = cudaFuncSetAttribute(FusedGemmKernel<T, BM>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               FusedConfig<BM>::kSmemBytes);
+  if (err == cudaSuccess && device >= 0 && device < kMaxDevices) {
+    prepared[device].store(1, std::memory_order_release);
+  }
+  return err;
+}
+
+// How many clusters of `split` CTAs fit on the device at once (cached per device and split).
+template <typename T, int BM>
+int MaxActiveClusters(int device, int split) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices][kMaxSplit + 1];  // value + 1; 0 = not queried
+  if (device >= 0 && device < kMaxDevices) {
+    const int cached = cache[device][split].load(std::memory_order_relaxed);
+    if (cached > 0) return cached - 1;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(1, 1, split);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = FusedConfig<BM>::kSmemBytes;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = split;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, FusedGemmKernel<T, BM>, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear: a refused size just is not used
+    clusters = 0;
+  }
+  if (device >= 0 && device < kMaxDevices) {
+    cache[device][split].store(clusters + 1, std::memory_order_relaxed);
+  }
+  return clusters;
+}
+
+// Split-K factor: minimise waves * (stages per CTA + fixed cost) over the cluster sizes that
+// fit; ties go to the smaller split. Deterministic for a given device and shape.
+template <typename T, int BM>
+int ChooseSplit(int device, int64_t tiles, int64_t ks) {
+  int best = 1;
+  int64_t best_cost = INT64_MAX;
+  const int max_split = static_cast<int>(std::min<int64_t>(kMaxSplit, std::max<int64_t>(ks, 1)));
+  for (int s = 1; s <= max_split; ++s) {
+    const int clusters = MaxActiveClusters<T, BM>(device, s);
+    if (clusters <= 0) continue;
+    const int64_t capacity = static_cast<int64_t>(clusters) * s;
+    const int64_t waves = CeilDiv(tiles * s, capacity);
+    const int64_t cost = waves * (CeilDiv(ks, s) + kFillStages);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
+}
+
+template <typename T, int BM>
+cudaError_t LaunchFused(cudaStream_t stream, int device, const void* a, const uint8_t* packed,
+                        const uint8_t* scale, const float* gs, const void* bias, void* y,
+                        int64_t m, int64_t n, int64_t k, bool vec_store, int* split_out) {
+  cudaError_t err = PrepareKernel<T, BM>(device);
+  if (err != cudaSuccess) return err;
+  const int64_t tiles_n = CeilDiv(n, kTileN);
+  const int64_t tiles_m = CeilDiv(m, BM);
+  const int64_t ks = k / kStageK;
+  const int split = ChooseSplit<T, BM>(device, tiles_n * tiles_m, ks);
+  if (split_out != nullptr) *split_out = split;
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
+                        static_cast<unsigned>(split));
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = FusedConfig<BM>::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = split;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  err = cudaLaunchKernelEx(&config, FusedGemmKernel<T, BM>, static_cast<const T*>(a), packed,
+                           scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
+                           static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                           vec_store ? 1 : 0);
+  if (err != cudaSuccess && split > 1) {
+    // A cluster launch the device refuses (configuration errors are not sticky): no split-K.
+    (void)cudaGetLastError();
+    config.gridDim.z = 1;
+    attr[0].val.clusterDim.z = 1;
+    if (split_out != nullptr) *split_out = 1;
+    err = cudaLaunchKernelEx(&config, FusedGemmKernel<T, BM>, static_cast<const T*>(a), packed,
+                             scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
+                             static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                             vec_store ? 1 : 0);
+  }
+  return err;
+}
+
+template <typename T>
+cudaError_t DispatchFused(cudaStream_t stream, int device, const void* a, const uint8_t* packed,
+                          const uint8_t* scale, const float* gs, const void* bias, void* y,
+                          int64_t m, int64_t n, int64_t k, bool vec_store) {
+  if (m <= 64) {
+    return LaunchFused<T, 64>(stream, device, a, packed, scale, gs, bias, y, m, n, k, vec_store,
+                              nullptr);
+  }
+  return LaunchFused<T, 128>(stream, device, a, packed, scale, gs, bias, y, m, n, k, vec_store,
+                             nullptr);
+}
+
+ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
+                         ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                         ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t block_size) {
+  constexpr const char* kName = "jax_fp4_fused_cuda";
+  MatmulShape shape;
+  const std::string problem = CheckMatmulOperands(
+      a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
+      global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
+      y->dimensions(), block_size, /*allow_f32=*/false, &shape);
+  auto invalid = [&](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
+  };
+  if (!problem.empty()) return invalid(problem);
+  if (block_size != fused::kBlockSize) {
+    return invalid("block_size must be 16, got " + std::to_string(block_size));
+  }
+  const int64_t m = shape.m, n = shape.n, k = shape.k;
+  if (k <= 0 || k % fused::kKMultiple != 0) {
+    return invalid("K must be a positive multiple of 128, got " + std::to_string(k));
+  }
+  if (m >= INT_MAX || n >= INT_MAX || k >= INT_MAX) return invalid("M, N and K must be < 2^31");
+  if (CeilDiv(m, fused::kTileMLarge) > fused::kMaxMTiles) return invalid("M too large");
+  const int64_t ws_needed = fused::WorkspaceElems(m, n, k);
+  if (static_cast<int64_t>(workspace->element_count()) < ws_needed) {
+    return invalid("workspace must hold " + std::to_string(ws_needed) + " f32 elements");
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (!IsAligned(a.untyped_data(), 16) || !IsAligned(packed.typed_data(), 16) ||
+      !IsAligned(scale.typed_data(), 8)) {
+    return invalid("a and packed must be 16-byte aligned, scale 8-byte aligned");
+  }
+
+  DeviceInfo info;
+  cudaError_t err = GetDeviceInfo(&info);
+  if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: device query", err);
+  if (info.sm != 90) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string(kName) + ": needs an sm_90 (Hopper) device, found sm_" +
+                          std::to_string(info.sm));
+  }
+  int device = 0;
+  err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: cudaGetDevice", err);
+
+  const void* bias_ptr = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
+  const bool vec_store = n % 4 == 0 && IsAligned(y->untyped_data(), 8);
+  if (a.element_type() == ffi::DataType::F16) {
+    err = DispatchFused<__half>(stream, device, a.untyped_data(), packed.typed_data(),
+                                scale.typed_data(), global_scale.typed_data(), bias_ptr,
+                                y->untyped_data(), m, n, k, vec_store);
+  } else {
+    err = DispatchFused<__nv_bfloat16>(stream, device, a.untyped_data(), packed.typed_data(),
+                                       scale.typed_data(), global_scale.typed_data(), bias_ptr,
+                                       y->untyped_data(), m, n, k, vec_store);
+  }
+  if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: kernel launch", err);
+  return ffi::Error::Success();
+}
+
+}  // namespace fused_detail
+}  // namespace cuda
+}  // namespace jax_fp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FusedCuda, jax_fp4::cuda::fused_detail::FusedCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // a [M, K] f16 / bf16
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, K/16] raw E4M3
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
+                                  .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
+                                  .Ret<ffi::AnyBuffer>()          // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // workspace (WorkspaceElems)
+                                  .Attr<int64_t>("block_size"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,42 @@
+// Fused NVFP4 x FP16/BF16 GEMM for sm_90a (Hopper): FFI target "jax_fp4_fused_cuda".
+//
+//   y[M, N] = round((sum_k a[m, k] * e2m1(packed[n, k]) * e4m3(scale[n, k / 16])) * gs + bias[n])
+//
+// Operands: a [M, K] f16/bf16; packed u8 [N, K/2]; scale u8 [N, K/16] (raw E4M3); global_scale
+// f32 [1] (device memory); bias [N] in a's dtype or [0]. Results: y [M, N] in a's dtype and an f32
+// workspace of WorkspaceElems(M, N, K) elements (currently always 0: split-K partial sums are
+// reduced on chip through distributed shared memory inside a thread-block cluster).
+// Attribute: block_size (int64, must be 16).
+//
+// Constraints (the handler returns InvalidArgument otherwise; jax_fp4/_fused.py mirrors them):
+//   a is f16 or bf16, block_size == 16, K % 128 == 0 and K > 0, M >= 1, N >= 1,
+//   ceil(M / 128) <= 65535, M, N, K < 2^31, a / packed 16-byte aligned, scale 8-byte aligned,
+//   and the device is compute capability 9.0 (the kernel is built for sm_90a only).
+#ifndef JAX_FP4_CUDA_FUSED_GEMM_H_
+#define JAX_FP4_CUDA_FUSED_GEMM_H_
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fp4 {
+namespace fused {
+
+inline constexpr int64_t kBlockSize = 16;   // NVFP4 block size, the only one served
+inline constexpr int64_t kKMultiple = 128;  // K per pipeline stage
+inline constexpr int64_t kMaxMTiles = 65535;
+inline constexpr int64_t kTileMLarge = 128;  // activation rows per CTA when M > 64
+
+// f32 elements of the workspace result for an [M, K] x [N, K]^T problem. A pure function of the
+// shape, kept in sync with jax_fp4/_fused.py:fused_workspace_elems.
+inline constexpr int64_t WorkspaceElems(int64_t m, int64_t n, int64_t k) {
+  return (void)m, (void)n, (void)k, 0;
+}
+
+}  // namespace fused
+}  // namespace jax_fp4
+
+// (a, packed, scale, global_scale, bias) -> (y, workspace); attr block_size.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4FusedCuda);
+
+#endif  // JAX_FP4_CUDA_FUSED_GEMM_H_

@@ -1,0 +1,16 @@
+// XLA FFI handlers of the CUDA module. Plain declarations: module.cc (C++, nanobind) includes this
+// header and never sees CUDA; the handlers are defined in gemv.cu and dequant.cu.
+#ifndef JAX_FP4_CUDA_HANDLERS_H_
+#define JAX_FP4_CUDA_HANDLERS_H_
+
+#include "xla/ffi/api/ffi.h"
+
+// Fused decode GEMV: (a [M,K] f16/bf16, packed [N,K/2] u8, scale [N,K/16] u8, global_scale f32[1],
+// bias [N] or [0]) -> y [M,N]; attrs block_size (== 16), use_mma, row_tiling. K % 32 == 0.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GemvCuda);
+
+// Dequantize: (packed [N,K/2] u8, scale [N,ceil(K/bs)] u8, global_scale f32[1]) -> w [N,K]
+// f16/bf16; attr block_size (any > 0).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4DequantCuda);
+
+#endif  // JAX_FP4_CUDA_HANDLERS_H_

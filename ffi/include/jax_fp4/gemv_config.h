@@ -1,0 +1,75 @@
+// Launch heuristic of the CUDA decode GEMV (ffi/cuda/gemv.cu): one small pure constexpr function,
+// host-only C++ so that the CPU module can expose it to tests (tests/test_gemv_config.py).
+//
+// Tensor-core path (sm_80+, K % 128 == 0): a warp computes col_tiles tiles of 16 output columns
+// for up to 8 rows of M, over a strided share of the 128-wide K windows; k_split warps of one block
+// split K and reduce through shared memory. Scalar path: a warp per output column, 8 columns per
+// block, rows_per_block rows of M per warp sharing each decoded weight.
+#ifndef JAX_FP4_GEMV_CONFIG_H_
+#define JAX_FP4_GEMV_CONFIG_H_
+
+#include <cstdint>
+
+namespace jax_fp4 {
+
+struct GemvLaunchConfig {
+  int col_tiles;       // mma path: 16-column tiles per warp (1, 2 or 4), one activation fragment
+  int k_split;         // mma path: warps per block splitting K (power of two, 1..16/col_tiles)
+  int rows_per_block;  // scalar path: rows of M per warp (1, 2 or 4)
+};
+
+constexpr int kGemvWindow = 128;            // K elements per mma window (8 k-steps of 16)
+constexpr int kGemvTileCols = 16;           // output columns per mma tile
+constexpr int kGemvMaxWarpsPerBlock = 16;   // k_split * col_tiles <= this (register budget)
+constexpr int kGemvTargetWarpsPerSm = 16;   // grow k_split until this many warps per SM
+constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) per block
+
+constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// m, n, k: the matmul (K % 32 == 0 for any path; the mma fields matter only when K % 128 == 0).
+// num_sms: the device's multiprocessor count (132 on an H200).
+constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, int64_t num_sms) {
+  const int64_t sms = num_sms > 0 ? num_sms : 1;
+  const int64_t tiles = GemvCeilDiv(n > 0 ? n : 1, kGemvTileCols);
+  const int64_t windows = k > 0 ? k / kGemvWindow : 0;
+
+  // Share each activation fragment over several column tiles when there are several rows to
+  // share (M > 1) and the column grid alone still gives two waves of blocks.
+  int col_tiles = 1;
+  if (m > 1) {
+    if (GemvCeilDiv(tiles, 4) >= 2 * sms) {
+      col_tiles = 4;
+    } else if (GemvCeilDiv(tiles, 2) >= 2 * sms) {
+      col_tiles = 2;
+    }
+  }
+  const int64_t blocks = GemvCeilDiv(tiles, col_tiles);
+
+  // Split K over warps until the grid holds kGemvTargetWarpsPerSm warps per SM (bytes in flight),
+  // keeping at least two windows per warp and the block within its warp budget.
+  int k_split = 1;
+  while (2 * k_split * col_tiles <= kGemvMaxWarpsPerBlock && 4 * k_split <= windows &&
+         blocks * k_split < kGemvTargetWarpsPerSm * sms) {
+    k_split *= 2;
+  }
+
+  // Scalar path: row tiling trades grid parallelism (M leaves gridDim.y) for weight reuse, so
+  // only when the column grid ceil(N / 8) covers a wave of SMs on its own.
+  int rows_per_block = 1;
+  if (GemvCeilDiv(n > 0 ? n : 1, kGemvScalarColsPerBlock) >= sms) {
+    rows_per_block = m >= 3 ? 4 : (m == 2 ? 2 : 1);
+  }
+  return GemvLaunchConfig{col_tiles, k_split, rows_per_block};
+}
+
+// Compile-time checks of the H200 (132 SMs) shapes quoted in benchmarks/NOTES.md.
+static_assert(gemv_launch_config(1, 11008, 4096, 132).col_tiles == 1, "");
+static_assert(gemv_launch_config(1, 11008, 4096, 132).k_split == 4, "");
+static_assert(gemv_launch_config(4, 248320, 2048, 132).col_tiles == 4, "");
+static_assert(gemv_launch_config(4, 248320, 2048, 132).k_split == 1, "");
+static_assert(gemv_launch_config(4, 11008, 4096, 132).rows_per_block == 4, "");
+static_assert(gemv_launch_config(4, 1000, 4096, 132).rows_per_block == 1, "");
+
+}  // namespace jax_fp4
+
+#endif  // JAX_FP4_GEMV_CONFIG_H_

@@ -1,0 +1,134 @@
+// Device-only packed NVFP4 decode helpers for the CUDA kernels (bit tricks on top of nvfp4.h).
+//
+// nvfp4.h is the definition of the format; everything here computes the same values with fewer
+// instructions and is checked against it by tests/test_gpu_kernels.py (through the kernels).
+// No cuda_fp4.h conversion intrinsics (emulated in software on sm_90) and no run-time-indexed
+// local arrays: every helper works on whole 32-bit registers.
+//
+// E2M1 nibble -> 16-bit float, two elements per 32-bit register ("natural pairs": the low half
+// holds the even element, the high half the odd one, like a half2 loaded from memory):
+//   put the nibble in the top 4 bits of a 16-bit half (sign lands on bit 15), then move the
+//   3 exponent/mantissa bits down so that they become the low 2 exponent bits and the top
+//   mantissa bit of the target format. The one E2M1 subnormal (0.5, code 1) then lands on the
+//   target's subnormal encoding, so the result is EXACT for every code:
+//     fp16: bits (em << 9) | sign  ==  e2m1 * 2^-14
+//     bf16: bits (em << 6) | sign  ==  e2m1 * 2^-126
+//   Code 0x8 (-0) decodes to -0, which behaves as 0 in every sum.
+#ifndef JAX_FP4_NVFP4_CUDA_CUH_
+#define JAX_FP4_NVFP4_CUDA_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "jax_fp4/nvfp4.h"
+
+namespace jax_fp4 {
+namespace cuda {
+
+// Byte permute (prmt.b32): result byte i = byte sel_nibble_i of the 8-byte value {hi:lo}.
+__device__ __forceinline__ uint32_t prmt(uint32_t lo, uint32_t hi, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
+  return r;
+}
+
+template <typename T>
+struct HalfTraits;
+
+template <>
+struct HalfTraits<__half> {
+  using Pair = __half2;
+  // decode: 16-bit value = e2m1 * 2^kDecodeExp
+  static constexpr int kDecodeExp = -14;
+  static constexpr int kEmShift = 3;               // nibble EM bits 14..12 -> 11..9
+  static constexpr uint32_t kEmMask = 0x0E000E00u;
+  // Block scale pre-multiplied by 2^kScaleExp so that decode * scale = e2m1 * e4m3 * 2^-7, exact:
+  // fp16: 2^-14 * 2^7; e4m3 * 2^7 <= 57344 fits fp16, products 2^-17 .. 21 keep <= 6 significant
+  // bits above fp16's subnormal step 2^-24.
+  static constexpr float kScaleMul = 128.0f;  // 2^7
+  __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
+  __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
+  __device__ __forceinline__ static uint32_t pair_from_floats(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static float2 pair_to_float2(uint32_t bits) {
+    __half2 h = *reinterpret_cast<__half2*>(&bits);
+    return __half22float2(h);
+  }
+  __device__ __forceinline__ static uint32_t pair_mul(uint32_t x, uint32_t y) {
+    __half2 r = __hmul2(*reinterpret_cast<__half2*>(&x), *reinterpret_cast<__half2*>(&y));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+};
+
+template <>
+struct HalfTraits<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
+  static constexpr int kDecodeExp = -126;
+  static constexpr int kEmShift = 6;               // nibble EM bits 14..12 -> 8..6
+  static constexpr uint32_t kEmMask = 0x01C001C0u;
+  // bf16: decode is e2m1 * 2^-126, scale * 2^119 (448 * 2^119 < 2^128), product e2m1*e4m3*2^-7.
+  static constexpr float kScaleMul = 6.6461399789245794e35f;  // 2^119
+  __device__ __forceinline__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ __forceinline__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  __device__ __forceinline__ static uint32_t pair_from_floats(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static float2 pair_to_float2(uint32_t bits) {
+    // bf16 -> fp32 is a shift: exact and cheaper than a conversion instruction.
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+  }
+  __device__ __forceinline__ static uint32_t pair_mul(uint32_t x, uint32_t y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    __nv_bfloat162 r =
+        __hmul2(*reinterpret_cast<__nv_bfloat162*>(&x), *reinterpret_cast<__nv_bfloat162*>(&y));
+    return *reinterpret_cast<uint32_t*>(&r);
+#else
+    float2 a = pair_to_float2(x), b = pair_to_float2(y);
+    return pair_from_floats(a.x * b.x, a.y * b.y);
+#endif
+  }
+};
+
+// The two E2M1 codes of byte `i` (0..3) of `q` as one 16-bit-float pair (low half = low nibble =
+// even element). `q4` must be q << 4. Value: e2m1 * 2^HalfTraits<T>::kDecodeExp, exact.
+template <typename T, int i>
+__device__ __forceinline__ uint32_t decode_e2m1_pair(uint32_t q, uint32_t q4) {
+  // Byte 1 of x = q4.byte_i (low nibble of byte i in its top 4 bits), byte 3 = q.byte_i (high
+  // nibble in its top 4 bits); bytes 0 and 2 are don't-care and masked away below.
+  const uint32_t x = prmt(q4, q, (i << 4) | ((4 + i) << 12));
+  return (x & 0x80008000u) | ((x >> HalfTraits<T>::kEmShift) & HalfTraits<T>::kEmMask);
+}
+
+// E4M3FN byte (low 8 bits of b) -> fp32, exact, NaN for 0x7F / 0xFF. Same values as
+// e4m3_to_float in nvfp4.h: the 7 magnitude bits placed at fp32 bits 26..20 read as
+// e4m3 * 2^-120 (subnormals included: they become fp32 subnormals), then an exact power-of-two
+// multiply. Needs denormal support (no -ftz / --use_fast_math for this file).
+__device__ __forceinline__ float e4m3_to_float_fast(uint32_t b) {
+  const uint32_t mag_bits = (b & 0x7Fu) << 20;
+  float mag = __uint_as_float(mag_bits) * 1.329227995784916e36f;  // 2^120
+  mag = (mag_bits == (0x7Fu << 20)) ? __uint_as_float(0x7FC00000u) : mag;
+  return __uint_as_float(__float_as_uint(mag) | ((b & 0x80u) << 24));
+}
+
+// Streaming 16-byte load (read once: do not keep it in L1, where activations live).
+__device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// Read-only cached 16-byte load (activations: re-read by many warps).
+__device__ __forceinline__ uint4 ld_u4(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+}  // namespace cuda
+}  // namespace jax_fp4
+
+#endif  // JAX_FP4_NVFP4_CUDA_CUH_

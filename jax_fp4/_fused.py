@@ -1,0 +1,50 @@
+"""Static facts of the fused sm_90 NVFP4 GEMM (FFI target "jax_fp4_fused_cuda"): pure functions,
+kept in sync with ffi/cuda/fused_gemm.h, usable (and tested) on any machine.
+
+The target takes (a [M, K] f16/bf16, packed u8 [N, K/2], scale u8 [N, K/16], global_scale f32 [1],
+bias [N] or [0]) and returns (y [M, N] in a's dtype, workspace f32 [fused_workspace_elems(m, n, k)]),
+attribute block_size (int64, 16). It runs on compute capability 9.0 devices only (sm_90a code);
+the dispatcher must not choose it elsewhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TARGET = "jax_fp4_fused_cuda"
+
+BLOCK_SIZE = 16        # NVFP4 block size, the only one served
+K_MULTIPLE = 128       # K per pipeline stage
+MAX_M_TILES = 65535    # grid.y limit
+TILE_M_LARGE = 128     # activation rows per CTA when M > 64 (64 otherwise)
+_INT_LIMIT = 2**31 - 1
+
+_HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
+
+
+def fused_workspace_elems(m: int, n: int, k: int) -> int:
+    """f32 elements of the target's workspace result (mirror of fused::WorkspaceElems).
+
+    Always 0: split-K partial sums are reduced on chip (thread-block cluster, distributed shared
+    memory), so the workspace result is an empty f32[0] array.
+    """
+    del m, n, k
+    return 0
+
+
+def fused_supported(m: int, n: int, k: int, block_size: int, dtype) -> str | None:
+    """None if the fused kernel can serve this problem (on an sm_90 device), else the reason."""
+    dtype = np.dtype(dtype)
+    if dtype not in _HALF_DTYPES:
+        return f"a must be float16 or bfloat16, got {dtype}"
+    if block_size != BLOCK_SIZE:
+        return f"block_size must be {BLOCK_SIZE}, got {block_size}"
+    if k <= 0 or k % K_MULTIPLE:
+        return f"K must be a positive multiple of {K_MULTIPLE}, got {k}"
+    if m <= 0 or n <= 0:
+        return f"M and N must be positive, got M={m}, N={n}"
+    if max(m, n, k) >= _INT_LIMIT:
+        return "M, N and K must be below 2^31"
+    if -(-m // TILE_M_LARGE) > MAX_M_TILES:
+        return f"M must be at most {MAX_M_TILES * TILE_M_LARGE}, got {m}"
+    return None

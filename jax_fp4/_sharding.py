@@ -1,0 +1,311 @@
+"""Partitioning rules for the kernel paths: how XLA's SPMD partitioner splits one fp4 matmul.
+
+An FFI custom call is opaque to XLA: without a rule, the partitioner gathers every operand onto
+every device, which would silently replicate sharded weights. `partitioned` wraps a path
+implementation (the function the lowering traces: a [..., K], packed [N, K/2], scale [N, KB],
+global_scale [], bias [N] or None) in `jax.experimental.custom_partitioning`, with a Shardy
+`sharding_rule` for propagation and a `partition` callback that picks one of these plans from the
+shardings the partitioner proposes:
+
+  data parallel    a's leading (M) dims sharded, weight replicated: each device runs the kernel
+                   on its rows. Output sharded like a's leading dims. No collective.
+  column parallel  packed, scale (and bias) sharded along N: each device runs the kernel on its
+                   columns. Output sharded along N. No collective.
+  row parallel     packed and scale sharded along K (same mesh axes), a sharded along K to match
+                   (a is resharded if it is not): each device runs the kernel on its K slice
+                   without bias, the partial products are summed in float32 by one all-reduce
+                   (psum), then bias is added once and the result rounded to a's dtype.
+
+The three combine (e.g. a 2-D mesh with data-parallel rows and column- or row-parallel weights).
+The weight's own sharding decides N and K; a is resharded (cheap: activations) to follow it.
+
+Row parallelism needs every K shard to hold whole scale blocks: K % (block_size * shards) == 0
+with block_size even (so each shard's K is even and its packed bytes and scale columns line up),
+and the K slice must suit the path chosen for the whole K (gemv: K_local % 32 == 0).
+When that does not hold, or a dimension is not divisible by the number of shards on it, or the
+shardings come without a mesh (GSPMDSharding), the rule asks for that dimension replicated and
+the partitioner gathers it: correct results, at the cost of the gather it would have done anyway.
+
+Where the rule applies: kernel paths (cpu, gemv, dequant) lowered into a multi-device jit
+program (a ShardingContext with more than one device). Everything else traces the kernel as before:
+  - single-device programs (8 host devices or not): the HLO is unchanged; the FFI target, e.g.
+    `jax_fp4_matmul_cpu`, shows in `jit(f).lower(...).as_text()`.
+  - shard_map and pmap bodies: the kernel runs on the local shards as is. A shard_map that leaves
+    some mesh axes automatic (axis_names=...) gets no rule: XLA gathers over those axes.
+  - the pure-JAX paths (reference, empty): XLA partitions them natively.
+Under a multi-device jit the lowered StableHLO holds a `CustomSPMDPartitioning` custom call in
+place of the kernel; the FFI target appears in the partitioned program
+(`jit(f).lower(...).compile().as_text()`), once per device program, on local shapes.
+
+Limits:
+  - jax.export of a multi-device program fails ("serialization of host_callbacks is not yet
+    implemented": custom_partitioning's rules are Python callbacks), and so does lowering for an
+    AbstractMesh (the rule needs the devices). Single-device export is unaffected.
+  - Explicit-axes meshes (`jax.make_mesh`'s default): the partitioning is the same, but the
+    primitive's abstract eval gives its result no sharding type, so a surrounding program typed
+    under `jax.set_mesh` sees a replicated result (XLA may then gather the output activation).
+  - JAX_FP4_CUSTOM_PARTITIONING=0 switches the rules off (for comparison and debugging).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch as _jax_dispatch
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_fp4 import _dispatch
+from jax_fp4._dispatch import env_flag
+
+def register_primitive(prim) -> None:
+    """custom_partitioning needs the device assignment while lowering; jit passes it only when the
+    program holds a primitive registered here (custom_partitioning_p registers itself, but it is
+    bound inside our lowering rule, after jit took that decision)."""
+    _jax_dispatch.prim_requires_devices_during_lowering.add(prim)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, (tuple, list)):
+        return tuple(entry)
+    return (entry,)
+
+
+def _spec(sharding, ndim) -> list[tuple[str, ...]] | None:
+    """The per-dimension mesh axes of a NamedSharding (None for shardings without a mesh)."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return [_axes(e) for e in spec]
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _entry(axes):
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_k_check=None):
+    """Choose (lead_axes per leading dim, n_axes, k_axes, reasons) from the proposed shardings.
+
+    Pure function of shapes and shardings; `reasons` lists why a proposed sharding was dropped.
+    `local_k_check(k_local)` returns why the kernel cannot take that K slice (None if it can).
+    """
+    reasons = []
+    a_spec = _spec(a_sharding, len(a_shape))
+    w_spec = _spec(packed_sharding, 2)
+    if a_spec is None or w_spec is None or mesh is None or mesh.empty:
+        return [()] * (len(a_shape) - 1), (), (), ["shardings without a mesh: replicated"]
+    n_axes, k_axes = w_spec
+    if n_axes and n % _size(mesh, n_axes):
+        reasons.append(f"N={n} is not divisible by the {_size(mesh, n_axes)} shards of {n_axes}")
+        n_axes = ()
+    if k_axes:
+        shards = _size(mesh, k_axes)
+        if block_size % 2 or k % (block_size * shards):
+            reasons.append(
+                f"row-parallel K={k} over {shards} shards needs K % (block_size*shards) == 0 with an "
+                f"even block_size (block_size={block_size}): gathering K")
+            k_axes = ()
+        elif local_k_check is not None and (why := local_k_check(k // shards)) is not None:
+            reasons.append(f"row-parallel K slice {k // shards}: {why}: gathering K")
+            k_axes = ()
+    used = set(n_axes) | set(k_axes)
+    lead = []
+    for dim, axes in zip(a_shape[:-1], a_spec[:-1]):
+        keep = tuple(ax for ax in axes if ax not in used)
+        if keep != axes:
+            reasons.append(f"a's leading axes {axes} overlap the weight's axes {sorted(used)}")
+        if keep and dim % _size(mesh, keep):
+            reasons.append(f"a's leading dim {dim} is not divisible by {_size(mesh, keep)} shards")
+            keep = ()
+        used |= set(keep)
+        lead.append(keep)
+    return lead, n_axes, k_axes, reasons
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k_check=None):
+    """custom_partitioning around `impl` for one static configuration."""
+
+    def run(a, packed, scale, global_scale, bias):
+        return impl(a, packed, scale, global_scale, bias, block_size=block_size)
+
+    if has_bias:
+        def fn(a, packed, scale, global_scale, bias):
+            return run(a, packed, scale, global_scale, bias)
+    else:
+        def fn(a, packed, scale, global_scale):
+            return run(a, packed, scale, global_scale, None)
+    fn.__name__ = f"jax_fp4_{getattr(impl, '__name__', 'kernel').lstrip('_')}"
+    cp = custom_partitioning(fn)
+
+    def run_unsharded(a, packed, scale, global_scale, *maybe_bias):
+        return run(a, packed, scale, global_scale, maybe_bias[0] if maybe_bias else None)
+
+    def partition(mesh, arg_shapes, result_shape):
+        a_shape = arg_shapes[0].shape
+        n = arg_shapes[1].shape[0]
+        lead, n_axes, k_axes, _ = plan(mesh, a_shape, arg_shapes[0].sharding,
+                                       arg_shapes[1].sharding, n=n, k=k, block_size=block_size,
+                                       local_k_check=local_k_check)
+        if mesh is None or mesh.empty or not isinstance(arg_shapes[0].sharding, NamedSharding):
+            # Shardings without a mesh (GSPMDSharding): run the kernel on replicated operands.
+            from jax._src.sharding_impls import GSPMDSharding  # noqa: PLC0415 - no public name
+            rep = GSPMDSharding.get_replicated(arg_shapes[0].sharding._device_assignment)
+            return mesh, run_unsharded, rep, tuple(rep for _ in arg_shapes)
+        lead_spec = [_entry(ax) for ax in lead]
+        a_sh = NamedSharding(mesh, P(*lead_spec, _entry(k_axes)))
+        w_sh = NamedSharding(mesh, P(_entry(n_axes), _entry(k_axes)))
+        arg_shardings = [a_sh, w_sh, w_sh, NamedSharding(mesh, P())]
+        if has_bias:
+            arg_shardings.append(NamedSharding(mesh, P(_entry(n_axes))))
+        out_sh = NamedSharding(mesh, P(*lead_spec, _entry(n_axes)))
+
+        def lower_fn(a, packed, scale, global_scale, *maybe_bias):
+            bias = maybe_bias[0] if maybe_bias else None
+            if not k_axes:
+                return run(a, packed, scale, global_scale, bias)
+            partial = run(a, packed, scale, global_scale, None).astype(jnp.float32)
+            y = jax.lax.psum(partial, k_axes)
+            if bias is not None:
+                y = y + bias.astype(jnp.float32)
+            return y.astype(a.dtype)
+
+        return mesh, lower_fn, out_sh, tuple(arg_shardings)
+
+    def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+        # Used by the GSPMD partitioner (jax_use_shardy_partitioner=False); Shardy uses the rule.
+        if mesh is None or mesh.empty or not isinstance(arg_shapes[0].sharding, NamedSharding):
+            from jax._src.sharding_impls import GSPMDSharding  # noqa: PLC0415
+            return GSPMDSharding.get_replicated(arg_shapes[0].sharding._device_assignment)
+        lead, n_axes, _, _ = plan(mesh, arg_shapes[0].shape, arg_shapes[0].sharding,
+                                  arg_shapes[1].sharding, n=arg_shapes[1].shape[0], k=k,
+                                  block_size=block_size, local_k_check=local_k_check)
+        return NamedSharding(mesh, P(*[_entry(ax) for ax in lead], _entry(n_axes)))
+
+    lead = " ".join(f"m{i}" for i in range(a_ndim - 1))
+    bias_rule = ", n" if has_bias else ""
+    if block_size % 2 == 0 and k % block_size == 0:
+        # One factor `kb` (the scale blocks) ties the K dims of a, packed and scale together, so
+        # Shardy shards them consistently; `b` and `h` are the elements and bytes inside a block.
+        rule = f"{lead} (kb b), n (kb h), n kb, {bias_rule} -> {lead} n"
+        cp.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
+                         sharding_rule=rule, reduction_factors=("kb",),
+                         b=block_size, h=block_size // 2)
+    else:
+        rule = f"{lead} k, n kh, n kb, {bias_rule} -> {lead} n"
+        cp.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
+                         sharding_rule=rule, need_replication_factors=("k", "kh", "kb"))
+    return cp
+
+
+def partitioned(impl, *, block_size: int, has_bias: bool, a_ndim: int, k: int,
+                local_k_check=None):
+    """`impl` (a path implementation) as a call XLA's partitioner splits with the rules above.
+
+    `impl(a, packed, scale, global_scale, bias_or_None, *, block_size)` must take a of any rank
+    and must not capture array constants (custom_partitioning traces it and refuses constants).
+    """
+    cp = _wrapped(impl, block_size, has_bias, a_ndim, k, local_k_check)
+
+    def call(a, packed, scale, global_scale, bias, *, block_size):
+        del block_size
+        return cp(a, packed, scale, global_scale, *(() if bias is None else (bias,)))
+
+    return call
+
+
+# Paths whose implementation is an opaque FFI call (the pure-JAX paths partition natively).
+KERNEL_PATHS = ("cpu", "gemv", "dequant")
+
+
+def _needs_rule(ctx) -> bool:
+    """Whether this lowering is for a multi-device program that XLA's partitioner will split
+    (single-device programs and fully manual shard_map bodies run the kernel as is)."""
+    from jax._src import sharding_impls  # noqa: PLC0415 - private; only the context types
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        return axis_context.num_devices > 1 and axis_context.device_assignment is not None
+    # shard_map / pmap bodies (SPMDAxisContext): the kernel runs per shard as it is. A body that
+    # leaves some mesh axes automatic also runs it as is (operands replicated over those axes).
+    return False
+
+
+def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool):
+    """The implementation the lowering should trace: `impl`, or `impl` under the partitioning
+    rules when `path` is a kernel path lowered into a multi-device program."""
+    if path not in KERNEL_PATHS or not _needs_rule(ctx):
+        return impl
+    if not env_flag("JAX_FP4_CUSTOM_PARTITIONING", True):
+        return impl  # debugging switch: XLA then gathers the operands, as for any opaque call
+    a_aval = ctx.avals_in[0]
+    return partitioned(impl, block_size=block_size, has_bias=has_bias, a_ndim=a_aval.ndim,
+                       k=a_aval.shape[-1],
+                       local_k_check=_local_k_check(path, block_size, np.dtype(a_aval.dtype)))
+
+
+@functools.lru_cache(maxsize=None)
+def _local_k_check(path: str, block_size: int, dtype):
+    """The path's own limits on K (e.g. gemv: K % 32 == 0), applied to a row-parallel K slice:
+    the path was chosen for the whole K."""
+    check = _dispatch._UNSUPPORTED.get(path)
+    if check is None:
+        return None
+    return lambda k_local: check(_dispatch.Problem(m=1, n=1, k=k_local, block_size=block_size,
+                                                   dtype=dtype))
+
+
+def merge_leading(a):
+    """a [..., K] -> [M, K] for the 2-D kernels.
+
+    Under explicit sharding types (meshes from `jax.make_mesh`, whose axes are Explicit by
+    default) merging a sharded leading dim with another has no sharding type, and `reshape`
+    refuses it. The merge only happens in the traced body of the partitioned call (the rules
+    above lay out the real computation, on local shards) or in a program with one device, so it
+    is typed replicated there.
+    """
+    m, k = math.prod(a.shape[:-1]), a.shape[-1]
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if (a.ndim > 2 and mesh is not None and not mesh.empty and mesh._any_axis_explicit
+            and any(e is not None for e in tuple(sharding.spec)[:-1])):
+        return jax.lax.reshape(a, (m, k), out_sharding=NamedSharding(mesh, P()))
+    return a.reshape(m, k)
+
+
+def result_sharding(a_aval, packed_aval):
+    """The result's sharding type under explicit mesh axes (None: leave it to the default).
+
+    Leading dims keep a's explicit axes and N takes the weight's; K's axes are summed over inside
+    the partitioned call, so they do not appear in the result.
+    """
+    a_sh = getattr(a_aval, "sharding", None)
+    w_sh = getattr(packed_aval, "sharding", None)
+    mesh = getattr(a_sh, "mesh", None)
+    if mesh is None or mesh.empty or not mesh._any_axis_explicit:
+        return None
+    explicit = set(mesh.explicit_axes)
+    a_spec = [tuple(ax for ax in _axes(e) if ax in explicit)
+              for e in tuple(a_sh.spec) + (None,) * (a_aval.ndim - len(a_sh.spec))]
+    w_spec = [()] * 2
+    if getattr(w_sh, "mesh", None) is not None and not w_sh.mesh.empty:
+        w_spec = [tuple(ax for ax in _axes(e) if ax in explicit)
+                  for e in tuple(w_sh.spec) + (None,) * (2 - len(w_sh.spec))]
+    used = set(w_spec[0]) | set(w_spec[1]) | set(a_spec[-1])
+    lead = []
+    for axes in a_spec[:-1]:
+        keep = tuple(ax for ax in axes if ax not in used)
+        used |= set(keep)
+        lead.append(_entry(keep))
+    return NamedSharding(mesh, P(*lead, _entry(w_spec[0])))

@@ -1,0 +1,74 @@
+"""Smoke test of the benchmark machinery (jax_fp4.bench) on tiny shapes: not a timed test."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fp4
+from jax_fp4 import bench
+
+ROW_FIELDS = ("path", "m", "n", "k", "dtype", "us", "tbps", "tflops", "speedup_vs_bf16",
+              "speedup_vs_naive", "bf16_us", "naive_us", "read_bw_tbps", "fraction_of_read_bw",
+              "floor_us")
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_quick_run_writes_json(tmp_path, capsys):
+    out = tmp_path / "results.json"
+    rc = bench.main(["--quick", "--shapes", "96x128", "--m", "2", "--repeats", "1", "--warmup", "0",
+                     "--decode-step", "--seed", "1", "--json", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())
+
+    assert results["device"] and results["jax_version"] == jax.__version__
+    assert _positive_finite(results["read_bw_tbps"])
+    (row,) = results["rows"]
+    for field in ROW_FIELDS:
+        assert field in row, field
+    assert (row["m"], row["n"], row["k"], row["dtype"]) == (2, 96, 128, "bf16")
+    assert row["path"] == jax_fp4.dispatch_path(
+        jax.ShapeDtypeStruct((2, 128), jnp.bfloat16), jax_fp4.quantize(jnp.ones((96, 128))))
+    for field in ROW_FIELDS[5:]:
+        assert _positive_finite(row[field]), (field, row[field])
+    assert row["bytes"] == 96 * 64 + 96 * 8 + 4 + 2 * (2 * 128 + 2 * 96)
+    assert row["layers"][0] < row["layers"][1]
+
+    decode = results["decode_step"]
+    assert decode["matmuls"] == 4 * decode["layers"] + 1
+    for field in ("e2e_us", "step_us", "floor_us", "bf16_step_us", "naive_step_us"):
+        assert _positive_finite(decode[field]), (field, decode[field])
+
+    table = capsys.readouterr().out
+    assert "96x128" in table and "decode step" in table
+
+
+def test_chain_lengths_exceed_cache_and_respect_dense_cap():
+    budget = bench.Budget(cache_bytes=60 * bench.MB, dense_cap_bytes=4 * bench.GB)
+    for n, k in [(4096, 4096), (11008, 4096), (17408, 5120), (248320, 2048)]:
+        layer = bench.nvfp4_weight_bytes(n, k)
+        l1, l2 = bench.chain_lengths(layer, n * k * 2, budget)
+        assert 1 <= l1 < l2
+        assert l2 * n * k * 2 <= budget.dense_cap_bytes
+        assert (l2 - l1) * layer > budget.cache_bytes
+        assert l1 == 1 or l1 * layer >= 2 * budget.cache_bytes
+
+
+def test_naive_dequantize_matches_dequantize():
+    w = jax_fp4.quantize(jax.random.normal(jax.random.key(3), (32, 64)))
+    naive = np.asarray(bench.naive_dequantize(w, jnp.float32))
+    np.testing.assert_allclose(naive, np.asarray(jax_fp4.dequantize(w, jnp.float32)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("text", ["4096", "4096x", "0x128", "64x33"])
+def test_parse_shape_rejects_bad_shapes(text):
+    with pytest.raises(Exception):
+        bench.parse_shape(text)

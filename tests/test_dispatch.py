@@ -1,0 +1,83 @@
+"""Path selection (`_dispatch.select_path`): pure Python, every combination, no device needed.
+
+The expected path is restated here from the rules in README/spec: empty first, then a forced
+backend (or a clear ValueError), else on CUDA: gemv for M <= 8 (block 16, K % 32 == 0, fp16/bf16),
+native only when enabled on compute capability 12.x for M > 8 (block 16, K and N % 32 == 0),
+dequant for fp16/bf16, reference otherwise; on CPU the fused C++ kernel.
+"""
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_fp4 import _dispatch
+from jax_fp4._dispatch import Problem, select_path
+
+CAPABILITIES = [None, (7, 5), (8, 0), (9, 0), (10, 0), (12, 0)]
+DTYPES = [np.dtype("float16"), np.dtype(ml_dtypes.bfloat16), np.dtype("float32")]
+MS, NS, KS, BLOCKS = [0, 1, 8, 9, 64, 4096], [0, 33, 64], [0, 48, 64, 4096], [16, 32, 7]
+
+
+def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype):
+    half = dtype.name in ("float16", "bfloat16")
+    gemv_ok = half and bs == 16 and k % 32 == 0
+    native_ok = cap is not None and cap[0] == 12 and bs == 16 and k % 32 == 0 and n % 32 == 0 and half
+    fused_ok = (cap is not None and cap[0] == 9 and half and bs == 16 and k > 0 and k % 128 == 0)
+    shape_ok = {"gemv": gemv_ok, "dequant": half, "native": native_ok, "fused": fused_ok,
+                "cpu": True, "reference": True, "auto": True}[backend]
+    if backend in ("gemv", "dequant") and not shape_ok:
+        return ValueError
+    if m == 0 or n == 0 or k == 0:
+        return "empty"
+    if backend == "reference":
+        return "reference"
+    if backend != "auto":
+        needed = "cpu" if backend == "cpu" else "cuda"
+        if platform != needed or (needed == "cuda" and not has_cuda) or not shape_ok:
+            return ValueError
+        return backend
+    if platform == "cpu":
+        return "cpu"
+    if platform == "cuda" and has_cuda:
+        if gemv_ok and m <= _dispatch.GEMV_MAX_M:
+            return "gemv"
+        if native_env and native_ok and m > 8:
+            return "native"
+        if half:
+            return "dequant"
+    return "reference"
+
+
+def test_every_combination():
+    count = 0
+    for platform, backend, cap, env, has_cuda, m, n, k, bs, dtype in itertools.product(
+            ("cpu", "cuda", "rocm"), _dispatch.BACKENDS, CAPABILITIES, (False, True), (False, True),
+            MS, NS, KS, BLOCKS, DTYPES):
+        if platform != "cuda" and (cap is not None or env):
+            continue  # capability and the native switch only exist on CUDA
+        problem = Problem(m=m, n=n, k=k, block_size=bs, dtype=dtype)
+        want = _expected(platform, backend, cap, env, has_cuda, m, n, k, bs, dtype)
+        kwargs = dict(has_cuda_kernels=has_cuda, capability=cap, native_enabled=env)
+        if want is ValueError:
+            with pytest.raises(ValueError, match=f"backend={backend!r}"):
+                select_path(platform, backend, problem, **kwargs)
+        else:
+            assert select_path(platform, backend, problem, **kwargs) == want, (
+                platform, backend, cap, env, has_cuda, m, n, k, bs, dtype)
+        count += 1
+    assert count > 100_000
+
+
+@pytest.mark.parametrize("raw, value", [("1", True), ("yes", True), ("TRUE", True), ("0", False),
+                                        ("off", False), ("no", False), ("", True)])
+def test_env_flag_parses_booleans(monkeypatch, raw, value):
+    monkeypatch.setenv("JAX_FP4_GEMV_MMA", raw)
+    assert _dispatch.env_flag("JAX_FP4_GEMV_MMA", True) is value
+
+
+def test_env_flag_rejects_garbage(monkeypatch):
+    monkeypatch.setenv("JAX_FP4_GEMV_ROW_TILING", "2")
+    with pytest.raises(ValueError, match="JAX_FP4_GEMV_ROW_TILING must be a boolean"):
+        _dispatch.env_flag("JAX_FP4_GEMV_ROW_TILING", True)

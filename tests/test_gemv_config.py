@@ -1,0 +1,87 @@
+"""The CUDA decode GEMV's launch heuristic (ffi/include/jax_fp4/gemv_config.h), exposed through
+the CPU module as gemv_launch_config: pure C++, so it is checked on any machine."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+import jax_fp4  # noqa: F401  (builds/loads the compiled modules)
+from jax_fp4 import _jax_fp4_cpu
+
+config = _jax_fp4_cpu.gemv_launch_config
+
+H200_SMS = 132
+MAX_WARPS_PER_BLOCK = 16
+TARGET_WARPS_PER_SM = 16
+
+M_VALUES = [1, 2, 3, 4, 7, 8, 9, 64, 1000]
+N_VALUES = [1, 7, 16, 100, 1000, 1056, 4096, 8448, 11008, 16896, 248320]
+K_VALUES = [0, 32, 96, 128, 256, 512, 1536, 2048, 4096, 16384]
+SMS = [1, 2, 46, 108, 132, 170]
+
+
+@pytest.mark.parametrize("num_sms", SMS)
+def test_invariants(num_sms):
+    for m, n, k in itertools.product(M_VALUES, N_VALUES, K_VALUES):
+        c = config(m, n, k, num_sms)
+        ct, ks, rows = c["col_tiles"], c["k_split"], c["rows_per_block"]
+        where = f"m={m} n={n} k={k} sms={num_sms}: {c}"
+        assert ct in (1, 2, 4), where
+        assert ks >= 1 and ks & (ks - 1) == 0, where  # power of two
+        assert ct * ks <= MAX_WARPS_PER_BLOCK, where
+        assert rows in (1, 2, 4), where
+        windows = k // 128
+        if ks > 1:
+            assert windows >= 2 * ks, f"every split warp keeps >= 2 windows: {where}"
+        if m == 1:
+            assert ct == 1, f"nothing to share at M = 1: {where}"
+            assert rows == 1, where
+        assert rows <= max(1, 4 if m >= 3 else m), where
+        # Row tiling only when the column grid ceil(N / 8) covers a wave on its own.
+        if math.ceil(n / 8) < num_sms:
+            assert rows == 1, where
+        # Column tiles only when the grid still has two waves of blocks.
+        if ct > 1:
+            assert math.ceil(math.ceil(n / 16) / ct) >= 2 * num_sms, where
+        # k_split stops growing once the grid is full.
+        blocks = math.ceil(math.ceil(n / 16) / ct)
+        if ks > 1:
+            assert blocks * (ks // 2) < TARGET_WARPS_PER_SM * num_sms, where
+
+
+def test_h200_shapes():
+    """The decisions for the shapes quoted in benchmarks/NOTES.md (H200, 132 SMs)."""
+    def cfg(m, n, k):
+        c = config(m, n, k, H200_SMS)
+        return c["col_tiles"], c["k_split"], c["rows_per_block"]
+
+    assert cfg(1, 11008, 4096) == (1, 4, 1)      # MLP up/gate at decode
+    assert cfg(4, 11008, 4096) == (2, 8, 4)      # speculative decode, 4 rows
+    assert cfg(1, 4096, 11008) == (1, 16, 1)     # MLP down
+    assert cfg(4, 248320, 2048) == (4, 1, 4)     # lm_head
+    assert cfg(1, 4096, 4096) == (1, 16, 1)
+    assert cfg(8, 2048, 2048) == (1, 8, 4)       # small MLP: split K for parallelism
+    assert cfg(1, 100, 128) == (1, 1, 1)         # one window: nothing to split
+
+
+def test_monotone_in_sms():
+    """More SMs never means fewer warps in flight."""
+    for m, n, k in itertools.product([1, 4, 8], [1000, 11008, 248320], [512, 4096]):
+        warps = []
+        for sms in (16, 64, 132, 264):
+            c = config(m, n, k, sms)
+            warps.append(math.ceil(math.ceil(n / 16) / c["col_tiles"]) * c["k_split"])
+        assert warps == sorted(warps), (m, n, k, warps)
+
+
+def test_default_num_sms_is_h200():
+    assert config(4, 11008, 4096) == config(4, 11008, 4096, H200_SMS)
+
+
+def test_degenerate_inputs():
+    for args in ((0, 0, 0, 0), (1, 0, 128, 132), (1, 1, 0, 132), (1, 1, 128, -3)):
+        c = config(*args)
+        assert c["col_tiles"] >= 1 and c["k_split"] >= 1 and c["rows_per_block"] >= 1

@@ -1,0 +1,474 @@
+"""Sharded inference on 8 CPU devices (tests/conftest.py sets the device count).
+
+Each sharding pattern is checked three ways: values against the float64 NumPy reference on fresh
+random inputs, the output sharding, and facts read from the compiled (partitioned) HLO: which
+collectives XLA inserted and the per-device shapes the kernel custom call runs on.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_fp4
+from jax_fp4 import _sharding
+from tests import reference
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8 or jax.devices()[0].platform != "cpu",
+    reason="needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 set before "
+           "jax is imported; tests/conftest.py does it)")
+
+KERNEL = "jax_fp4_matmul_cpu"
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _mesh(shape, names, explicit=False):
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+
+
+def _put(x, mesh, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _weight(rng, n, k, mesh, spec, *, block_size=16, scale_spec=None):
+    """A random NVFP4 weight placed with `spec` (packed and scale), plus its float64 dequant."""
+    packed, scale, gs = reference.random_weight(rng, n, k, block_size)
+    w = jax_fp4.NVFP4Weight(_put(packed, mesh, spec),
+                            _put(scale, mesh, spec if scale_spec is None else scale_spec),
+                            _put(gs, mesh, P()), block_size=block_size)
+    return w, reference.dequantize(packed, scale, gs, block_size)
+
+
+def _activation(rng, shape, dtype, mesh, spec):
+    a = jnp.asarray(rng.standard_normal(shape), dtype)
+    return _put(a, mesh, spec), np.asarray(a, np.float64)
+
+
+def _collectives(hlo: str) -> dict:
+    return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
+
+
+def _kernel_calls(hlo: str) -> list:
+    """Per kernel custom call: (result shape, [operand shapes]) as tuples of ints."""
+    calls = []
+    for line in hlo.splitlines():
+        if f'custom_call_target="{KERNEL}"' not in line:
+            continue
+        result = re.search(r"=\s*\w+\[([\d,]*)\]", line).group(1)
+        start = line.index("operand_layout_constraints={") + len("operand_layout_constraints={")
+        depth, end = 1, start
+        while depth:                                   # the matching brace (layouts nest {1,0})
+            depth += {"{": 1, "}": -1}.get(line[end], 0)
+            end += 1
+        operands = line[start:end - 1]
+        shape = lambda s: tuple(int(d) for d in s.split(",") if d)  # noqa: E731
+        calls.append((shape(result), [shape(s) for s in re.findall(r"\w+\[([\d,]*)\]", operands)]))
+    return calls
+
+
+def _compile(f, *args):
+    lowered = jax.jit(f).lower(*args)
+    return lowered, lowered.compile().as_text()
+
+
+def _check(y, ref, dtype):
+    y64 = np.asarray(y).astype(np.float64)
+    assert y64.shape == ref.shape and np.isfinite(y64).all()
+    assert reference.relative_error(y64, ref) < reference.TOLERANCE[np.dtype(dtype).name]
+
+
+def _spec(y):
+    return tuple(y.sharding.spec) + (None,) * (y.ndim - len(y.sharding.spec))
+
+
+# ---- the three patterns on a 1-D mesh -----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_column_parallel_shards_n_with_no_collective(dtype):
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    n, k = 128, 96
+    w, w64 = _weight(rng, n, k, mesh, P("x", None))
+    a, a64 = _activation(rng, (3, 5, k), dtype, mesh, P())           # leading dims, replicated
+    bias = _put(jnp.asarray(rng.standard_normal(n), dtype), mesh, P("x"))
+    lowered, hlo = _compile(jax_fp4.matmul, a, w, bias)
+
+    y = jax.jit(jax_fp4.matmul)(a, w, bias)
+    _check(y, a64 @ w64.T + np.asarray(bias, np.float64), dtype)
+    assert _spec(y) == (None, None, "x")
+    assert _collectives(hlo) == dict.fromkeys(COLLECTIVES, 0)
+    # One kernel call per device on its 16 columns: a [15, K], packed [16, K/2], scale [16, KB],
+    # bias [16]; the result [15, 16].
+    [(out, ops)] = _kernel_calls(hlo)
+    assert out == (15, n // 8)
+    assert ops == [(15, k), (n // 8, k // 2), (n // 8, k // 16), (), (n // 8,)]
+    # Before partitioning the kernel sits inside custom_partitioning's call.
+    assert "CustomSPMDPartitioning" in lowered.as_text()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_parallel_is_one_all_reduce_and_adds_bias_once(dtype):
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    n, k = 48, 512                                                  # 8 shards of 4 scale blocks
+    w, w64 = _weight(rng, n, k, mesh, P(None, "x"))
+    a, a64 = _activation(rng, (2, 6, k), dtype, mesh, P(None, None, "x"))
+    # A large bias: adding it on every shard (8x) would be far outside the tolerance.
+    bias_np = 50.0 * rng.standard_normal(n)
+    bias = _put(jnp.asarray(bias_np, dtype), mesh, P())
+    _, hlo = _compile(jax_fp4.matmul, a, w, bias)
+
+    y = jax.jit(jax_fp4.matmul)(a, w, bias)
+    _check(y, a64 @ w64.T + np.asarray(bias, np.float64), dtype)
+    assert _spec(y) == (None, None, None)
+    counts = _collectives(hlo)
+    assert counts["all-gather"] == 0
+    assert counts == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
+    # The all-reduce sums float32 partial products of the whole output [2, 6, N].
+    [reduce_line] = [ln for ln in hlo.splitlines() if re.search(r"\ball-reduce(?:-start)?\(", ln)]
+    assert re.search(rf"= f32\[2,6,{n}\]", reduce_line), reduce_line
+    # Each device multiplies its K slice (64 = 4 blocks), without bias (empty bias operand).
+    [(out, ops)] = _kernel_calls(hlo)
+    assert out == (12, n)
+    assert ops == [(12, k // 8), (n, k // 16), (n, k // 128), (), (0,)]
+
+
+@pytest.mark.parametrize("lead_spec", [P("x", None, None), P(None, "x", None)])
+def test_data_parallel_keeps_leading_dims_sharded(lead_spec):
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    n, k = 40, 80
+    w, w64 = _weight(rng, n, k, mesh, P())                          # replicated weight
+    a, a64 = _activation(rng, (8, 16, k), "bfloat16", mesh, lead_spec)
+    _, hlo = _compile(jax_fp4.matmul, a, w)
+
+    y = jax.jit(jax_fp4.matmul)(a, w)
+    _check(y, a64 @ w64.T, "bfloat16")
+    assert _spec(y) == tuple(lead_spec)
+    assert _collectives(hlo) == dict.fromkeys(COLLECTIVES, 0)
+    [(out, ops)] = _kernel_calls(hlo)
+    assert out == (128 // 8, n) and ops[0] == (128 // 8, k) and ops[1] == (n, k // 2)
+
+
+# ---- 2-D meshes: data parallel combined with tensor parallel -------------------------------------
+
+@pytest.mark.parametrize("mode", ["column", "row"])
+def test_2d_mesh_data_and_tensor_parallel(mode):
+    rng = np.random.default_rng()
+    mesh = _mesh((2, 4), ("data", "model"))
+    n, k = 64, 256
+    w_spec, a_spec, out_spec = {
+        "column": (P("model", None), P("data", None), ("data", "model")),
+        "row": (P(None, "model"), P("data", "model"), ("data", None)),
+    }[mode]
+    w, w64 = _weight(rng, n, k, mesh, w_spec)
+    a, a64 = _activation(rng, (10, k), "float32", mesh, a_spec)
+    _, hlo = _compile(jax_fp4.matmul, a, w)
+
+    y = jax.jit(jax_fp4.matmul)(a, w)
+    _check(y, a64 @ w64.T, "float32")
+    assert _spec(y) == out_spec
+    counts = _collectives(hlo)
+    assert counts == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": int(mode == "row")}
+    if mode == "row":   # reduced over the 4 "model" devices of each data replica only
+        assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in hlo or "replica_groups=[2,4]<=[8]" in hlo
+    [(out, ops)] = _kernel_calls(hlo)
+    assert ops[0] == ((5, k) if mode == "column" else (5, k // 4))
+    assert out == ((5, n // 4) if mode == "column" else (5, n))
+
+
+def test_two_layer_tensor_parallel_mlp_needs_one_all_reduce():
+    """Column-parallel up projection -> gelu -> row-parallel down projection (Megatron)."""
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    d, h = 64, 256
+    up, up64 = _weight(rng, h, d, mesh, P("x", None))
+    down, down64 = _weight(rng, d, h, mesh, P(None, "x"))
+    b_up = _put(jnp.asarray(rng.standard_normal(h), jnp.float32), mesh, P("x"))
+    b_down = _put(jnp.asarray(rng.standard_normal(d), jnp.float32), mesh, P())
+    x, x64 = _activation(rng, (4, 3, d), "float32", mesh, P())
+
+    def mlp(x, up, b_up, down, b_down):
+        return jax_fp4.matmul(jax.nn.relu(jax_fp4.matmul(x, up, b_up)), down, b_down)
+
+    _, hlo = _compile(mlp, x, up, b_up, down, b_down)
+    y = jax.jit(mlp)(x, up, b_up, down, b_down)
+    hid = np.maximum(x64 @ up64.T + np.asarray(b_up, np.float64), 0)
+    _check(y, hid @ down64.T + np.asarray(b_down, np.float64), "float32")
+    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
+    shapes = sorted(ops[1] for _, ops in _kernel_calls(hlo))
+    assert shapes == sorted([(h // 8, d // 2), (d, h // 16)])     # local weight shards only
+
+
+@pytest.mark.parametrize("mode", ["column", "row"])
+def test_grad_under_tensor_parallel_weights(mode):
+    """dA = dY @ dequant(W) partitions too (pure JAX in the transpose rule): no weight gather."""
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    w_spec, a_spec = {"column": (P("x", None), P()), "row": (P(None, "x"), P(None, "x"))}[mode]
+    w, w64 = _weight(rng, 64, 256, mesh, w_spec)
+    a, _ = _activation(rng, (6, 256), "float32", mesh, a_spec)
+    bias = _put(jnp.asarray(rng.standard_normal(64), jnp.float32), mesh, P())
+    ct = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+    f = jax.grad(lambda a, b, w: jnp.sum(jax_fp4.matmul(a, w, b) * ct), argnums=(0, 1))
+    _, hlo = _compile(f, a, bias, w)
+    da, db = jax.jit(f)(a, bias, w)
+    _check(da, np.asarray(ct, np.float64) @ w64, "float32")
+    _check(db, np.asarray(ct, np.float64).sum(0), "float32")
+    # Column parallel: dA contracts over the sharded N, so one all-reduce; row parallel: none.
+    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0),
+                                 "all-reduce": int(mode == "column")}
+
+
+def _stacked(rng, e, n, k, mesh, spec):
+    parts = [reference.random_weight(rng, n, k) for _ in range(e)]
+    packed, scale, gs = (np.stack(x) for x in zip(*parts))
+    ws = jax_fp4.NVFP4Weight(_put(packed, mesh, spec), _put(scale, mesh, spec), _put(gs, mesh, P()))
+    return ws, np.stack([reference.dequantize(*p, 16) for p in parts])
+
+
+def test_vmap_over_column_parallel_experts():
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    ws, w64 = _stacked(rng, 3, 64, 96, mesh, P(None, "x", None))   # each expert N-sharded
+    a, a64 = _activation(rng, (5, 96), "float32", mesh, P())
+    f = jax.vmap(jax_fp4.matmul, in_axes=(None, 0))
+    _, hlo = _compile(f, a, ws)
+    y = jax.jit(f)(a, ws)
+    _check(y, np.einsum("mk,enk->emn", a64, w64), "float32")
+    assert _spec(y) == (None, None, "x")
+    assert _collectives(hlo) == dict.fromkeys(COLLECTIVES, 0)
+    [(_, ops)] = _kernel_calls(hlo)
+    assert ops[1] == (8, 48)
+
+
+def test_scan_over_row_parallel_layers():
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    layers, d = 3, 128
+    ws, w64 = _stacked(rng, layers, d, d, mesh, P(None, None, "x"))  # each layer K-sharded
+    h0, h64 = _activation(rng, (4, d), "float32", mesh, P())
+
+    def net(h, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(jax_fp4.matmul(h, w)), None), h, ws)[0]
+
+    _, hlo = _compile(net, h0, ws)
+    y = jax.jit(net)(h0, ws)
+    for i in range(layers):
+        h64 = np.tanh(h64 @ w64[i].T)
+    _check(y, h64, "float32")
+    # One all-reduce in the loop body (once per layer at run time), and no gather of any layer.
+    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
+    [(_, ops)] = _kernel_calls(hlo)
+    assert ops[1] == (d, d // 16)
+
+
+def _dequant_then_dot(a, packed, scale, global_scale, bias, *, block_size):
+    """A pure-JAX path implementation shaped like the CUDA dequant path. No array constants: the
+    body custom_partitioning traces may not capture any (E2M1 decoded arithmetically)."""
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    exp, mant = ((codes >> 1) & 3).astype(jnp.float32), (codes & 1).astype(jnp.float32)
+    mag = jnp.where(exp == 0, 0.5 * mant, (1 + 0.5 * mant) * jnp.exp2(exp - 1))
+    e2m1 = jnp.where(codes & 8, -mag, mag)
+    e4m3 = jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn).astype(jnp.float32)
+    w = e2m1 * jnp.repeat(e4m3, block_size, axis=1)[:, :e2m1.shape[1]] * global_scale
+    y = jnp.matmul(a.astype(jnp.float32), w.T, precision="highest")
+    return (y if bias is None else y + bias.astype(jnp.float32)).astype(a.dtype)
+
+
+@pytest.mark.parametrize("mode", ["column", "row", "data"])
+def test_rules_serve_any_path_implementation(mode):
+    """The CUDA paths (gemv, dequant) get the same wrapper; they cannot run here, so wrap a pure-JAX
+    implementation (N-D a, no reshape: like dequant) and check the plan and the values."""
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    n, k = 64, 256
+    w_spec, a_spec, b_spec = {"column": (P("x", None), P(), P("x")),
+                              "row": (P(None, "x"), P(None, None, "x"), P()),
+                              "data": (P(), P("x", None, None), P())}[mode]
+    w, w64 = _weight(rng, n, k, mesh, w_spec)
+    a, a64 = _activation(rng, (8, 3, k), "bfloat16", mesh, a_spec)
+    bias = _put(jnp.asarray(10 * rng.standard_normal(n), jnp.bfloat16), mesh, b_spec)
+    call = _sharding.partitioned(_dequant_then_dot, block_size=16, has_bias=True, a_ndim=3, k=k)
+    f = lambda a, w, b: call(a, w.packed, w.scale, w.global_scale, b, block_size=16)  # noqa: E731
+    _, hlo = _compile(f, a, w, bias)
+    _check(jax.jit(f)(a, w, bias), a64 @ w64.T + np.asarray(bias, np.float64), "bfloat16")
+    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": int(mode == "row")}
+
+
+# ---- fallbacks, and proof that the HLO checks would catch a gathered weight -----------------------
+
+def test_without_the_rules_xla_gathers_the_weight(monkeypatch):
+    """The check is meaningful: with the partitioning rules switched off, the same column-parallel
+    program all-gathers the weight (what an FFI call without rules does)."""
+    monkeypatch.setenv("JAX_FP4_CUSTOM_PARTITIONING", "0")
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    w, w64 = _weight(rng, 64, 64, mesh, P("x", None))
+    a, a64 = _activation(rng, (4, 64), "float32", mesh, P())
+    f = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731 - a fresh function: no cached lowering
+    _, hlo = _compile(f, a, w)
+    _check(jax.jit(f)(a, w), a64 @ w64.T, "float32")
+    assert _collectives(hlo)["all-gather"] >= 1
+    [(_, ops)] = _kernel_calls(hlo)
+    assert ops[1] == (64, 32)                                      # the whole weight on each device
+
+
+@pytest.mark.parametrize("k, block_size, scale_spec", [
+    (192, 16, P()),        # 12 scale blocks do not split 8 ways
+    (128, 32, P()),        # 8 shards of 16 elements would cut each 32-block in half
+])
+def test_row_parallel_on_unaligned_k_gathers_k(k, block_size, scale_spec):
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    w, w64 = _weight(rng, 24, k, mesh, P(None, "x"), block_size=block_size, scale_spec=scale_spec)
+    a, a64 = _activation(rng, (5, k), "float32", mesh, P(None, "x"))
+    _, hlo = _compile(jax_fp4.matmul, a, w)
+    _check(jax.jit(jax_fp4.matmul)(a, w), a64 @ w64.T, "float32")
+    assert _collectives(hlo)["all-reduce"] == 0 and _collectives(hlo)["all-gather"] >= 1
+    [(_, ops)] = _kernel_calls(hlo)
+    assert ops[1] == (24, k // 2)
+
+
+def test_plan_explains_each_fallback():
+    mesh = _mesh((2, 4), ("data", "model"))
+    sh = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    lead, n_axes, k_axes, why = _sharding.plan(mesh, (8, 64), sh("data", "model"), sh(None, "model"),
+                                               n=32, k=64, block_size=16)
+    assert (lead, n_axes, k_axes, why) == ([("data",)], (), ("model",), [])
+    _, _, k_axes, why = _sharding.plan(mesh, (8, 48), sh(), sh(None, "model"), n=32, k=48,
+                                       block_size=16)
+    assert k_axes == () and "block_size" in why[0]
+    _, n_axes, _, why = _sharding.plan(mesh, (8, 64), sh(), sh("model", None), n=30, k=64,
+                                       block_size=16)
+    assert n_axes == () and "not divisible" in why[0]
+    lead, n_axes, _, why = _sharding.plan(mesh, (8, 64), sh("model", None), sh("model", None),
+                                          n=32, k=64, block_size=16)
+    assert lead == [()] and n_axes == ("model",) and "overlap" in why[0]
+    # The path's own K limits hold for the local slice: gemv needs K % 32 == 0.
+    gemv_check = _sharding._local_k_check("gemv", 16, np.dtype("float16"))
+    _, _, k_axes, why = _sharding.plan(mesh, (8, 64), sh(), sh(None, "model"), n=32, k=64,
+                                       block_size=16, local_k_check=gemv_check)
+    assert k_axes == () and "multiple of 32" in why[0]
+    _, _, k_axes, _ = _sharding.plan(mesh, (8, 128), sh(), sh(None, "model"), n=32, k=128,
+                                     block_size=16, local_k_check=gemv_check)
+    assert k_axes == ("model",)
+    assert _sharding._local_k_check("cpu", 16, np.dtype("float16")) is None
+
+
+# ---- explicit sharding types, eager calls, what the lowered HLO shows ------------------------------
+
+def test_explicit_axes_mesh_with_leading_dims():
+    """jax.make_mesh's default (Explicit axes): a [B, S, K] sharded on S, column-parallel weight."""
+    rng = np.random.default_rng()
+    mesh = _mesh((2, 4), ("data", "model"), explicit=True)
+    w, w64 = _weight(rng, 32, 64, mesh, P("model", None))
+    a, a64 = _activation(rng, (3, 4, 64), "float32", mesh, P(None, "data", None))
+    _, hlo = _compile(jax_fp4.matmul, a, w)
+    y = jax.jit(jax_fp4.matmul)(a, w)
+    _check(y, a64 @ w64.T, "float32")
+    assert _collectives(hlo) == dict.fromkeys(COLLECTIVES, 0)
+    [(out, _)] = _kernel_calls(hlo)
+    assert out == (6, 8)
+
+
+def test_result_sharding_type_for_explicit_axes():
+    """The sharding type the result would carry under explicit axes (helper for abstract eval)."""
+    mesh = _mesh((2, 4), ("data", "model"), explicit=True).abstract_mesh
+    aval = lambda shape, spec, dtype=jnp.float32: jax.core.ShapedArray(  # noqa: E731
+        shape, dtype, sharding=NamedSharding(mesh, spec))
+    row = _sharding.result_sharding(aval((4, 16, 256), P(None, "data", "model")),
+                                    aval((64, 128), P(None, "model"), jnp.uint8))
+    assert row.spec == P(None, "data", None)
+    col = _sharding.result_sharding(aval((16, 256), P("model", None)),
+                                    aval((64, 128), P("model", None), jnp.uint8))
+    assert col.spec == P(None, "model")              # the weight's N wins over a's rows
+    plain = jax.core.ShapedArray((16, 256), jnp.float32)
+    assert _sharding.result_sharding(plain, jax.core.ShapedArray((64, 128), jnp.uint8)) is None
+
+
+def test_eager_call_on_sharded_operands():
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    w, w64 = _weight(rng, 64, 32, mesh, P("x", None))
+    a, a64 = _activation(rng, (16, 32), "float16", mesh, P())
+    y = jax_fp4.matmul(a, w)                                       # no jit
+    _check(y, a64 @ w64.T, "float16")
+    assert _spec(y) == (None, "x")
+    assert [s.data.shape for s in y.addressable_shards] == [(16, 8)] * 8
+
+
+def test_single_device_program_is_unchanged():
+    """Without a mesh, 8 devices or not, the kernel call is inlined as before: the FFI target is in
+    the lowered text and no custom_partitioning call is."""
+    rng = np.random.default_rng()
+    packed, scale, gs = reference.random_weight(rng, 16, 32)
+    w = jax_fp4.NVFP4Weight(packed, scale, gs)
+    a = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    text = jax.jit(jax_fp4.matmul).lower(a, w).as_text()
+    assert KERNEL in text and "CustomSPMDPartitioning" not in text
+
+
+# ---- shard_map and pmap: the kernel runs per shard -------------------------------------------------
+
+def test_shard_map_tensor_parallel_mlp():
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    d, h = 32, 128
+    up, up64 = _weight(rng, h, d, mesh, P("x", None))
+    down, down64 = _weight(rng, d, h, mesh, P(None, "x"))
+    x, x64 = _activation(rng, (6, d), "float32", mesh, P())
+    specs = lambda s: jax_fp4.NVFP4Weight.tree_unflatten(16, (s, s, P()))  # noqa: E731
+
+    def local(x, up, down):  # x replicated, up: 16 of h rows, down: 16 of h columns
+        hid = jax.nn.relu(jax_fp4.matmul(x, up))
+        return jax.lax.psum(jax_fp4.matmul(hid, down), "x")
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs(P("x", None)),
+                                                          specs(P(None, "x"))), out_specs=P()))
+    y = f(x, up, down)
+    _check(y, np.maximum(x64 @ up64.T, 0) @ down64.T, "float32")
+    lowered = f.lower(x, up, down)
+    assert KERNEL in lowered.as_text() and "CustomSPMDPartitioning" not in lowered.as_text()
+    hlo = lowered.compile().as_text()
+    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
+    assert sorted(ops[1] for _, ops in _kernel_calls(hlo)) == sorted([(16, 16), (32, 8)])
+
+
+def test_pmap_runs_the_kernel_per_device():
+    rng = np.random.default_rng()
+    packed, scale, gs = reference.random_weight(rng, 24, 48)
+    w = jax_fp4.NVFP4Weight(packed, scale, gs)
+    w64 = reference.dequantize(packed, scale, gs, 16)
+    a = jnp.asarray(rng.standard_normal((8, 3, 48)), jnp.bfloat16)
+    y = jax.pmap(jax_fp4.matmul, in_axes=(0, None))(a, w)
+    _check(y, np.asarray(a, np.float64) @ w64.T, "bfloat16")
+    # Stacked weights: one per device.
+    stacked = [reference.random_weight(rng, 24, 48) for _ in range(8)]
+    ws = jax_fp4.NVFP4Weight(*(np.stack(x) for x in zip(*stacked)))
+    y = jax.pmap(jax_fp4.matmul)(a, ws)
+    ref = np.stack([np.asarray(a[i], np.float64) @ reference.dequantize(*stacked[i], 16).T
+                    for i in range(8)])
+    _check(y, ref, "bfloat16")
+
+
+def test_sharded_inference_example():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sharded_inference.py"
+    spec = importlib.util.spec_from_file_location("examples_sharded_inference", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    facts = example.main(verbose=False)
+    assert facts["mesh"] == {"data": 2, "model": 4}
+    for name in ("jit + NamedSharding", "shard_map"):
+        assert facts[name]["relative_error"] < reference.TOLERANCE["bfloat16"]
+        assert facts[name]["collectives"] == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
+        assert facts[name]["output_spec"] == ("data",)
