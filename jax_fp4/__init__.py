@@ -12,6 +12,17 @@ from jax_fp4._primitive import nvfp4_matmul_p
 
 __version__ = "0.1.0"
 
+# Submodules with optional dependencies (flax) load on first use: `jax_fp4.nnx.FP4Linear`.
+_LAZY_SUBMODULES = ("nnx", "linen", "checkpoint", "bench")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"jax_fp4.{name}")
+    raise AttributeError(f"module 'jax_fp4' has no attribute {name!r}")
+
 __all__ = [
     "BACKENDS",
     "GEMV_MAX_M",
