@@ -205,11 +205,12 @@ def _jvp(primals, tangents, *, block_size, backend, has_bias):
     da, _, _, dgs, dbias = _split(tangents, has_bias)
     y = bind(a, packed, scale, global_scale, bias, block_size=block_size, backend=backend)
     out_tangents = []
-    if not (_is_zero(da) and (dbias is None or _is_zero(dbias))):
-        da = ad.instantiate_zeros(da)
-        dbias = None if dbias is None else ad.instantiate_zeros(dbias)
+    dbias = None if dbias is None or _is_zero(dbias) else dbias
+    if not _is_zero(da):
         out_tangents.append(bind(da, packed, scale, global_scale, dbias, block_size=block_size,
                                  backend=backend))
+    elif dbias is not None:  # only the bias moves: no matmul needed
+        out_tangents.append(jnp.broadcast_to(dbias, y.shape))
     if not _is_zero(dgs):
         out_tangents.append(bind(a, packed, scale, dgs, None, block_size=block_size, backend=backend))
     if not out_tangents:
