@@ -2,11 +2,17 @@
 //
 // Weight rows are decoded a tile at a time into a small fp32 buffer and consumed at once, so the
 // dequantized [N, K] matrix never exists; accumulation is fp32, the global scale and bias are applied
-// once per output in the epilogue, then the result is rounded to A's dtype.
+// once per output in the epilogue, then the result is rounded to A's dtype. Tiles of weight rows are
+// shared out over XLA's intra-op thread pool.
 #include "cpu/handlers.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -20,6 +26,7 @@ namespace jax_fp4 {
 namespace {
 
 constexpr int64_t kRowTile = 8;  // weight rows decoded together; 8 * K floats stay in L1/L2
+constexpr int64_t kParallelWork = int64_t{1} << 22;  // multiply-adds below which one thread runs
 
 float load_as_float(const void* data, ffi::DataType dtype, int64_t i) {
   switch (dtype) {
@@ -45,7 +52,88 @@ void store_from_float(void* data, ffi::DataType dtype, int64_t i, float value) {
   }
 }
 
-ffi::Error MatmulCpuImpl(ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::U8> scale,
+// Everything one call shares between the threads that work on it (read-only but for the counters).
+struct MatmulJob {
+  int64_t m = 0, n = 0, k = 0, k_blocks = 0, block_size = 0;
+  std::vector<float> a_f32;  // activations in fp32, [M, K]
+  const uint8_t* packed = nullptr;
+  const uint8_t* scale = nullptr;
+  const void* bias = nullptr;  // nullptr: no bias
+  void* y = nullptr;
+  ffi::DataType dtype = ffi::DataType::F32;
+  float global_scale = 1.0f;
+
+  int64_t num_tiles = 0;
+  std::atomic<int64_t> next_tile{0};
+  std::atomic<int64_t> done_tiles{0};
+  std::mutex mutex;
+  std::condition_variable all_done;
+};
+
+// Decodes the weight rows of one tile into fp32 (block scale folded in).
+void DecodeTile(const MatmulJob& job, int64_t n0, int64_t rows, float* w_tile) {
+  static const auto kE2M1 = [] {
+    std::array<float, 16> table{};
+    for (uint32_t code = 0; code < 16; ++code) table[code] = e2m1_to_float(code);
+    return table;
+  }();
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* packed_row = job.packed + (n0 + r) * (job.k / 2);
+    const uint8_t* scale_row = job.scale + (n0 + r) * job.k_blocks;
+    float* w_row = w_tile + r * job.k;
+    for (int64_t kb = 0; kb < job.k_blocks; ++kb) {
+      const float block_scale = e4m3_to_float(scale_row[kb]);
+      const int64_t k_end = std::min(job.k, (kb + 1) * job.block_size);
+      for (int64_t kk = kb * job.block_size; kk < k_end; ++kk) {
+        w_row[kk] = kE2M1[packed_code(packed_row, kk)] * block_scale;
+      }
+    }
+  }
+}
+
+// fp32 dot product in kLanes independent partial sums, which the compiler keeps in SIMD registers.
+float Dot(const float* x, const float* w, int64_t k) {
+  constexpr int kLanes = 8;
+  float partial[kLanes] = {};
+  int64_t kk = 0;
+  for (; kk + kLanes <= k; kk += kLanes) {
+    for (int lane = 0; lane < kLanes; ++lane) partial[lane] += x[kk + lane] * w[kk + lane];
+  }
+  for (; kk < k; ++kk) partial[0] += x[kk] * w[kk];
+  float sum = 0.0f;
+  for (int lane = 0; lane < kLanes; ++lane) sum += partial[lane];
+  return sum;
+}
+
+void ComputeTile(const MatmulJob& job, int64_t tile, float* w_tile) {
+  const int64_t n0 = tile * kRowTile;
+  const int64_t rows = std::min(kRowTile, job.n - n0);
+  DecodeTile(job, n0, rows, w_tile);
+  for (int64_t mi = 0; mi < job.m; ++mi) {
+    const float* a_row = job.a_f32.data() + mi * job.k;
+    for (int64_t r = 0; r < rows; ++r) {
+      float out = Dot(a_row, w_tile + r * job.k, job.k) * job.global_scale;
+      if (job.bias != nullptr) out += load_as_float(job.bias, job.dtype, n0 + r);
+      store_from_float(job.y, job.dtype, mi * job.n + n0 + r, out);
+    }
+  }
+}
+
+// Claims tiles until none is left. Safe to run after the call returned: it then finds no tile.
+void Work(const std::shared_ptr<MatmulJob>& job) {
+  std::vector<float> w_tile(static_cast<size_t>(kRowTile * job->k));
+  int64_t finished = 0;
+  for (int64_t tile; (tile = job->next_tile.fetch_add(1)) < job->num_tiles; ++finished) {
+    ComputeTile(*job, tile, w_tile.data());
+  }
+  if (finished != 0 && job->done_tiles.fetch_add(finished) + finished == job->num_tiles) {
+    std::lock_guard<std::mutex> lock(job->mutex);
+    job->all_done.notify_all();
+  }
+}
+
+ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
+                         ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::U8> scale,
                          ffi::Buffer<ffi::F32> global_scale, ffi::AnyBuffer bias,
                          ffi::Result<ffi::AnyBuffer> y, int64_t block_size) {
   MatmulShape shape;
@@ -54,51 +142,34 @@ ffi::Error MatmulCpuImpl(ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed, ffi::Buf
       global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
       y->dimensions(), block_size, /*allow_f32=*/true, &shape);
   if (!problem.empty()) return ffi::Error::InvalidArgument("jax_fp4_matmul_cpu: " + problem);
+  if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
 
-  const int64_t m_rows = shape.m, n_cols = shape.n, k = shape.k;
-  const ffi::DataType dtype = a.element_type();
-  const void* a_data = a.untyped_data();
-  void* y_data = y->untyped_data();
-  if (m_rows == 0 || n_cols == 0) return ffi::Error::Success();
-
-  // Activations once in fp32, row-major [M, K].
-  std::vector<float> a_f32(static_cast<size_t>(m_rows * k));
-  for (int64_t i = 0; i < m_rows * k; ++i) a_f32[i] = load_as_float(a_data, dtype, i);
-
-  const uint8_t* packed_data = packed.typed_data();
-  const uint8_t* scale_data = scale.typed_data();
-  const int64_t packed_stride = k / 2;
-  const int64_t scale_stride = shape.k_blocks;
-  const float gscale = global_scale.typed_data()[0];
-  const bool has_bias = bias.element_count() != 0;
-
-  std::vector<float> w_tile(static_cast<size_t>(kRowTile * k));
-  for (int64_t n0 = 0; n0 < n_cols; n0 += kRowTile) {
-    const int64_t rows = std::min(kRowTile, n_cols - n0);
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* packed_row = packed_data + (n0 + r) * packed_stride;
-      const uint8_t* scale_row = scale_data + (n0 + r) * scale_stride;
-      float* w_row = w_tile.data() + r * k;
-      for (int64_t kb = 0; kb < shape.k_blocks; ++kb) {
-        const float block_scale = e4m3_to_float(scale_row[kb]);
-        const int64_t k_end = std::min(k, (kb + 1) * block_size);
-        for (int64_t kk = kb * block_size; kk < k_end; ++kk) {
-          w_row[kk] = e2m1_to_float(packed_code(packed_row, kk)) * block_scale;
-        }
-      }
-    }
-    for (int64_t mi = 0; mi < m_rows; ++mi) {
-      const float* a_row = a_f32.data() + mi * k;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* w_row = w_tile.data() + r * k;
-        float acc = 0.0f;
-        for (int64_t kk = 0; kk < k; ++kk) acc += a_row[kk] * w_row[kk];
-        float out = acc * gscale;
-        if (has_bias) out += load_as_float(bias.untyped_data(), dtype, n0 + r);
-        store_from_float(y_data, dtype, mi * n_cols + n0 + r, out);
-      }
-    }
+  auto job = std::make_shared<MatmulJob>();
+  job->m = shape.m;
+  job->n = shape.n;
+  job->k = shape.k;
+  job->k_blocks = shape.k_blocks;
+  job->block_size = block_size;
+  job->dtype = a.element_type();
+  job->a_f32.resize(static_cast<size_t>(shape.m * shape.k));
+  for (int64_t i = 0; i < shape.m * shape.k; ++i) {
+    job->a_f32[i] = load_as_float(a.untyped_data(), job->dtype, i);
   }
+  job->packed = packed.typed_data();
+  job->scale = scale.typed_data();
+  job->bias = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
+  job->y = y->untyped_data();
+  job->global_scale = global_scale.typed_data()[0];
+  job->num_tiles = (shape.n + kRowTile - 1) / kRowTile;
+
+  // Small problems are not worth waking other threads for.
+  const bool parallel = shape.m * shape.n * shape.k >= kParallelWork;
+  const int64_t helpers =
+      parallel ? std::min(thread_pool.num_threads(), job->num_tiles) - 1 : 0;
+  for (int64_t i = 0; i < helpers; ++i) thread_pool.Schedule([job] { Work(job); });
+  Work(job);  // the calling thread works too, so progress never depends on the pool
+  std::unique_lock<std::mutex> lock(job->mutex);
+  job->all_done.wait(lock, [&] { return job->done_tiles.load() == job->num_tiles; });
   return ffi::Error::Success();
 }
 
@@ -107,6 +178,7 @@ ffi::Error MatmulCpuImpl(ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed, ffi::Buf
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4MatmulCpu, jax_fp4::MatmulCpuImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::AnyBuffer>()          // a [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
                                   .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, ceil(K/block)]
