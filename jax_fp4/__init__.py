@@ -8,6 +8,7 @@ from jax_fp4 import _ffi  # registers the FFI targets
 from jax_fp4._dispatch import BACKENDS, GEMV_MAX_M
 from jax_fp4._format import NVFP4Weight, dequantize, pack_codes, quantize, unpack_codes
 from jax_fp4._matmul import dispatch_path, matmul
+from jax_fp4._native import PrepackedNVFP4Weight, prepack
 from jax_fp4._primitive import nvfp4_matmul_p
 
 __version__ = "0.1.0"
@@ -32,6 +33,8 @@ __all__ = [
     "matmul",
     "nvfp4_matmul_p",
     "pack_codes",
+    "prepack",
+    "PrepackedNVFP4Weight",
     "quantize",
     "unpack_codes",
 ]

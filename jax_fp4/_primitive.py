@@ -25,22 +25,27 @@ from jax_fp4._format import NVFP4Weight, dequantize
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
 
 
-def bind(a, packed, scale, global_scale, bias, *, block_size: int, backend: str):
-    """Bind the primitive; `bias` may be None. Operands must already be validated."""
-    operands = (a, packed, scale, global_scale) + (() if bias is None else (bias,))
+def bind(a, packed, scale, global_scale, bias, *, block_size: int, backend: str,
+         swizzled_scale=None):
+    """Bind the primitive; `bias` and `swizzled_scale` (prepacked SM120 scales) may be None.
+    Operands must already be validated."""
+    operands = (a, packed, scale, global_scale) + tuple(
+        x for x in (bias, swizzled_scale) if x is not None)
     return nvfp4_matmul_p.bind(*operands, block_size=block_size, backend=backend,
-                               has_bias=bias is not None)
+                               has_bias=bias is not None, has_swizzled=swizzled_scale is not None)
 
 
-def _split(operands, has_bias):
-    a, packed, scale, global_scale = operands[:4]
-    return a, packed, scale, global_scale, (operands[4] if has_bias else None)
+def _split(operands, has_bias, has_swizzled):
+    """The operand tuple -> (a, packed, scale, global_scale, bias or None, swizzled or None)."""
+    a, packed, scale, global_scale, *rest = operands
+    bias = rest.pop(0) if has_bias else None
+    return a, packed, scale, global_scale, bias, (rest.pop(0) if has_swizzled else None)
 
 
 # ---- abstract evaluation ------------------------------------------------------------------------
 
-def _abstract_eval(*operands, block_size, backend, has_bias):
-    del block_size, backend
+def _abstract_eval(*operands, **params):
+    del params
     a, packed = operands[0], operands[1]
     shape = a.shape[:-1] + (packed.shape[0],)
     sharding = _sharding.result_sharding(a, packed)  # only under explicit mesh axes
@@ -148,14 +153,17 @@ def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend) -> s
                                  native_enabled=on_cuda and _dispatch.env_flag(_native.NATIVE_ENV, False))
 
 
-def _lowering(ctx, *operands, block_size, backend, has_bias, platform):
+def _lowering(ctx, *operands, block_size, backend, has_bias, has_swizzled, platform):
     a_aval, packed_aval = ctx.avals_in[0], ctx.avals_in[1]
     path = path_for(platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend)
     impl = _sharding.wrap_impl(ctx, path, _PATHS[path], block_size=block_size, has_bias=has_bias)
 
     def lowered(*ops):
+        *five, swizzled = _split(ops, has_bias, has_swizzled)
+        # Only the native SM120 path reads prepacked (swizzled) scales; the others ignore them.
+        extra = {"swizzled_scale": swizzled} if path == "native" and swizzled is not None else {}
         with jax.named_scope(f"jax_fp4/{path}"):
-            return impl(*_split(ops, has_bias), block_size=block_size)
+            return impl(*five, block_size=block_size, **extra)
 
     return mlir.lower_fun(lowered, multiple_results=False)(ctx, *operands)
 
@@ -168,13 +176,12 @@ mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="cu
 
 # ---- batching -----------------------------------------------------------------------------------
 
-def _batch(operands, dims, *, block_size, backend, has_bias):
+def _batch(operands, dims, **params):
     a_dim, weight_dims = dims[0], dims[1:]
     if all(d is None for d in weight_dims):
         # vmap over activations only: the batch axis joins the leading (M) axes.
         a = jnp.moveaxis(operands[0], a_dim, 0)
-        return nvfp4_matmul_p.bind(a, *operands[1:], block_size=block_size, backend=backend,
-                                   has_bias=has_bias), 0
+        return nvfp4_matmul_p.bind(a, *operands[1:], **params), 0
     # vmap over stacked weights (experts, layers) or biases: one matmul per weight, in a loop.
     size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
     batched = [jnp.moveaxis(x, d, 0) if d is not None else None
@@ -182,7 +189,7 @@ def _batch(operands, dims, *, block_size, backend, has_bias):
 
     def one(sliced):
         ops = [s if b is not None else x for x, s, b in zip(operands, sliced, batched)]
-        return nvfp4_matmul_p.bind(*ops, block_size=block_size, backend=backend, has_bias=has_bias)
+        return nvfp4_matmul_p.bind(*ops, **params)
 
     xs = [b if b is not None else jnp.zeros((size,), jnp.int8) for b in batched]
     return jax.lax.map(one, xs), 0
@@ -200,26 +207,26 @@ def _is_zero(t):
     return type(t) is ad.Zero
 
 
-def _jvp(primals, tangents, *, block_size, backend, has_bias):
-    a, packed, scale, global_scale, bias = _split(primals, has_bias)
-    da, _, _, dgs, dbias = _split(tangents, has_bias)
-    y = bind(a, packed, scale, global_scale, bias, block_size=block_size, backend=backend)
+def _jvp(primals, tangents, *, block_size, backend, has_bias, has_swizzled):
+    a, packed, scale, global_scale, bias, swizzled = _split(primals, has_bias, has_swizzled)
+    da, _, _, dgs, dbias, _ = _split(tangents, has_bias, has_swizzled)
+    weight = dict(block_size=block_size, backend=backend, swizzled_scale=swizzled)
+    y = bind(a, packed, scale, global_scale, bias, **weight)
     out_tangents = []
     dbias = None if dbias is None or _is_zero(dbias) else dbias
     if not _is_zero(da):
-        out_tangents.append(bind(da, packed, scale, global_scale, dbias, block_size=block_size,
-                                 backend=backend))
+        out_tangents.append(bind(da, packed, scale, global_scale, dbias, **weight))
     elif dbias is not None:  # only the bias moves: no matmul needed
         out_tangents.append(jnp.broadcast_to(dbias, y.shape))
     if not _is_zero(dgs):
-        out_tangents.append(bind(a, packed, scale, dgs, None, block_size=block_size, backend=backend))
+        out_tangents.append(bind(a, packed, scale, dgs, None, **weight))
     if not out_tangents:
         return y, ad.Zero.from_primal_value(y)
     return y, functools.reduce(jnp.add, out_tangents)
 
 
-def _transpose(ct, *operands, block_size, backend, has_bias):
-    a, packed, scale, global_scale, bias = _split(operands, has_bias)
+def _transpose(ct, *operands, block_size, backend, has_bias, has_swizzled):
+    a, packed, scale, global_scale, bias, swizzled = _split(operands, has_bias, has_swizzled)
     if ad.is_undefined_primal(packed) or ad.is_undefined_primal(scale):
         raise TypeError("jax_fp4: the quantized weight (packed codes, block scales) is not differentiable")
     if _is_zero(ct):
@@ -227,7 +234,8 @@ def _transpose(ct, *operands, block_size, backend, has_bias):
     ct_a = ct_gs = ct_bias = None
     if ad.is_undefined_primal(global_scale):
         # y is linear in gs: dL/dgs = sum(ct * y(gs=1)), with `a` a known primal here.
-        unit = bind(a, packed, scale, jnp.float32(1), None, block_size=block_size, backend=backend)
+        unit = bind(a, packed, scale, jnp.float32(1), None, block_size=block_size, backend=backend,
+                    swizzled_scale=swizzled)
         ct_gs = jnp.sum(ct.astype(jnp.float32) * unit.astype(jnp.float32))
     else:
         if ad.is_undefined_primal(a):
@@ -239,7 +247,7 @@ def _transpose(ct, *operands, block_size, backend, has_bias):
             ct_bias = jnp.sum(ct.astype(jnp.float32).reshape(-1, ct.shape[-1]), axis=0).astype(
                 bias.aval.dtype)
     result = [ct_a, None, None, ct_gs]
-    return result + ([ct_bias] if has_bias else [])
+    return result + ([ct_bias] if has_bias else []) + ([None] if has_swizzled else [])
 
 
 ad.primitive_jvps[nvfp4_matmul_p] = _jvp

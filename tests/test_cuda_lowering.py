@@ -1,0 +1,89 @@
+"""The CUDA lowering, checked on any machine: jit(...).trace(...).lower(lowering_platforms=("cuda",))
+builds the HLO a CUDA device would run, so the dispatch's choice shows as custom-call targets.
+The device facts the dispatcher reads (compute capability, CUDA kernels compiled in) are pinned
+with monkeypatch, so the test does not depend on the build or the machine.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fp4
+from jax_fp4 import _ffi, _native
+from tests import reference
+
+
+def _targets(fn, *args):
+    # A fresh wrapper each time: jit caches traces per function, and the environment variables the
+    # dispatcher reads are not part of that cache key.
+    text = jax.jit(lambda *xs: fn(*xs)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return sorted(set(re.findall(r"custom_call @(\w+)", text)))
+
+
+@pytest.fixture
+def cuda_device(monkeypatch):
+    """Pretend to lower for a CUDA device of a chosen compute capability."""
+    monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)
+
+    def set_capability(capability):
+        monkeypatch.setattr(_native, "device_capability", lambda device=None: capability)
+
+    set_capability((9, 0))
+    return set_capability
+
+
+def _case(m, n=64, k=256, dtype=jnp.bfloat16):
+    rng = np.random.default_rng()
+    packed, scale, gs = reference.random_weight(rng, n, k)
+    return jnp.asarray(rng.standard_normal((m, k)), dtype), jax_fp4.NVFP4Weight(packed, scale, gs)
+
+
+def test_auto_dispatch_targets_on_hopper(cuda_device):
+    matmul = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731
+    assert _targets(matmul, *_case(1)) == ["jax_fp4_gemv_cuda"]
+    assert _targets(matmul, *_case(8)) == ["jax_fp4_gemv_cuda"]
+    assert _targets(matmul, *_case(9)) == ["jax_fp4_dequant_cuda"]
+    assert _targets(matmul, *_case(9, dtype=jnp.float32)) == []  # float32 -> reference (pure JAX)
+    assert _targets(lambda a, w: jax_fp4.matmul(a, w, backend="fused"), *_case(64)) == [
+        "jax_fp4_fused_cuda"]
+
+
+def test_native_path_only_when_enabled_on_sm120(cuda_device, monkeypatch):
+    cuda_device((12, 0))
+    matmul = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731
+    assert _targets(matmul, *_case(64)) == ["jax_fp4_dequant_cuda"]  # off by default
+    monkeypatch.setenv("JAX_FP4_NATIVE_SM120", "1")
+    native = ["jax_fp4_native_sm120_cuda", "jax_fp4_quantize_activation_cuda",
+              "jax_fp4_swizzle_scales_cuda"]
+    assert _targets(matmul, *_case(64)) == native
+    assert _targets(matmul, *_case(8)) == ["jax_fp4_gemv_cuda"]  # the decode GEMV keeps M <= 8
+    cuda_device((9, 0))
+    assert _targets(matmul, *_case(64)) == ["jax_fp4_dequant_cuda"]
+    with pytest.raises(ValueError, match="compute capability 12.x"):
+        _targets(lambda a, w: jax_fp4.matmul(a, w, backend="native"), *_case(64))
+
+
+def test_prepacked_scales_skip_the_per_call_swizzle(cuda_device):
+    cuda_device((12, 0))
+    a, w = _case(32)
+    forced = lambda a, w: jax_fp4.matmul(a, w, backend="native")  # noqa: E731
+    assert "jax_fp4_swizzle_scales_cuda" in _targets(forced, a, w)
+    assert _targets(forced, a, _native.prepack(w)) == ["jax_fp4_native_sm120_cuda",
+                                                       "jax_fp4_quantize_activation_cuda"]
+
+
+def test_prepacked_weight_runs_every_other_path_unchanged():
+    a, w = _case(5, n=48, k=96)
+    p = _native.prepack(w)
+    want = np.asarray(jax_fp4.matmul(a, w))
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax_fp4.matmul)(a, p)), want)
+    # stacked prepacked weights under vmap, and gradients, carry the extra operand along
+    stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), p)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(lambda w: jax_fp4.matmul(a, w))(stacked)),
+                                  np.stack([want, want]))
+    a32 = a.astype(jnp.float32)
+    grads = [jax.grad(lambda a, w: jnp.sum(jax_fp4.matmul(a, w) ** 2))(a32, x) for x in (w, p)]
+    np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
