@@ -2,7 +2,8 @@
 JVP and transpose.
 
 Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale uint8 [N, ceil(K/bs)],
-global_scale float32 [], and bias [N] (a's dtype) when has_bias. Result: [..., N] in a's dtype.
+global_scale float32 [], bias [N] (a's dtype) when has_bias, and the prepacked SM120 scales
+(`prepack`) when has_swizzled. Result: [..., N] in a's dtype.
 The lowering picks a path from static shapes (`_dispatch.select_path`); the chosen path shows in
 the HLO as the FFI custom-call target, or, for pure-JAX paths, as a `jax_fp4/<path>` op name.
 """
@@ -18,8 +19,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_fp4 import _dispatch, _ffi, _native, _sharding
-from jax_fp4 import _fused as _fused_facts
+from jax_fp4 import _dispatch, _ffi, _fused, _native, _sharding
 from jax_fp4._format import NVFP4Weight, dequantize
 
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
@@ -126,17 +126,17 @@ def _dequant(a, packed, scale, global_scale, bias, *, block_size, **_):
 
 
 @_as_2d
-def _fused(a, packed, scale, global_scale, bias, *, block_size, **_):
+def _fused_gemm(a, packed, scale, global_scale, bias, *, block_size, **_):
     m, n, k = a.shape[0], packed.shape[0], a.shape[1]
     outs = (jax.ShapeDtypeStruct((m, n), a.dtype),
-            jax.ShapeDtypeStruct((_fused_facts.fused_workspace_elems(m, n, k),), jnp.float32))
-    y, _ = jax.ffi.ffi_call(_fused_facts.TARGET, outs)(
+            jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),), jnp.float32))
+    y, _ = jax.ffi.ffi_call(_fused.TARGET, outs)(
         a, packed, scale, global_scale, _bias_operand(bias, a.dtype), block_size=np.int64(block_size))
     return y
 
 
 _PATHS = {"empty": _empty, "reference": _reference, "cpu": _cpu, "gemv": _gemv, "dequant": _dequant,
-          "fused": _fused, "native": _native.native_matmul}
+          "fused": _fused_gemm, "native": _native.native_matmul}
 
 
 def problem_of(a_shape, a_dtype, packed_shape, block_size) -> _dispatch.Problem:
