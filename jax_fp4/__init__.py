@@ -4,7 +4,7 @@
     y = jax_fp4.matmul(a, w, bias)          # a [..., K] fp16/bf16 -> y [..., N]
 """
 
-from jax_fp4 import _ffi  # registers the FFI targets
+from jax_fp4 import _ffi  # noqa: F401  (importing it registers the FFI targets)
 from jax_fp4._dispatch import BACKENDS, GEMV_MAX_M
 from jax_fp4._format import NVFP4Weight, dequantize, pack_codes, quantize, unpack_codes
 from jax_fp4._matmul import dispatch_path, matmul

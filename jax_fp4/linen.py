@@ -16,7 +16,6 @@ sharded along N) and ``("model", None)`` row-parallel (packed and scale sharded 
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,7 +26,8 @@ from flax import linen as nn
 from flax.core import meta
 from flax.core.frozen_dict import FrozenDict
 
-from jax_fp4._format import NVFP4Weight, quantize
+from jax_fp4._format import NVFP4Weight
+from jax_fp4._layers import compute_dtype, quantize_kernel
 from jax_fp4._matmul import matmul
 
 __all__ = ["FP4Dense", "params_from_weight", "quantize_params", "weight_from_params"]
@@ -35,12 +35,6 @@ __all__ = ["FP4Dense", "params_from_weight", "quantize_params", "weight_from_par
 default_kernel_init = nn.initializers.lecun_normal()
 
 _FP4_KEYS = ("packed", "scale", "global_scale")
-
-
-@functools.partial(jax.jit, static_argnames="block_size")
-def _quantize_kernel(kernel, block_size):
-    # nn.Dense's kernel is [..., in, out]; NVFP4 stores [..., out, in] = [N, K].
-    return quantize(jnp.swapaxes(kernel, -1, -2), block_size=block_size)
 
 
 def _quantize_boxed(kernel, block_size: int, where: str) -> dict[str, Any]:
@@ -56,7 +50,7 @@ def _quantize_boxed(kernel, block_size: int, where: str) -> dict[str, Any]:
     if value.shape[-2] % 2:
         raise ValueError(f"{where}: the kernel's in-features (K) must be even to pack two E2M1 codes "
                          f"per byte, got kernel shape {tuple(value.shape)}")
-    w = _quantize_kernel(value, block_size)
+    w = quantize_kernel(value, block_size)
     arrays = dict(zip(_FP4_KEYS, (w.packed, w.scale, w.global_scale)))
     if box is None:
         return arrays
@@ -70,14 +64,6 @@ def _quantize_boxed(kernel, block_size: int, where: str) -> dict[str, Any]:
 
 def _unboxed(x):
     return x.unbox() if isinstance(x, meta.AxisMetadata) else x
-
-
-def _compute_dtype(inputs, dtype, param_dtype, bias):
-    if dtype is not None:
-        return jnp.dtype(dtype)
-    # As nn.Dense (promote_dtype): the inputs' dtype promoted with the parameters' dtype.
-    dtypes = [inputs.dtype, param_dtype] + ([bias.dtype] if bias is not None else [])
-    return jnp.result_type(*dtypes)
 
 
 class FP4Dense(nn.Module):
@@ -135,7 +121,7 @@ class FP4Dense(nn.Module):
         if weight.shape != (n, k):
             raise ValueError(f"FP4Dense: params hold a weight [N, K] = {weight.shape}, expected "
                              f"{(n, k)} for features={n} and inputs of shape {tuple(inputs.shape)}")
-        dtype = _compute_dtype(inputs, self.dtype, self.param_dtype, bias)
+        dtype = compute_dtype(inputs, self.dtype, self.param_dtype, bias)
         return matmul(inputs.astype(dtype), weight, bias, backend=self.backend)
 
 

@@ -23,7 +23,6 @@ nnx.Linear's [in, out] kernel; FP4Linear moves the names to the [out, in] arrays
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -33,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_fp4._format import NVFP4Weight, quantize
+from jax_fp4._format import NVFP4Weight
+from jax_fp4._layers import compute_dtype, quantize_kernel
 from jax_fp4._matmul import matmul
 
 __all__ = ["FP4Linear", "QuantizedWeight", "export_weights", "load_weights", "quantize_model"]
@@ -49,12 +49,6 @@ _HOOK_KEYS = ("on_get_value", "on_set_value", "on_create_value", "on_add_axis", 
 class QuantizedWeight(nnx.Variable):
     """The NVFP4 arrays of an FP4Linear (codes, block scales, global scale): model state that is
     not an `nnx.Param`, so gradient transforms and optimizers over `nnx.Param` skip it."""
-
-
-@functools.partial(jax.jit, static_argnames="block_size")
-def _quantize_kernel(kernel, block_size):
-    # nnx.Linear's kernel is [..., in, out]; NVFP4 stores [..., out, in] = [N, K].
-    return quantize(jnp.swapaxes(kernel, -1, -2), block_size=block_size)
 
 
 def _sharding_entry(metadata: Mapping) -> tuple[str | None, Any]:
@@ -96,14 +90,6 @@ def _weight_metadata(kernel_metadata: Mapping, kernel_ndim: int, where: str):
 
 def _bias_metadata(bias_metadata: Mapping) -> dict:
     return {k: v for k, v in bias_metadata.items() if k not in _HOOK_KEYS}
-
-
-def _compute_dtype(inputs, dtype, param_dtype, bias):
-    if dtype is not None:
-        return jnp.dtype(dtype)
-    # As nnx.Linear (promote_dtype): the inputs' dtype promoted with the parameters' dtype.
-    dtypes = [inputs.dtype, param_dtype] + ([bias.dtype] if bias is not None else [])
-    return jnp.result_type(*dtypes)
 
 
 class FP4Linear(nnx.Module):
@@ -163,7 +149,7 @@ class FP4Linear(nnx.Module):
             else:
                 kernel = kernel_init(rngs.params(), shape, param_dtype)
                 bias = bias_init(rngs.params(), (out_features,), param_dtype) if use_bias else None
-            weight = _quantize_kernel(kernel, block_size)
+            weight = quantize_kernel(kernel, block_size)
         matrix_meta, scalar_meta = _weight_metadata(kernel_metadata, weight.packed.ndim, "FP4Linear")
         self.packed = QuantizedWeight(jnp.asarray(weight.packed), **matrix_meta)
         self.scale = QuantizedWeight(jnp.asarray(weight.scale), **matrix_meta)
@@ -197,7 +183,7 @@ class FP4Linear(nnx.Module):
         if in_features % 2:
             raise ValueError(f"FP4Linear.from_linear: in_features (K) must be even to pack two E2M1 "
                              f"codes per byte, got kernel shape {tuple(kernel.shape)}")
-        weight = _quantize_kernel(kernel, block_size)
+        weight = quantize_kernel(kernel, block_size)
         bias = None if linear.bias is None else linear.bias[...]
         return cls(in_features, out_features, use_bias=bias is not None, dtype=linear.dtype,
                    param_dtype=linear.param_dtype, block_size=block_size,
@@ -250,7 +236,7 @@ class FP4Linear(nnx.Module):
             raise ValueError(f"FP4Linear: inputs must be [..., in_features={weight.k}], got shape "
                              f"{tuple(inputs.shape)}")
         bias = self.bias[...] if self.bias is not None else None
-        dtype = _compute_dtype(inputs, self.dtype, self.param_dtype, bias)
+        dtype = compute_dtype(inputs, self.dtype, self.param_dtype, bias)
         y = matmul(inputs.astype(dtype), weight, bias, backend=self.backend)
         if out_sharding is not None:
             y = _constrain(y, out_sharding)

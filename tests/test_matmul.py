@@ -1,6 +1,5 @@
 """jax_fp4.matmul on the CPU paths against the float64 reference, plus its bad-input catalogue."""
 
-import math
 
 import jax
 import jax.numpy as jnp
