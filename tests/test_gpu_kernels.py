@@ -40,46 +40,8 @@ GEMV = "jax_fp4_gemv_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
 
 
-def _load_cuda_module():
-    """jax_fp4._jax_fp4_cuda, or the extension loaded from the package folder without running the
-    package's __init__ (so these kernel tests do not depend on the Python layer importing)."""
-    try:
-        from jax_fp4 import _jax_fp4_cuda
-        return _jax_fp4_cuda
-    except Exception:
-        import glob
-        import importlib.machinery
-        import importlib.util
-        spec = importlib.util.find_spec("jax_fp4")
-        for folder in spec.submodule_search_locations:
-            for path in glob.glob(os.path.join(folder, "_jax_fp4_cuda*.so")):
-                loader = importlib.machinery.ExtensionFileLoader("_jax_fp4_cuda", path)
-                module_spec = importlib.util.spec_from_file_location("_jax_fp4_cuda", path,
-                                                                     loader=loader)
-                module = importlib.util.module_from_spec(module_spec)
-                loader.exec_module(module)
-                return module
-        raise
-
-
-def _register_targets():
-    """jax_fp4 registers its targets on import; fall back to registering them here."""
-    try:
-        import jax_fp4  # noqa: F401
-        from jax_fp4 import _ffi
-        if GEMV in _ffi.REGISTERED_TARGETS.get("CUDA", []):
-            return
-    except Exception:
-        pass
-    for name, capsule in _load_cuda_module().registrations().items():
-        try:
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-        except Exception:  # already registered: harmless
-            pass
-
-
-if HAS_CUDA:
-    _register_targets()
+# Importing jax_fp4 registers its FFI targets (the package's CUDA module).
+import jax_fp4  # noqa: E402,F401
 
 DTYPES = ["float16", "bfloat16"]
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
