@@ -26,7 +26,7 @@ When that does not hold, or a dimension is not divisible by the number of shards
 shardings come without a mesh (GSPMDSharding), the rule asks for that dimension replicated and
 the partitioner gathers it: correct results, at the cost of the gather it would have done anyway.
 
-Where the rule applies: kernel paths (cpu, gemv, dequant) lowered into a multi-device jit
+Where the rule applies: kernel paths (cpu, gemv, dequant, fused) lowered into a multi-device jit
 program (a ShardingContext with more than one device). Everything else traces the kernel as before:
   - single-device programs (8 host devices or not): the HLO is unchanged; the FFI target, e.g.
     `jax_fp4_matmul_cpu`, shows in `jit(f).lower(...).as_text()`.
@@ -59,7 +59,7 @@ from jax._src import dispatch as _jax_dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_fp4 import _dispatch
+from jax_fp4 import _dispatch, _fused
 from jax_fp4._dispatch import env_flag
 
 def register_primitive(prim) -> None:
@@ -227,7 +227,7 @@ def partitioned(impl, *, block_size: int, has_bias: bool, a_ndim: int, k: int,
 
 
 # Paths whose implementation is an opaque FFI call (the pure-JAX paths partition natively).
-KERNEL_PATHS = ("cpu", "gemv", "dequant")
+KERNEL_PATHS = ("cpu", "gemv", "dequant", "fused")
 
 
 def _needs_rule(ctx) -> bool:
@@ -259,6 +259,8 @@ def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool):
 def _local_k_check(path: str, block_size: int, dtype):
     """The path's own limits on K (e.g. gemv: K % 32 == 0), applied to a row-parallel K slice:
     the path was chosen for the whole K."""
+    if path == "fused":
+        return lambda k_local: _fused.fused_supported(1, 1, k_local, block_size, dtype)
     check = _dispatch._UNSUPPORTED.get(path)
     if check is None:
         return None

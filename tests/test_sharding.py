@@ -361,6 +361,8 @@ def test_plan_explains_each_fallback():
                                      block_size=16, local_k_check=gemv_check)
     assert k_axes == ("model",)
     assert _sharding._local_k_check("cpu", 16, np.dtype("float16")) is None
+    fused_check = _sharding._local_k_check("fused", 16, np.dtype("float16"))
+    assert fused_check(256) is None and "multiple of 128" in fused_check(192)
 
 
 # ---- explicit sharding types, eager calls, what the lowered HLO shows ------------------------------
