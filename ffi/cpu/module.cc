@@ -2,23 +2,15 @@
 #include <nanobind/nanobind.h>
 
 #include "cpu/handlers.h"
+#include "jax_fp4/ffi_capsule.h"
 #include "jax_fp4/gemv_config.h"
 
 namespace nb = nanobind;
 
-namespace {
-
-template <typename Fn>
-nb::capsule Capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
-}  // namespace
-
 NB_MODULE(_jax_fp4_cpu, m) {
   m.def("registrations", []() {
     nb::dict targets;
-    targets["jax_fp4_matmul_cpu"] = Capsule(JaxFp4MatmulCpu);
+    targets["jax_fp4_matmul_cpu"] = jax_fp4::FfiCapsule(JaxFp4MatmulCpu);
     return targets;
   });
   // The CUDA decode GEMV's launch heuristic (pure; exposed so CPU tests can check it).

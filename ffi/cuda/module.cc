@@ -7,29 +7,21 @@
 #include <string>
 
 #include "cuda/handlers.h"
+#include "jax_fp4/ffi_capsule.h"
 #include "cuda/native_sm120.h"
 #include "cuda/fused_gemm.h"
 
 namespace nb = nanobind;
 
-namespace {
-
-template <typename Fn>
-nb::capsule Capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
-}  // namespace
-
 NB_MODULE(_jax_fp4_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
-    targets["jax_fp4_gemv_cuda"] = Capsule(JaxFp4GemvCuda);
-    targets["jax_fp4_dequant_cuda"] = Capsule(JaxFp4DequantCuda);
-    targets["jax_fp4_quantize_activation_cuda"] = Capsule(JaxFp4QuantizeActivationCuda);
-    targets["jax_fp4_swizzle_scales_cuda"] = Capsule(JaxFp4SwizzleScalesCuda);
-    targets["jax_fp4_native_sm120_cuda"] = Capsule(JaxFp4NativeSm120Cuda);
-    targets["jax_fp4_fused_cuda"] = Capsule(JaxFp4FusedCuda);
+    targets["jax_fp4_gemv_cuda"] = jax_fp4::FfiCapsule(JaxFp4GemvCuda);
+    targets["jax_fp4_dequant_cuda"] = jax_fp4::FfiCapsule(JaxFp4DequantCuda);
+    targets["jax_fp4_quantize_activation_cuda"] = jax_fp4::FfiCapsule(JaxFp4QuantizeActivationCuda);
+    targets["jax_fp4_swizzle_scales_cuda"] = jax_fp4::FfiCapsule(JaxFp4SwizzleScalesCuda);
+    targets["jax_fp4_native_sm120_cuda"] = jax_fp4::FfiCapsule(JaxFp4NativeSm120Cuda);
+    targets["jax_fp4_fused_cuda"] = jax_fp4::FfiCapsule(JaxFp4FusedCuda);
     return targets;
   });
   m.def("architectures", []() { return std::string(JAX_FP4_CUDA_ARCHITECTURES); });
