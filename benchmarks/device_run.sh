@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One call on the lent H200 (the `device` tool): build, GPU tests, memcheck, benchmarks.
+# Logs and JSON go under $OUT (at most 8 files come back). Pick the stages that fit the call:
+#
+#   bash benchmarks/device_run.sh build tests          # ~3 min
+#   bash benchmarks/device_run.sh build sanitizer fused
+#   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~2.5 min
+#
+# Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
+set -uo pipefail
+OUT=${OUT:-/tmp/jax_fp4_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+
+for stage in "$@"; do
+  case "$stage" in
+    build)
+      JAX_FP4_CUDA=ON CMAKE_ARGS="-DJAX_FP4_CUDA_ARCHITECTURES=90a-real" \
+        python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; exit 1; }
+      python -m jax_fp4 info | tee -a "$OUT/build.log" ;;
+    tests)
+      python -m pytest -q -m gpu tests > "$OUT/gpu_tests.log" 2>&1 || status=1
+      tail -5 "$OUT/gpu_tests.log" ;;
+    sanitizer)
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform JAX_FP4_GPU_TEST_QUICK=1 compute-sanitizer --tool memcheck \
+        python -m pytest -q -m gpu tests/test_gpu_kernels.py tests/test_gpu_fused.py > "$OUT/sanitizer.log" 2>&1 || status=1
+      grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5 ;;
+    fused)
+      python benchmarks/fused_timing.py --json "$OUT/fused_h200.json" > "$OUT/fused_timing.log" 2>&1 || status=1
+      tail -25 "$OUT/fused_timing.log" ;;
+    bench)
+      python -m jax_fp4.bench --decode-step --json "$OUT/h200.json" > "$OUT/bench.log" 2>&1 || status=1
+      tail -50 "$OUT/bench.log" ;;
+    *)
+      echo "unknown stage $stage (build, tests, sanitizer, fused, bench)" >&2; exit 2 ;;
+  esac
+done
+exit $status
