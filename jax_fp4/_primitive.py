@@ -74,8 +74,14 @@ def _empty(a, packed, scale, global_scale, bias, *, block_size, **_):
     return out if bias is None else out + bias
 
 
+def _dense_f32(packed, scale, global_scale, block_size):
+    """The dequantized weight [N, K] in float32 (the reference decomposition and dA use it)."""
+    return dequantize(NVFP4Weight.tree_unflatten(block_size, (packed, scale, global_scale)),
+                      jnp.float32)
+
+
 def _reference(a, packed, scale, global_scale, bias, *, block_size, **_):
-    w = dequantize(NVFP4Weight.tree_unflatten(block_size, (packed, scale, global_scale)), jnp.float32)
+    w = _dense_f32(packed, scale, global_scale, block_size)
     y = jnp.matmul(a.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
@@ -239,8 +245,7 @@ def _transpose(ct, *operands, block_size, backend, has_bias, has_swizzled):
         ct_gs = jnp.sum(ct.astype(jnp.float32) * unit.astype(jnp.float32))
     else:
         if ad.is_undefined_primal(a):
-            w = dequantize(NVFP4Weight.tree_unflatten(block_size, (packed, scale, global_scale)),
-                           jnp.float32)
+            w = _dense_f32(packed, scale, global_scale, block_size)
             ct_a = jnp.matmul(ct.astype(jnp.float32), w,
                               precision=jax.lax.Precision.HIGHEST).astype(a.aval.dtype)
         if has_bias and ad.is_undefined_primal(bias):
