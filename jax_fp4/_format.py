@@ -177,6 +177,17 @@ def _e2m1_round(x):
     return (code | sign).astype(jnp.uint8)
 
 
+def _divide(x, y):
+    """x / y correctly rounded (IEEE), as ModelOpt's torch division is.
+
+    XLA rewrites a division by a broadcast or a constant into a multiplication by the reciprocal,
+    which is off by one ulp for about a fifth of float32 operands and moves values across E2M1
+    rounding ties; a divisor it cannot see through keeps the true division.
+    """
+    y = jnp.broadcast_to(jnp.asarray(y, x.dtype), jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y)))
+    return x / jax.lax.optimization_barrier(y)
+
+
 def quantize(w, block_size: int = 16) -> NVFP4Weight:
     """Quantize a float matrix [..., N, K] to NVFP4 with NVIDIA ModelOpt's algorithm.
 
@@ -198,17 +209,17 @@ def quantize(w, block_size: int = 16) -> NVFP4Weight:
     k_blocks = math.ceil(k / block_size)
 
     amax = jnp.max(jnp.abs(w), axis=(-2, -1)) if k else jnp.zeros(w.shape[:-2], jnp.float32)
-    gscale = jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0).astype(jnp.float32)
+    gscale = jnp.where(amax > 0, _divide(amax, jnp.float32(E2M1_MAX * E4M3_MAX)), 1.0).astype(jnp.float32)
 
     padded = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, k_blocks * block_size - k)])
     blocks = padded.reshape(*w.shape[:-1], k_blocks, block_size)
     block_amax = jnp.max(jnp.abs(blocks), axis=-1)
-    s = block_amax / (E2M1_MAX * gscale[..., None, None])
+    s = _divide(block_amax, E2M1_MAX * gscale[..., None, None])
     s = jnp.where(s == 0, 1.0, s)
     s = jnp.clip(s, E4M3_MIN_SUBNORMAL, E4M3_MAX)
     scale = s.astype(jnp.float8_e4m3fn)
 
     step = scale.astype(jnp.float32)[..., None] * gscale[..., None, None, None]
-    scaled = jnp.clip(blocks / step, -E2M1_MAX, E2M1_MAX)
+    scaled = jnp.clip(_divide(blocks, step), -E2M1_MAX, E2M1_MAX)
     codes = _e2m1_round(scaled).reshape(*w.shape[:-1], k_blocks * block_size)[..., :k]
     return NVFP4Weight(pack_codes(codes), scale, gscale, block_size=block_size)

@@ -58,6 +58,37 @@ def matmul(a, packed, scale_bytes, global_scale, block_size, bias=None) -> np.nd
     return y
 
 
+def modelopt_quantize(w, block_size=16):
+    """NVIDIA ModelOpt's NVFP4 weight quantizer in NumPy float32 (IEEE, correctly rounded like
+    torch): [N, K] float32 -> (codes uint8 [N, K], E4M3 scale bytes [N, ceil(K / block_size)],
+    global scale float32). Ties of E2M1 and E4M3 rounding go to the even code."""
+    import ml_dtypes  # the E4M3 cast rounds to nearest even and saturates nothing (checked below)
+
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    amax = np.abs(w).max() if w.size else np.float32(0)
+    gs = np.float32(amax / np.float32(6.0 * 448.0)) if amax > 0 else np.float32(1.0)
+    kb = math.ceil(k / block_size)
+    blocks = np.zeros((n, kb * block_size), np.float32)
+    blocks[:, :k] = w
+    blocks = blocks.reshape(n, kb, block_size)
+    s = (np.abs(blocks).max(axis=-1) / np.float32(np.float32(6.0) * gs)).astype(np.float32)
+    s = np.clip(np.where(s == 0, np.float32(1.0), s), np.float32(2.0**-9), np.float32(448.0))
+    scale_bytes = s.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    step = (e4m3_decode(scale_bytes).astype(np.float32) * gs).astype(np.float32)
+    q = np.clip(blocks / step[..., None], np.float32(-6.0), np.float32(6.0)).astype(np.float32)
+    grid = e2m1_decode(np.arange(8))  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    mag = np.abs(q).astype(np.float64)[..., None]
+    dist = np.abs(mag - grid)
+    nearest = dist.min(axis=-1, keepdims=True)
+    tied = (dist == nearest)
+    # nearest magnitude; among two tied neighbours the one with an even code (mantissa bit 0)
+    code = np.where(tied & (np.arange(8) % 2 == 0), np.arange(8), 99).min(axis=-1)
+    code = np.where(tied.sum(axis=-1) == 1, tied.argmax(axis=-1), code).astype(np.uint8)
+    code = np.where((q < 0) & (code > 0), code | 8, code).astype(np.uint8)
+    return code.reshape(n, kb * block_size)[:, :k], scale_bytes, gs
+
+
 def random_weight(rng, n, k, block_size=16, scale_low=0x28, scale_high=0x48):
     """Random packed codes (all 16 codes), E4M3 scale bytes in [scale_low, scale_high)
     (about 2^-2 .. 2^2) and a random positive global scale."""

@@ -93,6 +93,22 @@ def test_quantize_scale_rounding_saturation_zero_and_tiny_blocks():
     assert codes[1, 0] == 7 and codes[2, 0] == 7 and (codes[3] == 0).all() and codes[4, 0] == 0
 
 
+def test_quantize_is_bit_exact_with_modelopt():
+    # bf16 weights (as checkpoints are) across binades: their short mantissas put quotients right
+    # next to E2M1 ties, where a reciprocal-multiply (XLA's rewrite of a division by a broadcast)
+    # lands on the wrong side about once per thousand elements.
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((256, 1040)) * np.exp2(rng.integers(-6, 6, (256, 1))))
+    w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    w[3, :16] = 0.0
+    for bs in (16, 13):
+        codes, scale, gs = reference.modelopt_quantize(w, bs)
+        q = jax_fp4.quantize(w, block_size=bs)
+        assert np.asarray(q.global_scale) == gs
+        np.testing.assert_array_equal(np.asarray(q.scale_bytes), scale)
+        np.testing.assert_array_equal(np.asarray(jax_fp4.unpack_codes(q.packed)), codes)
+
+
 def test_quantize_error_is_quantization_noise():
     rng = np.random.default_rng()
     w = rng.standard_normal((64, 200)).astype(np.float32)  # K not a multiple of the block

@@ -118,7 +118,7 @@ def test_quantizer_is_deterministic_and_matches_modelopt():
     second = jax.jit(functools.partial(_native.quantize_activation, swizzled=False))(a)
     for x, y in zip(first, second):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    with jax.default_device(jax.devices("cpu")[0]):  # XLA:CPU division is IEEE; the model's is too
+    with jax.default_device(jax.devices("cpu")[0]):
         w = jax_fp4.quantize(np.asarray(a, np.float32))
     np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(w.packed), err_msg=f"seed={seed}")
     np.testing.assert_array_equal(np.asarray(first[1]), np.asarray(w.scale_bytes), err_msg=f"seed={seed}")
