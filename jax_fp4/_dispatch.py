@@ -5,9 +5,9 @@ Paths:
   reference  the pure-JAX decomposition (dequantize to float32, dot at HIGHEST precision).
   cpu        the fused C++ FFI handler (decode + dot, fp32 accumulation).
   gemv       CUDA fused decode GEMV for small M (block_size 16, K % 32 == 0, fp16/bf16).
+  fused      CUDA fused NVFP4 x fp16/bf16 GEMM for Hopper (sm_90a), no dequantized copy: the
+             mid-M range on compute capability 9.x (block_size 16, K % 128 == 0).
   dequant    CUDA dequantize kernel into an fp16/bf16 [N, K] buffer, then XLA's dot (cuBLAS).
-  fused      CUDA fused NVFP4 x fp16/bf16 GEMM for Hopper (sm_90a), no dequantized copy; forced
-             only until its crossover against dequant is measured (see benchmarks/NOTES_fused.md).
   native     CUDA W4A4 SM120 (Blackwell GeForce) CUTLASS GEMM: activations quantized to NVFP4;
              only when JAX_FP4_NATIVE_SM120=1 (or forced) on compute capability 12.x.
 """
@@ -23,8 +23,12 @@ from jax_fp4 import _fused, _native
 
 BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 
-# Largest M served by the decode GEMV under "auto" (spec: M <= 8; raise only with measurements).
-GEMV_MAX_M = 8
+# The "auto" thresholds, from the crossovers measured on the H200 (benchmarks/NOTES_fused.md,
+# benchmarks/results/fused_h200.json): the decode GEMV is as fast as or faster than the fused GEMM
+# up to M = 16 (it re-reads the weight once per 8 rows, mostly from L2); the fused GEMM beats
+# dequantize + cuBLAS by 1.5-2.1x up to M = 128 and loses to it on most shapes by M = 256.
+GEMV_MAX_M = 16
+FUSED_MAX_M = 128
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 _TRUE = ("1", "true", "yes", "on")
@@ -123,6 +127,8 @@ def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bo
     if platform == "cuda" and has_cuda_kernels:
         if gemv_unsupported_reason(p) is None and p.m <= GEMV_MAX_M:
             return "gemv"
+        if p.m <= FUSED_MAX_M and fused_unsupported_reason(p, capability) is None:
+            return "fused"
         if _native.native_path_applies(capability, native_enabled, "auto", p.m, p.n, p.k,
                                        p.block_size, p.dtype):
             return "native"

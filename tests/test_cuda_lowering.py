@@ -44,9 +44,12 @@ def _case(m, n=64, k=256, dtype=jnp.bfloat16):
 def test_auto_dispatch_targets_on_hopper(cuda_device):
     matmul = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731
     assert _targets(matmul, *_case(1)) == ["jax_fp4_gemv_cuda"]
-    assert _targets(matmul, *_case(8)) == ["jax_fp4_gemv_cuda"]
-    assert _targets(matmul, *_case(9)) == ["jax_fp4_dequant_cuda"]
-    assert _targets(matmul, *_case(9, dtype=jnp.float32)) == []  # float32 -> reference (pure JAX)
+    assert _targets(matmul, *_case(16)) == ["jax_fp4_gemv_cuda"]
+    assert _targets(matmul, *_case(17)) == ["jax_fp4_fused_cuda"]
+    assert _targets(matmul, *_case(128)) == ["jax_fp4_fused_cuda"]
+    assert _targets(matmul, *_case(129)) == ["jax_fp4_dequant_cuda"]
+    assert _targets(matmul, *_case(64, k=160)) == ["jax_fp4_dequant_cuda"]  # K % 128 != 0
+    assert _targets(matmul, *_case(17, dtype=jnp.float32)) == []  # float32 -> reference (pure JAX)
     assert _targets(lambda a, w: jax_fp4.matmul(a, w, backend="fused"), *_case(64)) == [
         "jax_fp4_fused_cuda"]
 
@@ -59,9 +62,9 @@ def test_native_path_only_when_enabled_on_sm120(cuda_device, monkeypatch):
     native = ["jax_fp4_native_sm120_cuda", "jax_fp4_quantize_activation_cuda",
               "jax_fp4_swizzle_scales_cuda"]
     assert _targets(matmul, *_case(64)) == native
-    assert _targets(matmul, *_case(8)) == ["jax_fp4_gemv_cuda"]  # the decode GEMV keeps M <= 8
+    assert _targets(matmul, *_case(16)) == ["jax_fp4_gemv_cuda"]  # the decode GEMV keeps M <= 16
     cuda_device((9, 0))
-    assert _targets(matmul, *_case(64)) == ["jax_fp4_dequant_cuda"]
+    assert _targets(matmul, *_case(64)) == ["jax_fp4_fused_cuda"]
     with pytest.raises(ValueError, match="compute capability 12.x"):
         _targets(lambda a, w: jax_fp4.matmul(a, w, backend="native"), *_case(64))
 
