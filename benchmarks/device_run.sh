@@ -5,6 +5,7 @@
 #   bash benchmarks/device_run.sh build tests          # ~3 min
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~2.5 min
+#   bash benchmarks/device_run.sh build profile gemv-sweep   # ncu of the fused GEMM, GEMV configs
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -32,8 +33,28 @@ for stage in "$@"; do
     bench)
       python -m jax_fp4.bench --decode-step --json "$OUT/h200.json" > "$OUT/bench.log" 2>&1 || status=1
       tail -50 "$OUT/bench.log" ;;
+    profile)
+      # --replay-mode application: kernel replay backs up device memory and crawls on big weights.
+      timeout 150 ncu --clock-control none --replay-mode application -k regex:Fused -c 2 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section SchedulerStats python benchmarks/profile_kernels.py \
+        --cases fused:16:11008x4096,fused:128:11008x4096 > "$OUT/ncu_fused.log" 2>&1 || status=1
+      grep -E "FusedGemm|Duration|Grid Size|Cluster Size|Registers Per|Achieved Occupancy|DRAM Th|Compute \(SM\) Th|Issued Warp|Max Active Clusters|Waves" \
+        "$OUT/ncu_fused.log" | cut -c1-150 ;;
+    gemv-sweep)
+      # GEMV launch configs (JAX_FP4_GEMV_CONFIG="col_tiles,k_split") against the heuristic's pick.
+      for cfg in 1,1 1,2 1,4 1,8 1,16; do
+        echo "== M=1 col_tiles,k_split = $cfg"
+        JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m jax_fp4.bench --backend gemv --m 1 --repeats 5 \
+          --shapes 11008x4096,4096x11008,28672x8192 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
+      done | tee "$OUT/gemv_sweep.log"
+      for cfg in 4,1 2,1 4,2 1,2; do
+        echo "== lm_head M=4 col_tiles,k_split = $cfg"
+        JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m jax_fp4.bench --backend gemv --m 4 --repeats 5 \
+          --shapes 248320x2048 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
+      done | tee -a "$OUT/gemv_sweep.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, sanitizer, fused, bench)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, sanitizer, fused, bench, profile, gemv-sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -57,6 +57,13 @@ def dequant_call(a, packed, scale, gs):
     return jnp.matmul(a, w.T, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
+def dequant16_call(a, packed, scale, gs):
+    # Variant: the dot emits a's dtype directly (cuBLAS rounds in its epilogue), no f32 [M, N].
+    n, k = packed.shape[0], a.shape[-1]
+    call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((n, k), a.dtype))
+    return jnp.matmul(a, call(packed, scale, gs, block_size=np.int64(16)).T)
+
+
 def bf16_call(a, w):
     return jnp.dot(a, w.T)
 
@@ -128,6 +135,10 @@ def main():
             return [dequant_call(a, *w) for w in ws]
 
         @jax.jit
+        def chain_dequant16(a, ws):
+            return [dequant16_call(a, *w) for w in ws]
+
+        @jax.jit
         def chain_bf16(a, ws):
             return [bf16_call(a, w) for w in ws]
 
@@ -136,6 +147,7 @@ def main():
             row = {"n": n, "k": k, "m": m, "chain": n_mm}
             for v in variants:
                 fn, ws = {"fused": (chain_fused, weights), "dequant": (chain_dequant, weights),
+                          "dequant16": (chain_dequant16, weights),
                           "bf16": (chain_bf16, w16)}[v]
                 try:
                     sec, spread = time_chain(fn, (a, ws), n_mm)

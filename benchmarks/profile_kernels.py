@@ -1,0 +1,44 @@
+"""Runs each jax_fp4 CUDA kernel once per case, for Nsight Compute to profile (kernel-only time
+with a cold L2, launch shape, stall reasons). Run on the H200 under ncu, e.g.
+
+    ncu --clock-control none -k regex:"Gemv|Fused" --section SpeedOfLight --section LaunchStats \
+        --section Occupancy --section WarpStateStats python benchmarks/profile_kernels.py
+
+Cases are "backend:M:NxK" (default: the decode GEMV and the fused GEMM at the shapes NOTES.md
+discusses). Every case runs twice (compile + warm) before the profiled third call.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp4
+
+DEFAULT_CASES = "gemv:1:11008x4096,gemv:4:248320x2048,fused:16:11008x4096,fused:128:11008x4096"
+
+
+def run_case(backend: str, m: int, n: int, k: int) -> None:
+    rng = np.random.default_rng(0)
+    w = jax_fp4.quantize(jnp.asarray(rng.standard_normal((n, k), np.float32)))
+    a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    f = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend=backend))
+    for _ in range(3):
+        jax.block_until_ready(f(a, w))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=DEFAULT_CASES, help="backend:M:NxK,...")
+    for case in ap.parse_args().cases.split(","):
+        backend, m, shape = case.split(":")
+        n, k = (int(x) for x in shape.split("x"))
+        print(f"case {backend} M={m} N={n} K={k}", flush=True)
+        run_case(backend, int(m), n, k)
+
+
+if __name__ == "__main__":
+    main()
