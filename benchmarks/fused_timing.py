@@ -6,6 +6,7 @@ weights of a chain exceed the 60 MB L2 several times over), timed as the median 
 batch of back-to-back calls, divided by the number of matmuls.
 
     python benchmarks/fused_timing.py [--shapes 11008x4096,4096x11008] [--ms 16,64,256] [--json PATH]
+    python benchmarks/fused_timing.py --plot-from results/fused_h200.json --png plots/fused.png
 
 Needs jax_fp4 built with its CUDA module (both targets registered) and an sm_90 device.
 """
@@ -50,7 +51,8 @@ def fused_call(a, packed, scale, gs):
 
 
 def dequant_call(a, packed, scale, gs):
-    # The same computation as jax_fp4's "dequant" path (_primitive._dequant).
+    # jax_fp4's "dequant" path as it was first written (f32 [M, N] result, then the cast); with a
+    # bias it still is (_primitive._dequant).
     n, k = packed.shape[0], a.shape[-1]
     call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((n, k), a.dtype))
     w = call(packed, scale, gs, block_size=np.int64(16))
@@ -58,7 +60,7 @@ def dequant_call(a, packed, scale, gs):
 
 
 def dequant16_call(a, packed, scale, gs):
-    # Variant: the dot emits a's dtype directly (cuBLAS rounds in its epilogue), no f32 [M, N].
+    # jax_fp4's "dequant" path without bias: the dot emits a's dtype (cuBLAS rounds in its epilogue).
     n, k = packed.shape[0], a.shape[-1]
     call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((n, k), a.dtype))
     return jnp.matmul(a, call(packed, scale, gs, block_size=np.int64(16)).T)
@@ -94,14 +96,56 @@ def write_json(path, dev, dtype, records):
                    "records": records}, f, indent=1)
 
 
+def plot(json_path, png_path):
+    """TFLOP/s and speedup over bf16 jnp.dot against M, one column per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        data = json.load(f)
+    shapes = sorted({(r["n"], r["k"]) for r in data["records"]})
+    fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
+    styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green"}
+    for col, (n, k) in enumerate(shapes):
+        rows = sorted((r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
+        ms = [r["m"] for r in rows]
+        top, bottom = axes[0][col], axes[1][col]
+        for v, color in styles.items():
+            if rows and rows[0].get(f"{v}_us") is not None:
+                top.plot(ms, [r[f"{v}_tflops"] for r in rows], marker="o", color=color, label=v)
+                if v != "bf16":
+                    bottom.plot(ms, [r["bf16_us"] / r[f"{v}_us"] for r in rows], marker="o",
+                                color=color, label=f"{v} vs bf16")
+        top.set(title=f"N={n} K={k}", xscale="log", yscale="log", ylabel="TFLOP/s")
+        bottom.axhline(1.0, color="gray", ls="--")
+        bottom.set(xscale="log", xlabel="M", ylabel="speedup over bf16 jnp.dot")
+        for ax in (top, bottom):
+            ax.set_xticks(ms, [str(m) for m in ms])
+            ax.tick_params(axis="x", labelrotation=45)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"fused sm_90 NVFP4 GEMM vs dequant + dot vs bf16, {data['device']}, {data['dtype']}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    print(f"wrote {png_path}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--plot-from", metavar="JSON", help="only plot an earlier run's JSON (with --png)")
+    ap.add_argument("--png", default="fused_timing.png")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxK,NxK,...")
     ap.add_argument("--ms", default=DEFAULT_MS)
     ap.add_argument("--variants", default="bf16,dequant,fused")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fused_timing.json"))
     args = ap.parse_args()
+    if args.plot_from:
+        plot(args.plot_from, args.png)
+        return
     source = register_targets()
     dtype = jnp.dtype(args.dtype)
     variants = args.variants.split(",")
