@@ -9,9 +9,15 @@ tokenizer.json inside the package; nothing is fetched at run time):
 
 It builds the BERT encoder in NNX (embeddings, 6 layers, mean pooling, L2 normalisation; float32),
 loads the weights, embeds a set of sentences once in float32 and once with every nn.Linear layer
-replaced by a jax_fp4 FP4Linear (``jax_fp4.nnx.quantize_model``), and prints for every sentence the
-cosine similarity of its NVFP4 embedding to its float32 twin and whether its nearest neighbour
-among the other sentences is the same in both models.
+replaced by a jax_fp4 FP4Linear, and prints for every sentence the cosine similarity of its NVFP4
+embedding to its float32 twin and whether its nearest neighbour among the other sentences is the
+same in both models.
+
+The NVFP4 weights are quantized with calibrated block scales: ``jax_fp4.nnx.calibrate`` records
+each layer's mean squared input on a few calibration sentences (not the evaluation ones), and
+``quantize_model(method="mse", calibration=...)`` picks each block's E4M3 scale for the least
+input-weighted error. ModelOpt's plain round-to-nearest (``quantize_model(model)``) is shown for
+comparison.
 """
 
 from __future__ import annotations
@@ -54,6 +60,20 @@ SENTENCES = [
     "Before travelling to Japan, he studies the Japanese language.",
     "The doctor prescribed antibiotics for the infection.",
     "A physician gave the patient medicine to treat a bacterial illness.",
+]
+
+# Calibration text for the block-scale search: unrelated to the sentences above.
+CALIBRATION_SENTENCES = [
+    "The weather today is cloudy with a chance of rain in the afternoon.",
+    "Stock markets rose after the central bank announced its decision.",
+    "She baked a chocolate cake for her brother's birthday party.",
+    "The library opens at nine and closes at eight on weekdays.",
+    "Engineers tested the bridge before it was opened to traffic.",
+    "A group of children played football in the park after school.",
+    "The museum's new exhibition features paintings from the 19th century.",
+    "He forgot his umbrella on the train this morning.",
+    "Researchers published a study on sleep and memory.",
+    "The restaurant serves fresh seafood and local wine.",
 ]
 
 
@@ -205,22 +225,28 @@ def compare(sentences=SENTENCES, path: Path | None = None) -> dict:
     """Embed `sentences` with the float32 and the NVFP4 model.
 
     Returns a dict with ``f32`` and ``fp4`` embeddings (float64 NumPy [B, 384]), ``cosine`` [B]
-    (each NVFP4 embedding against its float32 twin), ``nn_f32`` / ``nn_fp4`` [B] (nearest
+    (each NVFP4 embedding against its float32 twin; ``cosine_modelopt`` for ModelOpt's
+    uncalibrated round-to-nearest quantization), ``nn_f32`` / ``nn_fp4`` [B] (nearest
     neighbours), ``ranking_f32`` / ``ranking_fp4`` [B, B-1] (every sentence's neighbours, most
     similar first) and the two models."""
     model = load_model(path)
     tokens = tokenize(sentences, path)
     f32 = np.asarray(embed(model, *tokens), np.float64)
-    fp4_model = jax_fp4.nnx.quantize_model(nnx.clone(model))
+    calibration = jax_fp4.nnx.calibrate(model, embed, *tokenize(CALIBRATION_SENTENCES, path))
+    fp4_model = jax_fp4.nnx.quantize_model(nnx.clone(model), method="mse", calibration=calibration)
     fp4 = np.asarray(embed(fp4_model, *tokens), np.float64)
-    cosine = (f32 * fp4).sum(-1) / (np.linalg.norm(f32, axis=-1) * np.linalg.norm(fp4, axis=-1))
+    modelopt = np.asarray(embed(jax_fp4.nnx.quantize_model(nnx.clone(model)), *tokens), np.float64)
+
+    def cosine_to_f32(e):
+        return (f32 * e).sum(-1) / (np.linalg.norm(f32, axis=-1) * np.linalg.norm(e, axis=-1))
 
     def ranking(e):
         s = e @ e.T
         np.fill_diagonal(s, -np.inf)
         return np.argsort(-s, axis=1)[:, :-1]
 
-    return {"f32": f32, "fp4": fp4, "cosine": cosine, "nn_f32": nearest_neighbours(f32),
+    return {"f32": f32, "fp4": fp4, "cosine": cosine_to_f32(fp4), "cosine_modelopt": cosine_to_f32(modelopt),
+            "nn_f32": nearest_neighbours(f32),
             "nn_fp4": nearest_neighbours(fp4), "ranking_f32": ranking(f32), "ranking_fp4": ranking(fp4),
             "model": model, "fp4_model": fp4_model, "tokens": tokens}
 
@@ -234,7 +260,7 @@ def main(argv=None) -> int:
 
     r = compare()
     print(f"all-MiniLM-L6-v2 on {jax.devices()[0].platform}: float32 vs every nnx.Linear through "
-          "jax_fp4 (NVFP4 weights, float32 activations)\n")
+          "jax_fp4 (NVFP4 weights with calibrated block scales, float32 activations)\n")
     print(f"{'#':>3}  {'cos(fp4, f32)':>13}  {'NN f32':>6}  {'NN fp4':>6}  same  sentence")
     for i, sentence in enumerate(SENTENCES):
         same = r["nn_f32"][i] == r["nn_fp4"][i]
@@ -244,6 +270,8 @@ def main(argv=None) -> int:
     full = float(np.mean(np.all(r["ranking_f32"] == r["ranking_fp4"], axis=1)))
     print(f"\nmean cosine {r['cosine'].mean():.5f} (min {r['cosine'].min():.5f}); nearest neighbour "
           f"preserved for {agree:.0%} of sentences; full neighbour ranking identical for {full:.0%}")
+    print(f"ModelOpt round-to-nearest scales instead (no calibration): mean cosine "
+          f"{r['cosine_modelopt'].mean():.5f} (min {r['cosine_modelopt'].min():.5f})")
 
     if args.save_checkpoint:
         jax_fp4.checkpoint.save_safetensors(jax_fp4.nnx.export_weights(r["fp4_model"]), args.save_checkpoint)

@@ -188,15 +188,30 @@ def _divide(x, y):
     return x / jax.lax.optimization_barrier(y)
 
 
-def quantize(w, block_size: int = 16) -> NVFP4Weight:
-    """Quantize a float matrix [..., N, K] to NVFP4 with NVIDIA ModelOpt's algorithm.
+QUANTIZE_METHODS = ("modelopt", "mse")
+MSE_SCALE_STEPS = 2  # E4M3 codes tried on each side of ModelOpt's block scale by method="mse"
 
-    global scale g = amax|W| / (6 * 448) (1.0 for an all-zero matrix); per block
-    s = amax_block / (6 g), 1.0 for a zero block, clamped to [2^-9, 448] and rounded to E4M3
-    (nearest, ties to even); codes = E2M1(W / (e4m3(s) g)), nearest, ties to even, saturating at 6.
+
+def quantize(w, block_size: int = 16, *, method: str = "modelopt", importance=None) -> NVFP4Weight:
+    """Quantize a float matrix [..., N, K] to NVFP4.
+
+    method="modelopt" (default) is NVIDIA ModelOpt's algorithm, bit for bit: global scale
+    g = amax|W| / (6 * 448) (1.0 for an all-zero matrix); per block s = amax_block / (6 g), 1.0 for
+    a zero block, clamped to [2^-9, 448] and rounded to E4M3 (nearest, ties to even);
+    codes = E2M1(W / (e4m3(s) g)), nearest, ties to even, saturating at 6.
+
+    method="mse" keeps g and searches each block's E4M3 scale among ModelOpt's and the
+    MSE_SCALE_STEPS codes on either side of it, keeping the one whose round-to-nearest codes give
+    the least squared error sum_k importance[k] * (w_k - dequant(w)_k)^2 (ModelOpt's on ties). A
+    smaller scale clips the block's largest values to trade them for finer steps elsewhere.
+    `importance` ([K], or [..., K] for stacked weights; non-negative) weights the input channels,
+    e.g. the mean square of the layer's inputs on calibration data (jax_fp4.nnx.calibrate);
+    None weights them equally. The result is an ordinary NVFP4 weight.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"quantize: block_size must be a positive int, got {block_size!r}")
+    if method not in QUANTIZE_METHODS:
+        raise ValueError(f"quantize: method must be one of {QUANTIZE_METHODS}, got {method!r}")
     w = jnp.asarray(w)
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(f"quantize: w must be a float matrix [N, K], got dtype {w.dtype}")
@@ -205,21 +220,77 @@ def quantize(w, block_size: int = 16) -> NVFP4Weight:
     k = w.shape[-1]
     if k % 2:
         raise ValueError(f"quantize: K (the last axis) must be even to pack two codes per byte, got {k}")
+    if importance is not None:
+        if method != "mse":
+            raise ValueError("quantize: importance weights only method='mse'; got method='modelopt'")
+        importance = _check_importance(importance, w.shape)
     w = w.astype(jnp.float32)
     k_blocks = math.ceil(k / block_size)
+    pad = [(0, 0)] * (w.ndim - 1) + [(0, k_blocks * block_size - k)]
 
     amax = jnp.max(jnp.abs(w), axis=(-2, -1)) if k else jnp.zeros(w.shape[:-2], jnp.float32)
     gscale = jnp.where(amax > 0, _divide(amax, jnp.float32(E2M1_MAX * E4M3_MAX)), 1.0).astype(jnp.float32)
 
-    padded = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, k_blocks * block_size - k)])
-    blocks = padded.reshape(*w.shape[:-1], k_blocks, block_size)
+    blocks = jnp.pad(w, pad).reshape(*w.shape[:-1], k_blocks, block_size)
     block_amax = jnp.max(jnp.abs(blocks), axis=-1)
     s = _divide(block_amax, E2M1_MAX * gscale[..., None, None])
     s = jnp.where(s == 0, 1.0, s)
     s = jnp.clip(s, E4M3_MIN_SUBNORMAL, E4M3_MAX)
     scale = s.astype(jnp.float8_e4m3fn)
+    gs_blocks = gscale[..., None, None, None]
+    codes = _round_blocks(blocks, scale, gs_blocks)
 
-    step = scale.astype(jnp.float32)[..., None] * gscale[..., None, None, None]
-    scaled = jnp.clip(_divide(blocks, step), -E2M1_MAX, E2M1_MAX)
-    codes = _e2m1_round(scaled).reshape(*w.shape[:-1], k_blocks * block_size)[..., :k]
+    if method == "mse":
+        weights = (jnp.ones((k_blocks * block_size,), jnp.float32) if importance is None
+                   else jnp.pad(importance, [(0, 0)] * (importance.ndim - 1) + pad[-1:]))
+        weights = weights.reshape(*weights.shape[:-1], 1, k_blocks, block_size)  # [..., 1, kb, bs]
+        scale, codes = _search_scales(blocks, scale, codes, gs_blocks, weights)
+    codes = codes.reshape(*w.shape[:-1], k_blocks * block_size)[..., :k]
     return NVFP4Weight(pack_codes(codes), scale, gscale, block_size=block_size)
+
+
+def _round_blocks(blocks, scale, gs_blocks):
+    """E2M1 codes of blocks [..., kb, bs] under E4M3 block scales [..., kb] (round to nearest)."""
+    step = scale.astype(jnp.float32)[..., None] * gs_blocks
+    return _e2m1_round(jnp.clip(_divide(blocks, step), -E2M1_MAX, E2M1_MAX))
+
+
+def _search_scales(blocks, scale, codes, gs_blocks, weights):
+    """method="mse": the least-error scale per block among ModelOpt's and its neighbours."""
+    values = jnp.asarray(E2M1_VALUES)
+
+    def error(scale, codes):
+        step = scale.astype(jnp.float32)[..., None] * gs_blocks
+        return jnp.sum(weights * jnp.square(values[codes] * step - blocks), axis=-1)
+
+    base = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)  # positive: ordered
+    best_err = error(scale, codes)
+    for delta in [d for step in range(1, MSE_SCALE_STEPS + 1) for d in (-step, step)]:
+        cand = jax.lax.bitcast_convert_type(jnp.clip(base + delta, 1, 0x7E).astype(jnp.uint8),
+                                            jnp.float8_e4m3fn)
+        cand_codes = _round_blocks(blocks, cand, gs_blocks)
+        cand_err = error(cand, cand_codes)
+        better = cand_err < best_err  # strict: ModelOpt's scale wins ties (and NaN errors)
+        best_err = jnp.where(better, cand_err, best_err)
+        scale = jnp.where(better, cand, scale)
+        codes = jnp.where(better[..., None], cand_codes, codes)
+    return scale, codes
+
+
+def _check_importance(importance, w_shape):
+    """importance: [K] or w's leading axes + [K], float, non-negative where its values are known."""
+    k = w_shape[-1]
+    allowed = [(k,), tuple(w_shape[:-2]) + (k,)]
+    shape = tuple(np.shape(importance))
+    if shape not in allowed:
+        raise ValueError(f"quantize: importance must have shape {allowed[0]}"
+                         + (f" or {allowed[1]}" if allowed[1] != allowed[0] else "")
+                         + f" (one weight per input channel), got {shape}")
+    try:
+        values = np.asarray(importance, np.float64)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None  # traced: checked by the caller's concrete data, if anywhere
+    if values is not None and not (np.isfinite(values).all() and (values >= 0).all()):
+        raise ValueError("quantize: importance must be finite and non-negative")
+    importance = jnp.asarray(importance, jnp.float32)
+    return importance.reshape(allowed[0]) if shape == allowed[0] else importance

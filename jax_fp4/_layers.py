@@ -10,10 +10,11 @@ import jax.numpy as jnp
 from jax_fp4._format import quantize
 
 
-@functools.partial(jax.jit, static_argnames="block_size")
-def quantize_kernel(kernel, block_size):
-    """A Flax kernel [..., in, out] -> NVFP4Weight [..., out, in] = [N, K]."""
-    return quantize(jnp.swapaxes(kernel, -1, -2), block_size=block_size)
+@functools.partial(jax.jit, static_argnames=("block_size", "method"))
+def quantize_kernel(kernel, block_size, method="modelopt", importance=None):
+    """A Flax kernel [..., in, out] -> NVFP4Weight [..., out, in] = [N, K] (see jax_fp4.quantize)."""
+    return quantize(jnp.swapaxes(kernel, -1, -2), block_size=block_size, method=method,
+                    importance=importance)
 
 
 def compute_dtype(inputs, dtype, param_dtype, bias):

@@ -37,7 +37,7 @@ default_kernel_init = nn.initializers.lecun_normal()
 _FP4_KEYS = ("packed", "scale", "global_scale")
 
 
-def _quantize_boxed(kernel, block_size: int, where: str) -> dict[str, Any]:
+def _quantize_boxed(kernel, block_size: int, where: str, method: str = "modelopt") -> dict[str, Any]:
     """A (possibly nn.Partitioned-boxed) kernel [..., in, out] -> packed / scale / global_scale,
     boxed the same way with the axis names moved to the [..., out, in] layout."""
     box = kernel if isinstance(kernel, meta.AxisMetadata) else None
@@ -50,7 +50,7 @@ def _quantize_boxed(kernel, block_size: int, where: str) -> dict[str, Any]:
     if value.shape[-2] % 2:
         raise ValueError(f"{where}: the kernel's in-features (K) must be even to pack two E2M1 codes "
                          f"per byte, got kernel shape {tuple(value.shape)}")
-    w = quantize_kernel(value, block_size)
+    w = quantize_kernel(value, block_size, method)
     arrays = dict(zip(_FP4_KEYS, (w.packed, w.scale, w.global_scale)))
     if box is None:
         return arrays
@@ -160,7 +160,7 @@ _AUTONAME = re.compile(r"Dense_(\d+)")
 
 
 def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, block_size: int = 16,
-                    rename: bool = True):
+                    rename: bool = True, method: str = "modelopt"):
     """Convert nn.Dense params into FP4Dense params.
 
     `params` is the params of one Dense (``{"kernel", "bias"}``) or of a whole model (any nesting
@@ -176,6 +176,9 @@ def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, bl
     ``FP4Dense_<j>``, j counting the converted layers of the same parent in order of i. Layers with
     explicit names keep them.
 
+    `method` is `jax_fp4.quantize`'s: "modelopt" (ModelOpt's algorithm, bit for bit) or "mse"
+    (block scales searched for the least error, all input channels weighted equally).
+
     Returns a new tree of the same kind (the input is not modified); boxed (nn.Partitioned)
     kernels give boxed NVFP4 params with the axis names moved to the [out, in] layout.
     """
@@ -186,7 +189,7 @@ def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, bl
             selected = ndim == 2 if filter is None else bool(filter(path))
             if selected:
                 where = f"quantize_params: layer {'/'.join(map(str, path)) or '<root>'}"
-                out = _quantize_boxed(tree["kernel"], block_size, where)
+                out = _quantize_boxed(tree["kernel"], block_size, where, method)
                 if "bias" in tree:
                     out["bias"] = tree["bias"]
                 return out, True

@@ -2,6 +2,8 @@
 
     from jax_fp4 import nnx as fp4nnx
     model = fp4nnx.quantize_model(model)            # every nnx.Linear -> FP4Linear, in place
+    stats = fp4nnx.calibrate(model, run, batch)     # or: calibrated block scales, from run(model, batch)
+    model = fp4nnx.quantize_model(model, method="mse", calibration=stats)
     layer = fp4nnx.FP4Linear.from_linear(linear)    # one layer
     layer = fp4nnx.FP4Linear.from_weight(w, bias)   # from an NVFP4Weight (e.g. a checkpoint)
 
@@ -23,6 +25,7 @@ nnx.Linear's [in, out] kernel; FP4Linear moves the names to the [out, in] arrays
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -36,7 +39,7 @@ from jax_fp4._format import NVFP4Weight
 from jax_fp4._layers import compute_dtype, quantize_kernel
 from jax_fp4._matmul import matmul
 
-__all__ = ["FP4Linear", "QuantizedWeight", "export_weights", "load_weights", "quantize_model"]
+__all__ = ["FP4Linear", "QuantizedWeight", "calibrate", "export_weights", "load_weights", "quantize_model"]
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
@@ -167,13 +170,15 @@ class FP4Linear(nnx.Module):
         self.backend = backend
 
     @classmethod
-    def from_linear(cls, linear: nnx.Linear, *, block_size: int = 16,
-                    backend: str | None = None) -> FP4Linear:
+    def from_linear(cls, linear: nnx.Linear, *, block_size: int = 16, backend: str | None = None,
+                    method: str = "modelopt", importance=None) -> FP4Linear:
         """Quantize an `nnx.Linear` (kernel [..., in, out]; leading axes from nnx.vmap/scan stay
-        stacked) with ModelOpt's NVFP4 algorithm. Bias, dtype, param_dtype and the variables'
-        metadata (sharding) are carried over; the Linear is left unchanged. A Linear whose
-        variables carry ``out_sharding`` is converted onto the same layout, which (as creating it
-        did) needs the mesh: call this under the same ``jax.set_mesh`` context."""
+        stacked) with `jax_fp4.quantize`: ModelOpt's NVFP4 algorithm by default, or
+        ``method="mse"`` with the optional per-input-channel `importance` [in] (from `calibrate`).
+        Bias, dtype, param_dtype and the variables' metadata (sharding) are carried over; the
+        Linear is left unchanged. A Linear whose variables carry ``out_sharding`` is converted
+        onto the same layout, which (as creating it did) needs the mesh: call this under the same
+        ``jax.set_mesh`` context."""
         if not isinstance(linear, nnx.Linear):
             raise TypeError(f"FP4Linear.from_linear: expected an nnx.Linear, got {type(linear).__name__}")
         kernel = linear.kernel[...]
@@ -183,7 +188,7 @@ class FP4Linear(nnx.Module):
         if in_features % 2:
             raise ValueError(f"FP4Linear.from_linear: in_features (K) must be even to pack two E2M1 "
                              f"codes per byte, got kernel shape {tuple(kernel.shape)}")
-        weight = quantize_kernel(kernel, block_size)
+        weight = quantize_kernel(kernel, block_size, method, importance)
         bias = None if linear.bias is None else linear.bias[...]
         return cls(in_features, out_features, use_bias=bias is not None, dtype=linear.dtype,
                    param_dtype=linear.param_dtype, block_size=block_size,
@@ -275,7 +280,8 @@ def _set_child(node, key, value, path):
 
 
 def quantize_model(model, filter: Callable[[tuple], bool] | None = None, *, block_size: int = 16,
-                   backend: str | None = None):
+                   backend: str | None = None, method: str = "modelopt",
+                   calibration: Mapping[tuple, Any] | None = None):
     """Replace the `nnx.Linear` layers of `model` by FP4Linear layers, in place, and return it.
 
     Args:
@@ -285,12 +291,18 @@ def quantize_model(model, filter: Callable[[tuple], bool] | None = None, *, bloc
         convert, e.g. ``lambda path: "head" not in path``.
       block_size: elements per block scale (16 for NVFP4).
       backend: the jax_fp4.matmul backend for the new layers.
+      method: "modelopt" (ModelOpt's algorithm, bit for bit) or "mse" (block scales searched for
+        the least error; see `jax_fp4.quantize`).
+      calibration: with method="mse", the per-layer input statistics from `calibrate` (path ->
+        importance [in]); every converted layer must have an entry. None weights inputs equally.
 
     A Linear referenced from several places becomes one FP4Linear shared the same way. Layers
     made by nnx.vmap (kernel [L, in, out]) become stacked FP4Linear layers for nnx.scan.
     """
     if isinstance(model, nnx.Linear) and not isinstance(model, FP4Linear):
         raise TypeError("quantize_model: model is itself an nnx.Linear; use FP4Linear.from_linear(model)")
+    if calibration is not None and method != "mse":
+        raise ValueError(f"quantize_model: calibration is used by method='mse' only, got method={method!r}")
     converted: dict[int, FP4Linear] = {}
     declined: set[int] = set()
     while True:
@@ -304,15 +316,73 @@ def quantize_model(model, filter: Callable[[tuple], bool] | None = None, *, bloc
                     declined.add(id(linear))
                     continue
                 try:
-                    converted[id(linear)] = FP4Linear.from_linear(linear, block_size=block_size,
-                                                                  backend=backend)
+                    importance = None
+                    if calibration is not None:
+                        importance = calibration.get(tuple(path))
+                        if importance is None:
+                            raise ValueError("calibration has no statistics for it (was it called "
+                                             "while calibrating?); skip it with a filter")
+                    converted[id(linear)] = FP4Linear.from_linear(
+                        linear, block_size=block_size, backend=backend, method=method,
+                        importance=importance)
                 except (TypeError, ValueError) as e:
-                    raise type(e)(f"quantize_model: cannot quantize the Linear at "
-                                  f"{_path_name(path)!r}: {e}") from e
+                    where = f"quantize_model: cannot quantize the Linear at {_path_name(path)!r}"
+                    if type(e) not in (TypeError, ValueError):  # e.g. JAX's tracer errors
+                        e.add_note(where)
+                        raise
+                    raise type(e)(f"{where}: {e}") from e
             parent = model
             for key in path[:-1]:
                 parent = _child(parent, key)
             _set_child(parent, path[-1], converted[id(linear)], path)
+
+
+def _record_inputs(call):
+    """`call` (a Linear's __call__) that also sums its inputs' squares per channel."""
+
+    def recording_call(self, inputs, *args, **kwargs):
+        x = jnp.asarray(inputs, jnp.float32).reshape(-1, inputs.shape[-1])
+        self.calibration_sum_squares.set_value(self.calibration_sum_squares[...] + jnp.sum(x * x, axis=0))
+        self.calibration_rows.set_value(self.calibration_rows[...] + x.shape[0])
+        return call(self, inputs, *args, **kwargs)
+
+    return recording_call
+
+
+@functools.lru_cache(maxsize=None)
+def _recording(cls: type) -> type:
+    """A subclass of a Linear class that records its inputs (the same object layout as `cls`, so a
+    calibration probe's layers can switch to it in place)."""
+    return type(f"_Recording{cls.__name__}", (cls,), {"__call__": _record_inputs(cls.__call__)})
+
+
+def calibrate(model, forward: Callable[..., Any], *args, **kwargs) -> dict[tuple, jax.Array]:
+    """Input statistics of every `nnx.Linear` in `model` for ``quantize_model(method="mse")``.
+
+    Runs ``forward(probe, *args, **kwargs)`` once on a copy of `model` whose Linear layers also
+    record their inputs, and returns {layer path: mean of the squared inputs per input channel
+    [in]}, the importance that weights each channel's quantization error. `forward` may run the
+    model eagerly or under `nnx.jit`; call it on calibration data that the model will see in use,
+    not on the evaluation data. `model` itself is left unchanged. Layers from nnx.vmap (stacked
+    kernels) are not supported.
+    """
+    probe = nnx.clone(model)
+    layers = {}
+    for path, node in list(nnx.iter_graph(probe)):
+        if not isinstance(node, nnx.Linear) or isinstance(node, FP4Linear):
+            continue
+        if node.kernel.ndim != 2:
+            raise ValueError(f"calibrate: the Linear at {_path_name(path)!r} has a stacked kernel of shape "
+                             f"{tuple(node.kernel.shape)}; only 2-D kernels [in, out] are supported")
+        node.calibration_sum_squares = nnx.Variable(jnp.zeros((node.kernel.shape[0],), jnp.float32))
+        node.calibration_rows = nnx.Variable(jnp.zeros((), jnp.float32))
+        # Every reference to the layer records (shared layers); past nnx's __setattr__, which would
+        # register "__class__" as an attribute of the module.
+        object.__setattr__(node, "__class__", _recording(type(node)))
+        layers[tuple(path)] = node
+    forward(probe, *args, **kwargs)
+    return {path: layer.calibration_sum_squares[...] / layer.calibration_rows[...]
+            for path, layer in layers.items() if float(layer.calibration_rows[...]) > 0}
 
 
 def _fp4_layers(model, prefix: str) -> dict[str, FP4Linear]:

@@ -75,18 +75,23 @@ def modelopt_quantize(w, block_size=16):
     s = (np.abs(blocks).max(axis=-1) / np.float32(np.float32(6.0) * gs)).astype(np.float32)
     s = np.clip(np.where(s == 0, np.float32(1.0), s), np.float32(2.0**-9), np.float32(448.0))
     scale_bytes = s.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    step = (e4m3_decode(scale_bytes).astype(np.float32) * gs).astype(np.float32)
+    code = round_to_e2m1(blocks, scale_bytes, gs)
+    return code.reshape(n, kb * block_size)[:, :k], scale_bytes, gs
+
+
+def round_to_e2m1(blocks, scale_bytes, gs):
+    """E2M1 codes of float32 blocks [..., kb, bs] at step e4m3(scale) * gs (float32, as ModelOpt):
+    x / step correctly rounded, clipped to [-6, 6], nearest magnitude, ties to the even code."""
+    step = (e4m3_decode(scale_bytes).astype(np.float32) * np.float32(gs)).astype(np.float32)
     q = np.clip(blocks / step[..., None], np.float32(-6.0), np.float32(6.0)).astype(np.float32)
     grid = e2m1_decode(np.arange(8))  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
     mag = np.abs(q).astype(np.float64)[..., None]
     dist = np.abs(mag - grid)
-    nearest = dist.min(axis=-1, keepdims=True)
-    tied = (dist == nearest)
+    tied = dist == dist.min(axis=-1, keepdims=True)
     # nearest magnitude; among two tied neighbours the one with an even code (mantissa bit 0)
     code = np.where(tied & (np.arange(8) % 2 == 0), np.arange(8), 99).min(axis=-1)
     code = np.where(tied.sum(axis=-1) == 1, tied.argmax(axis=-1), code).astype(np.uint8)
-    code = np.where((q < 0) & (code > 0), code | 8, code).astype(np.uint8)
-    return code.reshape(n, kb * block_size)[:, :k], scale_bytes, gs
+    return np.where((q < 0) & (code > 0), code | 8, code).astype(np.uint8)
 
 
 def random_weight(rng, n, k, block_size=16, scale_low=0x28, scale_high=0x48):

