@@ -5,7 +5,7 @@
 #   bash benchmarks/device_run.sh build tests          # ~3 min
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~2.5 min
-#   bash benchmarks/device_run.sh build profile gemv-sweep   # ncu of the fused GEMM, GEMV configs
+#   bash benchmarks/device_run.sh build profile gemv-sweep fused-sweep   # ncu, launch-config sweeps
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -53,8 +53,16 @@ for stage in "$@"; do
         JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m jax_fp4.bench --backend gemv --m 4 --repeats 5 \
           --shapes 248320x2048 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee -a "$OUT/gemv_sweep.log" ;;
+    fused-sweep)
+      # Split-K factors of the fused GEMM (JAX_FP4_FUSED_SPLIT) against ChooseSplit's pick.
+      for split in "" 1 2 3 4 6 8; do
+        echo "== JAX_FP4_FUSED_SPLIT=${split:-auto}"
+        JAX_FP4_FUSED_SPLIT=$split timeout 90 python benchmarks/fused_timing.py --variants fused \
+          --shapes 11008x4096,28672x8192 --ms 16,64,128 --json "$OUT/fused_split_${split:-auto}.json" \
+          2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
+      done | tee "$OUT/fused_sweep.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, sanitizer, fused, bench, profile, gemv-sweep)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, sanitizer, fused, bench, profile, gemv-sweep, fused-sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status

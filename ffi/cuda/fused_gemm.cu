@@ -38,6 +38,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -589,6 +590,15 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks) {
   return best;
 }
 
+// Tuning override: JAX_FP4_FUSED_SPLIT=<n> forces the split-K factor (clamped to 1..8 and to the
+// K stages; read on each call; unset or empty = ChooseSplit). For measurements, not for use.
+int SplitOverride(int64_t ks) {
+  const char* env = std::getenv("JAX_FP4_FUSED_SPLIT");
+  if (env == nullptr || *env == '\0') return 0;
+  const long value = std::strtol(env, nullptr, 10);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({value, kMaxSplit, ks})));
+}
+
 template <typename T, int BM>
 cudaError_t LaunchFused(cudaStream_t stream, int device, const void* a, const uint8_t* packed,
                         const uint8_t* scale, const float* gs, const void* bias, void* y,
@@ -598,7 +608,8 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, const void* a, const ui
   const int64_t tiles_n = CeilDiv(n, kTileN);
   const int64_t tiles_m = CeilDiv(m, BM);
   const int64_t ks = k / kStageK;
-  const int split = ChooseSplit<T, BM>(device, tiles_n * tiles_m, ks);
+  const int forced = SplitOverride(ks);
+  const int split = forced > 0 ? forced : ChooseSplit<T, BM>(device, tiles_n * tiles_m, ks);
   if (split_out != nullptr) *split_out = split;
 
   cudaLaunchConfig_t config = {};
