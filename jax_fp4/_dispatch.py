@@ -26,7 +26,7 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 # The "auto" thresholds, from the crossovers measured on the H200 (benchmarks/NOTES_fused.md,
 # benchmarks/results/fused_h200.json): the decode GEMV is as fast as or faster than the fused GEMM
 # up to M = 16 (it re-reads the weight once per 8 rows, mostly from L2); the fused GEMM beats
-# dequantize + cuBLAS by 1.5-2.1x up to M = 128 and loses to it on most shapes by M = 256.
+# dequantize + cuBLAS by 1.5-2.7x from M = 32 to 128 and loses to it on most shapes by M = 256.
 GEMV_MAX_M = 16
 FUSED_MAX_M = 128
 

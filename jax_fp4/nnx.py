@@ -375,14 +375,14 @@ def calibrate(model, forward: Callable[..., Any], *args, **kwargs) -> dict[tuple
             raise ValueError(f"calibrate: the Linear at {_path_name(path)!r} has a stacked kernel of shape "
                              f"{tuple(node.kernel.shape)}; only 2-D kernels [in, out] are supported")
         node.calibration_sum_squares = nnx.Variable(jnp.zeros((node.kernel.shape[0],), jnp.float32))
-        node.calibration_rows = nnx.Variable(jnp.zeros((), jnp.float32))
+        node.calibration_rows = nnx.Variable(jnp.zeros((), jnp.int32))
         # Every reference to the layer records (shared layers); past nnx's __setattr__, which would
         # register "__class__" as an attribute of the module.
         object.__setattr__(node, "__class__", _recording(type(node)))
         layers[tuple(path)] = node
     forward(probe, *args, **kwargs)
-    return {path: layer.calibration_sum_squares[...] / layer.calibration_rows[...]
-            for path, layer in layers.items() if float(layer.calibration_rows[...]) > 0}
+    return {path: layer.calibration_sum_squares[...] / layer.calibration_rows[...].astype(jnp.float32)
+            for path, layer in layers.items() if int(layer.calibration_rows[...]) > 0}
 
 
 def _fp4_layers(model, prefix: str) -> dict[str, FP4Linear]:
