@@ -3,6 +3,8 @@
     from jax_fp4 import linen as fp4nn
     layer = fp4nn.FP4Dense(features=256)                 # drop-in for nn.Dense(features=256)
     params = fp4nn.quantize_params(float_params)         # nn.Dense params -> FP4Dense params
+    stats = fp4nn.calibrate(model, float_params, batch)  # or: calibrated block scales
+    params = fp4nn.quantize_params(float_params, method="mse", calibration=stats)
 
 `FP4Dense`'s params are the NVFP4 tensors in the [out, in] layout, ``packed`` uint8 [N, K/2],
 ``scale`` float8_e4m3fn [N, ceil(K/16)], ``global_scale`` float32 [], plus ``bias`` [N] as in
@@ -30,14 +32,15 @@ from jax_fp4._format import NVFP4Weight
 from jax_fp4._layers import compute_dtype, quantize_kernel
 from jax_fp4._matmul import matmul
 
-__all__ = ["FP4Dense", "params_from_weight", "quantize_params", "weight_from_params"]
+__all__ = ["FP4Dense", "calibrate", "params_from_weight", "quantize_params", "weight_from_params"]
 
 default_kernel_init = nn.initializers.lecun_normal()
 
 _FP4_KEYS = ("packed", "scale", "global_scale")
 
 
-def _quantize_boxed(kernel, block_size: int, where: str, method: str = "modelopt") -> dict[str, Any]:
+def _quantize_boxed(kernel, block_size: int, where: str, method: str = "modelopt",
+                    importance=None) -> dict[str, Any]:
     """A (possibly nn.Partitioned-boxed) kernel [..., in, out] -> packed / scale / global_scale,
     boxed the same way with the axis names moved to the [..., out, in] layout."""
     box = kernel if isinstance(kernel, meta.AxisMetadata) else None
@@ -50,7 +53,7 @@ def _quantize_boxed(kernel, block_size: int, where: str, method: str = "modelopt
     if value.shape[-2] % 2:
         raise ValueError(f"{where}: the kernel's in-features (K) must be even to pack two E2M1 codes "
                          f"per byte, got kernel shape {tuple(value.shape)}")
-    w = quantize_kernel(value, block_size, method)
+    w = quantize_kernel(value, block_size, method, importance)
     arrays = dict(zip(_FP4_KEYS, (w.packed, w.scale, w.global_scale)))
     if box is None:
         return arrays
@@ -160,7 +163,8 @@ _AUTONAME = re.compile(r"Dense_(\d+)")
 
 
 def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, block_size: int = 16,
-                    rename: bool = True, method: str = "modelopt"):
+                    rename: bool = True, method: str = "modelopt",
+                    calibration: Mapping[tuple, Any] | None = None):
     """Convert nn.Dense params into FP4Dense params.
 
     `params` is the params of one Dense (``{"kernel", "bias"}``) or of a whole model (any nesting
@@ -177,11 +181,17 @@ def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, bl
     explicit names keep them.
 
     `method` is `jax_fp4.quantize`'s: "modelopt" (ModelOpt's algorithm, bit for bit) or "mse"
-    (block scales searched for the least error, all input channels weighted equally).
+    (block scales searched for the least error). With "mse", `calibration` (from `calibrate`)
+    weights each layer's input channels by their mean square; every converted layer needs an
+    entry (its module path, the layer's path with a leading "params" key dropped). Without it the
+    channels weigh equally.
 
     Returns a new tree of the same kind (the input is not modified); boxed (nn.Partitioned)
     kernels give boxed NVFP4 params with the axis names moved to the [out, in] layout.
     """
+
+    if calibration is not None and method != "mse":
+        raise ValueError(f"quantize_params: calibration is used by method='mse' only, got method={method!r}")
 
     def convert(tree, path):
         if _is_dense(tree):
@@ -189,7 +199,14 @@ def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, bl
             selected = ndim == 2 if filter is None else bool(filter(path))
             if selected:
                 where = f"quantize_params: layer {'/'.join(map(str, path)) or '<root>'}"
-                out = _quantize_boxed(tree["kernel"], block_size, where, method)
+                importance = None
+                if calibration is not None:
+                    module_path = path[1:] if path[:1] == ("params",) else path
+                    importance = calibration.get(tuple(module_path))
+                    if importance is None:
+                        raise ValueError(f"{where}: calibration has no statistics for it (was it "
+                                         "called while calibrating?); skip it with a filter")
+                out = _quantize_boxed(tree["kernel"], block_size, where, method, importance)
                 if "bias" in tree:
                     out["bias"] = tree["bias"]
                 return out, True
@@ -213,3 +230,40 @@ def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, bl
         return tree, False
 
     return convert(params, ())[0]
+
+
+_CALIBRATION = "jax_fp4_calibration"
+
+
+def _record_dense_inputs(next_fun, args, kwargs, context):
+    """nn.intercept_methods interceptor: sows the per-channel sum of squared inputs of nn.Dense."""
+    if isinstance(context.module, nn.Dense) and context.method_name == "__call__":
+        x = jnp.asarray(args[0], jnp.float32)
+        x = x.reshape(-1, x.shape[-1])
+        add = dict(reduce_fn=lambda total, value: total + value, init_fn=lambda: 0)
+        context.module.sow(_CALIBRATION, "sum_squares", jnp.sum(x * x, axis=0), **add)
+        context.module.sow(_CALIBRATION, "rows", x.shape[0], **add)
+    return next_fun(*args, **kwargs)
+
+
+def calibrate(module: nn.Module, variables, *args, method=None, **kwargs) -> dict[tuple, jax.Array]:
+    """Input statistics of every `nn.Dense` in `module` for ``quantize_params(method="mse")``.
+
+    Runs ``module.apply(variables, *args, method=method, **kwargs)`` once, recording what each
+    nn.Dense receives, and returns {module path (e.g. ``("Dense_0",)`` or ``("block", "proj")``):
+    mean of the squared inputs per input channel [in]}. Use calibration data that the model will
+    see in use, not the evaluation data. Dense layers inside nn.scan / nn.vmap are not supported.
+    """
+    with nn.intercept_methods(_record_dense_inputs):
+        _, state = module.apply(variables, *args, method=method, mutable=[_CALIBRATION], **kwargs)
+    stats = {}
+
+    def walk(tree, path):
+        if "sum_squares" in tree and "rows" in tree:
+            stats[path] = jnp.asarray(tree["sum_squares"], jnp.float32) / jnp.float32(tree["rows"])
+        for key, value in tree.items():
+            if isinstance(value, Mapping):
+                walk(value, (*path, key))
+
+    walk(state.get(_CALIBRATION, {}), ())
+    return stats

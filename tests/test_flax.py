@@ -427,6 +427,34 @@ def test_quantize_params_of_a_model():
     assert not np.array_equal(np.asarray(searched.scale_bytes), np.asarray(w.scale_bytes))
 
 
+def test_linen_calibrate_and_calibrated_quantize_params():
+    x = _x(13, (6, 32))
+    float_params = _DenseNet().init(jax.random.key(2), x)
+    stats = fp4nn.calibrate(_DenseNet(), float_params, x)
+    p = {k: {n: np.asarray(a, np.float64) for n, a in v.items()} for k, v in float_params["params"].items()}
+    h0 = np.asarray(x, np.float64)
+    h1 = np.maximum(h0 @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"], 0)
+    h2 = h1 @ p["proj"]["kernel"] + p["proj"]["bias"]
+    assert set(stats) == {("Dense_0",), ("proj",), ("Dense_1",)}
+    for path, h in ((("Dense_0",), h0), (("proj",), h1), (("Dense_1",), h2)):
+        np.testing.assert_allclose(np.asarray(stats[path]), (h ** 2).mean(axis=0), rtol=1e-4, err_msg=str(path))
+
+    whole = fp4nn.quantize_params(float_params, method="mse", calibration=stats)
+    inner = fp4nn.quantize_params(float_params["params"], method="mse", calibration=stats)
+    for new_name, old_name in (("FP4Dense_0", "Dense_0"), ("proj", "proj"), ("FP4Dense_1", "Dense_1")):
+        expected = jax_fp4.quantize(float_params["params"][old_name]["kernel"].T, method="mse",
+                                    importance=stats[(old_name,)])
+        for tree in (whole["params"], inner):
+            got = fp4nn.weight_from_params(tree[new_name])
+            np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(expected.packed))
+            np.testing.assert_array_equal(np.asarray(got.scale_bytes), np.asarray(expected.scale_bytes))
+    with pytest.raises(ValueError, match="method='mse' only"):
+        fp4nn.quantize_params(float_params, calibration=stats)
+    with pytest.raises(ValueError, match=r"layer params/proj: calibration has no statistics"):
+        fp4nn.quantize_params(float_params, method="mse",
+                              calibration={k: v for k, v in stats.items() if k != ("proj",)})
+
+
 def test_fp4dense_dtype_and_errors():
     x = _x(13, (2, 32), jnp.bfloat16)
     params = fp4nn.FP4Dense(16).init(jax.random.key(0), x)
