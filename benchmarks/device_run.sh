@@ -42,8 +42,9 @@ for stage in "$@"; do
       grep -E "FusedGemm|Duration|Grid Size|Cluster Size|Registers Per|Achieved Occupancy|DRAM Th|Compute \(SM\) Th|Issued Warp|Max Active Clusters|Waves" \
         "$OUT/ncu_fused.log" | cut -c1-150 ;;
     gemv-sweep)
-      # GEMV launch configs (JAX_FP4_GEMV_CONFIG="col_tiles,k_split") against the heuristic's pick.
-      for cfg in 1,1 1,2 1,4 1,8 1,16; do
+      # GEMV launch configs (JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows,lean]"), lean = the
+      # register-capped kernel, against the heuristic's pick.
+      for cfg in 1,1 1,2 1,4 1,8 1,16 1,1,1,1 1,2,1,1 1,4,1,1; do
         echo "== M=1 col_tiles,k_split = $cfg"
         JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m jax_fp4.bench --backend gemv --m 1 --repeats 5 \
           --shapes 11008x4096,4096x11008,28672x8192 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60

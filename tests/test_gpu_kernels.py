@@ -211,10 +211,12 @@ def test_gemv_exact_bitwise(m, n, k, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", ["1,1", "1,2", "1,16", "2,1", "2,8", "4,1", "4,4",
-                                    "1,4,1", "1,4,2", "1,4,4"])
+                                    "1,4,1", "1,4,2", "1,4,4",
+                                    "1,1,1,1", "1,4,1,1", "1,16,1,1", "2,2,1,1"])
 def test_gemv_every_launch_config(config, dtype, monkeypatch):
-    """Every kernel variant (col_tiles, k_split, rows_per_block), forced through the debug
-    override JAX_FP4_GEMV_CONFIG, on exact inputs: all must match the reference bit for bit."""
+    """Every kernel variant (col_tiles, k_split, rows_per_block[, lean]), forced through the debug
+    override JAX_FP4_GEMV_CONFIG, on exact inputs: all must match the reference bit for bit.
+    ("1,16,1,1": the lean kernel clamps k_split to 4; "2,2,1,1": lean applies to col_tiles 1 only.)"""
     rng = np.random.default_rng()
     monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)
     for m, n, k in ((3, 70, 1024), (9, 37, 512), (1, 5, 128)):

@@ -5,7 +5,8 @@
 // * GemvMmaKernel (sm_80+, K % 128 == 0): mma.sync m16n8k16 with the WEIGHT in the A slot
 //   (16 output columns) and the activations in the B slot (8 rows of M). See the fragment table
 //   above the kernel. The E4M3 block scale is folded into the decoded 16-bit weight before the
-//   mma (exact), global scale and bias are applied in the epilogue.
+//   mma (exact), global scale and bias are applied in the epilogue. GemvMmaLeanKernel is the same
+//   code under a register cap, a tuning variant reachable only through JAX_FP4_GEMV_CONFIG.
 // * GemvScalarKernel (any K % 32 == 0): a warp per output column, 32 K elements (one 16-byte load
 //   of packed weight, two scale blocks) per lane per step, per-block fp32 partial sums, a warp
 //   shuffle reduction, and row tiling (RowsPerBlock rows of M share each decoded weight).
@@ -182,11 +183,19 @@ __device__ __forceinline__ void MmaCompute(float (&acc)[CT][4], const MmaFragmen
   MmaStep<T, 7>(acc, f, scale_lo, scale_hi);
 }
 
+// GemvMmaLeanKernel, a tuning variant of GemvMmaKernel (benchmarks/NOTES.md): the same code in
+// blocks of at most 4 warps with 6 of them resident per SM, so ptxas caps the registers at 80
+// instead of 101 for more warps, hence more loads, in flight. Same results; selected only through
+// JAX_FP4_GEMV_CONFIG until measurements say where it wins.
+constexpr int kGemvLeanMinBlocks = 6;
+constexpr int kGemvLeanMaxWarps = 4;
+
 template <typename T, int CT>
-__global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
-    GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
-                  const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
-                  const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
+__device__ __forceinline__ void GemvMma(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                                        const uint8_t* __restrict__ scale,
+                                        const float* __restrict__ global_scale,
+                                        const T* __restrict__ bias, T* __restrict__ y, int64_t m,
+                                        int64_t n, int64_t k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float reduce_buf[];  // [k_split][CT * 4][32], only when k_split > 1
   const int lane = threadIdx.x & 31;
@@ -281,6 +290,23 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
 #else
   __trap();  // the launcher never selects this kernel below sm_80
 #endif
+}
+
+template <typename T, int CT>
+__global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
+    GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                  const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                  const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
+  GemvMma<T, CT>(a, packed, scale, global_scale, bias, y, m, n, k);
+}
+
+template <typename T, int CT>
+__global__ void __launch_bounds__(32 * kGemvLeanMaxWarps, kGemvLeanMinBlocks)
+    GemvMmaLeanKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                      const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                      const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n,
+                      int64_t k) {
+  GemvMma<T, CT>(a, packed, scale, global_scale, bias, y, m, n, k);
 }
 
 //------------------------------------------------------------------------------------------------
@@ -391,16 +417,21 @@ __global__ void __launch_bounds__(32 * kGemvScalarColsPerBlock)
 // Launchers.
 constexpr int64_t kMaxGridY = 65535;
 
-template <typename T, int CT>
+template <typename T, int CT, bool Lean = false>
 cudaError_t LaunchMma(cudaStream_t stream, const T* a, const uint8_t* packed, const uint8_t* scale,
                       const float* gs, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
                       int k_split) {
+  if constexpr (Lean) k_split = std::min(k_split, kGemvLeanMaxWarps);
   const int64_t tiles = CeilDiv(n, kGemvTileCols);
   const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = k_split > 1 ? sizeof(float) * k_split * CT * 4 * 32 : 0;
-  GemvMmaKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  if constexpr (Lean) {
+    GemvMmaLeanKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  } else {
+    GemvMmaKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  }
   return cudaGetLastError();
 }
 
@@ -415,13 +446,15 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
   return cudaGetLastError();
 }
 
-// Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block]" (read on
-// each call; empty or unset = the heuristic). Values are clamped to what the kernels support.
-void ApplyConfigOverride(GemvLaunchConfig* cfg) {
+// Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block[,lean]]" (read
+// on each call; empty or unset = the heuristic). Values are clamped to what the kernels support;
+// lean = 1 picks the register-capped kernel for col_tiles 1 (k_split at most 4).
+void ApplyConfigOverride(GemvLaunchConfig* cfg, bool* lean) {
   const char* env = std::getenv("JAX_FP4_GEMV_CONFIG");
   if (env == nullptr || *env == '\0') return;
-  int ct = 0, ks = 0, rows = 0;
-  const int got = std::sscanf(env, "%d,%d,%d", &ct, &ks, &rows);
+  int ct = 0, ks = 0, rows = 0, lean_flag = 0;
+  const int got = std::sscanf(env, "%d,%d,%d,%d", &ct, &ks, &rows, &lean_flag);
+  *lean = got >= 4 && lean_flag == 1;
   if (got >= 1 && (ct == 1 || ct == 2 || ct == 4)) cfg->col_tiles = ct;
   if (got >= 2 && ks >= 1) {
     int p = 1;
@@ -441,12 +474,16 @@ cudaError_t LaunchGemv(cudaStream_t stream, const DeviceInfo& info, const void* 
   const T* bt = static_cast<const T*>(bias);
   T* yt = static_cast<T*>(y);
   GemvLaunchConfig cfg = gemv_launch_config(m, n, k, info.num_sms);
-  ApplyConfigOverride(&cfg);
+  bool lean = false;
+  ApplyConfigOverride(&cfg, &lean);
   if (use_mma && k > 0 && k % kGemvWindow == 0 && info.sm >= 80) {
     switch (cfg.col_tiles) {
       case 4: return LaunchMma<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
       case 2: return LaunchMma<T, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
-      default: return LaunchMma<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
+      default:
+        return lean ? LaunchMma<T, 1, true>(stream, at, packed, scale, gs, bt, yt, m, n, k,
+                                            cfg.k_split)
+                    : LaunchMma<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
     }
   }
   const int rows = row_tiling ? cfg.rows_per_block : 1;
