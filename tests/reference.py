@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 
@@ -62,8 +63,6 @@ def modelopt_quantize(w, block_size=16):
     """NVIDIA ModelOpt's NVFP4 weight quantizer in NumPy float32 (IEEE, correctly rounded like
     torch): [N, K] float32 -> (codes uint8 [N, K], E4M3 scale bytes [N, ceil(K / block_size)],
     global scale float32). Ties of E2M1 and E4M3 rounding go to the even code."""
-    import ml_dtypes  # the E4M3 cast rounds to nearest even and saturates nothing (checked below)
-
     w = np.asarray(w, np.float32)
     n, k = w.shape
     amax = np.abs(w).max() if w.size else np.float32(0)
@@ -74,7 +73,7 @@ def modelopt_quantize(w, block_size=16):
     blocks = blocks.reshape(n, kb, block_size)
     s = (np.abs(blocks).max(axis=-1) / np.float32(np.float32(6.0) * gs)).astype(np.float32)
     s = np.clip(np.where(s == 0, np.float32(1.0), s), np.float32(2.0**-9), np.float32(448.0))
-    scale_bytes = s.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    scale_bytes = s.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)  # nearest even; s <= 448 fits
     code = round_to_e2m1(blocks, scale_bytes, gs)
     return code.reshape(n, kb * block_size)[:, :k], scale_bytes, gs
 
