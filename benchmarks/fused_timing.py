@@ -50,20 +50,22 @@ def fused_call(a, packed, scale, gs):
     return y
 
 
+def dequantize(a, packed, scale, gs):
+    """The dequant kernel's [N, K] weight in a's dtype."""
+    call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((packed.shape[0], a.shape[-1]), a.dtype))
+    return call(packed, scale, gs, block_size=np.int64(16))
+
+
 def dequant_call(a, packed, scale, gs):
     # jax_fp4's "dequant" path as it was first written (f32 [M, N] result, then the cast); with a
     # bias it still is (_primitive._dequant).
-    n, k = packed.shape[0], a.shape[-1]
-    call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((n, k), a.dtype))
-    w = call(packed, scale, gs, block_size=np.int64(16))
+    w = dequantize(a, packed, scale, gs)
     return jnp.matmul(a, w.T, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
 def dequant16_call(a, packed, scale, gs):
     # jax_fp4's "dequant" path without bias: the dot emits a's dtype (cuBLAS rounds in its epilogue).
-    n, k = packed.shape[0], a.shape[-1]
-    call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((n, k), a.dtype))
-    return jnp.matmul(a, call(packed, scale, gs, block_size=np.int64(16)).T)
+    return jnp.matmul(a, dequantize(a, packed, scale, gs).T)
 
 
 def bf16_call(a, w):

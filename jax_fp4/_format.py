@@ -238,38 +238,43 @@ def quantize(w, block_size: int = 16, *, method: str = "modelopt", importance=No
     s = jnp.clip(s, E4M3_MIN_SUBNORMAL, E4M3_MAX)
     scale = s.astype(jnp.float8_e4m3fn)
     gs_blocks = gscale[..., None, None, None]
-    codes = _round_blocks(blocks, scale, gs_blocks)
+    step = _step(scale, gs_blocks)
+    codes = _round_blocks(blocks, step)
 
     if method == "mse":
         weights = (jnp.ones((k_blocks * block_size,), jnp.float32) if importance is None
                    else jnp.pad(importance, [(0, 0)] * (importance.ndim - 1) + pad[-1:]))
         weights = weights.reshape(*weights.shape[:-1], 1, k_blocks, block_size)  # [..., 1, kb, bs]
-        scale, codes = _search_scales(blocks, scale, codes, gs_blocks, weights)
+        scale, codes = _search_scales(blocks, scale, step, codes, gs_blocks, weights)
     codes = codes.reshape(*w.shape[:-1], k_blocks * block_size)[..., :k]
     return NVFP4Weight(pack_codes(codes), scale, gscale, block_size=block_size)
 
 
-def _round_blocks(blocks, scale, gs_blocks):
-    """E2M1 codes of blocks [..., kb, bs] under E4M3 block scales [..., kb] (round to nearest)."""
-    step = scale.astype(jnp.float32)[..., None] * gs_blocks
+def _step(scale, gs_blocks):
+    """The quantization step of each element's block: e4m3 scale [..., kb] x global scale."""
+    return scale.astype(jnp.float32)[..., None] * gs_blocks
+
+
+def _round_blocks(blocks, step):
+    """E2M1 codes of blocks [..., kb, bs] at their steps (round to nearest)."""
     return _e2m1_round(jnp.clip(_divide(blocks, step), -E2M1_MAX, E2M1_MAX))
 
 
-def _search_scales(blocks, scale, codes, gs_blocks, weights):
+def _search_scales(blocks, scale, step, codes, gs_blocks, weights):
     """method="mse": the least-error scale per block among ModelOpt's and its neighbours."""
     values = jnp.asarray(E2M1_VALUES)
 
-    def error(scale, codes):
-        step = scale.astype(jnp.float32)[..., None] * gs_blocks
+    def error(step, codes):
         return jnp.sum(weights * jnp.square(values[codes] * step - blocks), axis=-1)
 
     base = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)  # positive: ordered
-    best_err = error(scale, codes)
-    for delta in [d for step in range(1, MSE_SCALE_STEPS + 1) for d in (-step, step)]:
+    best_err = error(step, codes)
+    for delta in [d for n in range(1, MSE_SCALE_STEPS + 1) for d in (-n, n)]:
         cand = jax.lax.bitcast_convert_type(jnp.clip(base + delta, 1, 0x7E).astype(jnp.uint8),
                                             jnp.float8_e4m3fn)
-        cand_codes = _round_blocks(blocks, cand, gs_blocks)
-        cand_err = error(cand, cand_codes)
+        cand_step = _step(cand, gs_blocks)
+        cand_codes = _round_blocks(blocks, cand_step)
+        cand_err = error(cand_step, cand_codes)
         better = cand_err < best_err  # strict: ModelOpt's scale wins ties (and NaN errors)
         best_err = jnp.where(better, cand_err, best_err)
         scale = jnp.where(better, cand, scale)
@@ -292,5 +297,4 @@ def _check_importance(importance, w_shape):
         values = None  # traced: checked by the caller's concrete data, if anywhere
     if values is not None and not (np.isfinite(values).all() and (values >= 0).all()):
         raise ValueError("quantize: importance must be finite and non-negative")
-    importance = jnp.asarray(importance, jnp.float32)
-    return importance.reshape(allowed[0]) if shape == allowed[0] else importance
+    return jnp.asarray(importance, jnp.float32)

@@ -24,3 +24,26 @@ def compute_dtype(inputs, dtype, param_dtype, bias):
         return jnp.dtype(dtype)
     dtypes = [inputs.dtype, param_dtype] + ([bias.dtype] if bias is not None else [])
     return jnp.result_type(*dtypes)
+
+
+def input_square_sums(inputs):
+    """Per-channel sum of the squared inputs [..., in] and the number of rows they span: what the
+    calibration of either front-end accumulates for each layer."""
+    x = jnp.asarray(inputs, jnp.float32).reshape(-1, inputs.shape[-1])
+    return jnp.sum(x * x, axis=0), x.shape[0]
+
+
+def check_calibration_method(caller: str, method: str, calibration) -> None:
+    if calibration is not None and method != "mse":
+        raise ValueError(f"{caller}: calibration is used by method='mse' only, got method={method!r}")
+
+
+def layer_importance(calibration, module_path: tuple):
+    """A layer's calibration statistics (None without calibration); a missing layer is an error."""
+    if calibration is None:
+        return None
+    importance = calibration.get(tuple(module_path))
+    if importance is None:
+        raise ValueError("calibration has no statistics for it (was it called while calibrating?); "
+                         "skip it with a filter")
+    return importance

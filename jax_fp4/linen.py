@@ -29,7 +29,8 @@ from flax.core import meta
 from flax.core.frozen_dict import FrozenDict
 
 from jax_fp4._format import NVFP4Weight
-from jax_fp4._layers import compute_dtype, quantize_kernel
+from jax_fp4._layers import (check_calibration_method, compute_dtype, input_square_sums,
+                             layer_importance, quantize_kernel)
 from jax_fp4._matmul import matmul
 
 __all__ = ["FP4Dense", "calibrate", "params_from_weight", "quantize_params", "weight_from_params"]
@@ -190,8 +191,7 @@ def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, bl
     kernels give boxed NVFP4 params with the axis names moved to the [out, in] layout.
     """
 
-    if calibration is not None and method != "mse":
-        raise ValueError(f"quantize_params: calibration is used by method='mse' only, got method={method!r}")
+    check_calibration_method("quantize_params", method, calibration)
 
     def convert(tree, path):
         if _is_dense(tree):
@@ -199,13 +199,11 @@ def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, bl
             selected = ndim == 2 if filter is None else bool(filter(path))
             if selected:
                 where = f"quantize_params: layer {'/'.join(map(str, path)) or '<root>'}"
-                importance = None
-                if calibration is not None:
-                    module_path = path[1:] if path[:1] == ("params",) else path
-                    importance = calibration.get(tuple(module_path))
-                    if importance is None:
-                        raise ValueError(f"{where}: calibration has no statistics for it (was it "
-                                         "called while calibrating?); skip it with a filter")
+                module_path = path[1:] if path[:1] == ("params",) else path
+                try:
+                    importance = layer_importance(calibration, module_path)
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
                 out = _quantize_boxed(tree["kernel"], block_size, where, method, importance)
                 if "bias" in tree:
                     out["bias"] = tree["bias"]
@@ -238,11 +236,10 @@ _CALIBRATION = "jax_fp4_calibration"
 def _record_dense_inputs(next_fun, args, kwargs, context):
     """nn.intercept_methods interceptor: sows the per-channel sum of squared inputs of nn.Dense."""
     if isinstance(context.module, nn.Dense) and context.method_name == "__call__":
-        x = jnp.asarray(args[0], jnp.float32)
-        x = x.reshape(-1, x.shape[-1])
+        sums, rows = input_square_sums(args[0])
         add = dict(reduce_fn=lambda total, value: total + value, init_fn=lambda: 0)
-        context.module.sow(_CALIBRATION, "sum_squares", jnp.sum(x * x, axis=0), **add)
-        context.module.sow(_CALIBRATION, "rows", x.shape[0], **add)
+        context.module.sow(_CALIBRATION, "sum_squares", sums, **add)
+        context.module.sow(_CALIBRATION, "rows", rows, **add)
     return next_fun(*args, **kwargs)
 
 

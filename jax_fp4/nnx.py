@@ -36,7 +36,8 @@ import numpy as np
 from flax import nnx
 
 from jax_fp4._format import NVFP4Weight
-from jax_fp4._layers import compute_dtype, quantize_kernel
+from jax_fp4._layers import (check_calibration_method, compute_dtype, input_square_sums,
+                             layer_importance, quantize_kernel)
 from jax_fp4._matmul import matmul
 
 __all__ = ["FP4Linear", "QuantizedWeight", "calibrate", "export_weights", "load_weights", "quantize_model"]
@@ -301,8 +302,7 @@ def quantize_model(model, filter: Callable[[tuple], bool] | None = None, *, bloc
     """
     if isinstance(model, nnx.Linear) and not isinstance(model, FP4Linear):
         raise TypeError("quantize_model: model is itself an nnx.Linear; use FP4Linear.from_linear(model)")
-    if calibration is not None and method != "mse":
-        raise ValueError(f"quantize_model: calibration is used by method='mse' only, got method={method!r}")
+    check_calibration_method("quantize_model", method, calibration)
     converted: dict[int, FP4Linear] = {}
     declined: set[int] = set()
     while True:
@@ -316,15 +316,9 @@ def quantize_model(model, filter: Callable[[tuple], bool] | None = None, *, bloc
                     declined.add(id(linear))
                     continue
                 try:
-                    importance = None
-                    if calibration is not None:
-                        importance = calibration.get(tuple(path))
-                        if importance is None:
-                            raise ValueError("calibration has no statistics for it (was it called "
-                                             "while calibrating?); skip it with a filter")
                     converted[id(linear)] = FP4Linear.from_linear(
                         linear, block_size=block_size, backend=backend, method=method,
-                        importance=importance)
+                        importance=layer_importance(calibration, path))
                 except (TypeError, ValueError) as e:
                     where = f"quantize_model: cannot quantize the Linear at {_path_name(path)!r}"
                     if type(e) not in (TypeError, ValueError):  # e.g. JAX's tracer errors
@@ -341,9 +335,9 @@ def _record_inputs(call):
     """`call` (a Linear's __call__) that also sums its inputs' squares per channel."""
 
     def recording_call(self, inputs, *args, **kwargs):
-        x = jnp.asarray(inputs, jnp.float32).reshape(-1, inputs.shape[-1])
-        self.calibration_sum_squares.set_value(self.calibration_sum_squares[...] + jnp.sum(x * x, axis=0))
-        self.calibration_rows.set_value(self.calibration_rows[...] + x.shape[0])
+        sums, rows = input_square_sums(inputs)
+        self.calibration_sum_squares.set_value(self.calibration_sum_squares[...] + sums)
+        self.calibration_rows.set_value(self.calibration_rows[...] + rows)
         return call(self, inputs, *args, **kwargs)
 
     return recording_call
