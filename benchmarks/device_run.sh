@@ -6,6 +6,7 @@
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~2.5 min
 #   bash benchmarks/device_run.sh build profile gemv-sweep fused-sweep   # ncu, launch-config sweeps
+#   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -42,28 +43,32 @@ for stage in "$@"; do
       grep -E "FusedGemm|Duration|Grid Size|Cluster Size|Registers Per|Achieved Occupancy|DRAM Th|Compute \(SM\) Th|Issued Warp|Max Active Clusters|Waves" \
         "$OUT/ncu_fused.log" | cut -c1-150 ;;
     gemv-sweep)
-      # GEMV launch configs (JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows,lean]"), lean = the
-      # register-capped kernel, against the heuristic's pick.
-      for cfg in 1,1 1,2 1,4 1,8 1,16 1,1,1,1 1,2,1,1 1,4,1,1; do
-        echo "== M=1 col_tiles,k_split = $cfg"
-        JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m jax_fp4.bench --backend gemv --m 1 --repeats 5 \
-          --shapes 11008x4096,4096x11008,28672x8192 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
+      # GEMV launch configs (JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows]") against the
+      # heuristic's pick (empty).
+      for cfg in "" 1,2 1,4 1,8 1,16; do
+        echo "== M=1,8 col_tiles,k_split = ${cfg:-heuristic}"
+        JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m jax_fp4.bench --backend gemv --m 1,8 --repeats 5 \
+          --shapes 11008x4096,4096x11008,17408x5120,5120x17408,28672x8192 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee "$OUT/gemv_sweep.log"
-      for cfg in 4,1 2,1 4,2 1,2; do
-        echo "== lm_head M=4 col_tiles,k_split = $cfg"
+      for cfg in "" 4,1 2,1 2,2 1,4; do
+        echo "== lm_head M=4 col_tiles,k_split = ${cfg:-heuristic}"
         JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m jax_fp4.bench --backend gemv --m 4 --repeats 5 \
           --shapes 248320x2048 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee -a "$OUT/gemv_sweep.log" ;;
+    kernel-tests)
+      python -m pytest -q -m gpu tests/test_gpu_kernels.py > "$OUT/gpu_kernel_tests.log" 2>&1 || status=1
+      tail -5 "$OUT/gpu_kernel_tests.log" ;;
     fused-sweep)
       # Split-K factors of the fused GEMM (JAX_FP4_FUSED_SPLIT) against ChooseSplit's pick.
-      for split in "" 1 2 3 4 6 8; do
-        echo "== JAX_FP4_FUSED_SPLIT=${split:-auto}"
+      for split in ${FUSED_SPLITS:-auto 1 2 3 4 6 8}; do
+        echo "== JAX_FP4_FUSED_SPLIT=$split"
+        [ "$split" = auto ] && split=""
         JAX_FP4_FUSED_SPLIT=$split timeout 90 python benchmarks/fused_timing.py --variants fused \
           --shapes 11008x4096,28672x8192 --ms 16,64,128 --json "$OUT/fused_split_${split:-auto}.json" \
           2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
       done | tee "$OUT/fused_sweep.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, sanitizer, fused, bench, profile, gemv-sweep, fused-sweep)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, kernel-tests, sanitizer, fused, bench, profile, gemv-sweep, fused-sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status

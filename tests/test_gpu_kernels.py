@@ -211,12 +211,11 @@ def test_gemv_exact_bitwise(m, n, k, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", ["1,1", "1,2", "1,16", "2,1", "2,8", "4,1", "4,4",
-                                    "1,4,1", "1,4,2", "1,4,4",
-                                    "1,1,1,1", "1,4,1,1", "1,16,1,1", "2,2,1,1"])
+                                    "1,4,1", "1,4,2", "1,4,4", "2,16", "4,8,2"])
 def test_gemv_every_launch_config(config, dtype, monkeypatch):
-    """Every kernel variant (col_tiles, k_split, rows_per_block[, lean]), forced through the debug
-    override JAX_FP4_GEMV_CONFIG, on exact inputs: all must match the reference bit for bit.
-    ("1,16,1,1": the lean kernel clamps k_split to 4; "2,2,1,1": lean applies to col_tiles 1 only.)"""
+    """Every kernel variant (col_tiles, k_split, rows_per_block), forced through the debug override
+    JAX_FP4_GEMV_CONFIG, on exact inputs: all must match the reference bit for bit. ("2,16" and
+    "4,8,2": k_split is rounded down into the block's 16-warp budget.)"""
     rng = np.random.default_rng()
     monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)
     for m, n, k in ((3, 70, 1024), (9, 37, 512), (1, 5, 128)):
@@ -226,6 +225,20 @@ def test_gemv_every_launch_config(config, dtype, monkeypatch):
             y = gemv(a, packed, scale, gs, bias, use_mma=use_mma, row_tiling=True)
             np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16),
                                           err_msg=f"config={config} M={m} N={n} K={k} mma={use_mma}")
+
+
+@pytest.mark.parametrize("config", ["3,1", "1", "1,0", "1,4,3", "1,4,1,1", "1,4,", "x"])
+def test_gemv_config_override_rejects_malformed_values(config, monkeypatch):
+    """A malformed override is an error, not silently ignored (which also shows that the handler
+    reads it on every call, so the launch-config tests above do run the configs they name)."""
+    rng = np.random.default_rng()
+    a, packed, scale, gs, _ = random_problem(rng, 2, 40, 256, "bfloat16", with_bias=False)
+    monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", "2,8,4")
+    check_close(gemv(a, packed, scale, gs, None), reference_gemv(a, packed, scale, gs, None),
+                "bfloat16", "valid override")
+    monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)
+    with pytest.raises(Exception, match="JAX_FP4_GEMV_CONFIG must be col_tiles,k_split"):
+        gemv(a, packed, scale, gs, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

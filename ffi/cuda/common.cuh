@@ -1,4 +1,4 @@
-// Host-side helpers shared by the CUDA FFI handlers (gemv.cu, dequant.cu).
+// Host-side helpers shared by the CUDA FFI handlers (gemv.cu, dequant.cu, fused_gemm.cu).
 #ifndef JAX_FP4_CUDA_COMMON_CUH_
 #define JAX_FP4_CUDA_COMMON_CUH_
 
@@ -46,6 +46,27 @@ inline cudaError_t GetDeviceInfo(DeviceInfo* info) {
                         std::memory_order_relaxed);
   }
   return cudaSuccess;
+}
+
+// Raises Kernel's dynamic shared memory limit to at least `bytes` on the current device (the
+// default cap is 48 KB). Done once per device and size; like GetDeviceInfo it touches no stream,
+// so it is legal during graph capture.
+template <auto* Kernel>
+cudaError_t AllowDynamicSmem(int bytes) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> allowed[kMaxDevices];  // the largest size set so far, per device
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && allowed[device].load(std::memory_order_acquire) >= bytes) return cudaSuccess;
+  err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess && cached) {
+    int seen = allowed[device].load(std::memory_order_relaxed);
+    while (seen < bytes && !allowed[device].compare_exchange_weak(seen, bytes)) {
+    }
+  }
+  return err;
 }
 
 inline xla::ffi::Error CudaError(const char* where, cudaError_t err) {

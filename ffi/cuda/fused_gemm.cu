@@ -44,6 +44,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/fused_gemm.h"
+#include "cuda/ptx.cuh"
 #include "jax_fp4/nvfp4.h"
 #include "jax_fp4/nvfp4_cuda.cuh"
 #include "jax_fp4/validate.h"
@@ -85,38 +86,6 @@ struct FusedConfig {
 };
 
 // ---- small PTX wrappers ----------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void CpAsync8(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ uint4 LdShared128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
 
 __device__ __forceinline__ uint2 LdShared64(uint32_t addr) {
   uint2 v;
@@ -522,22 +491,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host side -------------------------------------------------------------------------------
 
-template <typename T, int BM>
-cudaError_t PrepareKernel(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> prepared[kMaxDevices];
-  if (device >= 0 && device < kMaxDevices && prepared[device].load(std::memory_order_acquire)) {
-    return cudaSuccess;
-  }
-  const cudaError_t err = cudaFuncSetAttribute(FusedGemmKernel<T, BM>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               FusedConfig<BM>::kSmemBytes);
-  if (err == cudaSuccess && device >= 0 && device < kMaxDevices) {
-    prepared[device].store(1, std::memory_order_release);
-  }
-  return err;
-}
-
 // How many clusters of `split` CTAs fit on the device at once (cached per device and split).
 template <typename T, int BM>
 int MaxActiveClusters(int device, int split) {
@@ -603,7 +556,7 @@ template <typename T, int BM>
 cudaError_t LaunchFused(cudaStream_t stream, int device, const void* a, const uint8_t* packed,
                         const uint8_t* scale, const float* gs, const void* bias, void* y,
                         int64_t m, int64_t n, int64_t k, bool vec_store, int* split_out) {
-  cudaError_t err = PrepareKernel<T, BM>(device);
+  cudaError_t err = AllowDynamicSmem<FusedGemmKernel<T, BM>>(FusedConfig<BM>::kSmemBytes);
   if (err != cudaSuccess) return err;
   const int64_t tiles_n = CeilDiv(n, kTileN);
   const int64_t tiles_m = CeilDiv(m, BM);

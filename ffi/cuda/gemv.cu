@@ -5,8 +5,9 @@
 // * GemvMmaKernel (sm_80+, K % 128 == 0): mma.sync m16n8k16 with the WEIGHT in the A slot
 //   (16 output columns) and the activations in the B slot (8 rows of M). See the fragment table
 //   above the kernel. The E4M3 block scale is folded into the decoded 16-bit weight before the
-//   mma (exact), global scale and bias are applied in the epilogue. GemvMmaLeanKernel is the same
-//   code under a register cap, a tuning variant reachable only through JAX_FP4_GEMV_CONFIG.
+//   mma (exact), global scale and bias are applied in the epilogue. Loads of the next 128-wide
+//   K window are in flight in registers during the current one's math. (A cp.async shared-memory
+//   ring with 3-7 windows in flight per warp measured slower on the H200: benchmarks/NOTES.md.)
 // * GemvScalarKernel (any K % 32 == 0): a warp per output column, 32 K elements (one 16-byte load
 //   of packed weight, two scale blocks) per lane per step, per-block fp32 partial sums, a warp
 //   shuffle reduction, and row tiling (RowsPerBlock rows of M share each decoded weight).
@@ -183,19 +184,54 @@ __device__ __forceinline__ void MmaCompute(float (&acc)[CT][4], const MmaFragmen
   MmaStep<T, 7>(acc, f, scale_lo, scale_hi);
 }
 
-// GemvMmaLeanKernel, a tuning variant of GemvMmaKernel (benchmarks/NOTES.md): the same code in
-// blocks of at most 4 warps with 6 of them resident per SM, so ptxas caps the registers at 80
-// instead of 101 for more warps, hence more loads, in flight. Same results; selected only through
-// JAX_FP4_GEMV_CONFIG until measurements say where it wins.
-constexpr int kGemvLeanMinBlocks = 6;
-constexpr int kGemvLeanMaxWarps = 4;
+// Epilogue of the mma kernels. Accumulator r of tile ct holds column col0 + 16 ct + g + 8 (r >= 2),
+// row m0 + 2t + (r & 1). k_split > 1: the warps' partial sums meet in reduce_buf
+// ([k_split][CT * 4][32] floats) and are summed in warp order (deterministic).
+template <typename T, int CT>
+__device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* reduce_buf,
+                                            const float* __restrict__ global_scale,
+                                            const T* __restrict__ bias, T* __restrict__ y,
+                                            int64_t m, int64_t n, int64_t col0, int64_t m0) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int k_split = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const float gs = __ldg(global_scale);
+  if (k_split == 1) {
+#pragma unroll
+    for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int64_t col = col0 + kGemvTileCols * ct + g + (r >= 2 ? 8 : 0);
+        const int64_t row = m0 + 2 * t + (r & 1);
+        if (col < n && row < m) StoreOutput(y, bias, n, row, col, acc[ct][r] * 128.0f, gs);
+      }
+    }
+    return;
+  }
+  constexpr int kPerWarp = CT * 4 * 32;
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) reduce_buf[warp * kPerWarp + (ct * 4 + r) * 32 + lane] = acc[ct][r];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kPerWarp; e += blockDim.x) {
+    float sum = 0.0f;
+    for (int w2 = 0; w2 < k_split; ++w2) sum += reduce_buf[w2 * kPerWarp + e];
+    const int el = e & 31, r = (e >> 5) & 3, ct = e >> 7;
+    const int64_t col = col0 + kGemvTileCols * ct + (el >> 2) + (r >= 2 ? 8 : 0);
+    const int64_t row = m0 + 2 * (el & 3) + (r & 1);
+    if (col < n && row < m) StoreOutput(y, bias, n, row, col, sum * 128.0f, gs);
+  }
+  __syncthreads();  // reduce_buf is reused by the next M chunk
+}
 
 template <typename T, int CT>
-__device__ __forceinline__ void GemvMma(const T* __restrict__ a, const uint8_t* __restrict__ packed,
-                                        const uint8_t* __restrict__ scale,
-                                        const float* __restrict__ global_scale,
-                                        const T* __restrict__ bias, T* __restrict__ y, int64_t m,
-                                        int64_t n, int64_t k) {
+__global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
+    GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                  const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                  const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float reduce_buf[];  // [k_split][CT * 4][32], only when k_split > 1
   const int lane = threadIdx.x & 31;
@@ -255,58 +291,11 @@ __device__ __forceinline__ void GemvMma(const T* __restrict__ a, const uint8_t* 
       MmaCompute<T, CT>(acc, f1);
       w += k_split;
     }
-
-    // Epilogue. Accumulator r of tile ct: column col0 + 16 ct + g + 8 (r >= 2), row m0 + 2t + (r & 1).
-    const float gs = __ldg(global_scale);
-    if (k_split == 1) {
-#pragma unroll
-      for (int ct = 0; ct < CT; ++ct) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int64_t col = col0 + kGemvTileCols * ct + g + (r >= 2 ? 8 : 0);
-          const int64_t row = m0 + 2 * t + (r & 1);
-          if (col < n && row < m) StoreOutput(y, bias, n, row, col, acc[ct][r] * 128.0f, gs);
-        }
-      }
-    } else {
-      constexpr int kPerWarp = CT * 4 * 32;
-#pragma unroll
-      for (int ct = 0; ct < CT; ++ct) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) reduce_buf[warp * kPerWarp + (ct * 4 + r) * 32 + lane] = acc[ct][r];
-      }
-      __syncthreads();
-      for (int e = threadIdx.x; e < kPerWarp; e += blockDim.x) {
-        float sum = 0.0f;
-        for (int w2 = 0; w2 < k_split; ++w2) sum += reduce_buf[w2 * kPerWarp + e];
-        const int el = e & 31, r = (e >> 5) & 3, ct = e >> 7;
-        const int64_t col = col0 + kGemvTileCols * ct + (el >> 2) + (r >= 2 ? 8 : 0);
-        const int64_t row = m0 + 2 * (el & 3) + (r & 1);
-        if (col < n && row < m) StoreOutput(y, bias, n, row, col, sum * 128.0f, gs);
-      }
-      __syncthreads();  // reduce_buf is reused by the next M chunk
-    }
+    MmaEpilogue<T, CT>(acc, reduce_buf, global_scale, bias, y, m, n, col0, m0);
   }
 #else
   __trap();  // the launcher never selects this kernel below sm_80
 #endif
-}
-
-template <typename T, int CT>
-__global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
-    GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
-                  const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
-                  const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
-  GemvMma<T, CT>(a, packed, scale, global_scale, bias, y, m, n, k);
-}
-
-template <typename T, int CT>
-__global__ void __launch_bounds__(32 * kGemvLeanMaxWarps, kGemvLeanMinBlocks)
-    GemvMmaLeanKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
-                      const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
-                      const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n,
-                      int64_t k) {
-  GemvMma<T, CT>(a, packed, scale, global_scale, bias, y, m, n, k);
 }
 
 //------------------------------------------------------------------------------------------------
@@ -417,21 +406,16 @@ __global__ void __launch_bounds__(32 * kGemvScalarColsPerBlock)
 // Launchers.
 constexpr int64_t kMaxGridY = 65535;
 
-template <typename T, int CT, bool Lean = false>
+template <typename T, int CT>
 cudaError_t LaunchMma(cudaStream_t stream, const T* a, const uint8_t* packed, const uint8_t* scale,
                       const float* gs, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
                       int k_split) {
-  if constexpr (Lean) k_split = std::min(k_split, kGemvLeanMaxWarps);
   const int64_t tiles = CeilDiv(n, kGemvTileCols);
   const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = k_split > 1 ? sizeof(float) * k_split * CT * 4 * 32 : 0;
-  if constexpr (Lean) {
-    GemvMmaLeanKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
-  } else {
-    GemvMmaKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
-  }
+  GemvMmaKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
   return cudaGetLastError();
 }
 
@@ -446,44 +430,41 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
   return cudaGetLastError();
 }
 
-// Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block[,lean]]" (read
-// on each call; empty or unset = the heuristic). Values are clamped to what the kernels support;
-// lean = 1 picks the register-capped kernel for col_tiles 1 (k_split at most 4).
-void ApplyConfigOverride(GemvLaunchConfig* cfg, bool* lean) {
+// Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block]" (read on
+// each call; empty or unset = the heuristic): col_tiles and rows_per_block 1, 2 or 4; k_split >= 1,
+// rounded down to a power of two within the block's warp budget. Anything else is an error.
+std::string ApplyConfigOverride(GemvLaunchConfig* cfg) {
   const char* env = std::getenv("JAX_FP4_GEMV_CONFIG");
-  if (env == nullptr || *env == '\0') return;
-  int ct = 0, ks = 0, rows = 0, lean_flag = 0;
-  const int got = std::sscanf(env, "%d,%d,%d,%d", &ct, &ks, &rows, &lean_flag);
-  *lean = got >= 4 && lean_flag == 1;
-  if (got >= 1 && (ct == 1 || ct == 2 || ct == 4)) cfg->col_tiles = ct;
-  if (got >= 2 && ks >= 1) {
-    int p = 1;
-    while (p * 2 <= ks && p * 2 * cfg->col_tiles <= kGemvMaxWarpsPerBlock) p *= 2;
-    cfg->k_split = p;
+  if (env == nullptr || *env == '\0') return "";
+  int ct = 0, ks = 0, rows = 1, used = 0;
+  const int got = std::sscanf(env, "%d,%d%n,%d%n", &ct, &ks, &used, &rows, &used);
+  if (got < 2 || env[used] != '\0' || !(ct == 1 || ct == 2 || ct == 4) || ks < 1 ||
+      !(rows == 1 || rows == 2 || rows == 4)) {
+    return std::string("JAX_FP4_GEMV_CONFIG must be col_tiles,k_split[,rows_per_block] with "
+                       "col_tiles and rows_per_block in {1, 2, 4} and k_split >= 1, got '") +
+           env + "'";
   }
-  if (got >= 3 && (rows == 1 || rows == 2 || rows == 4)) cfg->rows_per_block = rows;
-  while (cfg->k_split * cfg->col_tiles > kGemvMaxWarpsPerBlock) cfg->k_split /= 2;
+  cfg->col_tiles = ct;
+  int p = 1;
+  while (p * 2 <= ks && p * 2 * ct <= kGemvMaxWarpsPerBlock) p *= 2;
+  cfg->k_split = p;
+  cfg->rows_per_block = rows;
+  return "";
 }
 
 template <typename T>
 cudaError_t LaunchGemv(cudaStream_t stream, const DeviceInfo& info, const void* a,
                        const uint8_t* packed, const uint8_t* scale, const float* gs,
                        const void* bias, void* y, int64_t m, int64_t n, int64_t k, bool use_mma,
-                       bool row_tiling) {
+                       bool row_tiling, const GemvLaunchConfig& cfg) {
   const T* at = static_cast<const T*>(a);
   const T* bt = static_cast<const T*>(bias);
   T* yt = static_cast<T*>(y);
-  GemvLaunchConfig cfg = gemv_launch_config(m, n, k, info.num_sms);
-  bool lean = false;
-  ApplyConfigOverride(&cfg, &lean);
   if (use_mma && k > 0 && k % kGemvWindow == 0 && info.sm >= 80) {
     switch (cfg.col_tiles) {
       case 4: return LaunchMma<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
       case 2: return LaunchMma<T, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
-      default:
-        return lean ? LaunchMma<T, 1, true>(stream, at, packed, scale, gs, bt, yt, m, n, k,
-                                            cfg.k_split)
-                    : LaunchMma<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
+      default: return LaunchMma<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
     }
   }
   const int rows = row_tiling ? cfg.rows_per_block : 1;
@@ -524,16 +505,19 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   DeviceInfo info;
   cudaError_t err = GetDeviceInfo(&info);
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: device query", err);
+  GemvLaunchConfig cfg = gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms);
+  const std::string bad_override = ApplyConfigOverride(&cfg);
+  if (!bad_override.empty()) return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + bad_override);
 
   if (a.element_type() == ffi::DataType::F16) {
     err = LaunchGemv<__half>(stream, info, a.untyped_data(), packed.typed_data(),
                              scale.typed_data(), global_scale.typed_data(), bias_data,
-                             y->untyped_data(), shape.m, shape.n, shape.k, use_mma, row_tiling);
+                             y->untyped_data(), shape.m, shape.n, shape.k, use_mma, row_tiling, cfg);
   } else {
     err = LaunchGemv<__nv_bfloat16>(stream, info, a.untyped_data(), packed.typed_data(),
                                     scale.typed_data(), global_scale.typed_data(), bias_data,
                                     y->untyped_data(), shape.m, shape.n, shape.k, use_mma,
-                                    row_tiling);
+                                    row_tiling, cfg);
   }
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: kernel launch", err);
   return ffi::Error::Success();
