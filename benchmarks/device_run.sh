@@ -5,6 +5,7 @@
 #   bash benchmarks/device_run.sh build tests          # ~3 min
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~2.5 min
+#   bash benchmarks/device_run.sh build probe          # GEMV limiter probe, ~1 min
 #   bash benchmarks/device_run.sh build profile gemv-sweep fused-sweep   # ncu, launch-config sweeps
 #   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
 #
@@ -55,6 +56,11 @@ for stage in "$@"; do
         JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m jax_fp4.bench --backend gemv --m 4 --repeats 5 \
           --shapes 248320x2048 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee -a "$OUT/gemv_sweep.log" ;;
+    probe)
+      # Which limit holds the GEMV back (benchmarks/probes/gemv_probe.cu; built by the build stage).
+      probe=$(ls build/*/gemv_probe 2>/dev/null | head -1)
+      if [ -z "$probe" ]; then echo "gemv_probe not built: run the build stage first" >&2; status=1; continue; fi
+      timeout 120 "$probe" 11008x4096 4096x11008 17408x5120 28672x8192 2>&1 | tee "$OUT/gemv_probe.log" ;;
     kernel-tests)
       python -m pytest -q -m gpu tests/test_gpu_kernels.py > "$OUT/gpu_kernel_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_kernel_tests.log" ;;
@@ -68,7 +74,7 @@ for stage in "$@"; do
           2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
       done | tee "$OUT/fused_sweep.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, kernel-tests, sanitizer, fused, bench, profile, gemv-sweep, fused-sweep)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, kernel-tests, sanitizer, fused, bench, profile, probe, gemv-sweep, fused-sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -1,0 +1,233 @@
+// Which limit holds the decode GEMV back? (benchmarks/NOTES.md, "Third H200 session".)
+//
+// Times, kernel-only with CUDA events, the production tensor-core GEMV at M = 1 (bf16) against
+// variants that each take one suspect away:
+//   stream           the same bytes read contiguously, 16 B per thread (the achievable read)
+//   loads            the GEMV's own loads in its own address pattern and order, no math
+//   loads_prepacked  the same loads, addressed as if each warp's window were 1 KB contiguous
+//                    (a load-time "prepack" layout), no math
+//   no_decode        the full GEMV with the E2M1 decode replaced by the raw packed word
+//   gemv             the production kernel, GemvMmaKernel<bf16, 1>, with the heuristic's k_split
+// Reading: gemv ~ no_decode >> loads -> instruction/latency cost of the mma loop itself;
+// gemv >> no_decode -> the decode; loads >> loads_prepacked -> the access pattern (prepack pays);
+// loads ~ gemv -> the loads themselves.
+//
+// Weights rotate through copies totalling > 4x the L2, so every call reads HBM. Values are
+// arbitrary (timing only). Built by CMake next to the CUDA module (build/<wheel tag>/gemv_probe);
+// run by `bash benchmarks/device_run.sh build probe`.
+// Usage: gemv_probe [NxK ...]   (default: 11008x4096 4096x11008 28672x8192)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cuda/gemv_mma.cuh"
+
+namespace jax_fp4 {
+namespace cuda {
+namespace {
+
+using T = __nv_bfloat16;
+
+// Keeps the loaded words alive without storing them: the condition is never true in practice.
+__device__ __forceinline__ void Sink(uint32_t fold, uint32_t* sink) {
+  if (fold == 0x9E3779B9u) *sink = fold;
+}
+
+__device__ __forceinline__ uint32_t Fold(const uint4& v) { return v.x ^ v.y ^ v.z ^ v.w; }
+
+__global__ void StreamKernel(const uint8_t* __restrict__ bytes, int64_t count, uint32_t* sink) {
+  uint32_t fold = 0;
+  const int64_t vectors = count / 16;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    fold ^= Fold(ld_stream_u4(bytes + 16 * i));
+  }
+  Sink(fold, sink);
+}
+
+// The GEMV's loads (the same instructions as MmaLoad, double-buffered, the same windows per
+// warp) with no math. Prepacked: each warp's window is one 1 KB run of weight bytes
+// ([tile][window][h][lane][16 B]) and one 128 B run of scales ([tile][window][row][8 B]).
+template <bool Prepacked>
+__global__ void __launch_bounds__(512)
+    LoadsKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                const uint8_t* __restrict__ scale, uint32_t* sink, int64_t n, int64_t k) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int k_split = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t windows = k / kGemvWindow;
+  const int64_t tile = blockIdx.x;
+  const auto load = [&](MmaFragments<1>& f, int64_t w) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = kGemvTileCols * tile + g + 8 * h;  // n % 16 == 0 (main checks)
+      const uint8_t* wp = Prepacked ? packed + ((tile * windows + w) * 2 + h) * 512 + 16 * lane
+                                    : packed + row * (k / 2) + w * (kGemvWindow / 2) + 16 * t;
+      const uint8_t* sp = Prepacked ? scale + (tile * windows + w) * 128 + (g + 8 * h) * 8 + 2 * t
+                                    : scale + row * (k / 16) + w * (kGemvWindow / 16) + 2 * t;
+      f.w[0][h] = ld_stream_u4(wp);
+      f.s[0][h] = LoadScalePair(sp);
+    }
+    const T* ap = a + w * kGemvWindow + 32 * t;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f.a[i] = g == 0 ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  const auto fold = [](const MmaFragments<1>& f) {
+    return Fold(f.w[0][0]) ^ Fold(f.w[0][1]) ^ f.s[0][0] ^ f.s[0][1] ^ Fold(f.a[0]) ^
+           Fold(f.a[1]) ^ Fold(f.a[2]) ^ Fold(f.a[3]);
+  };
+  MmaFragments<1> f0, f1;
+  uint32_t folded = 0;
+  int64_t w = warp;
+  if (w < windows) load(f0, w);
+  while (w < windows) {
+    if (w + k_split < windows) load(f1, w + k_split);
+    folded ^= fold(f0);
+    w += k_split;
+    if (w >= windows) break;
+    if (w + k_split < windows) load(f0, w + k_split);
+    folded ^= fold(f1);
+    w += k_split;
+  }
+  Sink(folded, sink);
+}
+
+// The decode replaced by the raw packed word (same data dependence, no PRMT/SHF/LOP3).
+struct DecodeNone {
+  template <typename U, int kByte>
+  __device__ __forceinline__ static uint32_t Pair(uint32_t q, uint32_t q4) {
+    return (kByte & 1) ? q4 : q;
+  }
+};
+
+#define CHECK_CUDA(expr)                                                               \
+  do {                                                                                 \
+    const cudaError_t err_ = (expr);                                                   \
+    if (err_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,               \
+                   cudaGetErrorString(err_));                                          \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+// Average microseconds per launch of `launch(copy)` over `rounds` passes through the copies.
+template <typename Launch>
+float TimeUs(Launch launch, int copies, int rounds) {
+  for (int c = 0; c < copies; ++c) launch(c);  // warm-up
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  CHECK_CUDA(cudaEventRecord(start));
+  for (int r = 0; r < rounds; ++r) {
+    for (int c = 0; c < copies; ++c) launch(c);
+  }
+  CHECK_CUDA(cudaEventRecord(stop));
+  CHECK_CUDA(cudaEventSynchronize(stop));
+  CHECK_CUDA(cudaGetLastError());
+  float ms = 0.0f;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  return 1000.0f * ms / static_cast<float>(rounds * copies);
+}
+
+void Probe(int64_t n, int64_t k, int num_sms) {
+  const int64_t packed_bytes = n * k / 2, scale_bytes = n * k / 16;
+  const int64_t bytes = packed_bytes + scale_bytes;
+  const int copies = static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
+  uint8_t *packed = nullptr, *scale = nullptr;
+  T *a = nullptr, *y = nullptr;
+  float* gs = nullptr;
+  uint32_t* sink = nullptr;
+  CHECK_CUDA(cudaMalloc(&packed, packed_bytes * copies));
+  CHECK_CUDA(cudaMalloc(&scale, scale_bytes * copies));
+  CHECK_CUDA(cudaMalloc(&a, sizeof(T) * k));
+  CHECK_CUDA(cudaMalloc(&y, sizeof(T) * n));
+  CHECK_CUDA(cudaMalloc(&gs, sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&sink, sizeof(uint32_t)));
+  CHECK_CUDA(cudaMemset(packed, 0x35, packed_bytes * copies));
+  CHECK_CUDA(cudaMemset(scale, 0x38, scale_bytes * copies));  // E4M3 1.0
+  CHECK_CUDA(cudaMemset(a, 0x3C, sizeof(T) * k));             // bf16 ~0.0115
+  CHECK_CUDA(cudaMemset(gs, 0, sizeof(float)));
+
+  const GemvLaunchConfig cfg = gemv_launch_config(1, n, k, num_sms);
+  const int k_split = cfg.k_split;
+  const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvTileCols)));
+  const dim3 block(32 * k_split);
+  const size_t smem = k_split > 1 ? sizeof(float) * k_split * 4 * 32 : 0;
+  const int rounds = 20;
+  const auto weights = [&](int c) { return packed + packed_bytes * c; };
+  const auto scales = [&](int c) { return scale + scale_bytes * c; };
+
+  struct Row {
+    const char* name;
+    float us;
+  };
+  std::vector<Row> rows;
+  rows.push_back({"stream", TimeUs([&](int c) {
+                    StreamKernel<<<num_sms * 16, 256>>>(weights(c), packed_bytes, sink);
+                    StreamKernel<<<num_sms * 16, 256>>>(scales(c), scale_bytes, sink);
+                  }, copies, rounds)});
+  rows.push_back({"loads", TimeUs([&](int c) {
+                    LoadsKernel<false><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
+                  }, copies, rounds)});
+  rows.push_back({"loads_prepacked", TimeUs([&](int c) {
+                    LoadsKernel<true><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
+                  }, copies, rounds)});
+  rows.push_back({"no_decode", TimeUs([&](int c) {
+                    GemvMmaKernel<T, 1, DecodeNone><<<grid, block, smem>>>(
+                        a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+                  }, copies, rounds)});
+  rows.push_back({"gemv", TimeUs([&](int c) {
+                    GemvMmaKernel<T, 1><<<grid, block, smem>>>(a, weights(c), scales(c), gs,
+                                                               nullptr, y, 1, n, k);
+                  }, copies, rounds)});
+  // The stream row is two launches (weights, scales); the rest read the same bytes in one.
+  for (const Row& r : rows) {
+    std::printf("%6lldx%-6lld k_split=%-2d %-16s %8.2f us %6.2f TB/s %5.0f%% of stream\n",
+                static_cast<long long>(n), static_cast<long long>(k), k_split, r.name, r.us,
+                bytes / (r.us * 1e-6) / 1e12, 100.0 * rows[0].us / r.us);
+  }
+  CHECK_CUDA(cudaFree(packed));
+  CHECK_CUDA(cudaFree(scale));
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(y));
+  CHECK_CUDA(cudaFree(gs));
+  CHECK_CUDA(cudaFree(sink));
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jax_fp4
+
+int main(int argc, char** argv) {
+  std::vector<std::string> shapes;
+  for (int i = 1; i < argc; ++i) shapes.push_back(argv[i]);
+  if (shapes.empty()) shapes = {"11008x4096", "4096x11008", "28672x8192"};
+  int device = 0, sms = 0, major = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major < 8) {
+    std::fprintf(stderr, "gemv_probe needs sm_80 or newer\n");
+    return 1;
+  }
+  for (const std::string& s : shapes) {
+    long long n = 0, k = 0;
+    if (std::sscanf(s.c_str(), "%lldx%lld", &n, &k) != 2 || n <= 0 || k <= 0 ||
+        n % jax_fp4::kGemvTileCols != 0 || k % jax_fp4::kGemvWindow != 0) {
+      std::fprintf(stderr, "bad shape '%s': want NxK with N a multiple of %d, K of %d\n",
+                   s.c_str(), jax_fp4::kGemvTileCols, jax_fp4::kGemvWindow);
+      return 2;
+    }
+    jax_fp4::cuda::Probe(n, k, sms);
+  }
+  return 0;
+}

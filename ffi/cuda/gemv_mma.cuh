@@ -1,0 +1,291 @@
+// Device code of the tensor-core decode GEMV (GemvMmaKernel), included by gemv.cu (the FFI
+// handler and its launcher) and by benchmarks/probes/gemv_probe.cu (which times it against
+// load-only and decode-free variants of itself). See gemv.cu for the kernel family.
+#ifndef JAX_FP4_CUDA_GEMV_MMA_CUH_
+#define JAX_FP4_CUDA_GEMV_MMA_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/common.cuh"
+#include "jax_fp4/gemv_config.h"
+#include "jax_fp4/nvfp4_cuda.cuh"
+
+namespace jax_fp4 {
+namespace cuda {
+
+template <int I>
+__device__ __forceinline__ uint32_t Word(const uint4& v) {
+  static_assert(I >= 0 && I < 4, "");
+  return I == 0 ? v.x : (I == 1 ? v.y : (I == 2 ? v.z : v.w));
+}
+
+__device__ __forceinline__ int64_t Min64(int64_t x, int64_t y) { return x < y ? x : y; }
+
+__device__ __forceinline__ uint32_t LoadScalePair(const uint8_t* p) {
+  return *reinterpret_cast<const uint16_t*>(p);  // 2-byte aligned: K / 16 is even
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreOutput(T* y, const T* bias, int64_t n, int64_t row,
+                                            int64_t col, float acc, float gs) {
+  using Tr = HalfTraits<T>;
+  const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.0f;
+  y[row * n + col] = Tr::from_float(fmaf(acc, gs, b));
+}
+
+//------------------------------------------------------------------------------------------------
+// Tensor-core kernel.
+//
+// mma.sync.m16n8k16.row.col.f32.{f16,bf16}: D[16x8] += A[16x16] * B[16x8]. Here
+//   A row i   = output column col0 + i      (weight row, [N, K] row-major == row-major A),
+//   B col j   = activation row m0 + j       ([M, K] row-major == col-major B),
+//   k slot    = a permuted K index inside the current 128-wide window (below).
+// With g = lane >> 2 and t = lane & 3, the PTX fragment layout gives lane (g, t):
+//   a0 = A[g    ][2t, 2t+1]      a1 = A[g + 8][2t, 2t+1]
+//   a2 = A[g    ][2t+8, 2t+9]    a3 = A[g + 8][2t+8, 2t+9]
+//   b0 = B[2t, 2t+1][g]          b1 = B[2t+8, 2t+9][g]
+//   c0 = D[g][2t]  c1 = D[g][2t+1]  c2 = D[g+8][2t]  c3 = D[g+8][2t+1]
+// so a lane supplies weight rows (output columns) g and g+8 and activation row g, and receives
+// output (column g, rows 2t, 2t+1) and (column g+8, rows 2t, 2t+1).
+//
+// K permutation: in k-step s (0..7) of a window, lane t's k slots map to window elements
+//   slots 2t, 2t+1   -> 32t + 4s + 0, 1
+//   slots 2t+8, 2t+9 -> 32t + 4s + 2, 3
+// (the same map for A and B, as it must be), so lane t owns the contiguous window elements
+// [32t, 32t + 32): one uint4 of packed weight per weight row, 64 bytes of activation, and
+// exactly two 16-element scale blocks (window block 2t for s < 4, 2t + 1 for s >= 4). The uint4's
+// word s/2 holds the 8 elements of k-steps s (bytes 0, 1 when s is even, bytes 2, 3 when odd);
+// activation words 2s and 2s+1 hold elements 4s..4s+3.
+//
+// A warp computes ColTiles tiles of 16 columns with ONE activation fragment per window;
+// k_split = blockDim.x / 32 warps of a block take windows warp, warp + k_split, ... and reduce in
+// shared memory in a fixed order.
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#endif
+}
+
+template <int CT>
+struct MmaFragments {
+  uint4 w[CT][2];      // packed weight, rows g and g + 8 of each column tile
+  uint32_t s[CT][2];   // the two scale bytes of those rows
+  uint4 a[4];          // activation row g, window elements [32t, 32t + 32)
+};
+
+// Loads one window's fragments at the current pointers, then advances them by `step` windows.
+template <typename T, int CT>
+__device__ __forceinline__ void MmaLoad(MmaFragments<CT>& f, const uint8_t* (&wp)[CT][2],
+                                        const uint8_t* (&sp)[CT][2], const T*& ap, bool has_row,
+                                        int64_t step) {
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      f.w[ct][h] = ld_stream_u4(wp[ct][h]);
+      f.s[ct][h] = LoadScalePair(sp[ct][h]);
+      wp[ct][h] += step * (kGemvWindow / 2);
+      sp[ct][h] += step * (kGemvWindow / 16);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f.a[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  ap += step * kGemvWindow;
+}
+
+// How MmaStep turns byte kByte of a packed word (q, q4 = q << 4) into a 16-bit pair: the exact
+// E2M1 decode. A policy so that benchmarks/probes/gemv_probe.cu can time the kernel without it.
+struct DecodeE2M1 {
+  template <typename T, int kByte>
+  __device__ __forceinline__ static uint32_t Pair(uint32_t q, uint32_t q4) {
+    return decode_e2m1_pair<T, kByte>(q, q4);
+  }
+};
+
+template <typename T, int S, int CT, typename Decode>
+__device__ __forceinline__ void MmaStep(float (&acc)[CT][4], const MmaFragments<CT>& f,
+                                        const uint32_t (&scale_lo)[CT][2],
+                                        const uint32_t (&scale_hi)[CT][2]) {
+  using Tr = HalfTraits<T>;
+  constexpr int kWord = S / 2;        // the uint4 word holding k-steps 2 (S/2) and 2 (S/2) + 1
+  constexpr int kByte = (S % 2) * 2;  // this step's elements 4S..4S+3: bytes kByte, kByte + 1
+  const uint32_t b0 = Word<(2 * S) % 4>(f.a[(2 * S) / 4]);
+  const uint32_t b1 = Word<(2 * S + 1) % 4>(f.a[(2 * S + 1) / 4]);
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+    uint32_t frag[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t q = Word<kWord>(f.w[ct][h]);
+      const uint32_t q4 = q << 4;
+      const uint32_t sc = S < 4 ? scale_lo[ct][h] : scale_hi[ct][h];
+      frag[h][0] = Tr::pair_mul(Decode::template Pair<T, kByte>(q, q4), sc);
+      frag[h][1] = Tr::pair_mul(Decode::template Pair<T, kByte + 1>(q, q4), sc);
+    }
+    Mma16816<T>(acc[ct], frag[0][0], frag[1][0], frag[0][1], frag[1][1], b0, b1);
+  }
+}
+
+template <typename T, int CT, typename Decode = DecodeE2M1>
+__device__ __forceinline__ void MmaCompute(float (&acc)[CT][4], const MmaFragments<CT>& f) {
+  using Tr = HalfTraits<T>;
+  // Block scales as 16-bit pairs, pre-multiplied so that decode * scale = e2m1 * e4m3 * 2^-7.
+  uint32_t scale_lo[CT][2], scale_hi[CT][2];
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float s0 = e4m3_to_float_fast(f.s[ct][h] & 0xFFu) * Tr::kScaleMul;
+      const float s1 = e4m3_to_float_fast(f.s[ct][h] >> 8) * Tr::kScaleMul;
+      scale_lo[ct][h] = Tr::pair_from_floats(s0, s0);
+      scale_hi[ct][h] = Tr::pair_from_floats(s1, s1);
+    }
+  }
+  MmaStep<T, 0, CT, Decode>(acc, f, scale_lo, scale_hi);
+  MmaStep<T, 1, CT, Decode>(acc, f, scale_lo, scale_hi);
+  MmaStep<T, 2, CT, Decode>(acc, f, scale_lo, scale_hi);
+  MmaStep<T, 3, CT, Decode>(acc, f, scale_lo, scale_hi);
+  MmaStep<T, 4, CT, Decode>(acc, f, scale_lo, scale_hi);
+  MmaStep<T, 5, CT, Decode>(acc, f, scale_lo, scale_hi);
+  MmaStep<T, 6, CT, Decode>(acc, f, scale_lo, scale_hi);
+  MmaStep<T, 7, CT, Decode>(acc, f, scale_lo, scale_hi);
+}
+
+// Epilogue of the mma kernels. Accumulator r of tile ct holds column col0 + 16 ct + g + 8 (r >= 2),
+// row m0 + 2t + (r & 1). k_split > 1: the warps' partial sums meet in reduce_buf
+// ([k_split][CT * 4][32] floats) and are summed in warp order (deterministic).
+template <typename T, int CT>
+__device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* reduce_buf,
+                                            const float* __restrict__ global_scale,
+                                            const T* __restrict__ bias, T* __restrict__ y,
+                                            int64_t m, int64_t n, int64_t col0, int64_t m0) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int k_split = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const float gs = __ldg(global_scale);
+  if (k_split == 1) {
+#pragma unroll
+    for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int64_t col = col0 + kGemvTileCols * ct + g + (r >= 2 ? 8 : 0);
+        const int64_t row = m0 + 2 * t + (r & 1);
+        if (col < n && row < m) StoreOutput(y, bias, n, row, col, acc[ct][r] * 128.0f, gs);
+      }
+    }
+    return;
+  }
+  constexpr int kPerWarp = CT * 4 * 32;
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) reduce_buf[warp * kPerWarp + (ct * 4 + r) * 32 + lane] = acc[ct][r];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kPerWarp; e += blockDim.x) {
+    float sum = 0.0f;
+    for (int w2 = 0; w2 < k_split; ++w2) sum += reduce_buf[w2 * kPerWarp + e];
+    const int el = e & 31, r = (e >> 5) & 3, ct = e >> 7;
+    const int64_t col = col0 + kGemvTileCols * ct + (el >> 2) + (r >= 2 ? 8 : 0);
+    const int64_t row = m0 + 2 * (el & 3) + (r & 1);
+    if (col < n && row < m) StoreOutput(y, bias, n, row, col, sum * 128.0f, gs);
+  }
+  __syncthreads();  // reduce_buf is reused by the next M chunk
+}
+
+template <typename T, int CT, typename Decode = DecodeE2M1>
+__global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
+    GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                  const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                  const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ float reduce_buf[];  // [k_split][CT * 4][32], only when k_split > 1
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int k_split = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t windows = k / kGemvWindow;
+  const int64_t row_bytes = k / 2, k_blocks = k / 16;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * (kGemvTileCols * CT);
+
+  // This lane's weight / scale rows: columns col0 + 16 ct + g (+ 8), clamped into [0, n); the
+  // clamped rows' results are never stored.
+  const uint8_t* wp_row[CT][2];
+  const uint8_t* sp_row[CT][2];
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t col = Min64(col0 + kGemvTileCols * ct + g + 8 * h, n - 1);
+      wp_row[ct][h] = packed + col * row_bytes + 16 * t;
+      sp_row[ct][h] = scale + col * k_blocks + 2 * t;
+    }
+  }
+
+  const int64_t m_chunks = CeilDiv(m, 8);
+  for (int64_t chunk = blockIdx.y; chunk < m_chunks; chunk += gridDim.y) {
+    const int64_t m0 = chunk * 8;
+    const int rows = static_cast<int>(Min64(8, m - m0));
+    const bool has_row = g < rows;  // rows past M are never read: their B column is zero
+    // Pointers at window `warp` of this lane's rows; MmaLoad advances them by k_split windows.
+    const T* ap = a + (m0 + (has_row ? g : 0)) * k + 32 * t + warp * kGemvWindow;
+    const uint8_t* wp[CT][2];
+    const uint8_t* sp[CT][2];
+#pragma unroll
+    for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wp[ct][h] = wp_row[ct][h] + warp * (kGemvWindow / 2);
+        sp[ct][h] = sp_row[ct][h] + warp * (kGemvWindow / 16);
+      }
+    }
+
+    float acc[CT][4];
+#pragma unroll
+    for (int ct = 0; ct < CT; ++ct) acc[ct][0] = acc[ct][1] = acc[ct][2] = acc[ct][3] = 0.0f;
+
+    // Two register buffers: the loads of the next window are in flight during this one's math.
+    MmaFragments<CT> f0, f1;
+    int64_t w = warp;
+    if (w < windows) MmaLoad<T, CT>(f0, wp, sp, ap, has_row, k_split);
+    while (w < windows) {
+      if (w + k_split < windows) MmaLoad<T, CT>(f1, wp, sp, ap, has_row, k_split);
+      MmaCompute<T, CT, Decode>(acc, f0);
+      w += k_split;
+      if (w >= windows) break;
+      if (w + k_split < windows) MmaLoad<T, CT>(f0, wp, sp, ap, has_row, k_split);
+      MmaCompute<T, CT, Decode>(acc, f1);
+      w += k_split;
+    }
+    MmaEpilogue<T, CT>(acc, reduce_buf, global_scale, bias, y, m, n, col0, m0);
+  }
+#else
+  __trap();  // the launcher never selects this kernel below sm_80
+#endif
+}
+
+}  // namespace cuda
+}  // namespace jax_fp4
+
+#endif  // JAX_FP4_CUDA_GEMV_MMA_CUH_
