@@ -6,11 +6,15 @@
 //   loads            the GEMV's own loads in its own address pattern and order, no math
 //   loads_prepacked  the same loads, addressed as if each warp's window were 1 KB contiguous
 //                    (a load-time "prepack" layout), no math
+//   loads_bulk       sm_90: the tile's rows fetched by TMA bulk copies (cp.async.bulk, 512 B per
+//                    row and stage, 4 stages of 9 KB in flight per block, mbarrier completion)
+//                    into shared memory and read once from there, no math. Bulk copies do not
+//                    go through the L1 miss path that ld.global and cp.async share.
 //   no_decode        the full GEMV with the E2M1 decode replaced by the raw packed word
 //   gemv             the production kernel, GemvMmaKernel<bf16, 1>, with the heuristic's k_split
 // Reading: gemv ~ no_decode >> loads -> instruction/latency cost of the mma loop itself;
 // gemv >> no_decode -> the decode; loads >> loads_prepacked -> the access pattern (prepack pays);
-// loads ~ gemv -> the loads themselves.
+// loads ~ gemv -> the loads themselves; loads_bulk >> loads -> TMA-fed kernel.
 //
 // Weights rotate through copies totalling > 4x the L2, so every call reads HBM. Values are
 // arbitrary (timing only). Built by CMake next to the CUDA module (build/<wheel tag>/gemv_probe);
@@ -27,6 +31,7 @@
 #include <vector>
 
 #include "cuda/gemv_mma.cuh"
+#include "cuda/ptx.cuh"
 
 namespace jax_fp4 {
 namespace cuda {
@@ -99,6 +104,60 @@ __global__ void __launch_bounds__(512)
   Sink(folded, sink);
 }
 
+// ---- TMA bulk-copy loads (sm_90) -------------------------------------------------------------
+constexpr int kBulkRowBytes = 512;  // packed bytes of one weight row per stage (1024 K elements)
+constexpr int kBulkDepth = 4;       // stages in flight per block
+constexpr int kBulkStageBytes = kGemvTileCols * (kBulkRowBytes + kBulkRowBytes / 8);
+
+// One warp per 16-row tile; lane 0 issues the copies, every lane reads its share of each stage.
+__global__ void __launch_bounds__(32)
+    BulkLoadsKernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scale,
+                    uint32_t* sink, int64_t n, int64_t k) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t stages_smem[];  // [kBulkDepth][kBulkStageBytes]
+  __shared__ __align__(8) uint64_t bars[kBulkDepth];
+  const int lane = threadIdx.x;
+  const int64_t row_bytes = k / 2, scale_row_bytes = k / 16;
+  const int64_t stages = row_bytes / kBulkRowBytes;  // main checks K % 1024 == 0
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kGemvTileCols;
+  const uint32_t smem0 = SmemAddr(stages_smem);
+  if (lane == 0) {
+    for (int d = 0; d < kBulkDepth; ++d) MbarInit(SmemAddr(&bars[d]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncwarp();
+  const auto issue = [&](int64_t st) {
+    const int d = static_cast<int>(st % kBulkDepth);
+    const uint32_t bar = SmemAddr(&bars[d]);
+    const uint32_t dst = smem0 + d * kBulkStageBytes;
+    MbarExpectTx(bar, kBulkStageBytes);
+    for (int r = 0; r < kGemvTileCols; ++r) {
+      BulkCopy(dst + r * kBulkRowBytes, packed + (row0 + r) * row_bytes + st * kBulkRowBytes,
+               kBulkRowBytes, bar);
+      BulkCopy(dst + kGemvTileCols * kBulkRowBytes + r * (kBulkRowBytes / 8),
+               scale + (row0 + r) * scale_row_bytes + st * (kBulkRowBytes / 8), kBulkRowBytes / 8,
+               bar);
+    }
+  };
+  if (lane == 0) {
+    for (int64_t st = 0; st < kBulkDepth && st < stages; ++st) issue(st);
+  }
+  uint32_t folded = 0;
+  for (int64_t st = 0; st < stages; ++st) {
+    const int d = static_cast<int>(st % kBulkDepth);
+    MbarWait(SmemAddr(&bars[d]), static_cast<uint32_t>((st / kBulkDepth) & 1));
+    for (int i = lane; i < kBulkStageBytes / 16; i += 32) {
+      folded ^= Fold(LdShared128(smem0 + d * kBulkStageBytes + 16 * i));
+    }
+    __syncwarp();  // the stage is read before lane 0 refills it
+    if (lane == 0 && st + kBulkDepth < stages) issue(st + kBulkDepth);
+  }
+  Sink(folded, sink);
+#else
+  __trap();  // launched on sm_90+ only
+#endif
+}
+
 // The decode replaced by the raw packed word (same data dependence, no PRMT/SHF/LOP3).
 struct DecodeNone {
   template <typename U, int kByte>
@@ -138,7 +197,7 @@ float TimeUs(Launch launch, int copies, int rounds) {
   return 1000.0f * ms / static_cast<float>(rounds * copies);
 }
 
-void Probe(int64_t n, int64_t k, int num_sms) {
+void Probe(int64_t n, int64_t k, int num_sms, int major) {
   const int64_t packed_bytes = n * k / 2, scale_bytes = n * k / 16;
   const int64_t bytes = packed_bytes + scale_bytes;
   const int copies = static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
@@ -181,6 +240,12 @@ void Probe(int64_t n, int64_t k, int num_sms) {
   rows.push_back({"loads_prepacked", TimeUs([&](int c) {
                     LoadsKernel<true><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
                   }, copies, rounds)});
+  if (major >= 9 && k % (2 * kBulkRowBytes) == 0) {
+    const auto launch = [&](int c) {
+      BulkLoadsKernel<<<grid, 32, kBulkDepth * kBulkStageBytes>>>(weights(c), scales(c), sink, n, k);
+    };
+    rows.push_back({"loads_bulk", TimeUs(launch, copies, rounds)});
+  }
   rows.push_back({"no_decode", TimeUs([&](int c) {
                     GemvMmaKernel<T, 1, DecodeNone><<<grid, block, smem>>>(
                         a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
@@ -227,7 +292,7 @@ int main(int argc, char** argv) {
                    s.c_str(), jax_fp4::kGemvTileCols, jax_fp4::kGemvWindow);
       return 2;
     }
-    jax_fp4::cuda::Probe(n, k, sms);
+    jax_fp4::cuda::Probe(n, k, sms, major);
   }
   return 0;
 }

@@ -1,5 +1,6 @@
-// Small PTX wrappers shared by the CUDA kernels (gemv.cu, fused_gemm.cu): cp.async into shared
-// memory and shared-memory vector loads. Device-only.
+// Small PTX wrappers shared by the CUDA kernels (fused_gemm.cu, benchmarks/probes): cp.async into
+// shared memory, shared-memory vector loads, and (sm_90+) mbarriers and TMA bulk copies.
+// Device-only.
 #ifndef JAX_FP4_CUDA_PTX_CUH_
 #define JAX_FP4_CUDA_PTX_CUH_
 
@@ -40,6 +41,42 @@ __device__ __forceinline__ uint4 LdShared128(uint32_t addr) {
                : "r"(addr)
                : "memory");
   return v;
+}
+
+// ---- sm_90+: mbarrier completion of TMA bulk copies --------------------------------------------
+
+// Barrier in shared memory (address `bar`) expecting `count` arrivals per phase.
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// One arrival that also expects `bytes` of bulk-copy traffic before the phase completes.
+__device__ __forceinline__ void MbarExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// Spins until the phase with parity `parity` has completed.
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// TMA bulk copy global -> shared of `bytes` (a multiple of 16, both addresses 16-byte aligned),
+// completing on barrier `bar`. Bypasses the L1 miss path that ld.global and cp.async share.
+__device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
 }
 
 }  // namespace cuda
