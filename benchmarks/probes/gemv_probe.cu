@@ -12,6 +12,8 @@
 //                    go through the L1 miss path that ld.global and cp.async share.
 //   no_decode        the full GEMV with the E2M1 decode replaced by the raw packed word
 //   gemv             the production kernel, GemvMmaKernel<bf16, 1>, with the heuristic's k_split
+//   gemv_tma         sm_90, K % 256 == 0: GemvTmaKernel<bf16>, the same math fed by TMA bulk
+//                    copies (opt-in through JAX_FP4_GEMV_CONFIG=1,<k_split>,1,1 until measured)
 // Reading: gemv ~ no_decode >> loads -> instruction/latency cost of the mma loop itself;
 // gemv >> no_decode -> the decode; loads >> loads_prepacked -> the access pattern (prepack pays);
 // loads ~ gemv -> the loads themselves; loads_bulk >> loads -> TMA-fed kernel.
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(32)
   const uint32_t smem0 = SmemAddr(stages_smem);
   if (lane == 0) {
     for (int d = 0; d < kBulkDepth; ++d) MbarInit(SmemAddr(&bars[d]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    FenceMbarInit();
   }
   __syncwarp();
   const auto issue = [&](int64_t st) {
@@ -254,6 +256,14 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
                     GemvMmaKernel<T, 1><<<grid, block, smem>>>(a, weights(c), scales(c), gs,
                                                                nullptr, y, 1, n, k);
                   }, copies, rounds)});
+  if (major >= 9 && k % 256 == 0) {
+    const int tma_split = std::min(k_split, kGemvTmaMaxWarps);
+    const auto launch = [&](int c) {
+      GemvTmaKernel<T><<<grid, 32 * (tma_split + 1), GemvTmaSmemBytes(tma_split)>>>(
+          a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+    };
+    rows.push_back({"gemv_tma", TimeUs(launch, copies, rounds)});
+  }
   // The stream row is two launches (weights, scales); the rest read the same bytes in one.
   for (const Row& r : rows) {
     std::printf("%6lldx%-6lld k_split=%-2d %-16s %8.2f us %6.2f TB/s %5.0f%% of stream\n",

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/ptx.cuh"
 #include "jax_fp4/gemv_config.h"
 #include "jax_fp4/nvfp4_cuda.cuh"
 
@@ -171,17 +172,23 @@ __device__ __forceinline__ void MmaCompute(float (&acc)[CT][4], const MmaFragmen
   MmaStep<T, 7, CT, Decode>(acc, f, scale_lo, scale_hi);
 }
 
-// Epilogue of the mma kernels. Accumulator r of tile ct holds column col0 + 16 ct + g + 8 (r >= 2),
-// row m0 + 2t + (r & 1). k_split > 1: the warps' partial sums meet in reduce_buf
-// ([k_split][CT * 4][32] floats) and are summed in warp order (deterministic).
+// Barrier among the first `warps` warps of the block only (named barrier 1), so that a producer
+// warp outside them never has to join.
+__device__ __forceinline__ void SyncWarps(int warps) {
+  asm volatile("bar.sync 1, %0;\n" ::"r"(32 * warps) : "memory");
+}
+
+// Epilogue of the mma kernels, run by the k_split computing warps (warps 0 .. k_split - 1).
+// Accumulator r of tile ct holds column col0 + 16 ct + g + 8 (r >= 2), row m0 + 2t + (r & 1).
+// k_split > 1: the warps' partial sums meet in reduce_buf ([k_split][CT * 4][32] floats) and are
+// summed in warp order (deterministic).
 template <typename T, int CT>
 __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* reduce_buf,
-                                            const float* __restrict__ global_scale,
+                                            int k_split, const float* __restrict__ global_scale,
                                             const T* __restrict__ bias, T* __restrict__ y,
                                             int64_t m, int64_t n, int64_t col0, int64_t m0) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int k_split = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const float gs = __ldg(global_scale);
   if (k_split == 1) {
@@ -202,8 +209,8 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 #pragma unroll
     for (int r = 0; r < 4; ++r) reduce_buf[warp * kPerWarp + (ct * 4 + r) * 32 + lane] = acc[ct][r];
   }
-  __syncthreads();
-  for (int e = threadIdx.x; e < kPerWarp; e += blockDim.x) {
+  SyncWarps(k_split);
+  for (int e = threadIdx.x; e < kPerWarp; e += 32 * k_split) {
     float sum = 0.0f;
     for (int w2 = 0; w2 < k_split; ++w2) sum += reduce_buf[w2 * kPerWarp + e];
     const int el = e & 31, r = (e >> 5) & 3, ct = e >> 7;
@@ -211,7 +218,7 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
     const int64_t row = m0 + 2 * (el & 3) + (r & 1);
     if (col < n && row < m) StoreOutput(y, bias, n, row, col, sum * 128.0f, gs);
   }
-  __syncthreads();  // reduce_buf is reused by the next M chunk
+  SyncWarps(k_split);  // reduce_buf is reused by the next M chunk
 }
 
 template <typename T, int CT, typename Decode = DecodeE2M1>
@@ -278,10 +285,132 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
       MmaCompute<T, CT, Decode>(acc, f1);
       w += k_split;
     }
-    MmaEpilogue<T, CT>(acc, reduce_buf, global_scale, bias, y, m, n, col0, m0);
+    MmaEpilogue<T, CT>(acc, reduce_buf, k_split, global_scale, bias, y, m, n, col0, m0);
   }
 #else
   __trap();  // the launcher never selects this kernel below sm_80
+#endif
+}
+
+// TMA-fed variant of GemvMmaKernel (sm_90+, K % 256 == 0, one 16-column tile per block; opt-in
+// until measured, benchmarks/NOTES.md). A producer warp (the block's last; one lane) streams the
+// tile's 16 weight rows and their scale rows through kGemvTmaDepth shared-memory stages with TMA
+// bulk copies, 512 B per row per stage, completing on "full" mbarriers; the k_split computing
+// warps read their fragments from shared memory and release each stage on an "empty" mbarrier.
+// Bulk copies keep kGemvTmaDepth stages in flight per block without registers or L1 miss
+// tracking. Each warp sums the same windows in the same order as GemvMmaKernel with the same
+// k_split (k_split divides the 8 windows of a stage), so the results are bit-identical to it.
+// Activations (re-read by every block, so L1 hits) are loaded just in time.
+constexpr int kGemvTmaRowStride = kGemvTmaStageWindows * (kGemvWindow / 2) + 64;  // padded rows:
+                                                       // conflict-free 16-byte reads per lane
+constexpr int kGemvTmaScaleRowBytes = kGemvTmaStageWindows * (kGemvWindow / 16);
+constexpr int kGemvTmaStageBytes = kGemvTileCols * (kGemvTmaRowStride + kGemvTmaScaleRowBytes);
+
+constexpr size_t GemvTmaSmemBytes(int k_split) {
+  return static_cast<size_t>(kGemvTmaDepth) * kGemvTmaStageBytes +
+         sizeof(float) * k_split * 4 * 32 + 2 * sizeof(uint64_t) * kGemvTmaDepth;
+}
+static_assert(GemvTmaSmemBytes(kGemvTmaMaxWarps) <= 48 * 1024, "TMA GEMV: over the default smem cap");
+static_assert(kGemvTmaStageWindows % kGemvTmaMaxWarps == 0, "k_split must divide a stage");
+
+template <typename T, typename Decode = DecodeE2M1>
+__global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), kGemvTmaMinBlocks)
+    GemvTmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                  const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                  const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kRows = kGemvTileCols;
+  constexpr int kStageW = kGemvTmaStageWindows;
+  constexpr int kDepth = kGemvTmaDepth;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* const weights_smem = smem;  // [kDepth][kRows][kGemvTmaRowStride]
+  uint8_t* const scales_smem = smem + kDepth * kRows * kGemvTmaRowStride;  // [kDepth][kRows][64 B]
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int k_split = static_cast<int>(blockDim.x >> 5) - 1;  // the last warp is the producer
+  float* const reduce_buf = reinterpret_cast<float*>(smem + kDepth * kGemvTmaStageBytes);
+  uint64_t* const full = reinterpret_cast<uint64_t*>(reduce_buf + k_split * 4 * 32);
+  uint64_t* const empty = full + kDepth;
+  const int64_t windows = k / kGemvWindow;
+  const int64_t stages = CeilDiv(windows, kStageW);
+  const int64_t row_bytes = k / 2, k_blocks = k / 16;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int64_t m_chunks = CeilDiv(m, 8);
+  const int64_t my_chunks =
+      blockIdx.y < m_chunks ? (m_chunks - 1 - blockIdx.y) / gridDim.y + 1 : 0;
+  if (threadIdx.x == 0) {
+    for (int d = 0; d < kDepth; ++d) {
+      MbarInit(SmemAddr(&full[d]), 1);
+      MbarInit(SmemAddr(&empty[d]), k_split);
+    }
+    FenceMbarInit();
+  }
+  __syncthreads();
+
+  if (warp == k_split) {
+    // Producer: stage `it` (counted across M chunks; the weight is re-streamed per chunk) goes to
+    // slot it % kDepth once the computing warps have released that slot's previous use.
+    if (lane == 0) {
+      int64_t it = 0;
+      for (int64_t c = 0; c < my_chunks; ++c) {
+        for (int64_t st = 0; st < stages; ++st, ++it) {
+          const int slot = static_cast<int>(it % kDepth);
+          if (it >= kDepth) MbarWait(SmemAddr(&empty[slot]), static_cast<uint32_t>((it / kDepth - 1) & 1));
+          // K % 256 == 0: whole pairs of windows, so every copy is a multiple of 16 bytes.
+          const uint32_t nwin = static_cast<uint32_t>(Min64(kStageW, windows - st * kStageW));
+          const uint32_t wbytes = nwin * (kGemvWindow / 2), sbytes = nwin * (kGemvWindow / 16);
+          const uint32_t bar = SmemAddr(&full[slot]);
+          MbarExpectTx(bar, kRows * (wbytes + sbytes));
+#pragma unroll 1
+          for (int r = 0; r < kRows; ++r) {
+            const int64_t col = Min64(col0 + r, n - 1);  // clamped rows are never stored
+            BulkCopy(SmemAddr(weights_smem + (slot * kRows + r) * kGemvTmaRowStride),
+                     packed + col * row_bytes + st * kStageW * (kGemvWindow / 2), wbytes, bar);
+            BulkCopy(SmemAddr(scales_smem + (slot * kRows + r) * kGemvTmaScaleRowBytes),
+                     scale + col * k_blocks + st * kStageW * (kGemvWindow / 16), sbytes, bar);
+          }
+        }
+      }
+    }
+    return;  // the computing warps synchronise among themselves only (SyncWarps)
+  }
+
+  const int g = lane >> 2, t = lane & 3;
+  int64_t it = 0;
+  for (int64_t c = 0; c < my_chunks; ++c) {
+    const int64_t m0 = (blockIdx.y + c * gridDim.y) * 8;
+    const int rows = static_cast<int>(Min64(8, m - m0));
+    const bool has_row = g < rows;  // rows past M are never read: their B column is zero
+    const T* arow = a + (m0 + (has_row ? g : 0)) * k + 32 * t;
+    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    MmaFragments<1> f;
+    for (int64_t st = 0; st < stages; ++st, ++it) {
+      const int slot = static_cast<int>(it % kDepth);
+      const int nwin = static_cast<int>(Min64(kStageW, windows - st * kStageW));
+      MbarWait(SmemAddr(&full[slot]), static_cast<uint32_t>((it / kDepth) & 1));
+      for (int wi = warp; wi < nwin; wi += k_split) {
+        // This warp's windows: warp, warp + k_split, ...; activations are L1 hits after the
+        // first block on the SM, so they are loaded just in time (no registers held ahead).
+        const T* ap = arow + (st * kStageW + wi) * kGemvWindow;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f.a[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = g + 8 * h;
+          const uint8_t* wrow = weights_smem + (slot * kRows + r) * kGemvTmaRowStride;
+          const uint8_t* srow = scales_smem + (slot * kRows + r) * kGemvTmaScaleRowBytes;
+          f.w[0][h] = *reinterpret_cast<const uint4*>(wrow + wi * (kGemvWindow / 2) + 16 * t);
+          f.s[0][h] = *reinterpret_cast<const uint16_t*>(srow + wi * (kGemvWindow / 16) + 2 * t);
+        }
+        MmaCompute<T, 1, Decode>(acc, f);
+      }
+      __syncwarp();
+      if (lane == 0) MbarArrive(SmemAddr(&empty[slot]));
+    }
+    MmaEpilogue<T, 1>(acc, reduce_buf, k_split, global_scale, bias, y, m, n, col0, m0);
+  }
+#else
+  __trap();  // the launcher selects this kernel on sm_90+ only
 #endif
 }
 

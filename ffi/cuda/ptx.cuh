@@ -56,6 +56,16 @@ __device__ __forceinline__ void MbarExpectTx(uint32_t bar, uint32_t bytes) {
                : "memory");
 }
 
+// One plain arrival.
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Makes initialised barriers visible to the async proxy (the TMA unit) before first use.
+__device__ __forceinline__ void FenceMbarInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
 // Spins until the phase with parity `parity` has completed.
 __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
   asm volatile(
