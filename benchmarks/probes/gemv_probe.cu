@@ -12,8 +12,8 @@
 //                    go through the L1 miss path that ld.global and cp.async share.
 //   no_decode        the full GEMV with the E2M1 decode replaced by the raw packed word
 //   gemv             the production kernel, GemvMmaKernel<bf16, 1>, with the heuristic's k_split
-//   gemv_tma         sm_90, K % 256 == 0: GemvTmaKernel<bf16>, the same math fed by TMA bulk
-//                    copies (opt-in through JAX_FP4_GEMV_CONFIG=1,<k_split>,1,1 until measured)
+//   gemv_tma         sm_90, K % 256 == 0: GemvTmaKernel<bf16> with k_split 1, 2, 4, the same
+//                    math fed by TMA bulk copies (opt-in: JAX_FP4_GEMV_CONFIG=1,<k_split>,1,1)
 // Reading: gemv ~ no_decode >> loads -> instruction/latency cost of the mma loop itself;
 // gemv >> no_decode -> the decode; loads >> loads_prepacked -> the access pattern (prepack pays);
 // loads ~ gemv -> the loads themselves; loads_bulk >> loads -> TMA-fed kernel.
@@ -48,12 +48,15 @@ __device__ __forceinline__ void Sink(uint32_t fold, uint32_t* sink) {
 
 __device__ __forceinline__ uint32_t Fold(const uint4& v) { return v.x ^ v.y ^ v.z ^ v.w; }
 
-__global__ void StreamKernel(const uint8_t* __restrict__ bytes, int64_t count, uint32_t* sink) {
+// Both buffers (weights, then scales) in one grid-stride pass, 16 bytes per thread per step.
+__global__ void StreamKernel(const uint8_t* __restrict__ first, int64_t first_bytes,
+                             const uint8_t* __restrict__ second, int64_t second_bytes,
+                             uint32_t* sink) {
   uint32_t fold = 0;
-  const int64_t vectors = count / 16;
+  const int64_t first_vectors = first_bytes / 16, vectors = first_vectors + second_bytes / 16;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    fold ^= Fold(ld_stream_u4(bytes + 16 * i));
+    fold ^= Fold(ld_stream_u4(i < first_vectors ? first + 16 * i : second + 16 * (i - first_vectors)));
   }
   Sink(fold, sink);
 }
@@ -228,13 +231,13 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   const auto scales = [&](int c) { return scale + scale_bytes * c; };
 
   struct Row {
-    const char* name;
+    std::string name;
     float us;
   };
   std::vector<Row> rows;
   rows.push_back({"stream", TimeUs([&](int c) {
-                    StreamKernel<<<num_sms * 16, 256>>>(weights(c), packed_bytes, sink);
-                    StreamKernel<<<num_sms * 16, 256>>>(scales(c), scale_bytes, sink);
+                    StreamKernel<<<num_sms * 16, 256>>>(weights(c), packed_bytes, scales(c),
+                                                        scale_bytes, sink);
                   }, copies, rounds)});
   rows.push_back({"loads", TimeUs([&](int c) {
                     LoadsKernel<false><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
@@ -257,17 +260,17 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
                                                                nullptr, y, 1, n, k);
                   }, copies, rounds)});
   if (major >= 9 && k % 256 == 0) {
-    const int tma_split = std::min(k_split, kGemvTmaMaxWarps);
-    const auto launch = [&](int c) {
-      GemvTmaKernel<T><<<grid, 32 * (tma_split + 1), GemvTmaSmemBytes(tma_split)>>>(
-          a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
-    };
-    rows.push_back({"gemv_tma", TimeUs(launch, copies, rounds)});
+    for (int tma_split = 1; tma_split <= kGemvTmaMaxWarps; tma_split *= 2) {
+      const auto launch = [&](int c) {
+        GemvTmaKernel<T><<<grid, 32 * (tma_split + 1), GemvTmaSmemBytes(tma_split)>>>(
+            a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+      };
+      rows.push_back({"gemv_tma k_split=" + std::to_string(tma_split), TimeUs(launch, copies, rounds)});
+    }
   }
-  // The stream row is two launches (weights, scales); the rest read the same bytes in one.
   for (const Row& r : rows) {
-    std::printf("%6lldx%-6lld k_split=%-2d %-16s %8.2f us %6.2f TB/s %5.0f%% of stream\n",
-                static_cast<long long>(n), static_cast<long long>(k), k_split, r.name, r.us,
+    std::printf("%6lldx%-6lld k_split=%-2d %-19s %8.2f us %6.2f TB/s %5.0f%% of stream\n",
+                static_cast<long long>(n), static_cast<long long>(k), k_split, r.name.c_str(), r.us,
                 bytes / (r.us * 1e-6) / 1e12, 100.0 * rows[0].us / r.us);
   }
   CHECK_CUDA(cudaFree(packed));
