@@ -232,12 +232,13 @@ def test_gemv_every_launch_config(config, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k_split", [1, 2, 4])
-@pytest.mark.parametrize("m", [1, 8, 13])
+@pytest.mark.parametrize("m", [1, 8, 13, 33, 64, 70])
 def test_gemv_tma_is_bit_identical_to_register_kernel(m, k_split, dtype, monkeypatch):
     """The TMA-fed kernel sums the same windows in the same order as the register kernel with the
-    same k_split, so on random inputs (ragged N, a partial last stage, M over one 8-row chunk)
-    their outputs agree bit for bit, and both match the float64 reference. (Below sm_90 the TMA
-    flag falls back to the register kernel and the comparison is trivially equal.)"""
+    same k_split, so on random inputs (ragged N, a partial last stage; M from one 8-row chunk to
+    8 chunks per pass, and 70 = two passes) their outputs agree bit for bit, and both match the
+    float64 reference. (Below sm_90 the TMA flag falls back to the register kernel and the
+    comparison is trivially equal.)"""
     rng = np.random.default_rng()
     n, k = 333, 2816
     a, packed, scale, gs, bias = random_problem(rng, m, n, k, dtype, with_bias=True)

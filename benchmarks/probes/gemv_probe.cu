@@ -262,7 +262,7 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   if (major >= 9 && k % 256 == 0) {
     for (int tma_split = 1; tma_split <= kGemvTmaMaxWarps; tma_split *= 2) {
       const auto launch = [&](int c) {
-        GemvTmaKernel<T><<<grid, 32 * (tma_split + 1), GemvTmaSmemBytes(tma_split)>>>(
+        GemvTmaKernel<T, 1><<<grid, 32 * (tma_split + 1), GemvTmaSmemBytes(tma_split)>>>(
             a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
       };
       rows.push_back({"gemv_tma k_split=" + std::to_string(tma_split), TimeUs(launch, copies, rounds)});

@@ -161,17 +161,29 @@ cudaError_t LaunchMma(cudaStream_t stream, const T* a, const uint8_t* packed, co
   return cudaGetLastError();
 }
 
+template <typename T, int Chunks>
+cudaError_t LaunchTmaChunks(cudaStream_t stream, const T* a, const uint8_t* packed,
+                            const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
+                            int64_t n, int64_t k, int k_split) {
+  const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvTileCols)),
+                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * Chunks), kMaxGridY)));
+  const dim3 block(32 * (k_split + 1));  // + the producer warp
+  GemvTmaKernel<T, Chunks><<<grid, block, GemvTmaSmemBytes(k_split), stream>>>(a, packed, scale, gs,
+                                                                               bias, y, m, n, k);
+  return cudaGetLastError();
+}
+
+// Passes of up to 8 chunks of 8 rows: the fewest chunks per pass that cover M (M <= 64: one pass).
 template <typename T>
 cudaError_t LaunchTma(cudaStream_t stream, const T* a, const uint8_t* packed, const uint8_t* scale,
                       const float* gs, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
                       int k_split) {
   k_split = std::min(k_split, kGemvTmaMaxWarps);
-  const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvTileCols)),
-                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8), kMaxGridY)));
-  const dim3 block(32 * (k_split + 1));  // + the producer warp
-  GemvTmaKernel<T><<<grid, block, GemvTmaSmemBytes(k_split), stream>>>(a, packed, scale, gs, bias,
-                                                                       y, m, n, k);
-  return cudaGetLastError();
+  const int64_t chunks = CeilDiv(m, 8);
+  if (chunks <= 1) return LaunchTmaChunks<T, 1>(stream, a, packed, scale, gs, bias, y, m, n, k, k_split);
+  if (chunks <= 2) return LaunchTmaChunks<T, 2>(stream, a, packed, scale, gs, bias, y, m, n, k, k_split);
+  if (chunks <= 4) return LaunchTmaChunks<T, 4>(stream, a, packed, scale, gs, bias, y, m, n, k, k_split);
+  return LaunchTmaChunks<T, 8>(stream, a, packed, scale, gs, bias, y, m, n, k, k_split);
 }
 
 template <typename T, int R>

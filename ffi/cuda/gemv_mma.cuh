@@ -123,53 +123,104 @@ struct DecodeE2M1 {
   }
 };
 
-template <typename T, int S, int CT, typename Decode>
-__device__ __forceinline__ void MmaStep(float (&acc)[CT][4], const MmaFragments<CT>& f,
-                                        const uint32_t (&scale_lo)[CT][2],
-                                        const uint32_t (&scale_hi)[CT][2]) {
+// Block scales of a window as 16-bit pairs {s, s}, pre-multiplied so that decode * scale =
+// e2m1 * e4m3 * 2^-7 exactly (lo: the lane's first 16-element block, k-steps 0-3; hi: 4-7).
+template <typename T, int CT>
+__device__ __forceinline__ void ScalePairs(const MmaFragments<CT>& f, uint32_t (&lo)[CT][2],
+                                           uint32_t (&hi)[CT][2]) {
   using Tr = HalfTraits<T>;
-  constexpr int kWord = S / 2;        // the uint4 word holding k-steps 2 (S/2) and 2 (S/2) + 1
-  constexpr int kByte = (S % 2) * 2;  // this step's elements 4S..4S+3: bytes kByte, kByte + 1
-  const uint32_t b0 = Word<(2 * S) % 4>(f.a[(2 * S) / 4]);
-  const uint32_t b1 = Word<(2 * S + 1) % 4>(f.a[(2 * S + 1) / 4]);
-#pragma unroll
-  for (int ct = 0; ct < CT; ++ct) {
-    uint32_t frag[2][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t q = Word<kWord>(f.w[ct][h]);
-      const uint32_t q4 = q << 4;
-      const uint32_t sc = S < 4 ? scale_lo[ct][h] : scale_hi[ct][h];
-      frag[h][0] = Tr::pair_mul(Decode::template Pair<T, kByte>(q, q4), sc);
-      frag[h][1] = Tr::pair_mul(Decode::template Pair<T, kByte + 1>(q, q4), sc);
-    }
-    Mma16816<T>(acc[ct], frag[0][0], frag[1][0], frag[0][1], frag[1][1], b0, b1);
-  }
-}
-
-template <typename T, int CT, typename Decode = DecodeE2M1>
-__device__ __forceinline__ void MmaCompute(float (&acc)[CT][4], const MmaFragments<CT>& f) {
-  using Tr = HalfTraits<T>;
-  // Block scales as 16-bit pairs, pre-multiplied so that decode * scale = e2m1 * e4m3 * 2^-7.
-  uint32_t scale_lo[CT][2], scale_hi[CT][2];
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float s0 = e4m3_to_float_fast(f.s[ct][h] & 0xFFu) * Tr::kScaleMul;
       const float s1 = e4m3_to_float_fast(f.s[ct][h] >> 8) * Tr::kScaleMul;
-      scale_lo[ct][h] = Tr::pair_from_floats(s0, s0);
-      scale_hi[ct][h] = Tr::pair_from_floats(s1, s1);
+      lo[ct][h] = Tr::pair_from_floats(s0, s0);
+      hi[ct][h] = Tr::pair_from_floats(s1, s1);
     }
   }
-  MmaStep<T, 0, CT, Decode>(acc, f, scale_lo, scale_hi);
-  MmaStep<T, 1, CT, Decode>(acc, f, scale_lo, scale_hi);
-  MmaStep<T, 2, CT, Decode>(acc, f, scale_lo, scale_hi);
-  MmaStep<T, 3, CT, Decode>(acc, f, scale_lo, scale_hi);
-  MmaStep<T, 4, CT, Decode>(acc, f, scale_lo, scale_hi);
-  MmaStep<T, 5, CT, Decode>(acc, f, scale_lo, scale_hi);
-  MmaStep<T, 6, CT, Decode>(acc, f, scale_lo, scale_hi);
-  MmaStep<T, 7, CT, Decode>(acc, f, scale_lo, scale_hi);
+}
+
+// The A fragment {a0, a1, a2, a3} of k-step S for column tile ct: decoded weights x block scale.
+template <typename T, int S, int CT, typename Decode>
+__device__ __forceinline__ void DecodeStep(uint32_t (&frag)[4], const MmaFragments<CT>& f, int ct,
+                                           const uint32_t (&lo)[CT][2],
+                                           const uint32_t (&hi)[CT][2]) {
+  using Tr = HalfTraits<T>;
+  constexpr int kWord = S / 2;        // the uint4 word holding k-steps 2 (S/2) and 2 (S/2) + 1
+  constexpr int kByte = (S % 2) * 2;  // this step's elements 4S..4S+3: bytes kByte, kByte + 1
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // rows g (a0, a2) and g + 8 (a1, a3)
+    const uint32_t q = Word<kWord>(f.w[ct][h]);
+    const uint32_t q4 = q << 4;
+    const uint32_t sc = S < 4 ? lo[ct][h] : hi[ct][h];
+    frag[h] = Tr::pair_mul(Decode::template Pair<T, kByte>(q, q4), sc);
+    frag[2 + h] = Tr::pair_mul(Decode::template Pair<T, kByte + 1>(q, q4), sc);
+  }
+}
+
+// The mma of k-step S: A = frag, B = this step's words of the lane's activation fragment.
+template <typename T, int S>
+__device__ __forceinline__ void MmaStep(float (&c)[4], const uint32_t (&frag)[4],
+                                        const uint4 (&act)[4]) {
+  const uint32_t b0 = Word<(2 * S) % 4>(act[(2 * S) / 4]);
+  const uint32_t b1 = Word<(2 * S + 1) % 4>(act[(2 * S + 1) / 4]);
+  Mma16816<T>(c, frag[0], frag[1], frag[2], frag[3], b0, b1);
+}
+
+template <typename T, int S, int CT, typename Decode>
+__device__ __forceinline__ void DecodeAndMmaStep(float (&acc)[CT][4], const MmaFragments<CT>& f,
+                                                 const uint32_t (&lo)[CT][2],
+                                                 const uint32_t (&hi)[CT][2]) {
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+    uint32_t frag[4];
+    DecodeStep<T, S, CT, Decode>(frag, f, ct, lo, hi);
+    MmaStep<T, S>(acc[ct], frag, f.a);
+  }
+}
+
+// One window: 8 k-steps of decode + mma per column tile, into acc.
+template <typename T, int CT, typename Decode = DecodeE2M1>
+__device__ __forceinline__ void MmaCompute(float (&acc)[CT][4], const MmaFragments<CT>& f) {
+  uint32_t lo[CT][2], hi[CT][2];
+  ScalePairs<T, CT>(f, lo, hi);
+  DecodeAndMmaStep<T, 0, CT, Decode>(acc, f, lo, hi);
+  DecodeAndMmaStep<T, 1, CT, Decode>(acc, f, lo, hi);
+  DecodeAndMmaStep<T, 2, CT, Decode>(acc, f, lo, hi);
+  DecodeAndMmaStep<T, 3, CT, Decode>(acc, f, lo, hi);
+  DecodeAndMmaStep<T, 4, CT, Decode>(acc, f, lo, hi);
+  DecodeAndMmaStep<T, 5, CT, Decode>(acc, f, lo, hi);
+  DecodeAndMmaStep<T, 6, CT, Decode>(acc, f, lo, hi);
+  DecodeAndMmaStep<T, 7, CT, Decode>(acc, f, lo, hi);
+}
+
+// A window's 8 A fragments of one column tile, decoded once to serve several 8-row chunks of M.
+template <typename T, typename Decode>
+__device__ __forceinline__ void DecodeWindow(uint32_t (&frag)[8][4], const MmaFragments<1>& f) {
+  uint32_t lo[1][2], hi[1][2];
+  ScalePairs<T, 1>(f, lo, hi);
+  DecodeStep<T, 0, 1, Decode>(frag[0], f, 0, lo, hi);
+  DecodeStep<T, 1, 1, Decode>(frag[1], f, 0, lo, hi);
+  DecodeStep<T, 2, 1, Decode>(frag[2], f, 0, lo, hi);
+  DecodeStep<T, 3, 1, Decode>(frag[3], f, 0, lo, hi);
+  DecodeStep<T, 4, 1, Decode>(frag[4], f, 0, lo, hi);
+  DecodeStep<T, 5, 1, Decode>(frag[5], f, 0, lo, hi);
+  DecodeStep<T, 6, 1, Decode>(frag[6], f, 0, lo, hi);
+  DecodeStep<T, 7, 1, Decode>(frag[7], f, 0, lo, hi);
+}
+
+template <typename T>
+__device__ __forceinline__ void MmaWindow(float (&c)[4], const uint32_t (&frag)[8][4],
+                                          const uint4 (&act)[4]) {
+  MmaStep<T, 0>(c, frag[0], act);
+  MmaStep<T, 1>(c, frag[1], act);
+  MmaStep<T, 2>(c, frag[2], act);
+  MmaStep<T, 3>(c, frag[3], act);
+  MmaStep<T, 4>(c, frag[4], act);
+  MmaStep<T, 5>(c, frag[5], act);
+  MmaStep<T, 6>(c, frag[6], act);
+  MmaStep<T, 7>(c, frag[7], act);
 }
 
 // Barrier among the first `warps` warps of the block only (named barrier 1), so that a producer
@@ -300,7 +351,9 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
 // Bulk copies keep kGemvTmaDepth stages in flight per block without registers or L1 miss
 // tracking. Each warp sums the same windows in the same order as GemvMmaKernel with the same
 // k_split (k_split divides the 8 windows of a stage), so the results are bit-identical to it.
-// Activations (re-read by every block, so L1 hits) are loaded just in time.
+// Activations (re-read by every block, so L1 hits) are loaded just in time. A block serves
+// Chunks 8-row chunks of M from each staged window, decoding the window once for all of them
+// (the weight is read from HBM once per Chunks x 8 rows: M up to 64 in one pass).
 constexpr int kGemvTmaRowStride = kGemvTmaStageWindows * (kGemvWindow / 2) + 64;  // padded rows:
                                                        // conflict-free 16-byte reads per lane
 constexpr int kGemvTmaScaleRowBytes = kGemvTmaStageWindows * (kGemvWindow / 16);
@@ -313,8 +366,14 @@ constexpr size_t GemvTmaSmemBytes(int k_split) {
 static_assert(GemvTmaSmemBytes(kGemvTmaMaxWarps) <= 48 * 1024, "TMA GEMV: over the default smem cap");
 static_assert(kGemvTmaStageWindows % kGemvTmaMaxWarps == 0, "k_split must divide a stage");
 
-template <typename T, typename Decode = DecodeE2M1>
-__global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), kGemvTmaMinBlocks)
+// Resident blocks per SM that the register budget of GemvTmaKernel<T, Chunks> is sized for
+// (more chunks hold more accumulators and the window's decoded fragments).
+constexpr int GemvTmaMinBlocks(int chunks) {
+  return chunks == 1 ? kGemvTmaMinBlocks : (chunks == 2 ? 4 : (chunks == 4 ? 3 : 2));
+}
+
+template <typename T, int Chunks, typename Decode = DecodeE2M1>
+__global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), GemvTmaMinBlocks(Chunks))
     GemvTmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                   const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                   const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
@@ -335,9 +394,9 @@ __global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), kGemvTmaMinBlocks
   const int64_t stages = CeilDiv(windows, kStageW);
   const int64_t row_bytes = k / 2, k_blocks = k / 16;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kRows;
-  const int64_t m_chunks = CeilDiv(m, 8);
-  const int64_t my_chunks =
-      blockIdx.y < m_chunks ? (m_chunks - 1 - blockIdx.y) / gridDim.y + 1 : 0;
+  const int64_t m_blocks = CeilDiv(m, 8 * Chunks);  // Chunks x 8 rows of M per pass
+  const int64_t my_m_blocks =
+      blockIdx.y < m_blocks ? (m_blocks - 1 - blockIdx.y) / gridDim.y + 1 : 0;
   if (threadIdx.x == 0) {
     for (int d = 0; d < kDepth; ++d) {
       MbarInit(SmemAddr(&full[d]), 1);
@@ -348,11 +407,11 @@ __global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), kGemvTmaMinBlocks
   __syncthreads();
 
   if (warp == k_split) {
-    // Producer: stage `it` (counted across M chunks; the weight is re-streamed per chunk) goes to
+    // Producer: stage `it` (counted across passes; the weight is re-streamed per pass) goes to
     // slot it % kDepth once the computing warps have released that slot's previous use.
     if (lane == 0) {
       int64_t it = 0;
-      for (int64_t c = 0; c < my_chunks; ++c) {
+      for (int64_t pass = 0; pass < my_m_blocks; ++pass) {
         for (int64_t st = 0; st < stages; ++st, ++it) {
           const int slot = static_cast<int>(it % kDepth);
           if (it >= kDepth) MbarWait(SmemAddr(&empty[slot]), static_cast<uint32_t>((it / kDepth - 1) & 1));
@@ -377,23 +436,18 @@ __global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), kGemvTmaMinBlocks
 
   const int g = lane >> 2, t = lane & 3;
   int64_t it = 0;
-  for (int64_t c = 0; c < my_chunks; ++c) {
-    const int64_t m0 = (blockIdx.y + c * gridDim.y) * 8;
-    const int rows = static_cast<int>(Min64(8, m - m0));
-    const bool has_row = g < rows;  // rows past M are never read: their B column is zero
-    const T* arow = a + (m0 + (has_row ? g : 0)) * k + 32 * t;
-    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+  for (int64_t pass = 0; pass < my_m_blocks; ++pass) {
+    const int64_t m_base = (blockIdx.y + pass * gridDim.y) * (8 * Chunks);
+    float acc[Chunks][1][4];
+#pragma unroll
+    for (int c = 0; c < Chunks; ++c) acc[c][0][0] = acc[c][0][1] = acc[c][0][2] = acc[c][0][3] = 0.0f;
     MmaFragments<1> f;
     for (int64_t st = 0; st < stages; ++st, ++it) {
       const int slot = static_cast<int>(it % kDepth);
       const int nwin = static_cast<int>(Min64(kStageW, windows - st * kStageW));
       MbarWait(SmemAddr(&full[slot]), static_cast<uint32_t>((it / kDepth) & 1));
+      // This warp's windows: warp, warp + k_split, ... (the register kernel's order).
       for (int wi = warp; wi < nwin; wi += k_split) {
-        // This warp's windows: warp, warp + k_split, ...; activations are L1 hits after the
-        // first block on the SM, so they are loaded just in time (no registers held ahead).
-        const T* ap = arow + (st * kStageW + wi) * kGemvWindow;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) f.a[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = g + 8 * h;
@@ -402,12 +456,39 @@ __global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), kGemvTmaMinBlocks
           f.w[0][h] = *reinterpret_cast<const uint4*>(wrow + wi * (kGemvWindow / 2) + 16 * t);
           f.s[0][h] = *reinterpret_cast<const uint16_t*>(srow + wi * (kGemvWindow / 16) + 2 * t);
         }
-        MmaCompute<T, 1, Decode>(acc, f);
+        const int64_t window_offset = (st * kStageW + wi) * kGemvWindow + 32 * t;
+        if constexpr (Chunks == 1) {  // decode and mma interleaved: fewer live registers
+          const bool has_row = g < Min64(8, m - m_base);
+          const T* ap = a + (m_base + (has_row ? g : 0)) * k + window_offset;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) f.a[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+          MmaCompute<T, 1, Decode>(acc[0], f);
+          continue;
+        }
+        uint32_t frag[8][4];
+        DecodeWindow<T, Decode>(frag, f);
+#pragma unroll
+        for (int c = 0; c < Chunks; ++c) {
+          const int64_t m0 = m_base + 8 * c;
+          if (m0 >= m) break;  // block-uniform
+          // Rows past M are never read: their B column is zero.
+          const bool has_row = g < Min64(8, m - m0);
+          const T* ap = a + (m0 + (has_row ? g : 0)) * k + window_offset;
+          uint4 act[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) act[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+          MmaWindow<T>(acc[c][0], frag, act);
+        }
       }
       __syncwarp();
       if (lane == 0) MbarArrive(SmemAddr(&empty[slot]));
     }
-    MmaEpilogue<T, 1>(acc, reduce_buf, k_split, global_scale, bias, y, m, n, col0, m0);
+#pragma unroll
+    for (int c = 0; c < Chunks; ++c) {
+      const int64_t m0 = m_base + 8 * c;
+      if (m0 >= m) break;
+      MmaEpilogue<T, 1>(acc[c], reduce_buf, k_split, global_scale, bias, y, m, n, col0, m0);
+    }
   }
 #else
   __trap();  // the launcher selects this kernel on sm_90+ only
