@@ -23,10 +23,11 @@ for stage in "$@"; do
         python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; exit 1; }
       python -m jax_fp4 info | tee -a "$OUT/build.log" ;;
     tests)
-      python -m pytest -q -m gpu tests > "$OUT/gpu_tests.log" 2>&1 || status=1
+      # Outer timeouts: a hung kernel must not eat the whole device call.
+      timeout 420 python -m pytest -q -m gpu tests > "$OUT/gpu_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_tests.log" ;;
     sanitizer)
-      XLA_PYTHON_CLIENT_ALLOCATOR=platform JAX_FP4_GPU_TEST_QUICK=1 compute-sanitizer --tool memcheck \
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform JAX_FP4_GPU_TEST_QUICK=1 timeout 420 compute-sanitizer --tool memcheck \
         python -m pytest -q -m gpu tests/test_gpu_kernels.py tests/test_gpu_fused.py > "$OUT/sanitizer.log" 2>&1 || status=1
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5 ;;
     fused)
@@ -62,7 +63,7 @@ for stage in "$@"; do
       if [ -z "$probe" ]; then echo "gemv_probe not built: run the build stage first" >&2; status=1; continue; fi
       timeout 120 "$probe" 11008x4096 4096x11008 17408x5120 28672x8192 2>&1 | tee "$OUT/gemv_probe.log" ;;
     kernel-tests)
-      python -m pytest -q -m gpu tests/test_gpu_kernels.py > "$OUT/gpu_kernel_tests.log" 2>&1 || status=1
+      timeout 240 python -m pytest -q -m gpu tests/test_gpu_kernels.py > "$OUT/gpu_kernel_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_kernel_tests.log" ;;
     fused-sweep)
       # Split-K factors of the fused GEMM (JAX_FP4_FUSED_SPLIT) against ChooseSplit's pick.
