@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
 // TMA-fed variant of GemvMmaKernel (sm_90+, K % 256 == 0, one 16-column tile per block; opt-in
 // until measured, benchmarks/NOTES.md). A producer warp (the block's last; one lane) streams the
 // tile's 16 weight rows and their scale rows through kGemvTmaDepth shared-memory stages with TMA
-// bulk copies, 512 B per row per stage, completing on "full" mbarriers; the k_split computing
+// bulk copies, 512 B (+ 64 B of scales) per row per stage, completing on "full" mbarriers; the k_split computing
 // warps read their fragments from shared memory and release each stage on an "empty" mbarrier.
 // Bulk copies keep kGemvTmaDepth stages in flight per block without registers or L1 miss
 // tracking. Each warp sums the same windows in the same order as GemvMmaKernel with the same
@@ -356,8 +356,9 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
 // (the weight is read from HBM once per Chunks x 8 rows: M up to 64 in one pass).
 constexpr int kGemvTmaRowStride = kGemvTmaStageWindows * (kGemvWindow / 2) + 64;  // padded rows:
                                                        // conflict-free 16-byte reads per lane
-constexpr int kGemvTmaScaleRowBytes = kGemvTmaStageWindows * (kGemvWindow / 16);
-constexpr int kGemvTmaStageBytes = kGemvTileCols * (kGemvTmaRowStride + kGemvTmaScaleRowBytes);
+constexpr int kGemvTmaScaleRowStride = kGemvTmaStageWindows * (kGemvWindow / 16) + 16;  // 80 B:
+                                                       // the 8 rows g land in 8 distinct banks
+constexpr int kGemvTmaStageBytes = kGemvTileCols * (kGemvTmaRowStride + kGemvTmaScaleRowStride);
 
 constexpr size_t GemvTmaSmemBytes(int k_split) {
   return static_cast<size_t>(kGemvTmaDepth) * kGemvTmaStageBytes +
@@ -383,7 +384,7 @@ __global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), GemvTmaMinBlocks(
   constexpr int kDepth = kGemvTmaDepth;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* const weights_smem = smem;  // [kDepth][kRows][kGemvTmaRowStride]
-  uint8_t* const scales_smem = smem + kDepth * kRows * kGemvTmaRowStride;  // [kDepth][kRows][64 B]
+  uint8_t* const scales_smem = smem + kDepth * kRows * kGemvTmaRowStride;  // [kDepth][kRows][80 B]
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int k_split = static_cast<int>(blockDim.x >> 5) - 1;  // the last warp is the producer
@@ -425,7 +426,7 @@ __global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), GemvTmaMinBlocks(
             const int64_t col = Min64(col0 + r, n - 1);  // clamped rows are never stored
             BulkCopy(SmemAddr(weights_smem + (slot * kRows + r) * kGemvTmaRowStride),
                      packed + col * row_bytes + st * kStageW * (kGemvWindow / 2), wbytes, bar);
-            BulkCopy(SmemAddr(scales_smem + (slot * kRows + r) * kGemvTmaScaleRowBytes),
+            BulkCopy(SmemAddr(scales_smem + (slot * kRows + r) * kGemvTmaScaleRowStride),
                      scale + col * k_blocks + st * kStageW * (kGemvWindow / 16), sbytes, bar);
           }
         }
@@ -452,7 +453,7 @@ __global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), GemvTmaMinBlocks(
         for (int h = 0; h < 2; ++h) {
           const int r = g + 8 * h;
           const uint8_t* wrow = weights_smem + (slot * kRows + r) * kGemvTmaRowStride;
-          const uint8_t* srow = scales_smem + (slot * kRows + r) * kGemvTmaScaleRowBytes;
+          const uint8_t* srow = scales_smem + (slot * kRows + r) * kGemvTmaScaleRowStride;
           f.w[0][h] = *reinterpret_cast<const uint4*>(wrow + wi * (kGemvWindow / 2) + 16 * t);
           f.s[0][h] = *reinterpret_cast<const uint16_t*>(srow + wi * (kGemvWindow / 16) + 2 * t);
         }

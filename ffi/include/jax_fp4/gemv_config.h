@@ -25,7 +25,7 @@ constexpr int kGemvTargetWarpsPerSm = 16;   // grow k_split until this many warp
 constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) per block
 // TMA-fed mma variant (sm_90+, K % 256 == 0; opt-in through JAX_FP4_GEMV_CONFIG until measured):
 constexpr int kGemvTmaStageWindows = 8;     // K windows per pipeline stage (512 B per weight row)
-constexpr int kGemvTmaDepth = 3;            // stages in flight per block (31 KB: 6 blocks per SM)
+constexpr int kGemvTmaDepth = 3;            // stages in flight per block (33 KB: 6 blocks per SM)
 constexpr int kGemvTmaMaxWarps = 4;         // computing warps per block (k_split, divides 8)
 constexpr int kGemvTmaMinBlocks = 5;        // resident blocks per SM the register budget allows
 
