@@ -6,6 +6,7 @@
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~2.5 min
 #   bash benchmarks/device_run.sh build probe          # GEMV limiter probe, ~1 min
+#   bash benchmarks/device_run.sh build kernel-tests probe gemv-sweep tma-vs-fused   # ~9 min
 #   bash benchmarks/device_run.sh build profile gemv-sweep fused-sweep   # ncu, launch-config sweeps
 #   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
 #
@@ -62,6 +63,13 @@ for stage in "$@"; do
       probe=$(ls build/*/gemv_probe 2>/dev/null | head -1)
       if [ -z "$probe" ]; then echo "gemv_probe not built: run the build stage first" >&2; status=1; continue; fi
       timeout 120 "$probe" 11008x4096 4096x11008 17408x5120 28672x8192 2>&1 | tee "$OUT/gemv_probe.log" ;;
+    tma-vs-fused)
+      # The TMA GEMV serves up to 64 rows per pass (one decode per window for 8 chunks of M):
+      # against the fused GEMM and bf16 jnp.dot in the fused GEMM's territory, same run.
+      timeout 240 python benchmarks/fused_timing.py --variants bf16,fused,gemv,gemv_tma \
+        --shapes 11008x4096,28672x8192 --ms 16,32,64,128 --json "$OUT/tma_vs_fused.json" \
+        > "$OUT/tma_vs_fused.log" 2>&1 || status=1
+      tail -12 "$OUT/tma_vs_fused.log" ;;
     kernel-tests)
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_kernels.py > "$OUT/gpu_kernel_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_kernel_tests.log" ;;
@@ -75,7 +83,7 @@ for stage in "$@"; do
           2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
       done | tee "$OUT/fused_sweep.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, kernel-tests, sanitizer, fused, bench, profile, probe, gemv-sweep, fused-sweep)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, kernel-tests, sanitizer, fused, bench, profile, probe, gemv-sweep, tma-vs-fused, fused-sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -1,11 +1,13 @@
-"""Times the fused sm_90 NVFP4 GEMM (jax_fp4_fused_cuda) against jnp.dot on bf16 weights and the
-dequant path (dequantize kernel + XLA dot), all in the same run.
+"""Times the fused sm_90 NVFP4 GEMM (jax_fp4_fused_cuda) against jnp.dot on bf16 weights, the
+dequant path (dequantize kernel + XLA dot) and the GEMV kernels (jax_fp4_gemv_cuda; "gemv_tma" runs
+it with JAX_FP4_GEMV_CONFIG=--tma-config, the TMA-fed variant), all in the same run.
 
 Each measurement is a jitted chain of L matmuls over L distinct weights (L chosen so that the
 weights of a chain exceed the 60 MB L2 several times over), timed as the median over repeats of a
 batch of back-to-back calls, divided by the number of matmuls.
 
     python benchmarks/fused_timing.py [--shapes 11008x4096,4096x11008] [--ms 16,64,256] [--json PATH]
+    python benchmarks/fused_timing.py --variants bf16,fused,gemv,gemv_tma --ms 16,32,64,128
     python benchmarks/fused_timing.py --plot-from results/fused_h200.json --png plots/fused.png
 
 Needs jax_fp4 built with its CUDA module (both targets registered) and an sm_90 device.
@@ -27,6 +29,8 @@ import jax.numpy as jnp
 
 FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
+GEMV = "jax_fp4_gemv_cuda"
+VARIANTS = ("bf16", "dequant", "dequant16", "fused", "gemv", "gemv_tma")
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_MS = "16,32,64,128,256,512,1024,2048,4096"
 CHAIN_BYTES = 200e6  # each chain's fp4 weights exceed the 60 MB L2 about 3x
@@ -48,6 +52,12 @@ def fused_call(a, packed, scale, gs):
                                     jax.ShapeDtypeStruct((0,), jnp.float32)))
     y, _ = call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16))
     return y
+
+
+def gemv_call(a, packed, scale, gs):
+    call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype))
+    return call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16),
+                use_mma=True, row_tiling=True)
 
 
 def dequantize(a, packed, scale, gs):
@@ -109,7 +119,8 @@ def plot(json_path, png_path):
         data = json.load(f)
     shapes = sorted({(r["n"], r["k"]) for r in data["records"]})
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
-    styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green"}
+    styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green",
+              "gemv": "tab:purple", "gemv_tma": "tab:brown"}
     for col, (n, k) in enumerate(shapes):
         rows = sorted((r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
         ms = [r["m"] for r in rows]
@@ -141,7 +152,9 @@ def main():
     ap.add_argument("--png", default="fused_timing.png")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxK,NxK,...")
     ap.add_argument("--ms", default=DEFAULT_MS)
-    ap.add_argument("--variants", default="bf16,dequant,fused")
+    ap.add_argument("--variants", default="bf16,dequant,fused", help=",".join(VARIANTS))
+    ap.add_argument("--tma-config", default="1,2,1,1",
+                    help="JAX_FP4_GEMV_CONFIG for the gemv_tma variant (col_tiles,k_split,rows,tma)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fused_timing.json"))
     args = ap.parse_args()
@@ -151,6 +164,9 @@ def main():
     source = register_targets()
     dtype = jnp.dtype(args.dtype)
     variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {','.join(VARIANTS)}")
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, targets from {source}, dtype {dtype.name}", flush=True)
 
@@ -188,43 +204,58 @@ def main():
         def chain_bf16(a, ws):
             return [bf16_call(a, w) for w in ws]
 
+        @jax.jit
+        def chain_gemv(a, ws):
+            return [gemv_call(a, *w) for w in ws]
+
+        @jax.jit
+        def chain_gemv_tma(a, ws):  # a separate executable: compiled and run under its own config
+            return [gemv_call(a, *w) for w in ws]
+
         for m in (int(x) for x in args.ms.split(",")):
             a = (jax.random.normal(keys[-1], (m, k), jnp.float32)).astype(dtype)
             row = {"n": n, "k": k, "m": m, "chain": n_mm}
             for v in variants:
                 fn, ws = {"fused": (chain_fused, weights), "dequant": (chain_dequant, weights),
-                          "dequant16": (chain_dequant16, weights),
-                          "bf16": (chain_bf16, w16)}[v]
+                          "dequant16": (chain_dequant16, weights), "bf16": (chain_bf16, w16),
+                          "gemv": (chain_gemv, weights), "gemv_tma": (chain_gemv_tma, weights)}[v]
+                # The GEMV handler reads the override on every call: set only around gemv_tma.
+                saved = os.environ.pop("JAX_FP4_GEMV_CONFIG", None)
+                if v == "gemv_tma":
+                    os.environ["JAX_FP4_GEMV_CONFIG"] = args.tma_config
                 try:
                     sec, spread = time_chain(fn, (a, ws), n_mm)
                 except Exception as err:  # report and keep going
                     print(f"  {v} N={n} K={k} M={m}: FAILED {type(err).__name__}: {err}", flush=True)
                     row[f"{v}_us"] = None
                     continue
+                finally:
+                    os.environ.pop("JAX_FP4_GEMV_CONFIG", None)
+                    if saved is not None:
+                        os.environ["JAX_FP4_GEMV_CONFIG"] = saved
                 row[f"{v}_us"] = sec * 1e6
                 row[f"{v}_spread"] = spread
                 row[f"{v}_tflops"] = 2.0 * m * n * k / sec / 1e12
                 wbytes = (n * k * 2) if v == "bf16" else fp4_bytes
                 row[f"{v}_weight_tbps"] = wbytes / sec / 1e12
-            if row.get("bf16_us") and row.get("fused_us"):
-                row["fused_speedup_vs_bf16"] = row["bf16_us"] / row["fused_us"]
-            if row.get("bf16_us") and row.get("dequant_us"):
-                row["dequant_speedup_vs_bf16"] = row["bf16_us"] / row["dequant_us"]
+            for v in variants:
+                if v != "bf16" and row.get("bf16_us") and row.get(f"{v}_us"):
+                    row[f"{v}_speedup_vs_bf16"] = row["bf16_us"] / row[f"{v}_us"]
             records.append(row)
             print("  " + json.dumps({kk: (round(vv, 3) if isinstance(vv, float) else vv)
                                      for kk, vv in row.items()}), flush=True)
             write_json(args.json, dev, dtype, records)  # after every row: partial runs keep data
         del weights, w16
 
-    print(f"\n{'N':>6} {'K':>6} {'M':>5} | {'bf16 us':>8} {'deq us':>8} {'fused us':>8} | "
-          f"{'fused x':>7} {'deq x':>6} {'fused TF':>8} {'fused TB/s':>10}")
+    others = [v for v in variants if v != "bf16"]
+    print(f"\n{'N':>6} {'K':>6} {'M':>5} | " + " ".join(f"{v + ' us':>11}" for v in variants) + " | "
+          + " ".join(f"{v + ' x':>11}" for v in others))
     for r in records:
-        def f(key, fmt="8.1f"):
+        def f(key, fmt="11.1f"):
             v = r.get(key)
-            return format(v, fmt) if v is not None else " " * 7 + "-"
-        print(f"{r['n']:>6} {r['k']:>6} {r['m']:>5} | {f('bf16_us')} {f('dequant_us')} {f('fused_us')} | "
-              f"{f('fused_speedup_vs_bf16', '7.2f')} {f('dequant_speedup_vs_bf16', '6.2f')} "
-              f"{f('fused_tflops', '8.1f')} {f('fused_weight_tbps', '10.2f')}")
+            return format(v, fmt) if v is not None else " " * 10 + "-"
+        print(f"{r['n']:>6} {r['k']:>6} {r['m']:>5} | " + " ".join(f(f"{v}_us") for v in variants)
+              + " | " + " ".join(f(f"{v}_speedup_vs_bf16", "11.2f") for v in others))
     print(f"wrote {args.json}")
 
 
