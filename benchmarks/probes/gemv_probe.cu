@@ -14,9 +14,11 @@
 //   gemv             the production kernel, GemvMmaKernel<bf16, 1>, with the heuristic's k_split
 //   gemv_tma         sm_90, K % 256 == 0: GemvTmaKernel<bf16> with k_split 1, 2, 4, the same
 //                    math fed by TMA bulk copies (opt-in: JAX_FP4_GEMV_CONFIG=1,<k_split>,1,1)
-// Reading: gemv ~ no_decode >> loads -> instruction/latency cost of the mma loop itself;
-// gemv >> no_decode -> the decode; loads >> loads_prepacked -> the access pattern (prepack pays);
-// loads ~ gemv -> the loads themselves; loads_bulk >> loads -> TMA-fed kernel.
+// Reading, in times ("a >> b": a takes much longer than b):
+//   gemv ~ no_decode >> loads  -> the mma loop itself (instructions, dependency latency)
+//   gemv >> no_decode          -> the decode
+//   loads ~ gemv >> loads_bulk -> the loads' path (L1 miss tracking): a TMA-fed kernel pays
+//   loads >> loads_prepacked   -> the access pattern: a prepacked layout pays
 //
 // Weights rotate through copies totalling > 4x the L2, so every call reads HBM. Values are
 // arbitrary (timing only). Built by CMake next to the CUDA module (build/<wheel tag>/gemv_probe);
