@@ -67,7 +67,7 @@ for stage in "$@"; do
       # The TMA GEMV serves up to 64 rows per pass (one decode per window for 8 chunks of M):
       # against the fused GEMM and bf16 jnp.dot in the fused GEMM's territory, same run.
       timeout 240 python benchmarks/fused_timing.py --variants bf16,fused,gemv,gemv_tma \
-        --shapes 11008x4096,28672x8192 --ms 16,32,64,128 --json "$OUT/tma_vs_fused.json" \
+        --shapes 11008x4096,28672x8192 --ms 16,32,64,128,256,512 --json "$OUT/tma_vs_fused.json" \
         > "$OUT/tma_vs_fused.log" 2>&1 || status=1
       tail -12 "$OUT/tma_vs_fused.log" ;;
     kernel-tests)
