@@ -200,7 +200,8 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
 // Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block[,tma]]" (read
 // on each call; empty or unset = the heuristic): col_tiles and rows_per_block 1, 2 or 4; k_split
 // >= 1, rounded down to a power of two within the block's warp budget; tma 0 or 1 (1: the
-// TMA-fed mma kernel where it applies: sm_90+, col_tiles 1, K % 256 == 0, k_split at most 8).
+// TMA-fed mma kernel where it applies: sm_90+, col_tiles 1, K % 256 == 0, with k_split capped at
+// kGemvTmaMaxWarps).
 // Anything else is an error.
 std::string ApplyConfigOverride(GemvLaunchConfig* cfg, bool* tma) {
   const char* env = std::getenv("JAX_FP4_GEMV_CONFIG");

@@ -1,6 +1,6 @@
-// Small PTX wrappers shared by the CUDA kernels (fused_gemm.cu, benchmarks/probes): cp.async into
-// shared memory, shared-memory vector loads, and (sm_90+) mbarriers and TMA bulk copies.
-// Device-only.
+// Small PTX wrappers shared by the CUDA kernels (fused_gemm.cu, gemv_mma.cuh, benchmarks/probes):
+// cp.async into shared memory, shared-memory vector loads, and (sm_90+) mbarriers and TMA bulk
+// copies. Device-only.
 #ifndef JAX_FP4_CUDA_PTX_CUH_
 #define JAX_FP4_CUDA_PTX_CUH_
 
