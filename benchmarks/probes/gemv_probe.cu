@@ -87,9 +87,7 @@ __global__ void __launch_bounds__(512)
       f.w[0][h] = ld_stream_u4(wp);
       f.s[0][h] = LoadScalePair(sp);
     }
-    const T* ap = a + w * kGemvWindow + 32 * t;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) f.a[i] = g == 0 ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+    LoadActivation(f.a, a + w * kGemvWindow + 32 * t, g == 0);  // M = 1
   };
   const auto fold = [](const MmaFragments<1>& f) {
     return Fold(f.w[0][0]) ^ Fold(f.w[0][1]) ^ f.s[0][0] ^ f.s[0][1] ^ Fold(f.a[0]) ^

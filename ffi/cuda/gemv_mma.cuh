@@ -92,6 +92,14 @@ struct MmaFragments {
   uint4 a[4];          // activation row g, window elements [32t, 32t + 32)
 };
 
+// The lane's activation fragment of one window: the 64 bytes at `ap` (row g, elements 32t..), or
+// zeros for a lane whose row lies past M (that row is never read: its B column is zero).
+template <typename T>
+__device__ __forceinline__ void LoadActivation(uint4 (&dst)[4], const T* ap, bool has_row) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dst[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+}
+
 // Loads one window's fragments at the current pointers, then advances them by `step` windows.
 template <typename T, int CT>
 __device__ __forceinline__ void MmaLoad(MmaFragments<CT>& f, const uint8_t* (&wp)[CT][2],
@@ -107,10 +115,7 @@ __device__ __forceinline__ void MmaLoad(MmaFragments<CT>& f, const uint8_t* (&wp
       sp[ct][h] += step * (kGemvWindow / 16);
     }
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f.a[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
-  }
+  LoadActivation(f.a, ap, has_row);
   ap += step * kGemvWindow;
 }
 
@@ -370,7 +375,7 @@ static_assert(kGemvTmaStageWindows % kGemvTmaMaxWarps == 0, "k_split must divide
 // Resident blocks per SM that the register budget of GemvTmaKernel<T, Chunks> is sized for
 // (more chunks hold more accumulators and the window's decoded fragments).
 constexpr int GemvTmaMinBlocks(int chunks) {
-  return chunks == 1 ? kGemvTmaMinBlocks : (chunks == 2 ? 4 : (chunks == 4 ? 3 : 2));
+  return chunks == 1 ? 5 : (chunks == 2 ? 4 : (chunks == 4 ? 3 : 2));
 }
 
 template <typename T, int Chunks, typename Decode = DecodeE2M1>
@@ -457,12 +462,14 @@ __global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), GemvTmaMinBlocks(
           f.w[0][h] = *reinterpret_cast<const uint4*>(wrow + wi * (kGemvWindow / 2) + 16 * t);
           f.s[0][h] = *reinterpret_cast<const uint16_t*>(srow + wi * (kGemvWindow / 16) + 2 * t);
         }
+        // This lane's activation fragment of the window for the chunk of rows starting at m0.
         const int64_t window_offset = (st * kStageW + wi) * kGemvWindow + 32 * t;
+        const auto load_chunk = [&](uint4 (&dst)[4], int64_t m0) {
+          const bool has_row = g < Min64(8, m - m0);
+          LoadActivation(dst, a + (m0 + (has_row ? g : 0)) * k + window_offset, has_row);
+        };
         if constexpr (Chunks == 1) {  // decode and mma interleaved: fewer live registers
-          const bool has_row = g < Min64(8, m - m_base);
-          const T* ap = a + (m_base + (has_row ? g : 0)) * k + window_offset;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) f.a[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+          load_chunk(f.a, m_base);
           MmaCompute<T, 1, Decode>(acc[0], f);
           continue;
         }
@@ -472,12 +479,8 @@ __global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), GemvTmaMinBlocks(
         for (int c = 0; c < Chunks; ++c) {
           const int64_t m0 = m_base + 8 * c;
           if (m0 >= m) break;  // block-uniform
-          // Rows past M are never read: their B column is zero.
-          const bool has_row = g < Min64(8, m - m0);
-          const T* ap = a + (m0 + (has_row ? g : 0)) * k + window_offset;
           uint4 act[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) act[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+          load_chunk(act, m0);
           MmaWindow<T>(acc[c][0], frag, act);
         }
       }

@@ -27,7 +27,6 @@ constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) pe
 constexpr int kGemvTmaStageWindows = 8;     // K windows per pipeline stage (512 B per weight row)
 constexpr int kGemvTmaDepth = 3;            // stages in flight per block (33 KB: 6 blocks per SM)
 constexpr int kGemvTmaMaxWarps = 4;         // computing warps per block (k_split, divides 8)
-constexpr int kGemvTmaMinBlocks = 5;        // resident blocks per SM the register budget allows
 
 constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
