@@ -6,7 +6,8 @@
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~2.5 min
 #   bash benchmarks/device_run.sh build probe          # GEMV limiter probe, ~1 min
-#   bash benchmarks/device_run.sh build kernel-tests probe gemv-sweep tma-vs-fused   # ~9 min
+#   bash benchmarks/device_run.sh build kernel-tests probe gemv-sweep   # ~5 min
+#   bash benchmarks/device_run.sh build probe gemv-profile   # ncu stall reasons per SASS line
 #   bash benchmarks/device_run.sh build profile gemv-sweep fused-sweep   # ncu, launch-config sweeps
 #   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
 #
@@ -46,14 +47,14 @@ for stage in "$@"; do
       grep -E "FusedGemm|Duration|Grid Size|Cluster Size|Registers Per|Achieved Occupancy|DRAM Th|Compute \(SM\) Th|Issued Warp|Max Active Clusters|Waves" \
         "$OUT/ncu_fused.log" | cut -c1-150 ;;
     gemv-sweep)
-      # GEMV launch configs (JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows[,tma]]") against the
-      # heuristic's pick (empty); tma = 1: the TMA-fed kernel (sm_90, K % 256 == 0).
-      for cfg in "" 1,4 1,8 1,1,1,1 1,2,1,1 1,4,1,1; do
+      # GEMV launch configs (JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows]") against the
+      # heuristic's pick (empty).
+      for cfg in "" 1,2 1,4 1,8 1,16 2,4 2,8; do
         echo "== M=1,8 col_tiles,k_split = ${cfg:-heuristic}"
         JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m jax_fp4.bench --backend gemv --m 1,8 --repeats 5 \
           --shapes 11008x4096,4096x11008,17408x5120,5120x17408,28672x8192 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee "$OUT/gemv_sweep.log"
-      for cfg in "" 2,1 1,4 1,2,1,1 1,4,1,1; do
+      for cfg in "" 2,1 2,2 4,2 1,4; do
         echo "== lm_head M=4 col_tiles,k_split = ${cfg:-heuristic}"
         JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m jax_fp4.bench --backend gemv --m 4 --repeats 5 \
           --shapes 248320x2048 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
@@ -62,14 +63,22 @@ for stage in "$@"; do
       # Which limit holds the GEMV back (benchmarks/probes/gemv_probe.cu; built by the build stage).
       probe=$(ls build/*/gemv_probe 2>/dev/null | head -1)
       if [ -z "$probe" ]; then echo "gemv_probe not built: run the build stage first" >&2; status=1; continue; fi
-      timeout 120 "$probe" 11008x4096 4096x11008 17408x5120 28672x8192 2>&1 | tee "$OUT/gemv_probe.log" ;;
-    tma-vs-fused)
-      # The TMA GEMV serves up to 64 rows per pass (one decode per window for 8 chunks of M):
-      # against the fused GEMM and bf16 jnp.dot in the fused GEMM's territory, same run.
-      timeout 240 python benchmarks/fused_timing.py --variants bf16,fused,gemv,gemv_tma \
-        --shapes 11008x4096,28672x8192 --ms 16,32,64,128,256,512 --json "$OUT/tma_vs_fused.json" \
-        > "$OUT/tma_vs_fused.log" 2>&1 || status=1
-      tail -12 "$OUT/tma_vs_fused.log" ;;
+      timeout 120 "$probe" ${PROBE_SHAPES:-11008x4096 4096x11008 17408x5120 28672x8192} 2>&1 | tee "$OUT/gemv_probe.log" ;;
+    gemv-profile)
+      # Stall reasons per SASS instruction of the probe's GEMV kernels (one launch each, M = 1,
+      # 11008x4096), plus the SASS of the probe binary.
+      probe=$(ls build/*/gemv_probe 2>/dev/null | head -1)
+      if [ -z "$probe" ]; then echo "gemv_probe not built: run the build stage first" >&2; status=1; continue; fi
+      cuobjdump -sass "$probe" > "$OUT/gemv_probe.sass" 2>&1 || true
+      for row in ${PROFILE_ROWS:-gemv}; do
+        GEMV_PROBE_ROWS=$row timeout 120 ncu --clock-control none -k regex:GemvMmaKernel \
+          --launch-skip 2 -c 1 --section WarpStateStats --section SchedulerStats --section InstructionStats \
+          --section Occupancy --section LaunchStats --section SpeedOfLight --section SourceCounters \
+          --page details --print-details all -o "$OUT/ncu_$row" "$probe" 11008x4096 > "$OUT/ncu_$row.log" 2>&1 || status=1
+        ncu -i "$OUT/ncu_$row.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_${row}_sass.csv" 2>&1 || true
+        rm -f "$OUT/ncu_$row.ncu-rep"
+        grep -E "Duration|Registers Per|Achieved Active Warps|Issued Warp|No Eligible|Executed Ipc|Stall|Warp Cycles Per Issued" "$OUT/ncu_$row.log" | cut -c1-150 | head -30
+      done ;;
     kernel-tests)
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_kernels.py > "$OUT/gpu_kernel_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_kernel_tests.log" ;;
@@ -83,7 +92,7 @@ for stage in "$@"; do
           2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
       done | tee "$OUT/fused_sweep.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, kernel-tests, sanitizer, fused, bench, profile, probe, gemv-sweep, tma-vs-fused, fused-sweep)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, kernel-tests, sanitizer, fused, bench, profile, probe, gemv-profile, gemv-sweep, fused-sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -1,13 +1,13 @@
 """Times the fused sm_90 NVFP4 GEMM (jax_fp4_fused_cuda) against jnp.dot on bf16 weights, the
-dequant path (dequantize kernel + XLA dot) and the GEMV kernels (jax_fp4_gemv_cuda; "gemv_tma" runs
-it with JAX_FP4_GEMV_CONFIG=--tma-config, the TMA-fed variant), all in the same run.
+dequant path (dequantize kernel + XLA dot) and the GEMV kernel (jax_fp4_gemv_cuda), all in the same
+run.
 
 Each measurement is a jitted chain of L matmuls over L distinct weights (L chosen so that the
 weights of a chain exceed the 60 MB L2 several times over), timed as the median over repeats of a
 batch of back-to-back calls, divided by the number of matmuls.
 
     python benchmarks/fused_timing.py [--shapes 11008x4096,4096x11008] [--ms 16,64,256] [--json PATH]
-    python benchmarks/fused_timing.py --variants bf16,fused,gemv,gemv_tma --ms 16,32,64,128
+    python benchmarks/fused_timing.py --variants bf16,fused,gemv --ms 16,32,64,128
     python benchmarks/fused_timing.py --plot-from results/fused_h200.json --png plots/fused.png
 
 Needs jax_fp4 built with its CUDA module (both targets registered) and an sm_90 device.
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
 GEMV = "jax_fp4_gemv_cuda"
-VARIANTS = ("bf16", "dequant", "dequant16", "fused", "gemv", "gemv_tma")
+VARIANTS = ("bf16", "dequant", "dequant16", "fused", "gemv")
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_MS = "16,32,64,128,256,512,1024,2048,4096"
 CHAIN_BYTES = 200e6  # each chain's fp4 weights exceed the 60 MB L2 about 3x
@@ -120,7 +120,7 @@ def plot(json_path, png_path):
     shapes = sorted({(r["n"], r["k"]) for r in data["records"]})
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
     styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green",
-              "gemv": "tab:purple", "gemv_tma": "tab:brown"}
+              "gemv": "tab:purple"}
     for col, (n, k) in enumerate(shapes):
         rows = sorted((r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
         ms = [r["m"] for r in rows]
@@ -153,8 +153,6 @@ def main():
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxK,NxK,...")
     ap.add_argument("--ms", default=DEFAULT_MS)
     ap.add_argument("--variants", default="bf16,dequant,fused", help=",".join(VARIANTS))
-    ap.add_argument("--tma-config", default="1,2,1,1",
-                    help="JAX_FP4_GEMV_CONFIG for the gemv_tma variant (col_tiles,k_split,rows,tma)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fused_timing.json"))
     args = ap.parse_args()
@@ -208,31 +206,19 @@ def main():
         def chain_gemv(a, ws):
             return [gemv_call(a, *w) for w in ws]
 
-        @jax.jit
-        def chain_gemv_tma(a, ws):  # a separate executable: compiled and run under its own config
-            return [gemv_call(a, *w) for w in ws]
-
         for m in (int(x) for x in args.ms.split(",")):
             a = (jax.random.normal(keys[-1], (m, k), jnp.float32)).astype(dtype)
             row = {"n": n, "k": k, "m": m, "chain": n_mm}
             for v in variants:
                 fn, ws = {"fused": (chain_fused, weights), "dequant": (chain_dequant, weights),
                           "dequant16": (chain_dequant16, weights), "bf16": (chain_bf16, w16),
-                          "gemv": (chain_gemv, weights), "gemv_tma": (chain_gemv_tma, weights)}[v]
-                # The GEMV handler reads the override on every call: set only around gemv_tma.
-                saved = os.environ.pop("JAX_FP4_GEMV_CONFIG", None)
-                if v == "gemv_tma":
-                    os.environ["JAX_FP4_GEMV_CONFIG"] = args.tma_config
+                          "gemv": (chain_gemv, weights)}[v]
                 try:
                     sec, spread = time_chain(fn, (a, ws), n_mm)
                 except Exception as err:  # report and keep going
                     print(f"  {v} N={n} K={k} M={m}: FAILED {type(err).__name__}: {err}", flush=True)
                     row[f"{v}_us"] = None
                     continue
-                finally:
-                    os.environ.pop("JAX_FP4_GEMV_CONFIG", None)
-                    if saved is not None:
-                        os.environ["JAX_FP4_GEMV_CONFIG"] = saved
                 row[f"{v}_us"] = sec * 1e6
                 row[f"{v}_spread"] = spread
                 row[f"{v}_tflops"] = 2.0 * m * n * k / sec / 1e12

@@ -16,6 +16,7 @@ config = _jax_fp4_cpu.gemv_launch_config
 H200_SMS = 132
 MAX_WARPS_PER_BLOCK = 16
 TARGET_WARPS_PER_SM = 16
+MIN_SPLIT_ONE_TILE, MAX_SPLIT_ONE_TILE = 4, 8
 
 M_VALUES = [1, 2, 3, 4, 7, 8, 9, 64, 1000]
 N_VALUES = [1, 7, 16, 100, 1000, 1056, 4096, 8448, 11008, 16896, 248320]
@@ -46,9 +47,13 @@ def test_invariants(num_sms):
         # Column tiles only when the grid still has two waves of blocks.
         if ct > 1:
             assert math.ceil(math.ceil(n / 16) / ct) >= 2 * num_sms, where
-        # k_split stops growing once the grid is full.
+        # k_split stops growing once the grid is full (one-tile warps: at least 4 where K allows,
+        # at most 8).
         blocks = math.ceil(math.ceil(n / 16) / ct)
-        if ks > 1:
+        if ct == 1:
+            assert ks <= MAX_SPLIT_ONE_TILE, where
+            assert ks >= min(MIN_SPLIT_ONE_TILE, max(1, 2 ** int(math.log2(max(1, windows // 2))))), where
+        if ks > (MIN_SPLIT_ONE_TILE if ct == 1 else 1):
             assert blocks * (ks // 2) < TARGET_WARPS_PER_SM * num_sms, where
 
 
@@ -60,9 +65,11 @@ def test_h200_shapes():
 
     assert cfg(1, 11008, 4096) == (1, 4, 1)      # MLP up/gate at decode
     assert cfg(4, 11008, 4096) == (2, 8, 4)      # speculative decode, 4 rows
-    assert cfg(1, 4096, 11008) == (1, 16, 1)     # MLP down
+    assert cfg(1, 4096, 11008) == (1, 8, 1)      # MLP down
     assert cfg(4, 248320, 2048) == (4, 1, 4)     # lm_head
-    assert cfg(1, 4096, 4096) == (1, 16, 1)
+    assert cfg(1, 4096, 4096) == (1, 8, 1)
+    assert cfg(1, 17408, 5120) == (1, 4, 1)      # the grid alone is full: still 4 warps per tile
+    assert cfg(1, 28672, 8192) == (1, 4, 1)
     assert cfg(8, 2048, 2048) == (1, 8, 4)       # small MLP: split K for parallelism
     assert cfg(1, 100, 128) == (1, 1, 1)         # one window: nothing to split
 

@@ -12,8 +12,8 @@
 //                    go through the L1 miss path that ld.global and cp.async share.
 //   no_decode        the full GEMV with the E2M1 decode replaced by the raw packed word
 //   gemv             the production kernel, GemvMmaKernel<bf16, 1>, with the heuristic's k_split
-//   gemv_tma         sm_90, K % 256 == 0: GemvTmaKernel<bf16> with k_split 1, 2, 4, the same
-//                    math fed by TMA bulk copies (opt-in: JAX_FP4_GEMV_CONFIG=1,<k_split>,1,1)
+//   gemv_chains2/4   the same with 2 / 4 independent accumulator chains per tile (the 8 dependent
+//                    HMMA of a window become 2 x 4 / 4 x 2)
 // Reading, in times ("a >> b": a takes much longer than b):
 //   gemv ~ no_decode >> loads  -> the mma loop itself (instructions, dependency latency)
 //   gemv >> no_decode          -> the decode
@@ -24,6 +24,10 @@
 // arbitrary (timing only). Built by CMake next to the CUDA module (build/<wheel tag>/gemv_probe);
 // run by `bash benchmarks/device_run.sh build probe`.
 // Usage: gemv_probe [NxK ...]   (default: 11008x4096 4096x11008 28672x8192)
+// GEMV_PROBE_KSPLITS=3,6,... adds rows gemv_k<s> and gemv_c2_k<s>: the production kernel with
+// 1 / 2 accumulator chains at k_split s instead of the heuristic's.
+// GEMV_PROBE_ROWS=name,name,... times only those rows (stream always runs: the reference), e.g.
+// to profile one kernel under Nsight Compute.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -235,37 +239,59 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     float us;
   };
   std::vector<Row> rows;
+  const char* only = std::getenv("GEMV_PROBE_ROWS");
+  const auto wanted = [&](const std::string& name) {
+    return only == nullptr || ("," + std::string(only) + ",").find("," + name + ",") != std::string::npos;
+  };
+  const auto add = [&](const std::string& name, const auto& launch) {
+    if (wanted(name)) rows.push_back({name, TimeUs(launch, copies, rounds)});
+  };
   rows.push_back({"stream", TimeUs([&](int c) {
                     StreamKernel<<<num_sms * 16, 256>>>(weights(c), packed_bytes, scales(c),
                                                         scale_bytes, sink);
                   }, copies, rounds)});
-  rows.push_back({"loads", TimeUs([&](int c) {
-                    LoadsKernel<false><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
-                  }, copies, rounds)});
-  rows.push_back({"loads_prepacked", TimeUs([&](int c) {
-                    LoadsKernel<true><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
-                  }, copies, rounds)});
+  add("loads", [&](int c) {
+    LoadsKernel<false><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
+  });
+  add("loads_prepacked", [&](int c) {
+    LoadsKernel<true><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
+  });
   if (major >= 9 && k % (2 * kBulkRowBytes) == 0) {
     const auto launch = [&](int c) {
       BulkLoadsKernel<<<grid, 32, kBulkDepth * kBulkStageBytes>>>(weights(c), scales(c), sink, n, k);
     };
-    rows.push_back({"loads_bulk", TimeUs(launch, copies, rounds)});
+    add("loads_bulk", launch);
   }
-  rows.push_back({"no_decode", TimeUs([&](int c) {
-                    GemvMmaKernel<T, 1, DecodeNone><<<grid, block, smem>>>(
-                        a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
-                  }, copies, rounds)});
-  rows.push_back({"gemv", TimeUs([&](int c) {
-                    GemvMmaKernel<T, 1><<<grid, block, smem>>>(a, weights(c), scales(c), gs,
-                                                               nullptr, y, 1, n, k);
-                  }, copies, rounds)});
-  if (major >= 9 && k % 256 == 0) {
-    for (int tma_split = 1; tma_split <= kGemvTmaMaxWarps; tma_split *= 2) {
-      const auto launch = [&](int c) {
-        GemvTmaKernel<T, 1><<<grid, 32 * (tma_split + 1), GemvTmaSmemBytes(tma_split)>>>(
-            a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
-      };
-      rows.push_back({"gemv_tma k_split=" + std::to_string(tma_split), TimeUs(launch, copies, rounds)});
+  add("no_decode", [&](int c) {
+    GemvMmaKernel<T, 1, DecodeNone><<<grid, block, smem>>>(a, weights(c), scales(c), gs, nullptr,
+                                                           y, 1, n, k);
+  });
+  add("gemv", [&](int c) {
+    GemvMmaKernel<T, 1><<<grid, block, smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+  });
+  add("gemv_chains2", [&](int c) {
+    GemvMmaKernel<T, 1, DecodeE2M1, 2><<<grid, block, smem>>>(a, weights(c), scales(c), gs,
+                                                              nullptr, y, 1, n, k);
+  });
+  add("gemv_chains4", [&](int c) {
+    GemvMmaKernel<T, 1, DecodeE2M1, 4><<<grid, block, smem>>>(a, weights(c), scales(c), gs,
+                                                              nullptr, y, 1, n, k);
+  });
+  if (const char* splits = std::getenv("GEMV_PROBE_KSPLITS")) {
+    for (const char* p = splits; *p != '\0';) {
+      const int s = std::atoi(p);
+      if (s >= 1 && s <= kGemvMaxWarpsPerBlock) {
+        const size_t s_smem = s > 1 ? sizeof(float) * s * 4 * 32 : 0;
+        add("gemv_k" + std::to_string(s), [&](int c) {
+          GemvMmaKernel<T, 1><<<grid, 32 * s, s_smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+        });
+        add("gemv_c2_k" + std::to_string(s), [&](int c) {
+          GemvMmaKernel<T, 1, DecodeE2M1, 2><<<grid, 32 * s, s_smem>>>(a, weights(c), scales(c), gs,
+                                                                     nullptr, y, 1, n, k);
+        });
+      }
+      while (*p != '\0' && *p != ',') ++p;
+      if (*p == ',') ++p;
     }
   }
   for (const Row& r : rows) {

@@ -6,8 +6,7 @@
 //   (16 output columns) and the activations in the B slot (8 rows of M). See the fragment table
 //   above the kernel. The E4M3 block scale is folded into the decoded 16-bit weight before the
 //   mma (exact), global scale and bias are applied in the epilogue. Device code in
-//   cuda/gemv_mma.cuh (shared with benchmarks/probes/gemv_probe.cu), with GemvTmaKernel, the
-//   same math fed by TMA bulk copies (sm_90+; opt-in through JAX_FP4_GEMV_CONFIG until measured).
+//   cuda/gemv_mma.cuh (shared with benchmarks/probes/gemv_probe.cu).
 // * GemvScalarKernel (any K % 32 == 0): a warp per output column, 32 K elements (one 16-byte load
 //   of packed weight, two scale blocks) per lane per step, per-block fp32 partial sums, a warp
 //   shuffle reduction, and row tiling (RowsPerBlock rows of M share each decoded weight).
@@ -157,33 +156,12 @@ cudaError_t LaunchMma(cudaStream_t stream, const T* a, const uint8_t* packed, co
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = k_split > 1 ? sizeof(float) * k_split * CT * 4 * 32 : 0;
-  GemvMmaKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  // Two accumulator chains halve the dependent-HMMA chain of a window (measured 3-10% faster at
+  // M = 1, benchmarks/NOTES.md); the 2- and 4-tile kernels have no registers to spare for them.
+  constexpr int kChains = CT == 1 ? 2 : 1;
+  GemvMmaKernel<T, CT, DecodeE2M1, kChains><<<grid, block, smem, stream>>>(a, packed, scale, gs,
+                                                                           bias, y, m, n, k);
   return cudaGetLastError();
-}
-
-template <typename T, int Chunks>
-cudaError_t LaunchTmaChunks(cudaStream_t stream, const T* a, const uint8_t* packed,
-                            const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
-                            int64_t n, int64_t k, int k_split) {
-  const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvTileCols)),
-                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * Chunks), kMaxGridY)));
-  const dim3 block(32 * (k_split + 1));  // + the producer warp
-  GemvTmaKernel<T, Chunks><<<grid, block, GemvTmaSmemBytes(k_split), stream>>>(a, packed, scale, gs,
-                                                                               bias, y, m, n, k);
-  return cudaGetLastError();
-}
-
-// Passes of up to 8 chunks of 8 rows: the fewest chunks per pass that cover M (M <= 64: one pass).
-template <typename T>
-cudaError_t LaunchTma(cudaStream_t stream, const T* a, const uint8_t* packed, const uint8_t* scale,
-                      const float* gs, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
-                      int k_split) {
-  k_split = std::min(k_split, kGemvTmaMaxWarps);
-  const int64_t chunks = CeilDiv(m, 8);
-  if (chunks <= 1) return LaunchTmaChunks<T, 1>(stream, a, packed, scale, gs, bias, y, m, n, k, k_split);
-  if (chunks <= 2) return LaunchTmaChunks<T, 2>(stream, a, packed, scale, gs, bias, y, m, n, k, k_split);
-  if (chunks <= 4) return LaunchTmaChunks<T, 4>(stream, a, packed, scale, gs, bias, y, m, n, k, k_split);
-  return LaunchTmaChunks<T, 8>(stream, a, packed, scale, gs, bias, y, m, n, k, k_split);
 }
 
 template <typename T, int R>
@@ -197,23 +175,18 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
   return cudaGetLastError();
 }
 
-// Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block[,tma]]" (read
-// on each call; empty or unset = the heuristic): col_tiles and rows_per_block 1, 2 or 4; k_split
-// >= 1, rounded down to a power of two within the block's warp budget; tma 0 or 1 (1: the
-// TMA-fed mma kernel where it applies: sm_90+, col_tiles 1, K % 256 == 0, with k_split capped at
-// kGemvTmaMaxWarps).
-// Anything else is an error.
-std::string ApplyConfigOverride(GemvLaunchConfig* cfg, bool* tma) {
+// Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block]" (read on each
+// call; empty or unset = the heuristic): col_tiles and rows_per_block 1, 2 or 4; k_split >= 1,
+// rounded down to a power of two within the block's warp budget. Anything else is an error.
+std::string ApplyConfigOverride(GemvLaunchConfig* cfg) {
   const char* env = std::getenv("JAX_FP4_GEMV_CONFIG");
   if (env == nullptr || *env == '\0') return "";
-  int ct = 0, ks = 0, rows = 1, tma_flag = 0, used = 0;
-  const int got =
-      std::sscanf(env, "%d,%d%n,%d%n,%d%n", &ct, &ks, &used, &rows, &used, &tma_flag, &used);
+  int ct = 0, ks = 0, rows = 1, used = 0;
+  const int got = std::sscanf(env, "%d,%d%n,%d%n", &ct, &ks, &used, &rows, &used);
   if (got < 2 || env[used] != '\0' || !(ct == 1 || ct == 2 || ct == 4) || ks < 1 ||
-      !(rows == 1 || rows == 2 || rows == 4) || !(tma_flag == 0 || tma_flag == 1)) {
-    return std::string("JAX_FP4_GEMV_CONFIG must be col_tiles,k_split[,rows_per_block[,tma]] with "
-                       "col_tiles and rows_per_block in {1, 2, 4}, k_split >= 1 and tma 0 or 1, "
-                       "got '") +
+      !(rows == 1 || rows == 2 || rows == 4)) {
+    return std::string("JAX_FP4_GEMV_CONFIG must be col_tiles,k_split[,rows_per_block] with "
+                       "col_tiles and rows_per_block in {1, 2, 4} and k_split >= 1, got '") +
            env + "'";
   }
   cfg->col_tiles = ct;
@@ -221,7 +194,6 @@ std::string ApplyConfigOverride(GemvLaunchConfig* cfg, bool* tma) {
   while (p * 2 <= ks && p * 2 * ct <= kGemvMaxWarpsPerBlock) p *= 2;
   cfg->k_split = p;
   cfg->rows_per_block = rows;
-  *tma = tma_flag == 1;
   return "";
 }
 
@@ -229,16 +201,10 @@ template <typename T>
 cudaError_t LaunchGemv(cudaStream_t stream, const DeviceInfo& info, const void* a,
                        const uint8_t* packed, const uint8_t* scale, const float* gs,
                        const void* bias, void* y, int64_t m, int64_t n, int64_t k, bool use_mma,
-                       bool row_tiling, const GemvLaunchConfig& cfg, bool tma) {
+                       bool row_tiling, const GemvLaunchConfig& cfg) {
   const T* at = static_cast<const T*>(a);
   const T* bt = static_cast<const T*>(bias);
   T* yt = static_cast<T*>(y);
-  // Bulk copies need 16-byte aligned rows and sources: K % 256 == 0 makes every scale row and
-  // stage offset a multiple of 16 bytes.
-  if (tma && use_mma && info.sm >= 90 && cfg.col_tiles == 1 && k > 0 && k % 256 == 0 &&
-      IsAligned(scale, 16)) {
-    return LaunchTma<T>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
-  }
   if (use_mma && k > 0 && k % kGemvWindow == 0 && info.sm >= 80) {
     switch (cfg.col_tiles) {
       case 4: return LaunchMma<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
@@ -285,19 +251,18 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   cudaError_t err = GetDeviceInfo(&info);
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: device query", err);
   GemvLaunchConfig cfg = gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms);
-  bool tma = false;
-  const std::string bad_override = ApplyConfigOverride(&cfg, &tma);
+  const std::string bad_override = ApplyConfigOverride(&cfg);
   if (!bad_override.empty()) return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + bad_override);
 
   if (a.element_type() == ffi::DataType::F16) {
     err = LaunchGemv<__half>(stream, info, a.untyped_data(), packed.typed_data(),
                              scale.typed_data(), global_scale.typed_data(), bias_data,
-                             y->untyped_data(), shape.m, shape.n, shape.k, use_mma, row_tiling, cfg, tma);
+                             y->untyped_data(), shape.m, shape.n, shape.k, use_mma, row_tiling, cfg);
   } else {
     err = LaunchGemv<__nv_bfloat16>(stream, info, a.untyped_data(), packed.typed_data(),
                                     scale.typed_data(), global_scale.typed_data(), bias_data,
                                     y->untyped_data(), shape.m, shape.n, shape.k, use_mma,
-                                    row_tiling, cfg, tma);
+                                    row_tiling, cfg);
   }
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: kernel launch", err);
   return ffi::Error::Success();

@@ -11,7 +11,6 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
-#include "cuda/ptx.cuh"
 #include "jax_fp4/gemv_config.h"
 #include "jax_fp4/nvfp4_cuda.cuh"
 
@@ -128,21 +127,42 @@ struct DecodeE2M1 {
   }
 };
 
-// Block scales of a window as 16-bit pairs {s, s}, pre-multiplied so that decode * scale =
-// e2m1 * e4m3 * 2^-7 exactly (lo: the lane's first 16-element block, k-steps 0-3; hi: 4-7).
+// The two block scales of one weight row in a window (scale bytes b0 = low byte, b1) as 16-bit
+// pairs lo = {s0, s0}, hi = {s1, s1} with s = e4m3 * HalfTraits<T>::kScaleMul, so that
+// decode * scale = e2m1 * e4m3 * 2^-7 exactly.
+template <typename T>
+__device__ __forceinline__ void ScalePairsOfRow(uint32_t bytes, uint32_t& lo, uint32_t& hi) {
+  using Tr = HalfTraits<T>;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // sm_89+: one cvt turns both E4M3 bytes into an exact fp16 pair (NaN stays NaN).
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<unsigned short>(bytes)));
+  if constexpr (std::is_same_v<T, __half>) {
+    const uint32_t scaled = Tr::pair_mul(h2, 0x58005800u);  // x {128, 128}: <= 57344, exact
+    lo = prmt(scaled, 0u, 0x1010u);
+    hi = prmt(scaled, 0u, 0x3232u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    lo = Tr::pair_from_floats(f.x * Tr::kScaleMul, f.x * Tr::kScaleMul);
+    hi = Tr::pair_from_floats(f.y * Tr::kScaleMul, f.y * Tr::kScaleMul);
+  }
+#else
+  const float s0 = e4m3_to_float_fast(bytes & 0xFFu) * Tr::kScaleMul;
+  const float s1 = e4m3_to_float_fast(bytes >> 8) * Tr::kScaleMul;
+  lo = Tr::pair_from_floats(s0, s0);
+  hi = Tr::pair_from_floats(s1, s1);
+#endif
+}
+
+// Block scales of a window as 16-bit pairs (lo: the lane's first 16-element block, k-steps 0-3;
+// hi: 4-7).
 template <typename T, int CT>
 __device__ __forceinline__ void ScalePairs(const MmaFragments<CT>& f, uint32_t (&lo)[CT][2],
                                            uint32_t (&hi)[CT][2]) {
-  using Tr = HalfTraits<T>;
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float s0 = e4m3_to_float_fast(f.s[ct][h] & 0xFFu) * Tr::kScaleMul;
-      const float s1 = e4m3_to_float_fast(f.s[ct][h] >> 8) * Tr::kScaleMul;
-      lo[ct][h] = Tr::pair_from_floats(s0, s0);
-      hi[ct][h] = Tr::pair_from_floats(s1, s1);
-    }
+    for (int h = 0; h < 2; ++h) ScalePairsOfRow<T>(f.s[ct][h], lo[ct][h], hi[ct][h]);
   }
 }
 
@@ -185,56 +205,38 @@ __device__ __forceinline__ void DecodeAndMmaStep(float (&acc)[CT][4], const MmaF
   }
 }
 
-// One window: 8 k-steps of decode + mma per column tile, into acc.
-template <typename T, int CT, typename Decode = DecodeE2M1>
-__device__ __forceinline__ void MmaCompute(float (&acc)[CT][4], const MmaFragments<CT>& f) {
+// One window: 8 k-steps of decode + mma per column tile. K-step s accumulates into chain
+// s % Chains: Chains independent accumulators shorten the dependent-HMMA chain of a window from 8
+// to 8 / Chains (summed in chain order at the end, MmaSumChains).
+template <typename T, int CT, typename Decode = DecodeE2M1, int Chains = 1>
+__device__ __forceinline__ void MmaCompute(float (&acc)[Chains][CT][4], const MmaFragments<CT>& f) {
+  static_assert(Chains == 1 || Chains == 2 || Chains == 4, "Chains divides the 8 k-steps");
   uint32_t lo[CT][2], hi[CT][2];
   ScalePairs<T, CT>(f, lo, hi);
-  DecodeAndMmaStep<T, 0, CT, Decode>(acc, f, lo, hi);
-  DecodeAndMmaStep<T, 1, CT, Decode>(acc, f, lo, hi);
-  DecodeAndMmaStep<T, 2, CT, Decode>(acc, f, lo, hi);
-  DecodeAndMmaStep<T, 3, CT, Decode>(acc, f, lo, hi);
-  DecodeAndMmaStep<T, 4, CT, Decode>(acc, f, lo, hi);
-  DecodeAndMmaStep<T, 5, CT, Decode>(acc, f, lo, hi);
-  DecodeAndMmaStep<T, 6, CT, Decode>(acc, f, lo, hi);
-  DecodeAndMmaStep<T, 7, CT, Decode>(acc, f, lo, hi);
+  DecodeAndMmaStep<T, 0, CT, Decode>(acc[0 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 1, CT, Decode>(acc[1 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 2, CT, Decode>(acc[2 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 3, CT, Decode>(acc[3 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 4, CT, Decode>(acc[4 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 5, CT, Decode>(acc[5 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 6, CT, Decode>(acc[6 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 7, CT, Decode>(acc[7 % Chains], f, lo, hi);
 }
 
-// A window's 8 A fragments of one column tile, decoded once to serve several 8-row chunks of M.
-template <typename T, typename Decode>
-__device__ __forceinline__ void DecodeWindow(uint32_t (&frag)[8][4], const MmaFragments<1>& f) {
-  uint32_t lo[1][2], hi[1][2];
-  ScalePairs<T, 1>(f, lo, hi);
-  DecodeStep<T, 0, 1, Decode>(frag[0], f, 0, lo, hi);
-  DecodeStep<T, 1, 1, Decode>(frag[1], f, 0, lo, hi);
-  DecodeStep<T, 2, 1, Decode>(frag[2], f, 0, lo, hi);
-  DecodeStep<T, 3, 1, Decode>(frag[3], f, 0, lo, hi);
-  DecodeStep<T, 4, 1, Decode>(frag[4], f, 0, lo, hi);
-  DecodeStep<T, 5, 1, Decode>(frag[5], f, 0, lo, hi);
-  DecodeStep<T, 6, 1, Decode>(frag[6], f, 0, lo, hi);
-  DecodeStep<T, 7, 1, Decode>(frag[7], f, 0, lo, hi);
+// acc[0] += acc[1] + ... in a fixed order (deterministic).
+template <int Chains, int CT>
+__device__ __forceinline__ void MmaSumChains(float (&acc)[Chains][CT][4]) {
+#pragma unroll
+  for (int c = 1; c < Chains; ++c) {
+#pragma unroll
+    for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[0][ct][r] += acc[c][ct][r];
+    }
+  }
 }
 
-template <typename T>
-__device__ __forceinline__ void MmaWindow(float (&c)[4], const uint32_t (&frag)[8][4],
-                                          const uint4 (&act)[4]) {
-  MmaStep<T, 0>(c, frag[0], act);
-  MmaStep<T, 1>(c, frag[1], act);
-  MmaStep<T, 2>(c, frag[2], act);
-  MmaStep<T, 3>(c, frag[3], act);
-  MmaStep<T, 4>(c, frag[4], act);
-  MmaStep<T, 5>(c, frag[5], act);
-  MmaStep<T, 6>(c, frag[6], act);
-  MmaStep<T, 7>(c, frag[7], act);
-}
-
-// Barrier among the first `warps` warps of the block only (named barrier 1), so that a producer
-// warp outside them never has to join.
-__device__ __forceinline__ void SyncWarps(int warps) {
-  asm volatile("bar.sync 1, %0;\n" ::"r"(32 * warps) : "memory");
-}
-
-// Epilogue of the mma kernels, run by the k_split computing warps (warps 0 .. k_split - 1).
+// Epilogue of the mma kernel, run by all k_split warps of the block.
 // Accumulator r of tile ct holds column col0 + 16 ct + g + 8 (r >= 2), row m0 + 2t + (r & 1).
 // k_split > 1: the warps' partial sums meet in reduce_buf ([k_split][CT * 4][32] floats) and are
 // summed in warp order (deterministic).
@@ -265,7 +267,7 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 #pragma unroll
     for (int r = 0; r < 4; ++r) reduce_buf[warp * kPerWarp + (ct * 4 + r) * 32 + lane] = acc[ct][r];
   }
-  SyncWarps(k_split);
+  __syncthreads();
   for (int e = threadIdx.x; e < kPerWarp; e += 32 * k_split) {
     float sum = 0.0f;
     for (int w2 = 0; w2 < k_split; ++w2) sum += reduce_buf[w2 * kPerWarp + e];
@@ -274,10 +276,10 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
     const int64_t row = m0 + 2 * (el & 3) + (r & 1);
     if (col < n && row < m) StoreOutput(y, bias, n, row, col, sum * 128.0f, gs);
   }
-  SyncWarps(k_split);  // reduce_buf is reused by the next M chunk
+  __syncthreads();  // reduce_buf is reused by the next M chunk
 }
 
-template <typename T, int CT, typename Decode = DecodeE2M1>
+template <typename T, int CT, typename Decode = DecodeE2M1, int Chains = 1>
 __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
     GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                   const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
@@ -324,9 +326,12 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
       }
     }
 
-    float acc[CT][4];
+    float acc[Chains][CT][4];
 #pragma unroll
-    for (int ct = 0; ct < CT; ++ct) acc[ct][0] = acc[ct][1] = acc[ct][2] = acc[ct][3] = 0.0f;
+    for (int c = 0; c < Chains; ++c) {
+#pragma unroll
+      for (int ct = 0; ct < CT; ++ct) acc[c][ct][0] = acc[c][ct][1] = acc[c][ct][2] = acc[c][ct][3] = 0.0f;
+    }
 
     // Two register buffers: the loads of the next window are in flight during this one's math.
     MmaFragments<CT> f0, f1;
@@ -334,168 +339,18 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
     if (w < windows) MmaLoad<T, CT>(f0, wp, sp, ap, has_row, k_split);
     while (w < windows) {
       if (w + k_split < windows) MmaLoad<T, CT>(f1, wp, sp, ap, has_row, k_split);
-      MmaCompute<T, CT, Decode>(acc, f0);
+      MmaCompute<T, CT, Decode, Chains>(acc, f0);
       w += k_split;
       if (w >= windows) break;
       if (w + k_split < windows) MmaLoad<T, CT>(f0, wp, sp, ap, has_row, k_split);
-      MmaCompute<T, CT, Decode>(acc, f1);
+      MmaCompute<T, CT, Decode, Chains>(acc, f1);
       w += k_split;
     }
-    MmaEpilogue<T, CT>(acc, reduce_buf, k_split, global_scale, bias, y, m, n, col0, m0);
+    MmaSumChains<Chains, CT>(acc);
+    MmaEpilogue<T, CT>(acc[0], reduce_buf, k_split, global_scale, bias, y, m, n, col0, m0);
   }
 #else
   __trap();  // the launcher never selects this kernel below sm_80
-#endif
-}
-
-// TMA-fed variant of GemvMmaKernel (sm_90+, K % 256 == 0, one 16-column tile per block; opt-in
-// until measured, benchmarks/NOTES.md). A producer warp (the block's last; one lane) streams the
-// tile's 16 weight rows and their scale rows through kGemvTmaDepth shared-memory stages with TMA
-// bulk copies, 512 B (+ 64 B of scales) per row per stage, completing on "full" mbarriers; the k_split computing
-// warps read their fragments from shared memory and release each stage on an "empty" mbarrier.
-// Bulk copies keep kGemvTmaDepth stages in flight per block without registers or L1 miss
-// tracking. Each warp sums the same windows in the same order as GemvMmaKernel with the same
-// k_split (k_split divides the 8 windows of a stage), so the results are bit-identical to it.
-// Activations (re-read by every block, so L1 hits) are loaded just in time. A block serves
-// Chunks 8-row chunks of M from each staged window, decoding the window once for all of them
-// (the weight is read from HBM once per Chunks x 8 rows: M up to 64 in one pass).
-constexpr int kGemvTmaRowStride = kGemvTmaStageWindows * (kGemvWindow / 2) + 64;  // padded rows:
-                                                       // conflict-free 16-byte reads per lane
-constexpr int kGemvTmaScaleRowStride = kGemvTmaStageWindows * (kGemvWindow / 16) + 16;  // 80 B:
-                                                       // the 8 rows g land in 8 distinct banks
-constexpr int kGemvTmaStageBytes = kGemvTileCols * (kGemvTmaRowStride + kGemvTmaScaleRowStride);
-
-constexpr size_t GemvTmaSmemBytes(int k_split) {
-  return static_cast<size_t>(kGemvTmaDepth) * kGemvTmaStageBytes +
-         sizeof(float) * k_split * 4 * 32 + 2 * sizeof(uint64_t) * kGemvTmaDepth;
-}
-static_assert(GemvTmaSmemBytes(kGemvTmaMaxWarps) <= 48 * 1024, "TMA GEMV: over the default smem cap");
-static_assert(kGemvTmaStageWindows % kGemvTmaMaxWarps == 0, "k_split must divide a stage");
-
-// Resident blocks per SM that the register budget of GemvTmaKernel<T, Chunks> is sized for
-// (more chunks hold more accumulators and the window's decoded fragments).
-constexpr int GemvTmaMinBlocks(int chunks) {
-  return chunks == 1 ? 5 : (chunks == 2 ? 4 : (chunks == 4 ? 3 : 2));
-}
-
-template <typename T, int Chunks, typename Decode = DecodeE2M1>
-__global__ void __launch_bounds__(32 * (kGemvTmaMaxWarps + 1), GemvTmaMinBlocks(Chunks))
-    GemvTmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
-                  const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
-                  const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kRows = kGemvTileCols;
-  constexpr int kStageW = kGemvTmaStageWindows;
-  constexpr int kDepth = kGemvTmaDepth;
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* const weights_smem = smem;  // [kDepth][kRows][kGemvTmaRowStride]
-  uint8_t* const scales_smem = smem + kDepth * kRows * kGemvTmaRowStride;  // [kDepth][kRows][80 B]
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int k_split = static_cast<int>(blockDim.x >> 5) - 1;  // the last warp is the producer
-  float* const reduce_buf = reinterpret_cast<float*>(smem + kDepth * kGemvTmaStageBytes);
-  uint64_t* const full = reinterpret_cast<uint64_t*>(reduce_buf + k_split * 4 * 32);
-  uint64_t* const empty = full + kDepth;
-  const int64_t windows = k / kGemvWindow;
-  const int64_t stages = CeilDiv(windows, kStageW);
-  const int64_t row_bytes = k / 2, k_blocks = k / 16;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kRows;
-  const int64_t m_blocks = CeilDiv(m, 8 * Chunks);  // Chunks x 8 rows of M per pass
-  const int64_t my_m_blocks =
-      blockIdx.y < m_blocks ? (m_blocks - 1 - blockIdx.y) / gridDim.y + 1 : 0;
-  if (threadIdx.x == 0) {
-    for (int d = 0; d < kDepth; ++d) {
-      MbarInit(SmemAddr(&full[d]), 1);
-      MbarInit(SmemAddr(&empty[d]), k_split);
-    }
-    FenceMbarInit();
-  }
-  __syncthreads();
-
-  if (warp == k_split) {
-    // Producer: stage `it` (counted across passes; the weight is re-streamed per pass) goes to
-    // slot it % kDepth once the computing warps have released that slot's previous use.
-    if (lane == 0) {
-      int64_t it = 0;
-      for (int64_t pass = 0; pass < my_m_blocks; ++pass) {
-        for (int64_t st = 0; st < stages; ++st, ++it) {
-          const int slot = static_cast<int>(it % kDepth);
-          if (it >= kDepth) MbarWait(SmemAddr(&empty[slot]), static_cast<uint32_t>((it / kDepth - 1) & 1));
-          // K % 256 == 0: whole pairs of windows, so every copy is a multiple of 16 bytes.
-          const uint32_t nwin = static_cast<uint32_t>(Min64(kStageW, windows - st * kStageW));
-          const uint32_t wbytes = nwin * (kGemvWindow / 2), sbytes = nwin * (kGemvWindow / 16);
-          const uint32_t bar = SmemAddr(&full[slot]);
-          MbarExpectTx(bar, kRows * (wbytes + sbytes));
-#pragma unroll 1
-          for (int r = 0; r < kRows; ++r) {
-            const int64_t col = Min64(col0 + r, n - 1);  // clamped rows are never stored
-            BulkCopy(SmemAddr(weights_smem + (slot * kRows + r) * kGemvTmaRowStride),
-                     packed + col * row_bytes + st * kStageW * (kGemvWindow / 2), wbytes, bar);
-            BulkCopy(SmemAddr(scales_smem + (slot * kRows + r) * kGemvTmaScaleRowStride),
-                     scale + col * k_blocks + st * kStageW * (kGemvWindow / 16), sbytes, bar);
-          }
-        }
-      }
-    }
-    return;  // the computing warps synchronise among themselves only (SyncWarps)
-  }
-
-  const int g = lane >> 2, t = lane & 3;
-  int64_t it = 0;
-  for (int64_t pass = 0; pass < my_m_blocks; ++pass) {
-    const int64_t m_base = (blockIdx.y + pass * gridDim.y) * (8 * Chunks);
-    float acc[Chunks][1][4];
-#pragma unroll
-    for (int c = 0; c < Chunks; ++c) acc[c][0][0] = acc[c][0][1] = acc[c][0][2] = acc[c][0][3] = 0.0f;
-    MmaFragments<1> f;
-    for (int64_t st = 0; st < stages; ++st, ++it) {
-      const int slot = static_cast<int>(it % kDepth);
-      const int nwin = static_cast<int>(Min64(kStageW, windows - st * kStageW));
-      MbarWait(SmemAddr(&full[slot]), static_cast<uint32_t>((it / kDepth) & 1));
-      // This warp's windows: warp, warp + k_split, ... (the register kernel's order).
-      for (int wi = warp; wi < nwin; wi += k_split) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = g + 8 * h;
-          const uint8_t* wrow = weights_smem + (slot * kRows + r) * kGemvTmaRowStride;
-          const uint8_t* srow = scales_smem + (slot * kRows + r) * kGemvTmaScaleRowStride;
-          f.w[0][h] = *reinterpret_cast<const uint4*>(wrow + wi * (kGemvWindow / 2) + 16 * t);
-          f.s[0][h] = *reinterpret_cast<const uint16_t*>(srow + wi * (kGemvWindow / 16) + 2 * t);
-        }
-        // This lane's activation fragment of the window for the chunk of rows starting at m0.
-        const int64_t window_offset = (st * kStageW + wi) * kGemvWindow + 32 * t;
-        const auto load_chunk = [&](uint4 (&dst)[4], int64_t m0) {
-          const bool has_row = g < Min64(8, m - m0);
-          LoadActivation(dst, a + (m0 + (has_row ? g : 0)) * k + window_offset, has_row);
-        };
-        if constexpr (Chunks == 1) {  // decode and mma interleaved: fewer live registers
-          load_chunk(f.a, m_base);
-          MmaCompute<T, 1, Decode>(acc[0], f);
-          continue;
-        }
-        uint32_t frag[8][4];
-        DecodeWindow<T, Decode>(frag, f);
-#pragma unroll
-        for (int c = 0; c < Chunks; ++c) {
-          const int64_t m0 = m_base + 8 * c;
-          if (m0 >= m) break;  // block-uniform
-          uint4 act[4];
-          load_chunk(act, m0);
-          MmaWindow<T>(acc[c][0], frag, act);
-        }
-      }
-      __syncwarp();
-      if (lane == 0) MbarArrive(SmemAddr(&empty[slot]));
-    }
-#pragma unroll
-    for (int c = 0; c < Chunks; ++c) {
-      const int64_t m0 = m_base + 8 * c;
-      if (m0 >= m) break;
-      MmaEpilogue<T, 1>(acc[c], reduce_buf, k_split, global_scale, bias, y, m, n, col0, m0);
-    }
-  }
-#else
-  __trap();  // the launcher selects this kernel on sm_90+ only
 #endif
 }
 

@@ -23,10 +23,11 @@ constexpr int kGemvTileCols = 16;           // output columns per mma tile
 constexpr int kGemvMaxWarpsPerBlock = 16;   // k_split * col_tiles <= this (register budget)
 constexpr int kGemvTargetWarpsPerSm = 16;   // grow k_split until this many warps per SM
 constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) per block
-// TMA-fed mma variant (sm_90+, K % 256 == 0; opt-in through JAX_FP4_GEMV_CONFIG until measured):
-constexpr int kGemvTmaStageWindows = 8;     // K windows per pipeline stage (512 B per weight row)
-constexpr int kGemvTmaDepth = 3;            // stages in flight per block (33 KB: 6 blocks per SM)
-constexpr int kGemvTmaMaxWarps = 4;         // computing warps per block (k_split, divides 8)
+// One column tile per warp (M = 1, or N too small for more): k_split within [4, 8] whatever the
+// grid, as the H200 measured (benchmarks/NOTES.md, fourth session): 2 was never faster than 4, and
+// 16 (one 512-thread block per SM) was slower than 8.
+constexpr int kGemvMinSplitOneTile = 4;
+constexpr int kGemvMaxSplitOneTile = 8;
 
 constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -50,10 +51,13 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   const int64_t blocks = GemvCeilDiv(tiles, col_tiles);
 
   // Split K over warps until the grid holds kGemvTargetWarpsPerSm warps per SM (bytes in flight),
-  // keeping at least two windows per warp and the block within its warp budget.
+  // keeping at least two windows per warp and the block within its warp budget; one-tile warps
+  // split within [kGemvMinSplitOneTile, kGemvMaxSplitOneTile].
   int k_split = 1;
   while (2 * k_split * col_tiles <= kGemvMaxWarpsPerBlock && 4 * k_split <= windows &&
-         blocks * k_split < kGemvTargetWarpsPerSm * sms) {
+         (col_tiles > 1 || k_split < kGemvMaxSplitOneTile) &&
+         (blocks * k_split < kGemvTargetWarpsPerSm * sms ||
+          (col_tiles == 1 && k_split < kGemvMinSplitOneTile))) {
     k_split *= 2;
   }
 
