@@ -23,12 +23,13 @@ constexpr int kGemvTileCols = 16;           // output columns per mma tile
 constexpr int kGemvMaxWarpsPerBlock = 16;   // k_split * col_tiles <= this (register budget)
 constexpr int kGemvTargetWarpsPerSm = 16;   // grow k_split until this many warps per SM
 constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) per block
-// One column tile per warp (M = 1, or N too small for more): k_split within [4, 8] whatever the
-// grid, as the H200 measured (benchmarks/NOTES.md, fourth session): 2 was never faster than 4, and
-// 16 (one 512-thread block per SM) was slower than 8.
+// The heuristic grows blocks to at most 8 warps (k_split * col_tiles <= 8) and gives one-tile
+// warps k_split >= 4 where K allows, as the H200 measured (benchmarks/NOTES.md, fourth session):
+// k_split 2 was never faster than 4 for one tile, and 16-warp blocks were slower than 8-warp
+// ones (one tile: 13.5 vs 17.6 us on 4096x11008; two tiles at M = 8: 15.8 vs 21.5 us on
+// 11008x4096).
+constexpr int kGemvHeuristicWarpsPerBlock = 8;
 constexpr int kGemvMinSplitOneTile = 4;
-constexpr int kGemvMaxSplitOneTile = 8;
-
 constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // m, n, k: the matmul (K % 32 == 0 for any path; the mma fields matter only when K % 128 == 0).
@@ -51,11 +52,10 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   const int64_t blocks = GemvCeilDiv(tiles, col_tiles);
 
   // Split K over warps until the grid holds kGemvTargetWarpsPerSm warps per SM (bytes in flight),
-  // keeping at least two windows per warp and the block within its warp budget; one-tile warps
-  // split within [kGemvMinSplitOneTile, kGemvMaxSplitOneTile].
+  // keeping at least two windows per warp and at most kGemvHeuristicWarpsPerBlock warps per block;
+  // one-tile warps split at least kGemvMinSplitOneTile ways.
   int k_split = 1;
-  while (2 * k_split * col_tiles <= kGemvMaxWarpsPerBlock && 4 * k_split <= windows &&
-         (col_tiles > 1 || k_split < kGemvMaxSplitOneTile) &&
+  while (2 * k_split * col_tiles <= kGemvHeuristicWarpsPerBlock && 4 * k_split <= windows &&
          (blocks * k_split < kGemvTargetWarpsPerSm * sms ||
           (col_tiles == 1 && k_split < kGemvMinSplitOneTile))) {
     k_split *= 2;
