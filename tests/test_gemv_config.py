@@ -16,7 +16,6 @@ config = _jax_fp4_cpu.gemv_launch_config
 H200_SMS = 132
 MAX_WARPS_PER_BLOCK = 16
 TARGET_WARPS_PER_SM = 16
-HEURISTIC_WARPS_PER_BLOCK = 8
 MIN_SPLIT_ONE_TILE = 4
 
 M_VALUES = [1, 2, 3, 4, 7, 8, 9, 64, 1000]
@@ -33,7 +32,8 @@ def test_invariants(num_sms):
         where = f"m={m} n={n} k={k} sms={num_sms}: {c}"
         assert ct in (1, 2, 4), where
         assert ks >= 1 and ks & (ks - 1) == 0, where  # power of two
-        assert ct * ks <= HEURISTIC_WARPS_PER_BLOCK <= MAX_WARPS_PER_BLOCK, where
+        assert ct * ks <= MAX_WARPS_PER_BLOCK, where
+        assert ks <= (8 if ct == 1 else 4), where
         assert rows in (1, 2, 4), where
         windows = k // 128
         if ks > 1:
@@ -66,6 +66,7 @@ def test_h200_shapes():
     assert cfg(4, 11008, 4096) == (2, 4, 4)      # speculative decode, 4 rows
     assert cfg(1, 4096, 11008) == (1, 8, 1)      # MLP down
     assert cfg(4, 248320, 2048) == (4, 1, 4)     # lm_head
+    assert cfg(8, 17408, 5120) == (4, 4, 4)
     assert cfg(1, 4096, 4096) == (1, 8, 1)
     assert cfg(1, 17408, 5120) == (1, 4, 1)      # the grid alone is full: still 4 warps per tile
     assert cfg(1, 28672, 8192) == (1, 4, 1)

@@ -23,13 +23,12 @@ constexpr int kGemvTileCols = 16;           // output columns per mma tile
 constexpr int kGemvMaxWarpsPerBlock = 16;   // k_split * col_tiles <= this (register budget)
 constexpr int kGemvTargetWarpsPerSm = 16;   // grow k_split until this many warps per SM
 constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) per block
-// The heuristic grows blocks to at most 8 warps (k_split * col_tiles <= 8) and gives one-tile
-// warps k_split >= 4 where K allows, as the H200 measured (benchmarks/NOTES.md, fourth session):
-// k_split 2 was never faster than 4 for one tile, and 16-warp blocks were slower than 8-warp
-// ones (one tile: 13.5 vs 17.6 us on 4096x11008; two tiles at M = 8: 15.8 vs 21.5 us on
-// 11008x4096).
-constexpr int kGemvHeuristicWarpsPerBlock = 8;
+// k_split bounds of the heuristic, as the H200 measured (benchmarks/NOTES.md, fourth session):
+// one-tile warps split K at least 4 ways where K allows (2 was never faster than 4) and at most 8
+// (16: 17.6 vs 13.5 us on 4096x11008); two- and four-tile warps at most 4 (two tiles at M = 8 on
+// 11008x4096: 15.8 us at 4 vs 21.5 at 8; four tiles on 17408x5120: 35 us at 4 vs 42 at 2).
 constexpr int kGemvMinSplitOneTile = 4;
+constexpr int GemvMaxSplit(int col_tiles) { return col_tiles == 1 ? 8 : 4; }
 constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // m, n, k: the matmul (K % 32 == 0 for any path; the mma fields matter only when K % 128 == 0).
@@ -52,10 +51,11 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   const int64_t blocks = GemvCeilDiv(tiles, col_tiles);
 
   // Split K over warps until the grid holds kGemvTargetWarpsPerSm warps per SM (bytes in flight),
-  // keeping at least two windows per warp and at most kGemvHeuristicWarpsPerBlock warps per block;
-  // one-tile warps split at least kGemvMinSplitOneTile ways.
+  // keeping at least two windows per warp, the block within its warp budget and k_split within
+  // [kGemvMinSplitOneTile (one tile only), GemvMaxSplit].
   int k_split = 1;
-  while (2 * k_split * col_tiles <= kGemvHeuristicWarpsPerBlock && 4 * k_split <= windows &&
+  while (2 * k_split * col_tiles <= kGemvMaxWarpsPerBlock && 4 * k_split <= windows &&
+         k_split < GemvMaxSplit(col_tiles) &&
          (blocks * k_split < kGemvTargetWarpsPerSm * sms ||
           (col_tiles == 1 && k_split < kGemvMinSplitOneTile))) {
     k_split *= 2;
