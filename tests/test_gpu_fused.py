@@ -198,6 +198,31 @@ def test_bad_arguments_are_rejected():
         fused(a, packed, scale32, gs, block_size=32)
 
 
+@needs_sm90
+@pytest.mark.parametrize("split", ["1", "3", "8"])
+def test_forced_split_matches_reference(split, monkeypatch):
+    """JAX_FP4_FUSED_SPLIT forces the split-K factor (read on every call): every forced split,
+    clamped to the K stages, gives the reference result."""
+    rng = np.random.default_rng()
+    m, n, k = 24, 300, 1024
+    packed, scale, gs = random_weight(rng, n, k)
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", split)
+    check_close(fused(a, packed, scale, gs), a, packed, scale, gs, None, "bfloat16")
+
+
+@needs_sm90
+@pytest.mark.parametrize("value", ["0", "9", "-1", "2x", "x", " "])
+def test_malformed_split_override_is_an_error(value, monkeypatch):
+    """A malformed JAX_FP4_FUSED_SPLIT is an error naming the variable, not silently split 1."""
+    rng = np.random.default_rng()
+    packed, scale, gs = random_weight(rng, 64, 256)
+    a = rng.standard_normal((8, 256)).astype(np.float16)
+    monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", value)
+    with pytest.raises(Exception, match="JAX_FP4_FUSED_SPLIT must be an integer in 1..8"):
+        fused(a, packed, scale, gs)
+
+
 def test_static_rules():
     assert _fused.fused_workspace_elems(4096, 28672, 8192) == 0
     assert _fused.fused_supported(16, 11008, 4096, 16, np.float16) is None

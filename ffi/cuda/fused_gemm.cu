@@ -543,27 +543,35 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks) {
   return best;
 }
 
-// Tuning override: JAX_FP4_FUSED_SPLIT=<n> forces the split-K factor (clamped to 1..8 and to the
-// K stages; read on each call; unset or empty = ChooseSplit). For measurements, not for use.
-int SplitOverride(int64_t ks) {
+// Tuning override: JAX_FP4_FUSED_SPLIT=<n>, n in 1..kMaxSplit, forces the split-K factor (clamped
+// to the K stages; read on each call; unset or empty = ChooseSplit). For measurements, not for use.
+// Anything else is an error (returned as a message), not silently ignored.
+std::string ReadSplitOverride(int* forced) {
+  *forced = 0;
   const char* env = std::getenv("JAX_FP4_FUSED_SPLIT");
-  if (env == nullptr || *env == '\0') return 0;
-  const long value = std::strtol(env, nullptr, 10);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({value, kMaxSplit, ks})));
+  if (env == nullptr || *env == '\0') return "";
+  char* end = nullptr;
+  const long value = std::strtol(env, &end, 10);
+  if (end == env || *end != '\0' || value < 1 || value > kMaxSplit) {
+    return "JAX_FP4_FUSED_SPLIT must be an integer in 1.." + std::to_string(kMaxSplit) + ", got '" +
+           env + "'";
+  }
+  *forced = static_cast<int>(value);
+  return "";
 }
 
 template <typename T, int BM>
 cudaError_t LaunchFused(cudaStream_t stream, int device, const void* a, const uint8_t* packed,
                         const uint8_t* scale, const float* gs, const void* bias, void* y,
-                        int64_t m, int64_t n, int64_t k, bool vec_store, int* split_out) {
+                        int64_t m, int64_t n, int64_t k, bool vec_store, int forced_split) {
   cudaError_t err = AllowDynamicSmem<FusedGemmKernel<T, BM>>(FusedConfig<BM>::kSmemBytes);
   if (err != cudaSuccess) return err;
   const int64_t tiles_n = CeilDiv(n, kTileN);
   const int64_t tiles_m = CeilDiv(m, BM);
   const int64_t ks = k / kStageK;
-  const int forced = SplitOverride(ks);
-  const int split = forced > 0 ? forced : ChooseSplit<T, BM>(device, tiles_n * tiles_m, ks);
-  if (split_out != nullptr) *split_out = split;
+  const int split = forced_split > 0
+                        ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(forced_split, ks)))
+                        : ChooseSplit<T, BM>(device, tiles_n * tiles_m, ks);
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
@@ -587,7 +595,6 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, const void* a, const ui
     (void)cudaGetLastError();
     config.gridDim.z = 1;
     attr[0].val.clusterDim.z = 1;
-    if (split_out != nullptr) *split_out = 1;
     err = cudaLaunchKernelEx(&config, FusedGemmKernel<T, BM>, static_cast<const T*>(a), packed,
                              scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
                              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
@@ -599,13 +606,13 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, const void* a, const ui
 template <typename T>
 cudaError_t DispatchFused(cudaStream_t stream, int device, const void* a, const uint8_t* packed,
                           const uint8_t* scale, const float* gs, const void* bias, void* y,
-                          int64_t m, int64_t n, int64_t k, bool vec_store) {
+                          int64_t m, int64_t n, int64_t k, bool vec_store, int forced_split) {
   if (m <= 64) {
     return LaunchFused<T, 64>(stream, device, a, packed, scale, gs, bias, y, m, n, k, vec_store,
-                              nullptr);
+                              forced_split);
   }
   return LaunchFused<T, 128>(stream, device, a, packed, scale, gs, bias, y, m, n, k, vec_store,
-                             nullptr);
+                             forced_split);
 }
 
 ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
@@ -653,16 +660,20 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   err = cudaGetDevice(&device);
   if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: cudaGetDevice", err);
 
+  int forced_split = 0;
+  const std::string bad_override = ReadSplitOverride(&forced_split);
+  if (!bad_override.empty()) return invalid(bad_override);
+
   const void* bias_ptr = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   const bool vec_store = n % 4 == 0 && IsAligned(y->untyped_data(), 8);
   if (a.element_type() == ffi::DataType::F16) {
     err = DispatchFused<__half>(stream, device, a.untyped_data(), packed.typed_data(),
                                 scale.typed_data(), global_scale.typed_data(), bias_ptr,
-                                y->untyped_data(), m, n, k, vec_store);
+                                y->untyped_data(), m, n, k, vec_store, forced_split);
   } else {
     err = DispatchFused<__nv_bfloat16>(stream, device, a.untyped_data(), packed.typed_data(),
                                        scale.typed_data(), global_scale.typed_data(), bias_ptr,
-                                       y->untyped_data(), m, n, k, vec_store);
+                                       y->untyped_data(), m, n, k, vec_store, forced_split);
   }
   if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: kernel launch", err);
   return ffi::Error::Success();
