@@ -1,4 +1,4 @@
-// Small PTX wrappers shared by the CUDA kernels (fused_gemm.cu, gemv_mma.cuh, benchmarks/probes):
+// Small PTX wrappers shared by the CUDA kernels (fused_gemm.cu, benchmarks/probes/gemv_probe.cu):
 // cp.async into shared memory, shared-memory vector loads, and (sm_90+) mbarriers and TMA bulk
 // copies. Device-only.
 #ifndef JAX_FP4_CUDA_PTX_CUH_
