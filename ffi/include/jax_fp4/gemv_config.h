@@ -26,9 +26,11 @@ constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) pe
 // k_split bounds of the heuristic, as the H200 measured (benchmarks/NOTES.md, fourth session):
 // one-tile warps split K at least 4 ways where K allows (2 was never faster than 4) and at most 8
 // (16: 17.6 vs 13.5 us on 4096x11008); two- and four-tile warps at most 4 (two tiles at M = 8 on
-// 11008x4096: 15.8 us at 4 vs 21.5 at 8; four tiles on 17408x5120: 35 us at 4 vs 42 at 2).
+// 11008x4096: 15.8 us at 4 vs 21.5 at 8; four tiles keep their earlier 4: 2 measured no better on
+// 17408x5120, within the ~15% spread between device calls).
 constexpr int kGemvMinSplitOneTile = 4;
 constexpr int GemvMaxSplit(int col_tiles) { return col_tiles == 1 ? 8 : 4; }
+
 constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // m, n, k: the matmul (K % 32 == 0 for any path; the mma fields matter only when K % 128 == 0).
