@@ -49,12 +49,12 @@ for stage in "$@"; do
     gemv-sweep)
       # GEMV launch configs (JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows]") against the
       # heuristic's pick (empty).
-      for cfg in "" 1,2 1,4 1,8 1,16 2,4 2,8; do
+      for cfg in "" 1,2 1,4 1,8 2,2 2,4 2,8 4,2 4,4; do
         echo "== M=1,8 col_tiles,k_split = ${cfg:-heuristic}"
         JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m jax_fp4.bench --backend gemv --m 1,8 --repeats 5 \
           --shapes 11008x4096,4096x11008,17408x5120,5120x17408,28672x8192 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee "$OUT/gemv_sweep.log"
-      for cfg in "" 2,1 2,2 4,2 1,4; do
+      for cfg in "" 1,1 1,2 1,4 2,1 2,2 4,2; do
         echo "== lm_head M=4 col_tiles,k_split = ${cfg:-heuristic}"
         JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m jax_fp4.bench --backend gemv --m 4 --repeats 5 \
           --shapes 248320x2048 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60

@@ -10,10 +10,14 @@
 //                    row and stage, 4 stages of 9 KB in flight per block, mbarrier completion)
 //                    into shared memory and read once from there, no math. Bulk copies do not
 //                    go through the L1 miss path that ld.global and cp.async share.
-//   no_decode        the full GEMV with the E2M1 decode replaced by the raw packed word
-//   gemv             the production kernel, GemvMmaKernel<bf16, 1>, with the heuristic's k_split
-//   gemv_chains2/4   the same with 2 / 4 independent accumulator chains per tile (the 8 dependent
-//                    HMMA of a window become 2 x 4 / 4 x 2)
+//   no_decode        the full GEMV (one chain) with the E2M1 decode replaced by the raw word
+//   gemv_adjacent    the previous production kernel: two accumulator chains and the previous
+//                    decode (adjacent-element pairs: PRMT, shift and two masks per pair) instead
+//                    of split pairs (decode_e2m1_split_pair)
+//   gemv             the production kernel, GemvMmaKernel<bf16, 1> (one accumulator chain), at
+//                    the heuristic's k_split
+//   gemv_c2/c4       the same with 2 / 4 accumulator chains (the 8 dependent HMMA of a window
+//                    split 2 / 4 ways)
 // Reading, in times ("a >> b": a takes much longer than b):
 //   gemv ~ no_decode >> loads  -> the mma loop itself (instructions, dependency latency)
 //   gemv >> no_decode          -> the decode
@@ -24,8 +28,8 @@
 // arbitrary (timing only). Built by CMake next to the CUDA module (build/<wheel tag>/gemv_probe);
 // run by `bash benchmarks/device_run.sh build probe`.
 // Usage: gemv_probe [NxK ...]   (default: 11008x4096 4096x11008 28672x8192)
-// GEMV_PROBE_KSPLITS=3,6,... adds rows gemv_k<s> and gemv_c2_k<s>: the production kernel with
-// 1 / 2 accumulator chains at k_split s instead of the heuristic's.
+// GEMV_PROBE_KSPLITS=3,6,... adds rows gemv_k<s> and gemv_c2_k<s>: the kernel with 1 / 2
+// accumulator chains at k_split s instead of the heuristic's.
 // GEMV_PROBE_ROWS=name,name,... times only those rows (stream always runs: the reference), e.g.
 // to profile one kernel under Nsight Compute.
 #include <cuda_bf16.h>
@@ -91,7 +95,7 @@ __global__ void __launch_bounds__(512)
       f.w[0][h] = ld_stream_u4(wp);
       f.s[0][h] = LoadScalePair(sp);
     }
-    LoadActivation(f.a, a + w * kGemvWindow + 32 * t, g == 0);  // M = 1
+    LoadActivation(f.a, a + w * kGemvWindow + 32 * t);  // M = 1: every lane reads row 0
   };
   const auto fold = [](const MmaFragments<1>& f) {
     return Fold(f.w[0][0]) ^ Fold(f.w[0][1]) ^ f.s[0][0] ^ f.s[0][1] ^ Fold(f.a[0]) ^
@@ -167,11 +171,34 @@ __global__ void __launch_bounds__(32)
 #endif
 }
 
-// The decode replaced by the raw packed word (same data dependence, no PRMT/SHF/LOP3).
+// The decode replaced by the raw packed word (same data dependence, no decode instructions).
 struct DecodeNone {
-  template <typename U, int kByte>
-  __device__ __forceinline__ static uint32_t Pair(uint32_t q, uint32_t q4) {
-    return (kByte & 1) ? q4 : q;
+  template <typename U, int S>
+  __device__ __forceinline__ static void Weights(uint32_t q, uint32_t& first, uint32_t& second) {
+    first = q;
+    second = q ^ 1u;
+  }
+  template <int S>
+  __device__ __forceinline__ static void Activations(const uint4& x, uint32_t& b0, uint32_t& b1) {
+    b0 = S % 2 ? x.y : x.x;
+    b1 = S % 2 ? x.w : x.z;
+  }
+};
+
+// The decode before the split pairs: adjacent elements (2i, 2i + 1) per pair, byte i of the word
+// spread by a PRMT, then a shift and two masks (4 ALU instructions per pair); activations in their
+// natural pairs.
+struct DecodeAdjacentPairs {
+  template <typename U, int S>
+  __device__ __forceinline__ static void Weights(uint32_t q, uint32_t& first, uint32_t& second) {
+    const uint32_t q4 = q << 4;
+    first = decode_e2m1_pair<U, (S % 2) * 2>(q, q4);
+    second = decode_e2m1_pair<U, (S % 2) * 2 + 1>(q, q4);
+  }
+  template <int S>
+  __device__ __forceinline__ static void Activations(const uint4& x, uint32_t& b0, uint32_t& b1) {
+    b0 = S % 2 ? x.z : x.x;
+    b1 = S % 2 ? x.w : x.y;
   }
 };
 
@@ -266,17 +293,19 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     GemvMmaKernel<T, 1, DecodeNone><<<grid, block, smem>>>(a, weights(c), scales(c), gs, nullptr,
                                                            y, 1, n, k);
   });
-  add("gemv", [&](int c) {
-    GemvMmaKernel<T, 1><<<grid, block, smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+  add("gemv_adjacent", [&](int c) {
+    GemvMmaKernel<T, 1, DecodeAdjacentPairs, 2><<<grid, block, smem>>>(a, weights(c), scales(c),
+                                                                       gs, nullptr, y, 1, n, k);
   });
-  add("gemv_chains2", [&](int c) {
-    GemvMmaKernel<T, 1, DecodeE2M1, 2><<<grid, block, smem>>>(a, weights(c), scales(c), gs,
-                                                              nullptr, y, 1, n, k);
-  });
-  add("gemv_chains4", [&](int c) {
-    GemvMmaKernel<T, 1, DecodeE2M1, 4><<<grid, block, smem>>>(a, weights(c), scales(c), gs,
-                                                              nullptr, y, 1, n, k);
-  });
+  // The production decode with 1 (production) / 2 / 4 accumulator chains.
+  const auto add_gemv = [&](const std::string& name, auto kernel) {
+    add(name, [&](int c) {
+      kernel<<<grid, block, smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+    });
+  };
+  add_gemv("gemv", GemvMmaKernel<T, 1>);
+  add_gemv("gemv_c2", GemvMmaKernel<T, 1, DecodeE2M1, 2>);
+  add_gemv("gemv_c4", GemvMmaKernel<T, 1, DecodeE2M1, 4>);
   if (const char* splits = std::getenv("GEMV_PROBE_KSPLITS")) {
     for (const char* p = splits; *p != '\0';) {
       const int s = std::atoi(p);

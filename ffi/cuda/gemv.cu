@@ -156,11 +156,7 @@ cudaError_t LaunchMma(cudaStream_t stream, const T* a, const uint8_t* packed, co
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = k_split > 1 ? sizeof(float) * k_split * CT * 4 * 32 : 0;
-  // Two accumulator chains halve the dependent-HMMA chain of a window (measured 3-10% faster at
-  // M = 1, benchmarks/NOTES.md); the 2- and 4-tile kernels have no registers to spare for them.
-  constexpr int kChains = CT == 1 ? 2 : 1;
-  GemvMmaKernel<T, CT, DecodeE2M1, kChains><<<grid, block, smem, stream>>>(a, packed, scale, gs,
-                                                                           bias, y, m, n, k);
+  GemvMmaKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
   return cudaGetLastError();
 }
 

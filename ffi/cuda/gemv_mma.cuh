@@ -52,14 +52,16 @@ __device__ __forceinline__ void StoreOutput(T* y, const T* bias, int64_t n, int6
 // so a lane supplies weight rows (output columns) g and g+8 and activation row g, and receives
 // output (column g, rows 2t, 2t+1) and (column g+8, rows 2t, 2t+1).
 //
-// K permutation: in k-step s (0..7) of a window, lane t's k slots map to window elements
-//   slots 2t, 2t+1   -> 32t + 4s + 0, 1
-//   slots 2t+8, 2t+9 -> 32t + 4s + 2, 3
+// K permutation: in k-step s (0..7) of a window, with W = s / 2 and j = 2 (s % 2), lane t's k
+// slots map to window elements
+//   slots 2t, 2t+1   -> 32t + 8W + j, 32t + 8W + j + 4
+//   slots 2t+8, 2t+9 -> 32t + 8W + j + 1, 32t + 8W + j + 5
 // (the same map for A and B, as it must be), so lane t owns the contiguous window elements
 // [32t, 32t + 32): one uint4 of packed weight per weight row, 64 bytes of activation, and
-// exactly two 16-element scale blocks (window block 2t for s < 4, 2t + 1 for s >= 4). The uint4's
-// word s/2 holds the 8 elements of k-steps s (bytes 0, 1 when s is even, bytes 2, 3 when odd);
-// activation words 2s and 2s+1 hold elements 4s..4s+3.
+// exactly two 16-element scale blocks (window block 2t for s < 4, 2t + 1 for s >= 4). Word W of
+// the uint4 holds the 8 elements of k-steps 2W and 2W + 1; pairing element j with j + 4 (nibbles
+// 16 bits apart) is what makes the decode cheap (decode_e2m1_split_pair), and costs two byte
+// permutes per k-step on the activation side, shared by all column tiles.
 //
 // A warp computes ColTiles tiles of 16 columns with ONE activation fragment per window;
 // k_split = blockDim.x / 32 warps of a block take windows warp, warp + k_split, ... and reduce in
@@ -91,19 +93,17 @@ struct MmaFragments {
   uint4 a[4];          // activation row g, window elements [32t, 32t + 32)
 };
 
-// The lane's activation fragment of one window: the 64 bytes at `ap` (row g, elements 32t..), or
-// zeros for a lane whose row lies past M (that row is never read: its B column is zero).
+// The lane's activation fragment of one window: the 64 bytes at `ap` (row g, elements 32t..).
 template <typename T>
-__device__ __forceinline__ void LoadActivation(uint4 (&dst)[4], const T* ap, bool has_row) {
+__device__ __forceinline__ void LoadActivation(uint4 (&dst)[4], const T* ap) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) dst[i] = has_row ? ld_u4(ap + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+  for (int i = 0; i < 4; ++i) dst[i] = ld_u4(ap + 8 * i);
 }
 
 // Loads one window's fragments at the current pointers, then advances them by `step` windows.
 template <typename T, int CT>
 __device__ __forceinline__ void MmaLoad(MmaFragments<CT>& f, const uint8_t* (&wp)[CT][2],
-                                        const uint8_t* (&sp)[CT][2], const T*& ap, bool has_row,
-                                        int64_t step) {
+                                        const uint8_t* (&sp)[CT][2], const T*& ap, int64_t step) {
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
@@ -114,16 +114,27 @@ __device__ __forceinline__ void MmaLoad(MmaFragments<CT>& f, const uint8_t* (&wp
       sp[ct][h] += step * (kGemvWindow / 16);
     }
   }
-  LoadActivation(f.a, ap, has_row);
+  LoadActivation(f.a, ap);
   ap += step * kGemvWindow;
 }
 
-// How MmaStep turns byte kByte of a packed word (q, q4 = q << 4) into a 16-bit pair: the exact
-// E2M1 decode. A policy so that benchmarks/probes/gemv_probe.cu can time the kernel without it.
+// How a k-step gets its mma operands: the decode of the lane's packed word and the matching
+// activation pairs. A policy so that benchmarks/probes/gemv_probe.cu can time the kernel with other
+// decodes. K-step S reads word S / 2 (elements 0..7 of it) in split pairs: slots (2t, 2t + 1) hold
+// elements (j, j + 4) and slots (2t + 8, 2t + 9) elements (j + 1, j + 5), j = 2 (S % 2).
 struct DecodeE2M1 {
-  template <typename T, int kByte>
-  __device__ __forceinline__ static uint32_t Pair(uint32_t q, uint32_t q4) {
-    return decode_e2m1_pair<T, kByte>(q, q4);
+  // The A-fragment pairs of k-step S from packed word q: e2m1 * 2^HalfTraits<T>::kDecodeExp, exact.
+  template <typename T, int S>
+  __device__ __forceinline__ static void Weights(uint32_t q, uint32_t& first, uint32_t& second) {
+    first = decode_e2m1_split_pair<T, 2 * (S % 2)>(q);
+    second = decode_e2m1_split_pair<T, 2 * (S % 2) + 1>(q);
+  }
+  // The B-fragment pairs of k-step S from the word's activations (4 natural pairs).
+  template <int S>
+  __device__ __forceinline__ static void Activations(const uint4& x, uint32_t& b0, uint32_t& b1) {
+    const uint32_t lo = S % 2 ? x.y : x.x, hi = S % 2 ? x.w : x.z;
+    b0 = split_activation_pair<2 * (S % 2)>(lo, hi);
+    b1 = split_activation_pair<2 * (S % 2) + 1>(lo, hi);
   }
 };
 
@@ -172,36 +183,27 @@ __device__ __forceinline__ void DecodeStep(uint32_t (&frag)[4], const MmaFragmen
                                            const uint32_t (&lo)[CT][2],
                                            const uint32_t (&hi)[CT][2]) {
   using Tr = HalfTraits<T>;
-  constexpr int kWord = S / 2;        // the uint4 word holding k-steps 2 (S/2) and 2 (S/2) + 1
-  constexpr int kByte = (S % 2) * 2;  // this step's elements 4S..4S+3: bytes kByte, kByte + 1
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // rows g (a0, a2) and g + 8 (a1, a3)
-    const uint32_t q = Word<kWord>(f.w[ct][h]);
-    const uint32_t q4 = q << 4;
     const uint32_t sc = S < 4 ? lo[ct][h] : hi[ct][h];
-    frag[h] = Tr::pair_mul(Decode::template Pair<T, kByte>(q, q4), sc);
-    frag[2 + h] = Tr::pair_mul(Decode::template Pair<T, kByte + 1>(q, q4), sc);
+    uint32_t first, second;
+    Decode::template Weights<T, S>(Word<S / 2>(f.w[ct][h]), first, second);
+    frag[h] = Tr::pair_mul(first, sc);
+    frag[2 + h] = Tr::pair_mul(second, sc);
   }
-}
-
-// The mma of k-step S: A = frag, B = this step's words of the lane's activation fragment.
-template <typename T, int S>
-__device__ __forceinline__ void MmaStep(float (&c)[4], const uint32_t (&frag)[4],
-                                        const uint4 (&act)[4]) {
-  const uint32_t b0 = Word<(2 * S) % 4>(act[(2 * S) / 4]);
-  const uint32_t b1 = Word<(2 * S + 1) % 4>(act[(2 * S + 1) / 4]);
-  Mma16816<T>(c, frag[0], frag[1], frag[2], frag[3], b0, b1);
 }
 
 template <typename T, int S, int CT, typename Decode>
 __device__ __forceinline__ void DecodeAndMmaStep(float (&acc)[CT][4], const MmaFragments<CT>& f,
                                                  const uint32_t (&lo)[CT][2],
                                                  const uint32_t (&hi)[CT][2]) {
+  uint32_t b0, b1;  // one activation fragment for every column tile
+  Decode::template Activations<S>(f.a[S / 2], b0, b1);
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
     uint32_t frag[4];
     DecodeStep<T, S, CT, Decode>(frag, f, ct, lo, hi);
-    MmaStep<T, S>(acc[ct], frag, f.a);
+    Mma16816<T>(acc[ct], frag[0], frag[1], frag[2], frag[3], b0, b1);
   }
 }
 
@@ -279,8 +281,10 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
   __syncthreads();  // reduce_buf is reused by the next M chunk
 }
 
+// Two-tile warps are held to 128 registers (2 blocks of the largest size per SM: 4 blocks of
+// k_split 4 instead of 3 at the 137 they would take; no spills, ptxas -v).
 template <typename T, int CT, typename Decode = DecodeE2M1, int Chains = 1>
-__global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
+__global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 : 1)
     GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                   const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                   const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
@@ -294,17 +298,17 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
   const int64_t row_bytes = k / 2, k_blocks = k / 16;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * (kGemvTileCols * CT);
 
-  // This lane's weight / scale rows: columns col0 + 16 ct + g (+ 8), clamped into [0, n); the
-  // clamped rows' results are never stored.
-  const uint8_t* wp_row[CT][2];
-  const uint8_t* sp_row[CT][2];
+  // This lane's weight / scale bytes in window `warp` (the warp's first) of its rows: columns
+  // col0 + 16 ct + g (+ 8), clamped into [0, n); the clamped rows' results are never stored.
+  const uint8_t* wp_first[CT][2];
+  const uint8_t* sp_first[CT][2];
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t col = Min64(col0 + kGemvTileCols * ct + g + 8 * h, n - 1);
-      wp_row[ct][h] = packed + col * row_bytes + 16 * t;
-      sp_row[ct][h] = scale + col * k_blocks + 2 * t;
+      wp_first[ct][h] = packed + col * row_bytes + warp * (kGemvWindow / 2) + 16 * t;
+      sp_first[ct][h] = scale + col * k_blocks + warp * (kGemvWindow / 16) + 2 * t;
     }
   }
 
@@ -312,18 +316,16 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
   for (int64_t chunk = blockIdx.y; chunk < m_chunks; chunk += gridDim.y) {
     const int64_t m0 = chunk * 8;
     const int rows = static_cast<int>(Min64(8, m - m0));
-    const bool has_row = g < rows;  // rows past M are never read: their B column is zero
-    // Pointers at window `warp` of this lane's rows; MmaLoad advances them by k_split windows.
-    const T* ap = a + (m0 + (has_row ? g : 0)) * k + 32 * t + warp * kGemvWindow;
+    // A lane whose row g lies past M reads row m0 instead: its B column only feeds output row
+    // m0 + g of the mma, which is never stored (cheaper than zeroing the fragment).
+    // MmaLoad advances these pointers by k_split windows.
+    const T* ap = a + (m0 + (g < rows ? g : 0)) * k + 32 * t + warp * kGemvWindow;
     const uint8_t* wp[CT][2];
     const uint8_t* sp[CT][2];
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        wp[ct][h] = wp_row[ct][h] + warp * (kGemvWindow / 2);
-        sp[ct][h] = sp_row[ct][h] + warp * (kGemvWindow / 16);
-      }
+      for (int h = 0; h < 2; ++h) wp[ct][h] = wp_first[ct][h], sp[ct][h] = sp_first[ct][h];
     }
 
     float acc[Chains][CT][4];
@@ -336,13 +338,13 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT)
     // Two register buffers: the loads of the next window are in flight during this one's math.
     MmaFragments<CT> f0, f1;
     int64_t w = warp;
-    if (w < windows) MmaLoad<T, CT>(f0, wp, sp, ap, has_row, k_split);
+    if (w < windows) MmaLoad<T, CT>(f0, wp, sp, ap, k_split);
     while (w < windows) {
-      if (w + k_split < windows) MmaLoad<T, CT>(f1, wp, sp, ap, has_row, k_split);
+      if (w + k_split < windows) MmaLoad<T, CT>(f1, wp, sp, ap, k_split);
       MmaCompute<T, CT, Decode, Chains>(acc, f0);
       w += k_split;
       if (w >= windows) break;
-      if (w + k_split < windows) MmaLoad<T, CT>(f0, wp, sp, ap, has_row, k_split);
+      if (w + k_split < windows) MmaLoad<T, CT>(f0, wp, sp, ap, k_split);
       MmaCompute<T, CT, Decode, Chains>(acc, f1);
       w += k_split;
     }

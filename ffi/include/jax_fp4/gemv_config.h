@@ -40,15 +40,15 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   const int64_t tiles = GemvCeilDiv(n > 0 ? n : 1, kGemvTileCols);
   const int64_t windows = k > 0 ? k / kGemvWindow : 0;
 
-  // Share each activation fragment over several column tiles when there are several rows to
-  // share (M > 1) and the column grid alone still gives two waves of blocks.
+  // Share each activation fragment (its loads and split-pair permutes) over several column tiles
+  // when the column grid alone still gives two waves of blocks. At M = 1 two tiles at most: the
+  // H200 sweep after the split-pair decode measured (2, 4) 13.0 us against 14.7-15.5 for every
+  // one-tile config on 11008x4096, but four tiles 26.6 against 22.7 on 17408x5120.
   int col_tiles = 1;
-  if (m > 1) {
-    if (GemvCeilDiv(tiles, 4) >= 2 * sms) {
-      col_tiles = 4;
-    } else if (GemvCeilDiv(tiles, 2) >= 2 * sms) {
-      col_tiles = 2;
-    }
+  if (m > 1 && GemvCeilDiv(tiles, 4) >= 2 * sms) {
+    col_tiles = 4;
+  } else if (GemvCeilDiv(tiles, 2) >= 2 * sms) {
+    col_tiles = 2;
   }
   const int64_t blocks = GemvCeilDiv(tiles, col_tiles);
 
@@ -73,7 +73,7 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
 }
 
 // Compile-time checks of the H200 (132 SMs) shapes quoted in benchmarks/NOTES.md.
-static_assert(gemv_launch_config(1, 11008, 4096, 132).col_tiles == 1, "");
+static_assert(gemv_launch_config(1, 11008, 4096, 132).col_tiles == 2, "");
 static_assert(gemv_launch_config(1, 11008, 4096, 132).k_split == 4, "");
 static_assert(gemv_launch_config(4, 248320, 2048, 132).col_tiles == 4, "");
 static_assert(gemv_launch_config(4, 248320, 2048, 132).k_split == 1, "");

@@ -20,6 +20,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "jax_fp4/nvfp4.h"
 
@@ -101,6 +102,39 @@ __device__ __forceinline__ uint32_t decode_e2m1_pair(uint32_t q, uint32_t q4) {
   // nibble in its top 4 bits); bytes 0 and 2 are don't-care and masked away below.
   const uint32_t x = prmt(q4, q, (i << 4) | ((4 + i) << 12));
   return (x & 0x80008000u) | ((x >> HalfTraits<T>::kEmShift) & HalfTraits<T>::kEmMask);
+}
+
+// "Split pairs" (the tensor-core GEMV's order): elements j and j + 4 of a packed word, whose
+// nibbles lie 16 bits apart, as one pair (low half = element j). With nibble j at bit p (p = 0 or
+// 4; j = 2, 3 read q >> 8), one mask and one integer multiply move both nibbles' EM and sign bits
+// to where the 16-bit float wants them (the multiply adds shifted copies that do not overlap: a
+// shift-and-or on the FMA pipe), and for bf16 one more mask keeps just those bits: 2 ALU-pipe
+// instructions per pair instead of the 4 (PRMT, shift, 2 masks) of decode_e2m1_pair. Same exact
+// values. The activations must be paired the same way (split_activation_pair).
+template <typename T, int j>
+__device__ __forceinline__ uint32_t decode_e2m1_split_pair(uint32_t q) {
+  static_assert(j >= 0 && j < 4, "j indexes the word's first four elements");
+  const uint32_t x = j >= 2 ? q >> 8 : q;
+  constexpr int p = 4 * (j & 1);
+  if constexpr (std::is_same_v<T, __half>) {
+    // EM -> bits 9..11 (shift 9 - p), sign -> 15 (shift 12 - p): whole-nibble copies would overlap
+    // at bit 12, so EM and sign are masked apart and added.
+    const uint32_t em = x & (0x00070007u << p), sign = x & (0x00080008u << p);
+    return em * (1u << (9 - p)) + sign * (1u << (12 - p));
+  } else {
+    // EM -> bits 6..8 (shift 6 - p), sign -> 15 (shift 12 - p): the copies [6, 9] and [12, 15]
+    // (and [22, 25], [28, 31] for the high half) are disjoint.
+    const uint32_t nibbles = x & (0x000F000Fu << p);
+    return (nibbles * ((1u << (6 - p)) + (1u << (12 - p)))) & 0x81C081C0u;
+  }
+}
+
+// The activation pair that meets decode_e2m1_split_pair<T, j>: elements (j, j + 4) of a word's 8
+// activations, given as natural pairs lo = (x0, x1) or (x2, x3) and hi = (x4, x5) or (x6, x7)
+// (the ones holding x_j and x_{j+4}).
+template <int j>
+__device__ __forceinline__ uint32_t split_activation_pair(uint32_t lo, uint32_t hi) {
+  return prmt(lo, hi, (j & 1) ? 0x7632u : 0x5410u);
 }
 
 // E4M3FN byte (low 8 bits of b) -> fp32, exact, NaN for 0x7F / 0xFF. Same values as
