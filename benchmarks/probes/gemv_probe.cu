@@ -14,8 +14,10 @@
 //   gemv_adjacent    the previous production kernel: two accumulator chains and the previous
 //                    decode (adjacent-element pairs: PRMT, shift and two masks per pair) instead
 //                    of split pairs (decode_e2m1_split_pair)
-//   gemv             the production kernel, GemvMmaKernel<bf16, 1> (one accumulator chain), at
-//                    the heuristic's k_split
+//   gemv             the production one-tile kernel, GemvMmaKernel<bf16, 1> (one accumulator
+//                    chain), at the heuristic's k_split
+//   gemv_2tiles      GemvMmaKernel<bf16, 2> (two column tiles per warp share the activations):
+//                    what the heuristic launches at M = 1 when the column grid allows it
 //   gemv_c2/c4       the same with 2 / 4 accumulator chains (the 8 dependent HMMA of a window
 //                    split 2 / 4 ways)
 // Reading, in times ("a >> b": a takes much longer than b):
@@ -304,6 +306,13 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     });
   };
   add_gemv("gemv", GemvMmaKernel<T, 1>);
+  if (cfg.col_tiles == 2) {  // the heuristic's pick at M = 1 where the column grid allows
+    const dim3 grid2(static_cast<unsigned>(CeilDiv(n, 2 * kGemvTileCols)));
+    const size_t smem2 = k_split > 1 ? sizeof(float) * k_split * 2 * 4 * 32 : 0;
+    add("gemv_2tiles", [&](int c) {
+      GemvMmaKernel<T, 2><<<grid2, block, smem2>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+    });
+  }
   add_gemv("gemv_c2", GemvMmaKernel<T, 1, DecodeE2M1, 2>);
   add_gemv("gemv_c4", GemvMmaKernel<T, 1, DecodeE2M1, 4>);
   if (const char* splits = std::getenv("GEMV_PROBE_KSPLITS")) {
