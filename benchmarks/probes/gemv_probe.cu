@@ -258,7 +258,6 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   const int k_split = cfg.k_split;
   const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvTileCols)));
   const dim3 block(32 * k_split);
-  const size_t smem = k_split > 1 ? sizeof(float) * k_split * 4 * 32 : 0;
   const int rounds = 20;
   const auto weights = [&](int c) { return packed + packed_bytes * c; };
   const auto scales = [&](int c) { return scale + scale_bytes * c; };
@@ -291,42 +290,28 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     };
     add("loads_bulk", launch);
   }
-  add("no_decode", [&](int c) {
-    GemvMmaKernel<T, 1, DecodeNone><<<grid, block, smem>>>(a, weights(c), scales(c), gs, nullptr,
-                                                           y, 1, n, k);
-  });
-  add("gemv_adjacent", [&](int c) {
-    GemvMmaKernel<T, 1, DecodeAdjacentPairs, 2><<<grid, block, smem>>>(a, weights(c), scales(c),
-                                                                       gs, nullptr, y, 1, n, k);
-  });
-  // The production decode with 1 (production) / 2 / 4 accumulator chains.
-  const auto add_gemv = [&](const std::string& name, auto kernel) {
+  // A GemvMmaKernel instance (M = 1) with col_tiles tiles per warp and `split` warps per block.
+  const auto add_gemv = [&](const std::string& name, auto kernel, int col_tiles, int split) {
+    const dim3 kernel_grid(static_cast<unsigned>(CeilDiv(n, col_tiles * kGemvTileCols)));
+    const size_t smem = GemvMmaSmemBytes(col_tiles, split);
     add(name, [&](int c) {
-      kernel<<<grid, block, smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+      kernel<<<kernel_grid, 32 * split, smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
     });
   };
-  add_gemv("gemv", GemvMmaKernel<T, 1>);
+  add_gemv("no_decode", GemvMmaKernel<T, 1, DecodeNone>, 1, k_split);
+  add_gemv("gemv_adjacent", GemvMmaKernel<T, 1, DecodeAdjacentPairs, 2>, 1, k_split);
+  add_gemv("gemv", GemvMmaKernel<T, 1>, 1, k_split);
   if (cfg.col_tiles == 2) {  // the heuristic's pick at M = 1 where the column grid allows
-    const dim3 grid2(static_cast<unsigned>(CeilDiv(n, 2 * kGemvTileCols)));
-    const size_t smem2 = k_split > 1 ? sizeof(float) * k_split * 2 * 4 * 32 : 0;
-    add("gemv_2tiles", [&](int c) {
-      GemvMmaKernel<T, 2><<<grid2, block, smem2>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
-    });
+    add_gemv("gemv_2tiles", GemvMmaKernel<T, 2>, 2, k_split);
   }
-  add_gemv("gemv_c2", GemvMmaKernel<T, 1, DecodeE2M1, 2>);
-  add_gemv("gemv_c4", GemvMmaKernel<T, 1, DecodeE2M1, 4>);
+  add_gemv("gemv_c2", GemvMmaKernel<T, 1, DecodeE2M1, 2>, 1, k_split);
+  add_gemv("gemv_c4", GemvMmaKernel<T, 1, DecodeE2M1, 4>, 1, k_split);
   if (const char* splits = std::getenv("GEMV_PROBE_KSPLITS")) {
     for (const char* p = splits; *p != '\0';) {
       const int s = std::atoi(p);
       if (s >= 1 && s <= kGemvMaxWarpsPerBlock) {
-        const size_t s_smem = s > 1 ? sizeof(float) * s * 4 * 32 : 0;
-        add("gemv_k" + std::to_string(s), [&](int c) {
-          GemvMmaKernel<T, 1><<<grid, 32 * s, s_smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
-        });
-        add("gemv_c2_k" + std::to_string(s), [&](int c) {
-          GemvMmaKernel<T, 1, DecodeE2M1, 2><<<grid, 32 * s, s_smem>>>(a, weights(c), scales(c), gs,
-                                                                     nullptr, y, 1, n, k);
-        });
+        add_gemv("gemv_k" + std::to_string(s), GemvMmaKernel<T, 1>, 1, s);
+        add_gemv("gemv_c2_k" + std::to_string(s), GemvMmaKernel<T, 1, DecodeE2M1, 2>, 1, s);
       }
       while (*p != '\0' && *p != ',') ++p;
       if (*p == ',') ++p;

@@ -155,7 +155,7 @@ cudaError_t LaunchMma(cudaStream_t stream, const T* a, const uint8_t* packed, co
   const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8), kMaxGridY)));
   const dim3 block(32 * k_split);
-  const size_t smem = k_split > 1 ? sizeof(float) * k_split * CT * 4 * 32 : 0;
+  const size_t smem = GemvMmaSmemBytes(CT, k_split);
   GemvMmaKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
   return cudaGetLastError();
 }

@@ -238,6 +238,11 @@ __device__ __forceinline__ void MmaSumChains(float (&acc)[Chains][CT][4]) {
   }
 }
 
+// Dynamic shared memory of GemvMmaKernel: MmaEpilogue's reduce_buf, needed only when k_split > 1.
+constexpr size_t GemvMmaSmemBytes(int col_tiles, int k_split) {
+  return k_split > 1 ? sizeof(float) * k_split * col_tiles * 4 * 32 : 0;
+}
+
 // Epilogue of the mma kernel, run by all k_split warps of the block.
 // Accumulator r of tile ct holds column col0 + 16 ct + g + 8 (r >= 2), row m0 + 2t + (r & 1).
 // k_split > 1: the warps' partial sums meet in reduce_buf ([k_split][CT * 4][32] floats) and are
