@@ -10,6 +10,7 @@
 #   bash benchmarks/device_run.sh build probe gemv-profile   # ncu stall reasons per SASS line
 #   bash benchmarks/device_run.sh build profile gemv-sweep fused-sweep   # ncu, launch-config sweeps
 #   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
+#   bash benchmarks/device_run.sh build fused-tests fused-tiles   # fused GEMM tests, CTA row tiles
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -91,8 +92,35 @@ for stage in "$@"; do
           --shapes 11008x4096,28672x8192 --ms 16,64,128 --json "$OUT/fused_split_${split:-auto}.json" \
           2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
       done | tee "$OUT/fused_sweep.log" ;;
+    fused-tiles)
+      # Activation rows per CTA of the fused GEMM (JAX_FP4_FUSED_TILE_M) against DefaultTileM's
+      # pick, with bf16 jnp.dot and the GEMV in the same runs.
+      for tile in ${FUSED_TILES:-auto 16 32 64}; do
+        echo "== JAX_FP4_FUSED_TILE_M=$tile"
+        [ "$tile" = auto ] && tile=""
+        JAX_FP4_FUSED_TILE_M=$tile timeout 150 python benchmarks/fused_timing.py --variants bf16,fused,gemv \
+          --ms ${FUSED_TILE_MS:-16,32,48,64} --json "$OUT/fused_tile_${tile:-auto}.json" \
+          2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
+      done | tee "$OUT/fused_tiles.log" ;;
+    fused-profile)
+      # Stall reasons per SASS instruction of the fused GEMM, one launch per case (kernel replay;
+      # no preallocated pool, so that ncu saves and restores only the live buffers).
+      for case in ${FUSED_PROFILE_CASES:-fused:16:11008x4096 fused:64:11008x4096}; do
+        name=ncu_$(echo "$case" | tr ':' '_')
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 ncu --clock-control none -k regex:FusedGemm \
+          --launch-skip 2 -c 1 --section WarpStateStats --section SchedulerStats --section InstructionStats \
+          --section Occupancy --section LaunchStats --section SpeedOfLight --section SourceCounters \
+          --section MemoryWorkloadAnalysis --page details --print-details all -o "$OUT/$name" \
+          python benchmarks/profile_kernels.py --cases "$case" > "$OUT/$name.log" 2>&1 || status=1
+        ncu -i "$OUT/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/${name}_sass.csv" 2>&1 || true
+        rm -f "$OUT/$name.ncu-rep"
+        grep -E "Duration|Registers Per|Achieved Active Warps|Issued Warp|No Eligible|Executed Ipc|Stall|Warp Cycles Per Issued|Grid Size|Cluster Size" "$OUT/$name.log" | cut -c1-150 | head -30
+      done ;;
+    fused-tests)
+      timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
+      tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, kernel-tests, sanitizer, fused, bench, profile, probe, gemv-profile, gemv-sweep, fused-sweep)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, kernel-tests, fused-tests, sanitizer, fused, bench, profile, fused-profile, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -31,6 +31,10 @@ def test_invariants(num_sms):
         ct, ks, rows = c["col_tiles"], c["k_split"], c["rows_per_block"]
         where = f"m={m} n={n} k={k} sms={num_sms}: {c}"
         assert ct in (1, 2, 4), where
+        # Two 8-row tiles per warp exactly when M > 8, and then one column tile (registers).
+        assert c["row_tiles"] == (2 if m > 8 else 1), where
+        if c["row_tiles"] == 2:
+            assert ct == 1, where
         assert ks >= 1 and ks & (ks - 1) == 0, where  # power of two
         assert ct * ks <= MAX_WARPS_PER_BLOCK, where
         assert ks <= (8 if ct == 1 else 4), where
@@ -72,6 +76,8 @@ def test_h200_shapes():
     assert cfg(1, 28672, 8192) == (2, 4, 1)
     assert cfg(8, 2048, 2048) == (1, 8, 4)       # small MLP: split K for parallelism
     assert cfg(1, 100, 128) == (1, 1, 1)         # one window: nothing to split
+    assert cfg(16, 11008, 4096) == (1, 4, 4)     # M = 16: one pass, two row tiles per warp
+    assert config(16, 11008, 4096, H200_SMS)["row_tiles"] == 2
 
 
 def test_monotone_in_sms():

@@ -212,6 +212,33 @@ def test_forced_split_matches_reference(split, monkeypatch):
 
 
 @needs_sm90
+@pytest.mark.parametrize("tile_m", ["16", "32", "64", "128"])
+@pytest.mark.parametrize("m", [1, 16, 33, 70])
+def test_forced_tile_matches_reference(tile_m, m, monkeypatch):
+    """JAX_FP4_FUSED_TILE_M forces the activation rows per CTA: each tile, with one and with
+    several M tiles per weight tile (ragged last tile), and split-K, gives the reference result."""
+    rng = np.random.default_rng()
+    n, k = 520, 1024
+    packed, scale, gs = random_weight(rng, n, k, special=True)
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", tile_m)
+    check_close(fused(a, packed, scale, gs, bias), a, packed, scale, gs, bias, "bfloat16")
+
+
+@needs_sm90
+@pytest.mark.parametrize("value", ["0", "8", "48", "256", "x", " "])
+def test_malformed_tile_override_is_an_error(value, monkeypatch):
+    """A JAX_FP4_FUSED_TILE_M that is not a kernel tile is an error naming the variable."""
+    rng = np.random.default_rng()
+    packed, scale, gs = random_weight(rng, 64, 256)
+    a = rng.standard_normal((8, 256)).astype(np.float16)
+    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", value)
+    with pytest.raises(Exception, match="JAX_FP4_FUSED_TILE_M must be one of 16, 32, 64, 128"):
+        fused(a, packed, scale, gs)
+
+
+@needs_sm90
 @pytest.mark.parametrize("value", ["0", "9", "-1", "2x", "x", " "])
 def test_malformed_split_override_is_an_error(value, monkeypatch):
     """A malformed JAX_FP4_FUSED_SPLIT is an error naming the variable, not silently split 1."""
@@ -370,6 +397,8 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
 
 @pytest.mark.parametrize("m, n, k, dtype, bm, splits", [
     (5, 300, 256, "float16", 64, 1),
+    (13, 270, 256, "bfloat16", 16, 2),
+    (40, 260, 256, "float16", 32, 1),
     (70, 260, 384, "bfloat16", 128, 3),
 ])
 def test_layout_model_matches_reference(m, n, k, dtype, bm, splits):

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(512)
   const int g = lane >> 2, t = lane & 3;
   const int64_t windows = k / kGemvWindow;
   const int64_t tile = blockIdx.x;
-  const auto load = [&](MmaFragments<1>& f, int64_t w) {
+  const auto load = [&](MmaFragments<1, 1>& f, int64_t w) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t row = kGemvTileCols * tile + g + 8 * h;  // n % 16 == 0 (main checks)
@@ -97,13 +97,13 @@ __global__ void __launch_bounds__(512)
       f.w[0][h] = ld_stream_u4(wp);
       f.s[0][h] = LoadScalePair(sp);
     }
-    LoadActivation(f.a, a + w * kGemvWindow + 32 * t);  // M = 1: every lane reads row 0
+    LoadActivation(f.a[0], a + w * kGemvWindow + 32 * t);  // M = 1: every lane reads row 0
   };
-  const auto fold = [](const MmaFragments<1>& f) {
-    return Fold(f.w[0][0]) ^ Fold(f.w[0][1]) ^ f.s[0][0] ^ f.s[0][1] ^ Fold(f.a[0]) ^
-           Fold(f.a[1]) ^ Fold(f.a[2]) ^ Fold(f.a[3]);
+  const auto fold = [](const MmaFragments<1, 1>& f) {
+    return Fold(f.w[0][0]) ^ Fold(f.w[0][1]) ^ f.s[0][0] ^ f.s[0][1] ^ Fold(f.a[0][0]) ^
+           Fold(f.a[0][1]) ^ Fold(f.a[0][2]) ^ Fold(f.a[0][3]);
   };
-  MmaFragments<1> f0, f1;
+  MmaFragments<1, 1> f0, f1;
   uint32_t folded = 0;
   int64_t w = warp;
   if (w < windows) load(f0, w);
@@ -298,20 +298,20 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
       kernel<<<kernel_grid, 32 * split, smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
     });
   };
-  add_gemv("no_decode", GemvMmaKernel<T, 1, DecodeNone>, 1, k_split);
-  add_gemv("gemv_adjacent", GemvMmaKernel<T, 1, DecodeAdjacentPairs, 2>, 1, k_split);
+  add_gemv("no_decode", GemvMmaKernel<T, 1, 1, DecodeNone>, 1, k_split);
+  add_gemv("gemv_adjacent", GemvMmaKernel<T, 1, 1, DecodeAdjacentPairs, 2>, 1, k_split);
   add_gemv("gemv", GemvMmaKernel<T, 1>, 1, k_split);
   if (cfg.col_tiles == 2) {  // the heuristic's pick at M = 1 where the column grid allows
     add_gemv("gemv_2tiles", GemvMmaKernel<T, 2>, 2, k_split);
   }
-  add_gemv("gemv_c2", GemvMmaKernel<T, 1, DecodeE2M1, 2>, 1, k_split);
-  add_gemv("gemv_c4", GemvMmaKernel<T, 1, DecodeE2M1, 4>, 1, k_split);
+  add_gemv("gemv_c2", GemvMmaKernel<T, 1, 1, DecodeE2M1, 2>, 1, k_split);
+  add_gemv("gemv_c4", GemvMmaKernel<T, 1, 1, DecodeE2M1, 4>, 1, k_split);
   if (const char* splits = std::getenv("GEMV_PROBE_KSPLITS")) {
     for (const char* p = splits; *p != '\0';) {
       const int s = std::atoi(p);
       if (s >= 1 && s <= kGemvMaxWarpsPerBlock) {
         add_gemv("gemv_k" + std::to_string(s), GemvMmaKernel<T, 1>, 1, s);
-        add_gemv("gemv_c2_k" + std::to_string(s), GemvMmaKernel<T, 1, DecodeE2M1, 2>, 1, s);
+        add_gemv("gemv_c2_k" + std::to_string(s), GemvMmaKernel<T, 1, 1, DecodeE2M1, 2>, 1, s);
       }
       while (*p != '\0' && *p != ',') ++p;
       if (*p == ',') ++p;

@@ -20,6 +20,7 @@ NB_MODULE(_jax_fp4_cpu, m) {
         const jax_fp4::GemvLaunchConfig cfg = jax_fp4::gemv_launch_config(m, n, k, num_sms);
         nb::dict out;
         out["col_tiles"] = cfg.col_tiles;
+        out["row_tiles"] = cfg.row_tiles;
         out["k_split"] = cfg.k_split;
         out["rows_per_block"] = cfg.rows_per_block;
         return out;

@@ -68,9 +68,14 @@ constexpr int kStageK = 128;          // K per pipeline stage
 constexpr int kMaxSplit = 8;          // portable cluster size
 constexpr int kFillStages = 2;        // split heuristic: per-CTA fixed cost in stage units
 
+// BM = activation rows per CTA (the wgmma N): the smallest of 16 / 32 / 64 / 128 that covers M
+// wastes the least tensor work. BM <= 32 fits two CTAs per SM (<= 128 registers, <= 113 KB of
+// shared memory, fewer stages), so that one CTA's decode hides the other's waits.
 template <int BM>
 struct FusedConfig {
-  static constexpr int kStages = BM == 64 ? 6 : 4;
+  static_assert(BM == 16 || BM == 32 || BM == 64 || BM == 128, "BM is 16, 32, 64 or 128");
+  static constexpr int kMinBlocks = BM <= 32 ? 2 : 1;
+  static constexpr int kStages = BM == 16 ? 4 : (BM == 32 ? 3 : (BM == 64 ? 6 : 4));
   static constexpr int kActBytes = BM * kStageK * 2;         // two [BM][64] swizzled tiles
   static constexpr int kActSubBytes = BM * 128;              // one [BM][64] tile
   static constexpr int kPackedBytes = kTileN * kStageK / 2;  // 16 KB
@@ -82,7 +87,13 @@ struct FusedConfig {
   static constexpr int kBodyBytes = kPipeBytes + 2 * kConvBufBytes;
   static constexpr int kSmemBytes = 1024 + (kBodyBytes > kEpiBytes ? kBodyBytes : kEpiBytes);
   static_assert(kSmemBytes <= 232448, "shared memory over the sm_90 limit");
+  static_assert(kMinBlocks == 1 || kSmemBytes <= 233472 / kMinBlocks - 1024,
+                "kMinBlocks CTAs must fit one SM's shared memory");
+  static_assert(kStages >= 3, "the refill after the barrier overwrites stage it - 2's slot");
   static_assert(kActSubBytes % 1024 == 0, "wgmma B tiles must stay 1024-byte aligned");
+  // Dynamic shared memory that leaves room for one CTA per SM only: how a kMinBlocks = 2 tile
+  // spreads a grid too small to fill every SM twice over all SMs instead of packing half of them.
+  static constexpr int kSpreadSmemBytes = kSmemBytes > 233472 / 2 ? kSmemBytes : 233472 / 2;
 };
 
 // ---- small PTX wrappers ----------------------------------------------------------------------
@@ -199,20 +210,64 @@ __device__ __forceinline__ void WgmmaM64N128Bf16(float (&d)[64], uint32_t a0, ui
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
 }
+
+// m64n16k16 / m64n32k16 (BM = 16 / 32): TYPE is "f16" or "bf16".
+#define JAX_FP4_WGMMA_M64N16(TYPE)                                                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                  \
+               "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE                   \
+               " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),       \
+                 "+f"(d[6]), "+f"(d[7])                                                       \
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
+#define JAX_FP4_WGMMA_M64N32(TYPE)                                                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                  \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                   \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"    \
+               " {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                 \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),       \
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),     \
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                           \
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
+
+template <typename T>
+__device__ __forceinline__ void WgmmaM64N16(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
+                                            uint32_t a3, uint64_t desc, uint32_t scale_d) {
+  if constexpr (std::is_same_v<T, __half>) {
+    JAX_FP4_WGMMA_M64N16("f16");
+  } else {
+    JAX_FP4_WGMMA_M64N16("bf16");
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void WgmmaM64N32(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
+                                            uint32_t a3, uint64_t desc, uint32_t scale_d) {
+  if constexpr (std::is_same_v<T, __half>) {
+    JAX_FP4_WGMMA_M64N32("f16");
+  } else {
+    JAX_FP4_WGMMA_M64N32("bf16");
+  }
+}
+#undef JAX_FP4_WGMMA_M64N16
+#undef JAX_FP4_WGMMA_M64N32
 #endif  // JAX_FP4_FUSED_SM90A
 
 template <typename T, int BM>
 __device__ __forceinline__ void WgmmaRS(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t desc,
                                         uint32_t scale_d) {
 #if JAX_FP4_FUSED_SM90A
-  if constexpr (BM == 64) {
+  if constexpr (BM == 16) {
+    WgmmaM64N16<T>(d, a[0], a[1], a[2], a[3], desc, scale_d);
+  } else if constexpr (BM == 32) {
+    WgmmaM64N32<T>(d, a[0], a[1], a[2], a[3], desc, scale_d);
+  } else if constexpr (BM == 64) {
     if constexpr (std::is_same_v<T, __half>) {
       WgmmaM64N64F16(d, a[0], a[1], a[2], a[3], desc, scale_d);
     } else {
       WgmmaM64N64Bf16(d, a[0], a[1], a[2], a[3], desc, scale_d);
     }
   } else {
-    static_assert(BM == 128, "BM must be 64 or 128");
+    static_assert(BM == 128, "BM must be 16, 32, 64 or 128");
     if constexpr (std::is_same_v<T, __half>) {
       WgmmaM64N128F16(d, a[0], a[1], a[2], a[3], desc, scale_d);
     } else {
@@ -271,7 +326,7 @@ __device__ __forceinline__ void DecodeTile(uint32_t (&out)[4][4], uint32_t pk_lo
 // ---- the kernel ------------------------------------------------------------------------------
 
 template <typename T, int BM>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
     FusedGemmKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                     const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                     const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
@@ -491,19 +546,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host side -------------------------------------------------------------------------------
 
-// How many clusters of `split` CTAs fit on the device at once (cached per device and split).
+// How many clusters of `split` CTAs with `smem` bytes of dynamic shared memory fit on the device at
+// once (cached per device, split and whether smem is the spread size).
 template <typename T, int BM>
-int MaxActiveClusters(int device, int split) {
+int MaxActiveClusters(int device, int split, int smem) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices][kMaxSplit + 1];  // value + 1; 0 = not queried
+  static std::atomic<int> cache[kMaxDevices][kMaxSplit + 1][2];  // value + 1; 0 = not queried
+  const int spread = smem != FusedConfig<BM>::kSmemBytes ? 1 : 0;
   if (device >= 0 && device < kMaxDevices) {
-    const int cached = cache[device][split].load(std::memory_order_relaxed);
+    const int cached = cache[device][split][spread].load(std::memory_order_relaxed);
     if (cached > 0) return cached - 1;
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(1, 1, split);
   config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = FusedConfig<BM>::kSmemBytes;
+  config.dynamicSmemBytes = smem;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = 1;
@@ -517,7 +574,7 @@ int MaxActiveClusters(int device, int split) {
     clusters = 0;
   }
   if (device >= 0 && device < kMaxDevices) {
-    cache[device][split].store(clusters + 1, std::memory_order_relaxed);
+    cache[device][split][spread].store(clusters + 1, std::memory_order_relaxed);
   }
   return clusters;
 }
@@ -525,12 +582,12 @@ int MaxActiveClusters(int device, int split) {
 // Split-K factor: minimise waves * (stages per CTA + fixed cost) over the cluster sizes that
 // fit; ties go to the smaller split. Deterministic for a given device and shape.
 template <typename T, int BM>
-int ChooseSplit(int device, int64_t tiles, int64_t ks) {
+int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
   int best = 1;
   int64_t best_cost = INT64_MAX;
   const int max_split = static_cast<int>(std::min<int64_t>(kMaxSplit, std::max<int64_t>(ks, 1)));
   for (int s = 1; s <= max_split; ++s) {
-    const int clusters = MaxActiveClusters<T, BM>(device, s);
+    const int clusters = MaxActiveClusters<T, BM>(device, s, smem);
     if (clusters <= 0) continue;
     const int64_t capacity = static_cast<int64_t>(clusters) * s;
     const int64_t waves = CeilDiv(tiles * s, capacity);
@@ -543,41 +600,60 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks) {
   return best;
 }
 
-// Tuning override: JAX_FP4_FUSED_SPLIT=<n>, n in 1..kMaxSplit, forces the split-K factor (clamped
-// to the K stages; read on each call; unset or empty = ChooseSplit). For measurements, not for use.
+// Tuning overrides, read on each call, for measurements (not for use); unset or empty = the
+// heuristic's choice (*forced = 0):
+//   JAX_FP4_FUSED_SPLIT=<n>, n in 1..kMaxSplit: the split-K factor (clamped to the K stages);
+//   JAX_FP4_FUSED_TILE_M=<bm>, bm in {16, 32, 64, 128}: activation rows per CTA.
 // Anything else is an error (returned as a message), not silently ignored.
-std::string ReadSplitOverride(int* forced) {
+std::string ReadOverride(const char* name, int* forced) {
   *forced = 0;
-  const char* env = std::getenv("JAX_FP4_FUSED_SPLIT");
+  const bool is_tile = std::string(name) == "JAX_FP4_FUSED_TILE_M";
+  const char* env = std::getenv(name);
   if (env == nullptr || *env == '\0') return "";
   char* end = nullptr;
   const long value = std::strtol(env, &end, 10);
-  if (end == env || *end != '\0' || value < 1 || value > kMaxSplit) {
-    return "JAX_FP4_FUSED_SPLIT must be an integer in 1.." + std::to_string(kMaxSplit) + ", got '" +
-           env + "'";
+  const bool parsed = end != env && *end == '\0';
+  if (is_tile && !(parsed && (value == 16 || value == 32 || value == 64 || value == 128))) {
+    return std::string(name) + " must be one of 16, 32, 64, 128, got '" + env + "'";
+  }
+  if (!is_tile && !(parsed && value >= 1 && value <= kMaxSplit)) {
+    return std::string(name) + " must be an integer in 1.." + std::to_string(kMaxSplit) +
+           ", got '" + env + "'";
   }
   *forced = static_cast<int>(value);
   return "";
 }
 
+// Activation rows per CTA: the smallest tile that covers M (less padded tensor work; the tiles up
+// to 32 rows also run two CTAs per SM).
+int DefaultTileM(int64_t m) { return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : 128)); }
+
 template <typename T, int BM>
-cudaError_t LaunchFused(cudaStream_t stream, int device, const void* a, const uint8_t* packed,
-                        const uint8_t* scale, const float* gs, const void* bias, void* y,
-                        int64_t m, int64_t n, int64_t k, bool vec_store, int forced_split) {
-  cudaError_t err = AllowDynamicSmem<FusedGemmKernel<T, BM>>(FusedConfig<BM>::kSmemBytes);
-  if (err != cudaSuccess) return err;
+cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
+                        const uint8_t* packed, const uint8_t* scale, const float* gs,
+                        const void* bias, void* y, int64_t m, int64_t n, int64_t k, bool vec_store,
+                        int forced_split) {
+  using Cfg = FusedConfig<BM>;
   const int64_t tiles_n = CeilDiv(n, kTileN);
   const int64_t tiles_m = CeilDiv(m, BM);
   const int64_t ks = k / kStageK;
+  // Too few CTAs, even at the largest split, to give every SM kMinBlocks: one per SM (the
+  // scheduler would otherwise pack the clusters two to an SM and leave the rest idle).
+  const int64_t max_ctas = tiles_n * tiles_m * std::min<int64_t>(kMaxSplit, ks);
+  const int smem = Cfg::kMinBlocks > 1 && max_ctas < static_cast<int64_t>(Cfg::kMinBlocks) * sms
+                       ? Cfg::kSpreadSmemBytes
+                       : Cfg::kSmemBytes;
+  cudaError_t err = AllowDynamicSmem<FusedGemmKernel<T, BM>>(smem);
+  if (err != cudaSuccess) return err;
   const int split = forced_split > 0
                         ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(forced_split, ks)))
-                        : ChooseSplit<T, BM>(device, tiles_n * tiles_m, ks);
+                        : ChooseSplit<T, BM>(device, tiles_n * tiles_m, ks, smem);
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
                         static_cast<unsigned>(split));
   config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = FusedConfig<BM>::kSmemBytes;
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -604,15 +680,16 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, const void* a, const ui
 }
 
 template <typename T>
-cudaError_t DispatchFused(cudaStream_t stream, int device, const void* a, const uint8_t* packed,
-                          const uint8_t* scale, const float* gs, const void* bias, void* y,
-                          int64_t m, int64_t n, int64_t k, bool vec_store, int forced_split) {
-  if (m <= 64) {
-    return LaunchFused<T, 64>(stream, device, a, packed, scale, gs, bias, y, m, n, k, vec_store,
-                              forced_split);
-  }
-  return LaunchFused<T, 128>(stream, device, a, packed, scale, gs, bias, y, m, n, k, vec_store,
-                             forced_split);
+cudaError_t DispatchFused(cudaStream_t stream, int device, int sms, int tile_m, const void* a,
+                          const uint8_t* packed, const uint8_t* scale, const float* gs,
+                          const void* bias, void* y, int64_t m, int64_t n, int64_t k,
+                          bool vec_store, int forced_split) {
+  const auto launch = tile_m == 16   ? LaunchFused<T, 16>
+                      : tile_m == 32 ? LaunchFused<T, 32>
+                      : tile_m == 64 ? LaunchFused<T, 64>
+                                     : LaunchFused<T, 128>;
+  return launch(stream, device, sms, a, packed, scale, gs, bias, y, m, n, k, vec_store,
+                forced_split);
 }
 
 ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
@@ -660,20 +737,27 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   err = cudaGetDevice(&device);
   if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: cudaGetDevice", err);
 
-  int forced_split = 0;
-  const std::string bad_override = ReadSplitOverride(&forced_split);
+  int forced_split = 0, forced_tile = 0;
+  std::string bad_override = ReadOverride("JAX_FP4_FUSED_SPLIT", &forced_split);
+  if (bad_override.empty()) bad_override = ReadOverride("JAX_FP4_FUSED_TILE_M", &forced_tile);
   if (!bad_override.empty()) return invalid(bad_override);
+  const int tile_m = forced_tile > 0 ? forced_tile : DefaultTileM(m);
+  if (CeilDiv(m, tile_m) > fused::kMaxMTiles) {
+    return invalid("M too large for " + std::to_string(tile_m) + "-row tiles");
+  }
 
   const void* bias_ptr = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   const bool vec_store = n % 4 == 0 && IsAligned(y->untyped_data(), 8);
   if (a.element_type() == ffi::DataType::F16) {
-    err = DispatchFused<__half>(stream, device, a.untyped_data(), packed.typed_data(),
-                                scale.typed_data(), global_scale.typed_data(), bias_ptr,
-                                y->untyped_data(), m, n, k, vec_store, forced_split);
+    err = DispatchFused<__half>(stream, device, info.num_sms, tile_m, a.untyped_data(),
+                                packed.typed_data(), scale.typed_data(),
+                                global_scale.typed_data(), bias_ptr, y->untyped_data(), m, n, k,
+                                vec_store, forced_split);
   } else {
-    err = DispatchFused<__nv_bfloat16>(stream, device, a.untyped_data(), packed.typed_data(),
-                                       scale.typed_data(), global_scale.typed_data(), bias_ptr,
-                                       y->untyped_data(), m, n, k, vec_store, forced_split);
+    err = DispatchFused<__nv_bfloat16>(stream, device, info.num_sms, tile_m, a.untyped_data(),
+                                       packed.typed_data(), scale.typed_data(),
+                                       global_scale.typed_data(), bias_ptr, y->untyped_data(), m,
+                                       n, k, vec_store, forced_split);
   }
   if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: kernel launch", err);
   return ffi::Error::Success();

@@ -3,7 +3,8 @@
 // fp32 accumulation, NVFP4 weights decoded in registers (no dequantized copy of W). Two kernels:
 //
 // * GemvMmaKernel (sm_80+, K % 128 == 0): mma.sync m16n8k16 with the WEIGHT in the A slot
-//   (16 output columns) and the activations in the B slot (8 rows of M). See the fragment table
+//   (16 output columns) and the activations in the B slot (8 rows of M; at M > 8 each decoded
+//   weight fragment feeds two such row tiles unless row tiling is off). See the fragment table
 //   above the kernel. The E4M3 block scale is folded into the decoded 16-bit weight before the
 //   mma (exact), global scale and bias are applied in the epilogue. Device code in
 //   cuda/gemv_mma.cuh (shared with benchmarks/probes/gemv_probe.cu).
@@ -147,16 +148,16 @@ __global__ void __launch_bounds__(32 * kGemvScalarColsPerBlock)
 // Launchers.
 constexpr int64_t kMaxGridY = 65535;
 
-template <typename T, int CT>
+template <typename T, int CT, int RT = 1>
 cudaError_t LaunchMma(cudaStream_t stream, const T* a, const uint8_t* packed, const uint8_t* scale,
                       const float* gs, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
                       int k_split) {
   const int64_t tiles = CeilDiv(n, kGemvTileCols);
   const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
-                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8), kMaxGridY)));
+                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = GemvMmaSmemBytes(CT, k_split);
-  GemvMmaKernel<T, CT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  GemvMmaKernel<T, CT, RT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
   return cudaGetLastError();
 }
 
@@ -173,7 +174,8 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
 
 // Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block]" (read on each
 // call; empty or unset = the heuristic): col_tiles and rows_per_block 1, 2 or 4; k_split >= 1,
-// rounded down to a power of two within the block's warp budget. Anything else is an error.
+// rounded down to a power of two within the block's warp budget; row_tiles stays the heuristic's
+// with one column tile and becomes 1 with more. Anything else is an error.
 std::string ApplyConfigOverride(GemvLaunchConfig* cfg) {
   const char* env = std::getenv("JAX_FP4_GEMV_CONFIG");
   if (env == nullptr || *env == '\0') return "";
@@ -186,6 +188,7 @@ std::string ApplyConfigOverride(GemvLaunchConfig* cfg) {
            env + "'";
   }
   cfg->col_tiles = ct;
+  if (ct > 1) cfg->row_tiles = 1;
   int p = 1;
   while (p * 2 <= ks && p * 2 * ct <= kGemvMaxWarpsPerBlock) p *= 2;
   cfg->k_split = p;
@@ -202,6 +205,9 @@ cudaError_t LaunchGemv(cudaStream_t stream, const DeviceInfo& info, const void* 
   const T* bt = static_cast<const T*>(bias);
   T* yt = static_cast<T*>(y);
   if (use_mma && k > 0 && k % kGemvWindow == 0 && info.sm >= 80) {
+    if (row_tiling && cfg.row_tiles == 2 && cfg.col_tiles == 1) {
+      return LaunchMma<T, 1, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
+    }
     switch (cfg.col_tiles) {
       case 4: return LaunchMma<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
       case 2: return LaunchMma<T, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);

@@ -63,7 +63,8 @@ __device__ __forceinline__ void StoreOutput(T* y, const T* bias, int64_t n, int6
 // 16 bits apart) is what makes the decode cheap (decode_e2m1_split_pair), and costs two byte
 // permutes per k-step on the activation side, shared by all column tiles.
 //
-// A warp computes ColTiles tiles of 16 columns with ONE activation fragment per window;
+// A warp computes CT tiles of 16 columns with ONE activation fragment per window and row tile, for
+// RT tiles of 8 activation rows (each decoded weight fragment feeds RT mma);
 // k_split = blockDim.x / 32 warps of a block take windows warp, warp + k_split, ... and reduce in
 // shared memory in a fixed order.
 template <typename T>
@@ -86,11 +87,11 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
 #endif
 }
 
-template <int CT>
+template <int CT, int RT>
 struct MmaFragments {
   uint4 w[CT][2];      // packed weight, rows g and g + 8 of each column tile
   uint32_t s[CT][2];   // the two scale bytes of those rows
-  uint4 a[4];          // activation row g, window elements [32t, 32t + 32)
+  uint4 a[RT][4];      // activation row g of each row tile, window elements [32t, 32t + 32)
 };
 
 // The lane's activation fragment of one window: the 64 bytes at `ap` (row g, elements 32t..).
@@ -101,9 +102,10 @@ __device__ __forceinline__ void LoadActivation(uint4 (&dst)[4], const T* ap) {
 }
 
 // Loads one window's fragments at the current pointers, then advances them by `step` windows.
-template <typename T, int CT>
-__device__ __forceinline__ void MmaLoad(MmaFragments<CT>& f, const uint8_t* (&wp)[CT][2],
-                                        const uint8_t* (&sp)[CT][2], const T*& ap, int64_t step) {
+template <typename T, int CT, int RT>
+__device__ __forceinline__ void MmaLoad(MmaFragments<CT, RT>& f, const uint8_t* (&wp)[CT][2],
+                                        const uint8_t* (&sp)[CT][2], const T* (&ap)[RT],
+                                        int64_t step) {
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
@@ -114,8 +116,11 @@ __device__ __forceinline__ void MmaLoad(MmaFragments<CT>& f, const uint8_t* (&wp
       sp[ct][h] += step * (kGemvWindow / 16);
     }
   }
-  LoadActivation(f.a, ap);
-  ap += step * kGemvWindow;
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    LoadActivation(f.a[r], ap[r]);
+    ap[r] += step * kGemvWindow;
+  }
 }
 
 // How a k-step gets its mma operands: the decode of the lane's packed word and the matching
@@ -167,8 +172,8 @@ __device__ __forceinline__ void ScalePairsOfRow(uint32_t bytes, uint32_t& lo, ui
 
 // Block scales of a window as 16-bit pairs (lo: the lane's first 16-element block, k-steps 0-3;
 // hi: 4-7).
-template <typename T, int CT>
-__device__ __forceinline__ void ScalePairs(const MmaFragments<CT>& f, uint32_t (&lo)[CT][2],
+template <typename T, int CT, int RT>
+__device__ __forceinline__ void ScalePairs(const MmaFragments<CT, RT>& f, uint32_t (&lo)[CT][2],
                                            uint32_t (&hi)[CT][2]) {
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
@@ -178,8 +183,8 @@ __device__ __forceinline__ void ScalePairs(const MmaFragments<CT>& f, uint32_t (
 }
 
 // The A fragment {a0, a1, a2, a3} of k-step S for column tile ct: decoded weights x block scale.
-template <typename T, int S, int CT, typename Decode>
-__device__ __forceinline__ void DecodeStep(uint32_t (&frag)[4], const MmaFragments<CT>& f, int ct,
+template <typename T, int S, int CT, int RT, typename Decode>
+__device__ __forceinline__ void DecodeStep(uint32_t (&frag)[4], const MmaFragments<CT, RT>& f, int ct,
                                            const uint32_t (&lo)[CT][2],
                                            const uint32_t (&hi)[CT][2]) {
   using Tr = HalfTraits<T>;
@@ -193,47 +198,56 @@ __device__ __forceinline__ void DecodeStep(uint32_t (&frag)[4], const MmaFragmen
   }
 }
 
-template <typename T, int S, int CT, typename Decode>
-__device__ __forceinline__ void DecodeAndMmaStep(float (&acc)[CT][4], const MmaFragments<CT>& f,
+template <typename T, int S, int CT, int RT, typename Decode>
+__device__ __forceinline__ void DecodeAndMmaStep(float (&acc)[RT][CT][4],
+                                                 const MmaFragments<CT, RT>& f,
                                                  const uint32_t (&lo)[CT][2],
                                                  const uint32_t (&hi)[CT][2]) {
-  uint32_t b0, b1;  // one activation fragment for every column tile
-  Decode::template Activations<S>(f.a[S / 2], b0, b1);
+  uint32_t b0[RT], b1[RT];  // one activation fragment per row tile for every column tile
+#pragma unroll
+  for (int r = 0; r < RT; ++r) Decode::template Activations<S>(f.a[r][S / 2], b0[r], b1[r]);
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
     uint32_t frag[4];
-    DecodeStep<T, S, CT, Decode>(frag, f, ct, lo, hi);
-    Mma16816<T>(acc[ct], frag[0], frag[1], frag[2], frag[3], b0, b1);
+    DecodeStep<T, S, CT, RT, Decode>(frag, f, ct, lo, hi);
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      Mma16816<T>(acc[r][ct], frag[0], frag[1], frag[2], frag[3], b0[r], b1[r]);
+    }
   }
 }
 
 // One window: 8 k-steps of decode + mma per column tile. K-step s accumulates into chain
 // s % Chains: Chains independent accumulators shorten the dependent-HMMA chain of a window from 8
 // to 8 / Chains (summed in chain order at the end, MmaSumChains).
-template <typename T, int CT, typename Decode = DecodeE2M1, int Chains = 1>
-__device__ __forceinline__ void MmaCompute(float (&acc)[Chains][CT][4], const MmaFragments<CT>& f) {
+template <typename T, int CT, int RT, typename Decode, int Chains>
+__device__ __forceinline__ void MmaCompute(float (&acc)[Chains][RT][CT][4],
+                                           const MmaFragments<CT, RT>& f) {
   static_assert(Chains == 1 || Chains == 2 || Chains == 4, "Chains divides the 8 k-steps");
   uint32_t lo[CT][2], hi[CT][2];
-  ScalePairs<T, CT>(f, lo, hi);
-  DecodeAndMmaStep<T, 0, CT, Decode>(acc[0 % Chains], f, lo, hi);
-  DecodeAndMmaStep<T, 1, CT, Decode>(acc[1 % Chains], f, lo, hi);
-  DecodeAndMmaStep<T, 2, CT, Decode>(acc[2 % Chains], f, lo, hi);
-  DecodeAndMmaStep<T, 3, CT, Decode>(acc[3 % Chains], f, lo, hi);
-  DecodeAndMmaStep<T, 4, CT, Decode>(acc[4 % Chains], f, lo, hi);
-  DecodeAndMmaStep<T, 5, CT, Decode>(acc[5 % Chains], f, lo, hi);
-  DecodeAndMmaStep<T, 6, CT, Decode>(acc[6 % Chains], f, lo, hi);
-  DecodeAndMmaStep<T, 7, CT, Decode>(acc[7 % Chains], f, lo, hi);
+  ScalePairs<T, CT, RT>(f, lo, hi);
+  DecodeAndMmaStep<T, 0, CT, RT, Decode>(acc[0 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 1, CT, RT, Decode>(acc[1 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 2, CT, RT, Decode>(acc[2 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 3, CT, RT, Decode>(acc[3 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 4, CT, RT, Decode>(acc[4 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 5, CT, RT, Decode>(acc[5 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 6, CT, RT, Decode>(acc[6 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 7, CT, RT, Decode>(acc[7 % Chains], f, lo, hi);
 }
 
 // acc[0] += acc[1] + ... in a fixed order (deterministic).
-template <int Chains, int CT>
-__device__ __forceinline__ void MmaSumChains(float (&acc)[Chains][CT][4]) {
+template <int Chains, int RT, int CT>
+__device__ __forceinline__ void MmaSumChains(float (&acc)[Chains][RT][CT][4]) {
 #pragma unroll
   for (int c = 1; c < Chains; ++c) {
 #pragma unroll
-    for (int ct = 0; ct < CT; ++ct) {
+    for (int rt = 0; rt < RT; ++rt) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) acc[0][ct][r] += acc[c][ct][r];
+      for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[0][rt][ct][r] += acc[c][rt][ct][r];
+      }
     }
   }
 }
@@ -288,7 +302,8 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 
 // Two-tile warps are held to 128 registers (2 blocks of the largest size per SM: 4 blocks of
 // k_split 4 instead of 3 at the 137 they would take; no spills, ptxas -v).
-template <typename T, int CT, typename Decode = DecodeE2M1, int Chains = 1>
+// RT (row tiles of 8 activation rows per warp) is 1, or 2 with one column tile (M > 8).
+template <typename T, int CT, int RT = 1, typename Decode = DecodeE2M1, int Chains = 1>
 __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 : 1)
     GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                   const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
@@ -317,14 +332,19 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
     }
   }
 
-  const int64_t m_chunks = CeilDiv(m, 8);
+  static_assert(RT == 1 || (RT == 2 && CT == 1), "two row tiles only with one column tile");
+  const int64_t m_chunks = CeilDiv(m, 8 * RT);
   for (int64_t chunk = blockIdx.y; chunk < m_chunks; chunk += gridDim.y) {
-    const int64_t m0 = chunk * 8;
-    const int rows = static_cast<int>(Min64(8, m - m0));
-    // A lane whose row g lies past M reads row m0 instead: its B column only feeds output row
-    // m0 + g of the mma, which is never stored (cheaper than zeroing the fragment).
+    const int64_t m0 = chunk * 8 * RT;
+    // A lane whose row lies past M reads row m0 instead: its B column only feeds an output row
+    // of the mma that is never stored (cheaper than zeroing the fragment).
     // MmaLoad advances these pointers by k_split windows.
-    const T* ap = a + (m0 + (g < rows ? g : 0)) * k + 32 * t + warp * kGemvWindow;
+    const T* ap[RT];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const int64_t row = m0 + 8 * r + g;
+      ap[r] = a + (row < m ? row : m0) * k + 32 * t + warp * kGemvWindow;
+    }
     const uint8_t* wp[CT][2];
     const uint8_t* sp[CT][2];
 #pragma unroll
@@ -333,28 +353,39 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
       for (int h = 0; h < 2; ++h) wp[ct][h] = wp_first[ct][h], sp[ct][h] = sp_first[ct][h];
     }
 
-    float acc[Chains][CT][4];
+    float acc[Chains][RT][CT][4];
 #pragma unroll
     for (int c = 0; c < Chains; ++c) {
 #pragma unroll
-      for (int ct = 0; ct < CT; ++ct) acc[c][ct][0] = acc[c][ct][1] = acc[c][ct][2] = acc[c][ct][3] = 0.0f;
+      for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[c][r][ct][e] = 0.0f;
+        }
+      }
     }
 
     // Two register buffers: the loads of the next window are in flight during this one's math.
-    MmaFragments<CT> f0, f1;
+    // (A third, loads two windows ahead, measured slower: benchmarks/NOTES.md, sixth session.)
+    MmaFragments<CT, RT> f0, f1;
     int64_t w = warp;
-    if (w < windows) MmaLoad<T, CT>(f0, wp, sp, ap, k_split);
+    if (w < windows) MmaLoad<T, CT, RT>(f0, wp, sp, ap, k_split);
     while (w < windows) {
-      if (w + k_split < windows) MmaLoad<T, CT>(f1, wp, sp, ap, k_split);
-      MmaCompute<T, CT, Decode, Chains>(acc, f0);
+      if (w + k_split < windows) MmaLoad<T, CT, RT>(f1, wp, sp, ap, k_split);
+      MmaCompute<T, CT, RT, Decode, Chains>(acc, f0);
       w += k_split;
       if (w >= windows) break;
-      if (w + k_split < windows) MmaLoad<T, CT>(f0, wp, sp, ap, k_split);
-      MmaCompute<T, CT, Decode, Chains>(acc, f1);
+      if (w + k_split < windows) MmaLoad<T, CT, RT>(f0, wp, sp, ap, k_split);
+      MmaCompute<T, CT, RT, Decode, Chains>(acc, f1);
       w += k_split;
     }
-    MmaSumChains<Chains, CT>(acc);
-    MmaEpilogue<T, CT>(acc[0], reduce_buf, k_split, global_scale, bias, y, m, n, col0, m0);
+    MmaSumChains<Chains, RT, CT>(acc);
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      MmaEpilogue<T, CT>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n, col0,
+                         m0 + 8 * r);
+    }
   }
 #else
   __trap();  // the launcher never selects this kernel below sm_80

@@ -2,7 +2,7 @@
 // host-only C++ so that the CPU module can expose it to tests (tests/test_gemv_config.py).
 //
 // Tensor-core path (sm_80+, K % 128 == 0): a warp computes col_tiles tiles of 16 output columns
-// for up to 8 rows of M, over a strided share of the 128-wide K windows; k_split warps of one block
+// for up to 8 * row_tiles rows of M, over a strided share of the 128-wide K windows; k_split warps of one block
 // split K and reduce through shared memory. Scalar path: a warp per output column, 8 columns per
 // block, rows_per_block rows of M per warp sharing each decoded weight.
 #ifndef JAX_FP4_GEMV_CONFIG_H_
@@ -14,6 +14,7 @@ namespace jax_fp4 {
 
 struct GemvLaunchConfig {
   int col_tiles;       // mma path: 16-column tiles per warp (1, 2 or 4), one activation fragment
+  int row_tiles;       // mma path: 8-row activation tiles per warp (1, or 2 with one column tile)
   int k_split;         // mma path: warps per block splitting K (power of two, 1..16/col_tiles)
   int rows_per_block;  // scalar path: rows of M per warp (1, 2 or 4)
 };
@@ -44,8 +45,13 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   // when the column grid alone still gives two waves of blocks. At M = 1 two tiles at most: the
   // H200 sweep after the split-pair decode measured (2, 4) 13.0 us against 14.7-15.5 for every
   // one-tile config on 11008x4096, but four tiles 26.6 against 22.7 on 17408x5120.
+  // M > 8: each decoded weight fragment feeds two 8-row tiles (one pass over the weight for 16
+  // rows instead of two; 128 registers leave room for one column tile only).
+  const int row_tiles = m > 8 ? 2 : 1;
   int col_tiles = 1;
-  if (m > 1 && GemvCeilDiv(tiles, 4) >= 2 * sms) {
+  if (row_tiles > 1) {
+    col_tiles = 1;
+  } else if (m > 1 && GemvCeilDiv(tiles, 4) >= 2 * sms) {
     col_tiles = 4;
   } else if (GemvCeilDiv(tiles, 2) >= 2 * sms) {
     col_tiles = 2;
@@ -69,7 +75,7 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   if (GemvCeilDiv(n > 0 ? n : 1, kGemvScalarColsPerBlock) >= sms) {
     rows_per_block = m >= 3 ? 4 : (m == 2 ? 2 : 1);
   }
-  return GemvLaunchConfig{col_tiles, k_split, rows_per_block};
+  return GemvLaunchConfig{col_tiles, row_tiles, k_split, rows_per_block};
 }
 
 // Compile-time checks of the H200 (132 SMs) shapes quoted in benchmarks/NOTES.md.
@@ -78,6 +84,8 @@ static_assert(gemv_launch_config(1, 11008, 4096, 132).k_split == 4, "");
 static_assert(gemv_launch_config(4, 248320, 2048, 132).col_tiles == 4, "");
 static_assert(gemv_launch_config(4, 248320, 2048, 132).k_split == 1, "");
 static_assert(gemv_launch_config(4, 11008, 4096, 132).rows_per_block == 4, "");
+static_assert(gemv_launch_config(16, 11008, 4096, 132).row_tiles == 2, "");
+static_assert(gemv_launch_config(16, 11008, 4096, 132).col_tiles == 1, "");
 static_assert(gemv_launch_config(4, 1000, 4096, 132).rows_per_block == 1, "");
 
 }  // namespace jax_fp4
