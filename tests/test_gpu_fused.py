@@ -226,27 +226,22 @@ def test_forced_tile_matches_reference(tile_m, m, monkeypatch):
     check_close(fused(a, packed, scale, gs, bias), a, packed, scale, gs, bias, "bfloat16")
 
 
-@needs_sm90
-@pytest.mark.parametrize("value", ["0", "8", "48", "256", "x", " "])
-def test_malformed_tile_override_is_an_error(value, monkeypatch):
-    """A JAX_FP4_FUSED_TILE_M that is not a kernel tile is an error naming the variable."""
-    rng = np.random.default_rng()
-    packed, scale, gs = random_weight(rng, 64, 256)
-    a = rng.standard_normal((8, 256)).astype(np.float16)
-    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", value)
-    with pytest.raises(Exception, match="JAX_FP4_FUSED_TILE_M must be one of 16, 32, 64, 128"):
-        fused(a, packed, scale, gs)
+_SPLIT_ERROR = "JAX_FP4_FUSED_SPLIT must be an integer in 1..8"
+_TILE_ERROR = "JAX_FP4_FUSED_TILE_M must be one of 16, 32, 64, 128"
 
 
 @needs_sm90
-@pytest.mark.parametrize("value", ["0", "9", "-1", "2x", "x", " "])
-def test_malformed_split_override_is_an_error(value, monkeypatch):
-    """A malformed JAX_FP4_FUSED_SPLIT is an error naming the variable, not silently split 1."""
+@pytest.mark.parametrize("variable, value, message", [
+    *[("JAX_FP4_FUSED_SPLIT", v, _SPLIT_ERROR) for v in ("0", "9", "-1", "2x", "x", " ")],
+    *[("JAX_FP4_FUSED_TILE_M", v, _TILE_ERROR) for v in ("0", "8", "48", "256", "x", " ")],
+])
+def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
+    """A malformed tuning override is an error naming the variable, not silently ignored."""
     rng = np.random.default_rng()
     packed, scale, gs = random_weight(rng, 64, 256)
     a = rng.standard_normal((8, 256)).astype(np.float16)
-    monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", value)
-    with pytest.raises(Exception, match="JAX_FP4_FUSED_SPLIT must be an integer in 1..8"):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(Exception, match=message):
         fused(a, packed, scale, gs)
 
 

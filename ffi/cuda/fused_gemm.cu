@@ -229,23 +229,25 @@ __device__ __forceinline__ void WgmmaM64N128Bf16(float (&d)[64], uint32_t a0, ui
                  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                           \
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
 
-template <typename T>
-__device__ __forceinline__ void WgmmaM64N16(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
-                                            uint32_t a3, uint64_t desc, uint32_t scale_d) {
-  if constexpr (std::is_same_v<T, __half>) {
-    JAX_FP4_WGMMA_M64N16("f16");
+// m64nNk16 for N = 16 / 32: d holds N / 2 accumulators per thread.
+template <typename T, int N>
+__device__ __forceinline__ void WgmmaM64SmallN(float (&d)[N / 2], uint32_t a0, uint32_t a1,
+                                               uint32_t a2, uint32_t a3, uint64_t desc,
+                                               uint32_t scale_d) {
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  if constexpr (N == 16) {
+    if constexpr (kHalf) {
+      JAX_FP4_WGMMA_M64N16("f16");
+    } else {
+      JAX_FP4_WGMMA_M64N16("bf16");
+    }
   } else {
-    JAX_FP4_WGMMA_M64N16("bf16");
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void WgmmaM64N32(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
-                                            uint32_t a3, uint64_t desc, uint32_t scale_d) {
-  if constexpr (std::is_same_v<T, __half>) {
-    JAX_FP4_WGMMA_M64N32("f16");
-  } else {
-    JAX_FP4_WGMMA_M64N32("bf16");
+    static_assert(N == 32, "N is 16 or 32");
+    if constexpr (kHalf) {
+      JAX_FP4_WGMMA_M64N32("f16");
+    } else {
+      JAX_FP4_WGMMA_M64N32("bf16");
+    }
   }
 }
 #undef JAX_FP4_WGMMA_M64N16
@@ -256,10 +258,8 @@ template <typename T, int BM>
 __device__ __forceinline__ void WgmmaRS(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t desc,
                                         uint32_t scale_d) {
 #if JAX_FP4_FUSED_SM90A
-  if constexpr (BM == 16) {
-    WgmmaM64N16<T>(d, a[0], a[1], a[2], a[3], desc, scale_d);
-  } else if constexpr (BM == 32) {
-    WgmmaM64N32<T>(d, a[0], a[1], a[2], a[3], desc, scale_d);
+  if constexpr (BM == 16 || BM == 32) {
+    WgmmaM64SmallN<T, BM>(d, a[0], a[1], a[2], a[3], desc, scale_d);
   } else if constexpr (BM == 64) {
     if constexpr (std::is_same_v<T, __half>) {
       WgmmaM64N64F16(d, a[0], a[1], a[2], a[3], desc, scale_d);
