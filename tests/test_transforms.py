@@ -177,7 +177,9 @@ def test_scan_over_stacked_layers_jitted():
         return jnp.sum(h ** 2)
 
     grad = jax.jit(jax.grad(loss))(h0, ws)
-    assert reference.relative_error(grad, _f64(jax.grad(dense_loss)(h0))) < 1e-4
+    # Both sides are float32: where tanh saturates, 1 - tanh^2 keeps few significant bits, so
+    # a correct gradient lands up to ~3e-4 away on some draws (CI saw 3.2e-4); a wrong one is O(1).
+    assert reference.relative_error(grad, _f64(jax.grad(dense_loss)(h0))) < 2e-3
 
 
 # ---- autodiff with respect to a, bias and the global scale --------------------------------------
