@@ -184,8 +184,8 @@ __device__ __forceinline__ void ScalePairs(const MmaFragments<CT, RT>& f, uint32
 
 // The A fragment {a0, a1, a2, a3} of k-step S for column tile ct: decoded weights x block scale.
 template <typename T, int S, int CT, int RT, typename Decode>
-__device__ __forceinline__ void DecodeStep(uint32_t (&frag)[4], const MmaFragments<CT, RT>& f, int ct,
-                                           const uint32_t (&lo)[CT][2],
+__device__ __forceinline__ void DecodeStep(uint32_t (&frag)[4], const MmaFragments<CT, RT>& f,
+                                           int ct, const uint32_t (&lo)[CT][2],
                                            const uint32_t (&hi)[CT][2]) {
   using Tr = HalfTraits<T>;
 #pragma unroll

@@ -2,9 +2,9 @@
 // host-only C++ so that the CPU module can expose it to tests (tests/test_gemv_config.py).
 //
 // Tensor-core path (sm_80+, K % 128 == 0): a warp computes col_tiles tiles of 16 output columns
-// for up to 8 * row_tiles rows of M, over a strided share of the 128-wide K windows; k_split warps of one block
-// split K and reduce through shared memory. Scalar path: a warp per output column, 8 columns per
-// block, rows_per_block rows of M per warp sharing each decoded weight.
+// for up to 8 * row_tiles rows of M, over a strided share of the 128-wide K windows; k_split
+// warps of one block split K and reduce through shared memory. Scalar path: a warp per output
+// column, 8 columns per block, rows_per_block rows of M per warp sharing each decoded weight.
 #ifndef JAX_FP4_GEMV_CONFIG_H_
 #define JAX_FP4_GEMV_CONFIG_H_
 
