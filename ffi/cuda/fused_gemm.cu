@@ -67,6 +67,8 @@ constexpr int kTileN = 256;           // weight rows per CTA
 constexpr int kStageK = 128;          // K per pipeline stage
 constexpr int kMaxSplit = 8;          // portable cluster size
 constexpr int kFillStages = 2;        // split heuristic: per-CTA fixed cost in stage units
+constexpr int kSmemPerSm = 233472;    // sm_90 shared memory per SM (each CTA reserves 1 KB of it)
+constexpr int kMaxSmemPerCta = 232448;  // sm_90 opt-in maximum per CTA
 
 // BM = activation rows per CTA (the wgmma N): the smallest of 16 / 32 / 64 / 128 that covers M
 // wastes the least tensor work. BM <= 32 fits two CTAs per SM (<= 128 registers, <= 113 KB of
@@ -86,14 +88,15 @@ struct FusedConfig {
   static constexpr int kEpiBytes = BM * kEpiStride * 4;
   static constexpr int kBodyBytes = kPipeBytes + 2 * kConvBufBytes;
   static constexpr int kSmemBytes = 1024 + (kBodyBytes > kEpiBytes ? kBodyBytes : kEpiBytes);
-  static_assert(kSmemBytes <= 232448, "shared memory over the sm_90 limit");
-  static_assert(kMinBlocks == 1 || kSmemBytes <= 233472 / kMinBlocks - 1024,
+  static_assert(kSmemBytes <= kMaxSmemPerCta, "shared memory over the sm_90 limit");
+  static_assert(kMinBlocks == 1 || kSmemBytes <= kSmemPerSm / kMinBlocks - 1024,
                 "kMinBlocks CTAs must fit one SM's shared memory");
   static_assert(kStages >= 3, "the refill after the barrier overwrites stage it - 2's slot");
   static_assert(kActSubBytes % 1024 == 0, "wgmma B tiles must stay 1024-byte aligned");
   // Dynamic shared memory that leaves room for one CTA per SM only: how a kMinBlocks = 2 tile
   // spreads a grid too small to fill every SM twice over all SMs instead of packing half of them.
-  static constexpr int kSpreadSmemBytes = kSmemBytes > 233472 / 2 ? kSmemBytes : 233472 / 2;
+  static constexpr int kSpreadSmemBytes =
+      kSmemBytes > kSmemPerSm / 2 ? kSmemBytes : kSmemPerSm / 2;
 };
 
 // ---- small PTX wrappers ----------------------------------------------------------------------
@@ -605,20 +608,15 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
 //   JAX_FP4_FUSED_SPLIT=<n>, n in 1..kMaxSplit: the split-K factor (clamped to the K stages);
 //   JAX_FP4_FUSED_TILE_M=<bm>, bm in {16, 32, 64, 128}: activation rows per CTA.
 // Anything else is an error (returned as a message), not silently ignored.
-std::string ReadOverride(const char* name, int* forced) {
+std::string ReadOverride(const char* name, bool (*valid)(long), const std::string& expected,
+                         int* forced) {
   *forced = 0;
-  const bool is_tile = std::string(name) == "JAX_FP4_FUSED_TILE_M";
   const char* env = std::getenv(name);
   if (env == nullptr || *env == '\0') return "";
   char* end = nullptr;
   const long value = std::strtol(env, &end, 10);
-  const bool parsed = end != env && *end == '\0';
-  if (is_tile && !(parsed && (value == 16 || value == 32 || value == 64 || value == 128))) {
-    return std::string(name) + " must be one of 16, 32, 64, 128, got '" + env + "'";
-  }
-  if (!is_tile && !(parsed && value >= 1 && value <= kMaxSplit)) {
-    return std::string(name) + " must be an integer in 1.." + std::to_string(kMaxSplit) +
-           ", got '" + env + "'";
+  if (end == env || *end != '\0' || !valid(value)) {
+    return std::string(name) + " must be " + expected + ", got '" + env + "'";
   }
   *forced = static_cast<int>(value);
   return "";
@@ -738,8 +736,14 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: cudaGetDevice", err);
 
   int forced_split = 0, forced_tile = 0;
-  std::string bad_override = ReadOverride("JAX_FP4_FUSED_SPLIT", &forced_split);
-  if (bad_override.empty()) bad_override = ReadOverride("JAX_FP4_FUSED_TILE_M", &forced_tile);
+  std::string bad_override = ReadOverride(
+      "JAX_FP4_FUSED_SPLIT", [](long v) { return v >= 1 && v <= kMaxSplit; },
+      "an integer in 1.." + std::to_string(kMaxSplit), &forced_split);
+  if (bad_override.empty()) {
+    bad_override = ReadOverride(
+        "JAX_FP4_FUSED_TILE_M", [](long v) { return v == 16 || v == 32 || v == 64 || v == 128; },
+        "one of 16, 32, 64, 128", &forced_tile);
+  }
   if (!bad_override.empty()) return invalid(bad_override);
   const int tile_m = forced_tile > 0 ? forced_tile : DefaultTileM(m);
   if (CeilDiv(m, tile_m) > fused::kMaxMTiles) {
