@@ -98,7 +98,7 @@ for stage in "$@"; do
       for tile in ${FUSED_TILES:-auto 16 32 64}; do
         echo "== JAX_FP4_FUSED_TILE_M=$tile"
         [ "$tile" = auto ] && tile=""
-        JAX_FP4_FUSED_TILE_M=$tile timeout 150 python benchmarks/fused_timing.py --variants bf16,fused,gemv \
+        JAX_FP4_FUSED_TILE_M=$tile timeout 150 python benchmarks/fused_timing.py --variants ${FUSED_TILE_VARIANTS:-bf16,fused,gemv} \
           --ms ${FUSED_TILE_MS:-16,32,48,64} --json "$OUT/fused_tile_${tile:-auto}.json" \
           2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
       done | tee "$OUT/fused_tiles.log" ;;

@@ -27,10 +27,12 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jax_fp4 import _fused
+
 FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
 GEMV = "jax_fp4_gemv_cuda"
-VARIANTS = ("bf16", "dequant", "dequant16", "fused", "gemv")
+VARIANTS = ("bf16", "dequant", "dequant16", "fused", "fused_own_a", "gemv")
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_MS = "16,32,64,128,256,512,1024,2048,4096"
 CHAIN_BYTES = 200e6  # each chain's fp4 weights exceed the 60 MB L2 about 3x
@@ -50,7 +52,8 @@ def fused_call(a, packed, scale, gs):
     m, n = a.shape[0], packed.shape[0]
     call = jax.ffi.ffi_call(FUSED, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                     jax.ShapeDtypeStruct((0,), jnp.float32)))
-    y, _ = call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16))
+    y, _ = call(_fused.to_fragment_order(a), packed, scale, gs, jnp.zeros((0,), a.dtype),
+                block_size=np.int64(16))
     return y
 
 
@@ -191,6 +194,12 @@ def main():
             return [fused_call(a, *w) for w in ws]
 
         @jax.jit
+        def chain_fused_own_a(acts, ws):
+            # One activation per layer: each layer's to_fragment_order is its own XLA transpose
+            # kernel (with the shared `a` of chain_fused XLA computes it once per chain).
+            return [fused_call(x, *w) for x, w in zip(acts, ws)]
+
+        @jax.jit
         def chain_dequant(a, ws):
             return [dequant_call(a, *w) for w in ws]
 
@@ -212,9 +221,13 @@ def main():
             for v in variants:
                 fn, ws = {"fused": (chain_fused, weights), "dequant": (chain_dequant, weights),
                           "dequant16": (chain_dequant16, weights), "bf16": (chain_bf16, w16),
-                          "gemv": (chain_gemv, weights)}[v]
+                          "gemv": (chain_gemv, weights), "fused_own_a": (None, weights)}[v]
+                if v == "fused_own_a":
+                    fn, a_arg = chain_fused_own_a, [a * (1.0 + 2.0**-8 * i) for i in range(n_mm)]
+                else:
+                    a_arg = a
                 try:
-                    sec, spread = time_chain(fn, (a, ws), n_mm)
+                    sec, spread = time_chain(fn, (a_arg, ws), n_mm)
                 except Exception as err:  # report and keep going
                     print(f"  {v} N={n} K={k} M={m}: FAILED {type(err).__name__}: {err}", flush=True)
                     row[f"{v}_us"] = None

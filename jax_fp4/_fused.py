@@ -1,7 +1,7 @@
 """Static facts of the fused sm_90 NVFP4 GEMM (FFI target "jax_fp4_fused_cuda"): pure functions,
 kept in sync with ffi/cuda/fused_gemm.h, usable (and tested) on any machine.
 
-The target takes (a [M, K] f16/bf16, packed u8 [N, K/2], scale u8 [N, K/16], global_scale f32 [1],
+The target takes (a [M, K] f16/bf16 in fragment K order (`to_fragment_order`), packed u8 [N, K/2], scale u8 [N, K/16], global_scale f32 [1],
 bias [N] or [0]) and returns (y [M, N] in a's dtype, workspace f32 [fused_workspace_elems(m, n, k)]),
 attribute block_size (int64, 16). It runs on compute capability 9.0 devices only (sm_90a code);
 the dispatcher must not choose it elsewhere.
@@ -20,6 +20,26 @@ TILE_M_LARGE = 128     # activation rows per CTA when M > 64 (16 / 32 / 64 below
 _INT_LIMIT = 2**31 - 1
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
+
+
+FRAGMENT_BLOCK = 64    # the fragment K order permutes K inside blocks of this many elements
+
+
+def to_fragment_order(a):
+    """The activation [..., K] with K permuted inside each 64-element block as the fused kernel
+    reads it: result[..., 64 b + k_log] = a[..., 64 b + p(k_log)], where
+    k_log = 32 sb + 16 j1 + 8 j0 + 2 t + o  <->  p = 16 t + 8 sb + 4 o + 2 j1 + j0
+    (ffi/cuda/fused_gemm.cu, "Fragment K order": it lets every lane decode whole packed words).
+    A reshape and a transpose (NumPy or jax arrays); K must be a multiple of 64."""
+    *lead, k = a.shape
+    if k % FRAGMENT_BLOCK:
+        raise ValueError(f"to_fragment_order: K must be a multiple of {FRAGMENT_BLOCK}, got {k}")
+    # Physical index bits, high to low: t (2 bits), sb, o, j1, j0.
+    x = a.reshape(*lead, k // FRAGMENT_BLOCK, 2, 2, 2, 2, 2, 2)
+    d = len(lead) + 1
+    t1, t0, sb, o, j1, j0 = range(d, d + 6)
+    x = x.transpose(*range(d), sb, j1, j0, t1, t0, o)
+    return x.reshape(*lead, k)
 
 
 def fused_workspace_elems(m: int, n: int, k: int) -> int:

@@ -139,7 +139,8 @@ def _fused_gemm(a, packed, scale, global_scale, bias, *, block_size, **_):
     outs = (jax.ShapeDtypeStruct((m, n), a.dtype),
             jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),), jnp.float32))
     y, _ = jax.ffi.ffi_call(_fused.TARGET, outs)(
-        a, packed, scale, global_scale, _bias_operand(bias, a.dtype), block_size=np.int64(block_size))
+        _fused.to_fragment_order(a), packed, scale, global_scale, _bias_operand(bias, a.dtype),
+        block_size=np.int64(block_size))
     return y
 
 

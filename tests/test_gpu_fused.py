@@ -71,7 +71,7 @@ def fused(a, packed, scale, gs, bias=None, *, block_size=16):
     _poison((m, n), a.dtype)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                      jax.ShapeDtypeStruct((ws,), jnp.float32)))
-    y, _ = call(a, jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(gs, jnp.float32).reshape(1),
+    y, _ = call(_fused.to_fragment_order(a), jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(gs, jnp.float32).reshape(1),
                 jnp.asarray(bias), block_size=np.int64(block_size))
     return np.asarray(y)
 
@@ -256,8 +256,9 @@ def test_static_rules():
 
 # ---------------------------------------------------------------------------------------------
 # A bit-level model of FusedGemmKernel's index algebra (runs on any machine). It mirrors the
-# kernel's cp.async placements and swizzles, the per-thread scale-pair table, each lane's byte
-# gather + E2M1 decode into the wgmma register-A fragment, the wgmma semantics (A fragment layout
+# kernel's fragment K order of the activations, its cp.async placements and swizzles, the
+# per-thread scale-pair table, each lane's word loads + split-pair E2M1 decode into the wgmma
+# register-A fragment, the wgmma semantics (A fragment layout
 # per warp, B read through the K-major 128-byte-swizzle descriptor: 8-row groups 1024 B apart,
 # +32 B per k16 step), the accumulator layout, the epilogue staging and the rank-ordered split-K
 # reduction. Keep it in sync with ffi/cuda/fused_gemm.cu when either changes.
@@ -265,18 +266,12 @@ def test_static_rules():
 _TILE_N, _EPI_STRIDE = 256, 260
 
 
-def _prmt(a, b, sel):
-    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
-
-
 class _Half:
     """HalfTraits<T> of jax_fp4/nvfp4_cuda.cuh."""
 
     def __init__(self, dtype):
         self.dt = NP_DTYPES[dtype]
-        self.shift, self.mask, self.mul = ((3, 0x0E000E00, 2.0**7) if dtype == "float16"
-                                           else (6, 0x01C001C0, 2.0**119))
+        self.mul = 2.0**7 if dtype == "float16" else 2.0**119
 
     def halves(self, bits):
         return np.array([bits & 0xFFFF, bits >> 16], np.uint16).view(self.dt).astype(np.float64)
@@ -290,9 +285,13 @@ class _Half:
         assert np.array_equal(p.astype(self.dt).astype(np.float64), p), "folded scale not exact"
         return self.pair(p[0], p[1])
 
-    def decode(self, q, i):  # decode_e2m1_pair<T, i>(q, q << 4)
-        x = _prmt((q << 4) & 0xFFFFFFFF, q, (i << 4) | ((4 + i) << 12))
-        return (x & 0x80008000) | ((x >> self.shift) & self.mask)
+    def decode_split(self, q, j):  # decode_e2m1_split_pair<T, j>(q): nibbles j and j + 4
+        x, p = (q >> 8 if j >= 2 else q), 4 * (j & 1)
+        if self.dt == np.float16:
+            em, sign = x & (0x00070007 << p), x & (0x00080008 << p)
+            return (em * (1 << (9 - p)) + sign * (1 << (12 - p))) & 0xFFFFFFFF
+        nibbles = x & (0x000F000F << p)
+        return (nibbles * ((1 << (6 - p)) + (1 << (12 - p)))) & 0x81C081C0
 
 
 def _model_fused(a, packed, scale, gs, dtype, bm, splits):
@@ -301,6 +300,7 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
     m, k = a.shape
     n = packed.shape[0]
     ks = k // 128
+    a = _fused.to_fragment_order(a)  # what the caller hands the kernel
     y = np.full((m, n), np.nan)
     for n0 in range(0, n, _TILE_N):
         for m0 in range(0, m, bm):
@@ -320,7 +320,7 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                     pk = np.zeros(_TILE_N * 64, np.uint8)
                     for tid in range(256):
                         q, r0 = tid & 3, tid >> 2
-                        dst0 = r0 * 64 + ((q ^ ((r0 >> 1) & 3)) << 4)
+                        dst0 = r0 * 64 + ((q ^ (((r0 >> 1) & 1) << 1)) << 4)
                         for i in range(4):
                             row = min(n0 + r0 + 64 * i, n - 1)
                             pk[dst0 + 4096 * i:dst0 + 4096 * i + 16] = \
@@ -347,21 +347,18 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                                 for wq in range(4):
                                     for lane in range(32):
                                         g, t = lane >> 2, lane & 3
-                                        sel = t | ((t + 4) << 4)
                                         r_lo = wg * 128 + 64 * j + wq * 16 + g
                                         for r, row in enumerate((r_lo, r_lo + 8)):
-                                            w0 = (row * 64 + (((2 * h) ^ ((g >> 1) & 3)) << 4)) // 4
-                                            w1 = (row * 64 + (((2 * h + 1) ^ ((g >> 1) & 3)) << 4)) // 4
-                                            sc = (row * 32 + ((h ^ ((g >> 2) & 1)) << 4)) // 4
-                                            p = []
-                                            for w in (w0, w1):
-                                                v = [int(x) for x in pk32[w:w + 4]]
-                                                p.append(_prmt(_prmt(v[0], v[1], sel), _prmt(v[2], v[3], sel), 0x5410))
-                                            for s in range(4):
-                                                q, bi, sp = p[s // 2], 2 * (s & 1), int(cv[sc + s])
-                                                for off, byte in ((0, bi), (8, bi + 1)):
-                                                    pair = h16.halves(h16.pair_mul(h16.decode(q, byte), sp))
-                                                    a_mat[16 * wq + g + 8 * r, 16 * s + 2 * t + off:16 * s + 2 * t + off + 2] = pair
+                                            quarter = (2 * h + (t >> 1)) ^ (((g >> 1) & 1) << 1)
+                                            w = (row * 64 + (quarter << 4) + 8 * (t & 1)) // 4
+                                            sp = int(cv[(row * 32 + ((h ^ ((g >> 2) & 1)) << 4)) // 4 + t])
+                                            for sb in range(2):
+                                                q = int(pk32[w + sb])
+                                                for jj in range(4):
+                                                    s_, off = 2 * sb + (jj >> 1), 8 * (jj & 1)
+                                                    pair = h16.halves(h16.pair_mul(h16.decode_split(q, jj), sp))
+                                                    col = 16 * s_ + off + 2 * t
+                                                    a_mat[16 * wq + g + 8 * r, col:col + 2] = pair
                                 base = wg * 128 + 64 * j
                                 acc[base:base + 64] += a_mat @ b_mat
                 epi = np.full(bm * _EPI_STRIDE, np.nan)

@@ -7,28 +7,35 @@
 //
 // Roles of the GEMM dimensions (the weight is the wgmma "M" operand):
 //   wgmma M (64 per instruction) = weight rows n (output columns),
-//   wgmma N (BM = 64 or 128)     = activation rows m,
-//   wgmma K (16 per instruction) = k; one k16 step is exactly one NVFP4 scale block.
+//   wgmma N (BM = 16 .. 128)     = activation rows m,
+//   wgmma K (16 per instruction) = k, in the kernel's own order inside each 64-k block (below).
 //
 // CTA tile: 256 weight rows x BM activation rows, 256 threads = 2 warpgroups; warpgroup wg owns
 // weight rows [128 wg, 128 wg + 128) as two m64 tiles j = 0, 1. Pipeline stage = 128 K elements:
 //   act    [BM][128] f16/bf16 as two [BM][64] K-major 128B-swizzled wgmma B tiles (1024-aligned)
-//   packed [256][64 B]  (16-byte quarter q of row r stored at quarter q ^ ((r >> 1) & 3))
+//   packed [256][64 B]  (16-byte quarter q of row r stored at quarter q ^ (2 ((r >> 1) & 1)))
 //   scale  [256][8 B]   raw E4M3
 // Each thread converts the 8 scale bytes of "its" row (row = thread index, the row it also
 // cp.async'ed) into 16-bit pairs {s, s} * 2^7 (fp16) / 2^119 (bf16) in a double-buffered table.
 //
-// wgmma register-A fragment (per warp, identical to mma.m16n8k16's A): lane (g = lane / 4,
-// t = lane % 4) of warp w holds rows 16 w + g and 16 w + g + 8, k pairs (2t, 2t+1) and
-// (2t+8, 2t+9) of the k16 step. In packed bytes of a row's 32-byte sub-chunk (64 k), that is byte
-// t of each of the 8 words: the lane reads the row's 32 bytes (2 x LDS.128, broadcast within the
-// quad), gathers byte t of each word with prmt (6 prmt), and decodes pairs with the exact bit
-// trick of jax_fp4/nvfp4_cuda.cuh (value e2m1 * 2^-14 fp16 / 2^-126 bf16), then one packed
-// multiply by the scale pair gives e2m1 * e4m3 * 2^-7 exactly; the epilogue multiplies by 2^7 gs.
+// Fragment K order (why the activations come permuted): the wgmma register-A fragment gives lane
+// (g = lane / 4, t = lane % 4) of warp w rows 16 w + g and 16 w + g + 8, k pairs (2t, 2t+1) and
+// (2t+8, 2t+9) of each k16 step. The kernel hands lane t the packed words 2t and 2t + 1 of a
+// row's 64-k block (physical k 16t .. 16t + 15: one NVFP4 scale block) and decodes each word as
+// four "split pairs" (nibbles e and e + 4, 2 ALU instructions each: decode_e2m1_split_pair), so
+// that the pair it places at logical k (k_log, k_log + 1) holds physical k (p, p + 4) with
+//   k_log = 32 sb + 16 j1 + 8 j0 + 2 t + o   <->   p = 16 t + 8 sb + 4 o + 2 j1 + j0
+// (word sb of the lane, nibble pair j = 2 j1 + j0, o = which nibble of the pair). wgmma sums over
+// k_log, so the activation must sit at the same logical place: the caller passes
+// a_frag[m, k_log] = a[m, p(k_log)] per 64-k block (jax_fp4/_fused.py: to_fragment_order), which
+// XLA fuses into whatever produced the activation. Each lane reads one 8-byte word pair per row
+// (no byte gather) and one scale pair per row, and one packed multiply folds the scale exactly:
+// e2m1 * 2^-14 (fp16) / 2^-126 (bf16) times the scale pair = e2m1 * e4m3 * 2^-7; the epilogue
+// multiplies by 2^7 gs.
 //
 // One wgmma commit group = one (sub-chunk of 64 k, m64 tile): decode tile j into registers
-// A[j] while the previous group (the other tile) runs; wgmma.wait_group 1 after each commit
-// retires the group that last read A[j ^ 1].
+// A[j] while the previous group (the other tile) runs, with the next group's shared-memory loads
+// already issued; wgmma.wait_group 1 after each commit retires the group that last read A[j ^ 1].
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -100,6 +107,12 @@ struct FusedConfig {
 };
 
 // ---- small PTX wrappers ----------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t LdShared32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
 
 __device__ __forceinline__ uint2 LdShared64(uint32_t addr) {
   uint2 v;
@@ -282,13 +295,6 @@ __device__ __forceinline__ void WgmmaRS(float (&d)[BM / 2], const uint32_t (&a)[
 
 // ---- decode helpers --------------------------------------------------------------------------
 
-// Byte t of each word of v (t from the selector t | (t + 4) << 4 | ...): {v.x.t, v.y.t, v.z.t, v.w.t}.
-__device__ __forceinline__ uint32_t GatherBytes(const uint4& v, uint32_t sel) {
-  const uint32_t x01 = prmt(v.x, v.y, sel);
-  const uint32_t x23 = prmt(v.z, v.w, sel);
-  return prmt(x01, x23, 0x5410u);
-}
-
 // E4M3 byte -> 16-bit pair {s, s} * 2^7 (fp16) or * 2^119 (bf16): exact; NaN stays NaN.
 template <typename T>
 __device__ __forceinline__ uint32_t ScalePair(uint32_t byte) {
@@ -297,32 +303,39 @@ __device__ __forceinline__ uint32_t ScalePair(uint32_t byte) {
   return Tr::pair_from_floats(s, s);
 }
 
-// The 16 A-fragment registers of one (row pair, 64-k sub-chunk): out[s] = {a0, a1, a2, a3} of k16
-// step s. pk_lo / pk_hi: shared addresses of the two rows' 64-byte packed stage rows; cv_lo /
-// cv_hi: their 16-byte scale-pair slots for this sub-chunk.
+// What one lane reads for one (m64 tile, 64-k sub-chunk) group: per row (lo = 16 w + g, hi = +8)
+// its packed words 2t and 2t + 1 of the sub-chunk and the scale pair of that 16-k block.
+struct GroupBytes {
+  uint2 words[2];
+  uint32_t scale[2];
+};
+
+__device__ __forceinline__ GroupBytes LoadGroup(uint32_t pk_lo, uint32_t cv_lo) {
+  GroupBytes gb;
+  gb.words[0] = LdShared64(pk_lo);
+  gb.words[1] = LdShared64(pk_lo + 8 * 64);
+  gb.scale[0] = LdShared32(cv_lo);
+  gb.scale[1] = LdShared32(cv_lo + 8 * 32);
+  return gb;
+}
+
+// The 16 A-fragment registers of one group: out[s] = {a0, a1, a2, a3} of k16 step s. Word sb of
+// row r gives steps 2 sb (nibble pairs j = 0, 1) and 2 sb + 1 (j = 2, 3); j0 = j & 1 selects
+// the fragment's k + 8 half (registers 2, 3). See "Fragment K order" above.
 template <typename T>
-__device__ __forceinline__ void DecodeTile(uint32_t (&out)[4][4], uint32_t pk_lo, uint32_t pk_hi,
-                                           uint32_t q0, uint32_t q1, uint32_t cv_lo,
-                                           uint32_t cv_hi, uint32_t sel) {
+__device__ __forceinline__ void DecodeGroup(uint32_t (&out)[4][4], const GroupBytes& gb) {
   using Tr = HalfTraits<T>;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const uint32_t pk = r == 0 ? pk_lo : pk_hi;
-    const uint4 v0 = LdShared128(pk + q0);
-    const uint4 v1 = LdShared128(pk + q1);
-    const uint4 sc = LdShared128(r == 0 ? cv_lo : cv_hi);
-    const uint32_t p0 = GatherBytes(v0, sel);
-    const uint32_t p1 = GatherBytes(v1, sel);
-    const uint32_t p0s = p0 << 4, p1s = p1 << 4;
-    // step 0: bytes 0 (k 2t) and 1 (k 2t + 8) of p0; step 1: bytes 2, 3; steps 2, 3: p1.
-    out[0][r] = Tr::pair_mul(decode_e2m1_pair<T, 0>(p0, p0s), sc.x);
-    out[0][2 + r] = Tr::pair_mul(decode_e2m1_pair<T, 1>(p0, p0s), sc.x);
-    out[1][r] = Tr::pair_mul(decode_e2m1_pair<T, 2>(p0, p0s), sc.y);
-    out[1][2 + r] = Tr::pair_mul(decode_e2m1_pair<T, 3>(p0, p0s), sc.y);
-    out[2][r] = Tr::pair_mul(decode_e2m1_pair<T, 0>(p1, p1s), sc.z);
-    out[2][2 + r] = Tr::pair_mul(decode_e2m1_pair<T, 1>(p1, p1s), sc.z);
-    out[3][r] = Tr::pair_mul(decode_e2m1_pair<T, 2>(p1, p1s), sc.w);
-    out[3][2 + r] = Tr::pair_mul(decode_e2m1_pair<T, 3>(p1, p1s), sc.w);
+#pragma unroll
+    for (int sb = 0; sb < 2; ++sb) {
+      const uint32_t q = sb == 0 ? gb.words[r].x : gb.words[r].y;
+      const uint32_t sc = gb.scale[r];
+      out[2 * sb][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 0>(q), sc);
+      out[2 * sb][2 + r] = Tr::pair_mul(decode_e2m1_split_pair<T, 1>(q), sc);
+      out[2 * sb + 1][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 2>(q), sc);
+      out[2 * sb + 1][2 + r] = Tr::pair_mul(decode_e2m1_split_pair<T, 3>(q), sc);
+    }
   }
 }
 
@@ -373,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
   const uint32_t a_dst0 = (a_ch >> 3) * Cfg::kActSubBytes + a_r0 * 128 +
                           (((a_ch & 7) ^ (a_r0 & 7)) << 4);
   const int p_q = tid & 3, p_r0 = tid >> 2;
-  const uint32_t p_dst0 = p_r0 * 64 + ((p_q ^ ((p_r0 >> 1) & 3)) << 4);
+  const uint32_t p_dst0 = p_r0 * 64 + ((p_q ^ (((p_r0 >> 1) & 1) << 1)) << 4);
   const uint8_t* s_src = scale + static_cast<int64_t>(min(n0 + tid, n - 1)) * kb;
 
   auto load_stage = [&](int c, int slot) {
@@ -396,10 +409,17 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
     CpAsync8(sc_base + slot * Cfg::kScaleBytes + tid * 8, s_src + static_cast<int64_t>(c) * 8);
   };
 
-  // Decode-side constants of this lane.
-  const uint32_t sel = static_cast<uint32_t>(t) | (static_cast<uint32_t>(t + 4) << 4);
-  const uint32_t pswz = (g >> 1) & 3;  // packed quarter swizzle of rows 16 w + g (+ 8)
-  const uint32_t cswz = (g >> 2) & 1;  // scale-pair half swizzle
+  // Decode-side constants of this lane: its byte offsets inside a packed stage row (words 2t,
+  // 2t + 1 of sub-chunk h, quarter-swizzled by row; rows 16 w + g and + 8 share the swizzle) and
+  // inside a row's scale-pair slots (16-byte halves swizzled by row bit 2).
+  const uint32_t pswz = ((g >> 1) & 1) << 1;
+  const uint32_t cswz = (g >> 2) & 1;
+  uint32_t pk_off[2], cv_off[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    pk_off[h] = (((2u * h + (t >> 1)) ^ pswz) << 4) | ((t & 1u) << 3);
+    cv_off[h] = ((static_cast<uint32_t>(h) ^ cswz) << 4) + 4u * t;
+  }
   const int row_lo0 = wg * 128 + wq * 16 + g;  // tile j adds 64 j; the high row adds 8
 
   // Accumulators are not zeroed: the first wgmma of each tile runs with scale-d = 0 (D = A * B).
@@ -447,33 +467,34 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
     const uint32_t act_slot = act_base + slot * Cfg::kActBytes;
     const uint32_t pk_slot = pk_base + slot * Cfg::kPackedBytes;
     const uint32_t cv_buf = cv_base + (it & 1) * Cfg::kConvBufBytes;
+    // Group q = (sub-chunk h = q / 2, tile j = q % 2); its loads are issued one group ahead.
+    auto load_group = [&](int q) {
+      const int r_lo = row_lo0 + 64 * (q & 1);
+      return LoadGroup(pk_slot + r_lo * 64 + pk_off[q >> 1], cv_buf + r_lo * 32 + cv_off[q >> 1]);
+    };
+    GroupBytes next = load_group(0);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t q0 = ((2u * h) ^ pswz) << 4;
-      const uint32_t q1 = ((2u * h + 1u) ^ pswz) << 4;
-      const uint32_t cvo = ((static_cast<uint32_t>(h) ^ cswz) << 4);
+    for (int q = 0; q < 4; ++q) {
+      const int h = q >> 1, j = q & 1;
+      const GroupBytes cur = next;
+      if (q < 3) next = load_group(q + 1);
+      DecodeGroup<T>(afrag[j], cur);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int r_lo = row_lo0 + 64 * j;
-        DecodeTile<T>(afrag[j], pk_slot + r_lo * 64, pk_slot + (r_lo + 8) * 64, q0, q1,
-                      cv_buf + r_lo * 32 + cvo, cv_buf + (r_lo + 8) * 32 + cvo, sel);
+      for (int i = 0; i < kAcc; ++i) FenceReg(acc[j][i]);
+      WgmmaFence();
+      const uint32_t b_tile = act_slot + h * Cfg::kActSubBytes;
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) FenceReg(acc[j][i]);
-        WgmmaFence();
-        const uint32_t b_tile = act_slot + h * Cfg::kActSubBytes;
+      for (int s = 0; s < 4; ++s) {
+        WgmmaRS<T, BM>(acc[j], afrag[j][s], MakeDesc(b_tile + s * 32),
+                       (it > 0 || q > 1 || s > 0) ? 1u : 0u);
+      }
+      WgmmaCommit();
+      WgmmaWait<1>();  // retires the previous group (the other tile); this one stays in flight
+      // The group that read afrag[j ^ 1] is retired: keep those registers alive until here.
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          WgmmaRS<T, BM>(acc[j], afrag[j][s], MakeDesc(b_tile + s * 32),
-                         (it > 0 || h > 0 || s > 0) ? 1u : 0u);
-        }
-        WgmmaCommit();
-        WgmmaWait<1>();  // retires the previous group (the other tile); this one stays in flight
-        // The group that read afrag[j ^ 1] is retired: keep those registers alive until here.
+      for (int s = 0; s < 4; ++s) {
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) FenceReg(afrag[j ^ 1][s][r]);
-        }
+        for (int r = 0; r < 4; ++r) FenceReg(afrag[j ^ 1][s][r]);
       }
     }
     slot = slot + 1 == S ? 0 : slot + 1;
