@@ -24,11 +24,12 @@ from jax_fp4 import _fused, _native
 BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 
 # The "auto" thresholds, from the crossovers measured on the H200 (benchmarks/NOTES_fused.md,
-# benchmarks/results/fused_h200.json): the decode GEMV is as fast as or faster than the fused GEMM
-# up to M = 16 (it re-reads the weight once per 8 rows, mostly from L2); the fused GEMM beats
-# dequantize + cuBLAS by 1.5-2.7x from M = 32 to 128 and loses to it on most shapes by M = 256.
+# benchmarks/results/sweeps/fused_fragment_order_h200.json): the decode GEMV is as fast as or
+# faster than the fused GEMM up to M = 16 on most shapes (it re-reads the weight once per 8 rows,
+# mostly from L2); the fused GEMM beats dequantize + cuBLAS from M = 17 through 256 on all four
+# measured shapes (1.04-1.54x at 256) and loses to it on two of four at M = 512.
 GEMV_MAX_M = 16
-FUSED_MAX_M = 128
+FUSED_MAX_M = 256
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 _TRUE = ("1", "true", "yes", "on")

@@ -18,7 +18,7 @@ from jax_fp4._dispatch import Problem, select_path
 
 CAPABILITIES = [None, (7, 5), (8, 0), (9, 0), (10, 0), (12, 0)]
 DTYPES = [np.dtype("float16"), np.dtype(ml_dtypes.bfloat16), np.dtype("float32")]
-MS, NS, KS, BLOCKS = [0, 1, 8, 16, 17, 64, 128, 129, 4096], [0, 33, 64], [0, 48, 64, 4096], [16, 32, 7]
+MS, NS, KS, BLOCKS = [0, 1, 8, 16, 17, 64, 256, 257, 4096], [0, 33, 64], [0, 48, 64, 4096], [16, 32, 7]
 
 
 def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype):
@@ -44,7 +44,7 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype):
     if platform == "cuda" and has_cuda:
         if gemv_ok and m <= 16:
             return "gemv"
-        if fused_ok and m <= 128:
+        if fused_ok and m <= 256:
             return "fused"
         if native_env and native_ok:
             return "native"
