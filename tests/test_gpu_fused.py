@@ -256,12 +256,12 @@ def test_static_rules():
 
 # ---------------------------------------------------------------------------------------------
 # A bit-level model of FusedGemmKernel's index algebra (runs on any machine). It mirrors the
-# kernel's fragment K order of the activations, its cp.async placements and swizzles, the
-# per-thread scale-pair table, each lane's word loads + split-pair E2M1 decode into the wgmma
-# register-A fragment, the wgmma semantics (A fragment layout
-# per warp, B read through the K-major 128-byte-swizzle descriptor: 8-row groups 1024 B apart,
-# +32 B per k16 step), the accumulator layout, the epilogue staging and the rank-ordered split-K
-# reduction. Keep it in sync with ffi/cuda/fused_gemm.cu when either changes.
+# kernel's fragment K order of the activations, its cp.async placements and swizzles, each lane's
+# scale byte and word loads + split-pair E2M1 decode into the wgmma register-A fragment, the wgmma
+# semantics (A fragment layout per warp, B read through the K-major 128-byte-swizzle descriptor:
+# 8-row groups 1024 B apart, +32 B per k16 step), the accumulator layout, the epilogue staging and
+# the rank-ordered split-K reduction. Keep it in sync with ffi/cuda/fused_gemm.cu when either
+# changes.
 
 _TILE_N, _EPI_STRIDE = 256, 260
 
@@ -325,13 +325,9 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                             row = min(n0 + r0 + 64 * i, n - 1)
                             pk[dst0 + 4096 * i:dst0 + 4096 * i + 16] = \
                                 packed[row, 64 * c + 16 * q:64 * c + 16 * q + 16]
-                    cv = np.zeros(_TILE_N * 8, np.uint32)
+                    sc = np.zeros(_TILE_N * 8, np.uint8)  # raw bytes; row tid's 8 from thread tid
                     for tid in range(256):
-                        raw = scale[min(n0 + tid, n - 1), 8 * c:8 * c + 8]
-                        for h in range(2):
-                            for b in range(4):
-                                v = reference.e4m3_decode(raw[4 * h + b]) * h16.mul
-                                cv[8 * tid + 4 * (h ^ ((tid >> 2) & 1)) + b] = h16.pair(v, v)
+                        sc[8 * tid:8 * tid + 8] = scale[min(n0 + tid, n - 1), 8 * c:8 * c + 8]
                     pk32 = pk.view(np.uint32)
                     for h in range(2):
                         b_mat = np.zeros((64, bm))  # B[k][act row] read through the descriptor
@@ -351,7 +347,8 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                                         for r, row in enumerate((r_lo, r_lo + 8)):
                                             quarter = (2 * h + (t >> 1)) ^ (((g >> 1) & 1) << 1)
                                             w = (row * 64 + (quarter << 4) + 8 * (t & 1)) // 4
-                                            sp = int(cv[(row * 32 + ((h ^ ((g >> 2) & 1)) << 4)) // 4 + t])
+                                            v = reference.e4m3_decode(sc[row * 8 + 4 * h + t]) * h16.mul
+                                            sp = h16.pair(v, v)  # ScalePair<T>
                                             for sb in range(2):
                                                 q = int(pk32[w + sb])
                                                 for jj in range(4):

@@ -15,8 +15,8 @@
 //   act    [BM][128] f16/bf16 as two [BM][64] K-major 128B-swizzled wgmma B tiles (1024-aligned)
 //   packed [256][64 B]  (16-byte quarter q of row r stored at quarter q ^ (2 ((r >> 1) & 1)))
 //   scale  [256][8 B]   raw E4M3
-// Each thread converts the 8 scale bytes of "its" row (row = thread index, the row it also
-// cp.async'ed) into 16-bit pairs {s, s} * 2^7 (fp16) / 2^119 (bf16) in a double-buffered table.
+// Each lane converts the scale bytes it needs itself (one per row and group, 8 per stage) into
+// 16-bit pairs {s, s} * 2^7 (fp16) / 2^119 (bf16), inside the decode, after the stage barrier.
 //
 // Fragment K order (why the activations come permuted): the wgmma register-A fragment gives lane
 // (g = lane / 4, t = lane % 4) of warp w rows 16 w + g and 16 w + g + 8, k pairs (2t, 2t+1) and
@@ -29,7 +29,7 @@
 // k_log, so the activation must sit at the same logical place: the caller passes
 // a_frag[m, k_log] = a[m, p(k_log)] per 64-k block (jax_fp4/_fused.py: to_fragment_order), which
 // XLA fuses into whatever produced the activation. Each lane reads one 8-byte word pair per row
-// (no byte gather) and one scale pair per row, and one packed multiply folds the scale exactly:
+// (no byte gather) and one scale byte per row, and one packed multiply folds the scale exactly:
 // e2m1 * 2^-14 (fp16) / 2^-126 (bf16) times the scale pair = e2m1 * e4m3 * 2^-7; the epilogue
 // multiplies by 2^7 gs.
 //
@@ -84,17 +84,17 @@ template <int BM>
 struct FusedConfig {
   static_assert(BM == 16 || BM == 32 || BM == 64 || BM == 128, "BM is 16, 32, 64 or 128");
   static constexpr int kMinBlocks = BM <= 32 ? 2 : 1;
-  static constexpr int kStages = BM == 16 ? 4 : (BM == 32 ? 3 : (BM == 64 ? 6 : 4));
+  // Stages: as many as the shared memory allows, except BM = 32, where a 4th stage (fitting two
+  // CTAs per SM) measured ~15% slower on 17408x5120 and 28672x8192 at M = 32 (NOTES_fused.md).
+  static constexpr int kStages = BM == 16 ? 5 : (BM == 32 ? 3 : (BM == 64 ? 6 : 4));
   static constexpr int kActBytes = BM * kStageK * 2;         // two [BM][64] swizzled tiles
   static constexpr int kActSubBytes = BM * 128;              // one [BM][64] tile
   static constexpr int kPackedBytes = kTileN * kStageK / 2;  // 16 KB
   static constexpr int kScaleBytes = kTileN * kStageK / 16;  // 2 KB
-  static constexpr int kConvBufBytes = kTileN * 32;          // 8 scale pairs per row
   static constexpr int kPipeBytes = kStages * (kActBytes + kPackedBytes + kScaleBytes);
   static constexpr int kEpiStride = kTileN + 4;              // floats; conflict-free staging
   static constexpr int kEpiBytes = BM * kEpiStride * 4;
-  static constexpr int kBodyBytes = kPipeBytes + 2 * kConvBufBytes;
-  static constexpr int kSmemBytes = 1024 + (kBodyBytes > kEpiBytes ? kBodyBytes : kEpiBytes);
+  static constexpr int kSmemBytes = 1024 + (kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes);
   static_assert(kSmemBytes <= kMaxSmemPerCta, "shared memory over the sm_90 limit");
   static_assert(kMinBlocks == 1 || kSmemBytes <= kSmemPerSm / kMinBlocks - 1024,
                 "kMinBlocks CTAs must fit one SM's shared memory");
@@ -108,9 +108,9 @@ struct FusedConfig {
 
 // ---- small PTX wrappers ----------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t LdShared32(uint32_t addr) {
+__device__ __forceinline__ uint32_t LdShared8(uint32_t addr) {
   uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
 
@@ -118,13 +118,6 @@ __device__ __forceinline__ uint2 LdShared64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
   return v;
-}
-
-__device__ __forceinline__ void StShared128(uint32_t addr, uint32_t x, uint32_t y, uint32_t z,
-                                            uint32_t w) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z),
-               "r"(w)
-               : "memory");
 }
 
 __device__ __forceinline__ void FenceProxyAsync() {
@@ -304,18 +297,18 @@ __device__ __forceinline__ uint32_t ScalePair(uint32_t byte) {
 }
 
 // What one lane reads for one (m64 tile, 64-k sub-chunk) group: per row (lo = 16 w + g, hi = +8)
-// its packed words 2t and 2t + 1 of the sub-chunk and the scale pair of that 16-k block.
+// its packed words 2t and 2t + 1 of the sub-chunk and the raw scale byte of that 16-k block.
 struct GroupBytes {
   uint2 words[2];
   uint32_t scale[2];
 };
 
-__device__ __forceinline__ GroupBytes LoadGroup(uint32_t pk_lo, uint32_t cv_lo) {
+__device__ __forceinline__ GroupBytes LoadGroup(uint32_t pk_lo, uint32_t sc_lo) {
   GroupBytes gb;
   gb.words[0] = LdShared64(pk_lo);
   gb.words[1] = LdShared64(pk_lo + 8 * 64);
-  gb.scale[0] = LdShared32(cv_lo);
-  gb.scale[1] = LdShared32(cv_lo + 8 * 32);
+  gb.scale[0] = LdShared8(sc_lo);
+  gb.scale[1] = LdShared8(sc_lo + 8 * 8);
   return gb;
 }
 
@@ -330,7 +323,7 @@ __device__ __forceinline__ void DecodeGroup(uint32_t (&out)[4][4], const GroupBy
 #pragma unroll
     for (int sb = 0; sb < 2; ++sb) {
       const uint32_t q = sb == 0 ? gb.words[r].x : gb.words[r].y;
-      const uint32_t sc = gb.scale[r];
+      const uint32_t sc = ScalePair<T>(gb.scale[r]);
       out[2 * sb][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 0>(q), sc);
       out[2 * sb][2 + r] = Tr::pair_mul(decode_e2m1_split_pair<T, 1>(q), sc);
       out[2 * sb + 1][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 2>(q), sc);
@@ -362,7 +355,6 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
   const uint32_t act_base = sbase;
   const uint32_t pk_base = act_base + S * Cfg::kActBytes;
   const uint32_t sc_base = pk_base + S * Cfg::kPackedBytes;
-  const uint32_t cv_base = sc_base + S * Cfg::kScaleBytes;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
@@ -411,14 +403,13 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
 
   // Decode-side constants of this lane: its byte offsets inside a packed stage row (words 2t,
   // 2t + 1 of sub-chunk h, quarter-swizzled by row; rows 16 w + g and + 8 share the swizzle) and
-  // inside a row's scale-pair slots (16-byte halves swizzled by row bit 2).
+  // inside a row's 8 scale bytes (block 4h + t).
   const uint32_t pswz = ((g >> 1) & 1) << 1;
-  const uint32_t cswz = (g >> 2) & 1;
-  uint32_t pk_off[2], cv_off[2];
+  uint32_t pk_off[2], sc_off[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     pk_off[h] = (((2u * h + (t >> 1)) ^ pswz) << 4) | ((t & 1u) << 3);
-    cv_off[h] = ((static_cast<uint32_t>(h) ^ cswz) << 4) + 4u * t;
+    sc_off[h] = 4u * h + t;
   }
   const int row_lo0 = wg * 128 + wq * 16 + g;  // tile j adds 64 j; the high row adds 8
 
@@ -447,16 +438,6 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
   int pf_slot = S - 2;      // slot of stage `it + S - 2`
   for (int it = 0; it < nst; ++it) {
     CpAsyncWait<S - 3>();  // stage `it` (this thread's copies) landed
-    {
-      // Scale pairs of this thread's row for this stage: double-buffered by stage parity.
-      const uint2 raw = LdShared64(sc_base + slot * Cfg::kScaleBytes + tid * 8);
-      const uint32_t cv_row = cv_base + (it & 1) * Cfg::kConvBufBytes + tid * 32;
-      const uint32_t sw = (tid >> 2) & 1;
-      StShared128(cv_row + ((0u ^ sw) << 4), ScalePair<T>(raw.x), ScalePair<T>(raw.x >> 8),
-                  ScalePair<T>(raw.x >> 16), ScalePair<T>(raw.x >> 24));
-      StShared128(cv_row + ((1u ^ sw) << 4), ScalePair<T>(raw.y), ScalePair<T>(raw.y >> 8),
-                  ScalePair<T>(raw.y >> 16), ScalePair<T>(raw.y >> 24));
-    }
     FenceProxyAsync();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
     __syncthreads();
     // Refill the slot of stage it - 2: its decode finished before this barrier and its wgmma
@@ -466,11 +447,11 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
 
     const uint32_t act_slot = act_base + slot * Cfg::kActBytes;
     const uint32_t pk_slot = pk_base + slot * Cfg::kPackedBytes;
-    const uint32_t cv_buf = cv_base + (it & 1) * Cfg::kConvBufBytes;
+    const uint32_t sc_slot = sc_base + slot * Cfg::kScaleBytes;
     // Group q = (sub-chunk h = q / 2, tile j = q % 2); its loads are issued one group ahead.
     auto load_group = [&](int q) {
       const int r_lo = row_lo0 + 64 * (q & 1);
-      return LoadGroup(pk_slot + r_lo * 64 + pk_off[q >> 1], cv_buf + r_lo * 32 + cv_off[q >> 1]);
+      return LoadGroup(pk_slot + r_lo * 64 + pk_off[q >> 1], sc_slot + r_lo * 8 + sc_off[q >> 1]);
     };
     GroupBytes next = load_group(0);
 #pragma unroll
