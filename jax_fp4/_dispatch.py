@@ -24,12 +24,21 @@ from jax_fp4 import _fused, _native
 BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 
 # The "auto" thresholds, from the crossovers measured on the H200 (benchmarks/NOTES_fused.md,
-# benchmarks/results/sweeps/fused_fragment_order_h200.json): the decode GEMV is as fast as or
-# faster than the fused GEMM up to M = 16 on most shapes (it re-reads the weight once per 8 rows,
-# mostly from L2); the fused GEMM beats dequantize + cuBLAS from M = 17 through 256 on all four
-# measured shapes (1.04-1.54x at 256) and loses to it on two of four at M = 512.
+# "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json):
+# - M <= 8: the decode GEMV.
+# - 9 <= M <= 16: the GEMV, except from M = 12 on wide weights (N >= 8192), where the fused GEMM
+#   has enough 256-row weight tiles to fill the SMs and wins (M = 16: 6-16% on 11008x4096,
+#   17408x5120, 28672x8192; it loses 10% at N = 4096).
+# - 16 < M <= 256: the fused GEMM (1.1-1.5x faster than dequantize + cuBLAS at M = 256).
+# - 256 < M <= 512 with K >= 8192: still the fused GEMM (M = 512: 1.15-1.2x faster than
+#   dequantize + cuBLAS on 4096x11008 and 28672x8192; 6% slower on 11008x4096 and 17408x5120).
+# - larger M: dequantize + cuBLAS.
 GEMV_MAX_M = 16
+FUSED_MIN_M_WIDE_N = 12
+WIDE_N = 8192
 FUSED_MAX_M = 256
+FUSED_MAX_M_LONG_K = 512
+LONG_K = 8192
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 _TRUE = ("1", "true", "yes", "on")
@@ -82,6 +91,14 @@ def fused_unsupported_reason(p: Problem, capability) -> str | None:
     return _fused.fused_supported(p.m, p.n, p.k, p.block_size, p.dtype)
 
 
+def auto_prefers_fused(p: Problem) -> bool:
+    """Whether "auto" takes the fused GEMM over the GEMV / dequant for this shape (where it can
+    run at all): the measured crossovers above."""
+    if p.m <= GEMV_MAX_M:
+        return p.m >= FUSED_MIN_M_WIDE_N and p.n >= WIDE_N
+    return p.m <= (FUSED_MAX_M_LONG_K if p.k >= LONG_K else FUSED_MAX_M)
+
+
 _PLATFORM_OF = {"cpu": "cpu", "gemv": "cuda", "dequant": "cuda", "fused": "cuda", "native": "cuda"}
 _UNSUPPORTED = {"gemv": gemv_unsupported_reason, "dequant": dequant_unsupported_reason}
 
@@ -126,10 +143,10 @@ def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bo
     if platform == "cpu":
         return "cpu"
     if platform == "cuda" and has_cuda_kernels:
+        if auto_prefers_fused(p) and fused_unsupported_reason(p, capability) is None:
+            return "fused"
         if gemv_unsupported_reason(p) is None and p.m <= GEMV_MAX_M:
             return "gemv"
-        if p.m <= FUSED_MAX_M and fused_unsupported_reason(p, capability) is None:
-            return "fused"
         if _native.native_path_applies(capability, native_enabled, "auto", p.m, p.n, p.k,
                                        p.block_size, p.dtype):
             return "native"

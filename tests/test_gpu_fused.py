@@ -212,8 +212,8 @@ def test_forced_split_matches_reference(split, monkeypatch):
 
 
 @needs_sm90
-@pytest.mark.parametrize("tile_m", ["16", "32", "64", "128"])
-@pytest.mark.parametrize("m", [1, 16, 33, 70])
+@pytest.mark.parametrize("tile_m", ["16", "32", "64", "128", "256"])
+@pytest.mark.parametrize("m", [1, 16, 33, 70, 300])
 def test_forced_tile_matches_reference(tile_m, m, monkeypatch):
     """JAX_FP4_FUSED_TILE_M forces the activation rows per CTA: each tile, with one and with
     several M tiles per weight tile (ragged last tile), and split-K, gives the reference result."""
@@ -227,13 +227,13 @@ def test_forced_tile_matches_reference(tile_m, m, monkeypatch):
 
 
 _SPLIT_ERROR = "JAX_FP4_FUSED_SPLIT must be an integer in 1..8"
-_TILE_ERROR = "JAX_FP4_FUSED_TILE_M must be one of 16, 32, 64, 128"
+_TILE_ERROR = "JAX_FP4_FUSED_TILE_M must be one of 16, 32, 64, 128, 256"
 
 
 @needs_sm90
 @pytest.mark.parametrize("variable, value, message", [
     *[("JAX_FP4_FUSED_SPLIT", v, _SPLIT_ERROR) for v in ("0", "9", "-1", "2x", "x", " ")],
-    *[("JAX_FP4_FUSED_TILE_M", v, _TILE_ERROR) for v in ("0", "8", "48", "256", "x", " ")],
+    *[("JAX_FP4_FUSED_TILE_M", v, _TILE_ERROR) for v in ("0", "8", "48", "512", "x", " ")],
 ])
 def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
     """A malformed tuning override is an error naming the variable, not silently ignored."""
@@ -263,7 +263,11 @@ def test_static_rules():
 # the rank-ordered split-K reduction. Keep it in sync with ffi/cuda/fused_gemm.cu when either
 # changes.
 
-_TILE_N, _EPI_STRIDE = 256, 260
+
+def _tiles_per_warpgroup(bm):
+    """FusedConfig<BM>::kTilesPerWarpgroup: m64 weight tiles per warpgroup (256 weight rows per
+    CTA up to BM = 128, 128 rows at BM = 256)."""
+    return 1 if bm == 256 else 2
 
 
 class _Half:
@@ -301,12 +305,16 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
     n = packed.shape[0]
     ks = k // 128
     a = _fused.to_fragment_order(a)  # what the caller hands the kernel
+    tj = _tiles_per_warpgroup(bm)
+    tile_n = 128 * tj
+    epi_stride = tile_n + 4
+    col_threads = tile_n // 4  # epilogue threads per staged row
     y = np.full((m, n), np.nan)
-    for n0 in range(0, n, _TILE_N):
+    for n0 in range(0, n, tile_n):
         for m0 in range(0, m, bm):
             staged = []
             for z in range(splits):
-                acc = np.zeros((_TILE_N, bm))  # D[weight row][activation row]
+                acc = np.zeros((tile_n, bm))  # D[weight row][activation row]
                 for c in range(z * ks // splits, (z + 1) * ks // splits):
                     act = np.zeros(2 * bm * 128, np.uint8)  # two [bm][64] SW128 tiles
                     for tid in range(256):
@@ -317,16 +325,16 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                             if row < m:
                                 act[dst0 + 2048 * i:dst0 + 2048 * i + 16] = \
                                     a[row, 128 * c + 8 * ch:128 * c + 8 * ch + 8].view(np.uint8)
-                    pk = np.zeros(_TILE_N * 64, np.uint8)
+                    pk = np.zeros(tile_n * 64, np.uint8)
                     for tid in range(256):
                         q, r0 = tid & 3, tid >> 2
                         dst0 = r0 * 64 + ((q ^ (((r0 >> 1) & 1) << 1)) << 4)
-                        for i in range(4):
+                        for i in range(tile_n // 64):
                             row = min(n0 + r0 + 64 * i, n - 1)
                             pk[dst0 + 4096 * i:dst0 + 4096 * i + 16] = \
                                 packed[row, 64 * c + 16 * q:64 * c + 16 * q + 16]
-                    sc = np.zeros(_TILE_N * 8, np.uint8)  # raw bytes; row tid's 8 from thread tid
-                    for tid in range(256):
+                    sc = np.zeros(tile_n * 8, np.uint8)  # raw bytes; row tid's 8 from thread tid
+                    for tid in range(tile_n):
                         sc[8 * tid:8 * tid + 8] = scale[min(n0 + tid, n - 1), 8 * c:8 * c + 8]
                     pk32 = pk.view(np.uint32)
                     for h in range(2):
@@ -338,12 +346,12 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                                     phys = h * bm * 128 + (logical ^ (((logical >> 7) & 7) << 4))
                                     b_mat[16 * s + kk, col] = act[phys:phys + 2].view(NP_DTYPES[dtype])[0]
                         for wg in range(2):
-                            for j in range(2):
+                            for j in range(tj):
                                 a_mat = np.full((64, 64), np.nan)  # A[row of the m64 tile][k]
                                 for wq in range(4):
                                     for lane in range(32):
                                         g, t = lane >> 2, lane & 3
-                                        r_lo = wg * 128 + 64 * j + wq * 16 + g
+                                        r_lo = wg * 64 * tj + 64 * j + wq * 16 + g
                                         for r, row in enumerate((r_lo, r_lo + 8)):
                                             quarter = (2 * h + (t >> 1)) ^ (((g >> 1) & 1) << 1)
                                             w = (row * 64 + (quarter << 4) + 8 * (t & 1)) // 4
@@ -356,31 +364,31 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                                                     pair = h16.halves(h16.pair_mul(h16.decode_split(q, jj), sp))
                                                     col = 16 * s_ + off + 2 * t
                                                     a_mat[16 * wq + g + 8 * r, col:col + 2] = pair
-                                base = wg * 128 + 64 * j
+                                base = wg * 64 * tj + 64 * j
                                 acc[base:base + 64] += a_mat @ b_mat
-                epi = np.full(bm * _EPI_STRIDE, np.nan)
+                epi = np.full(bm * epi_stride, np.nan)
                 for wg in range(2):
                     for wq in range(4):
                         for lane in range(32):
                             g, t = lane >> 2, lane & 3
-                            for j in range(2):
-                                nl = wg * 128 + 64 * j + wq * 16 + g
+                            for j in range(tj):
+                                nl = wg * 64 * tj + 64 * j + wq * 16 + g
                                 for b in range(bm // 8):
                                     ml = 8 * b + 2 * t
-                                    epi[ml * _EPI_STRIDE + nl] = acc[nl, ml]
-                                    epi[(ml + 1) * _EPI_STRIDE + nl] = acc[nl, ml + 1]
-                                    epi[ml * _EPI_STRIDE + nl + 8] = acc[nl + 8, ml]
-                                    epi[(ml + 1) * _EPI_STRIDE + nl + 8] = acc[nl + 8, ml + 1]
+                                    epi[ml * epi_stride + nl] = acc[nl, ml]
+                                    epi[(ml + 1) * epi_stride + nl] = acc[nl, ml + 1]
+                                    epi[ml * epi_stride + nl + 8] = acc[nl + 8, ml]
+                                    epi[(ml + 1) * epi_stride + nl + 8] = acc[nl + 8, ml + 1]
                 staged.append(epi)
             for rank in range(splits):
                 for tid in range(256):
-                    c4, ml = tid & 63, rank + splits * (tid >> 6)
+                    c4, ml = tid % col_threads, rank + splits * (tid // col_threads)
                     nn = n0 + 4 * c4
                     while ml < bm and m0 + ml < m and nn < n:
-                        total = sum(e[ml * _EPI_STRIDE + 4 * c4:ml * _EPI_STRIDE + 4 * c4 + 4] for e in staged)
+                        total = sum(e[ml * epi_stride + 4 * c4:ml * epi_stride + 4 * c4 + 4] for e in staged)
                         for e in range(min(4, n - nn)):
                             y[m0 + ml, nn + e] = total[e] * 128.0 * gs
-                        ml += 4 * splits
+                        ml += splits * (256 // col_threads)
     return y
 
 
@@ -389,6 +397,7 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
     (13, 270, 256, "bfloat16", 16, 2),
     (40, 260, 256, "float16", 32, 1),
     (70, 260, 384, "bfloat16", 128, 3),
+    (300, 140, 256, "float16", 256, 2),
 ])
 def test_layout_model_matches_reference(m, n, k, dtype, bm, splits):
     rng = np.random.default_rng()
