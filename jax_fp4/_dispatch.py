@@ -24,21 +24,18 @@ from jax_fp4 import _fused, _native
 BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 
 # The "auto" thresholds, from the crossovers measured on the H200 (benchmarks/NOTES_fused.md,
-# "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json):
+# "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json, fused_load_hoist_h200.json):
 # - M <= 8: the decode GEMV.
 # - 9 <= M <= 16: the GEMV, except from M = 12 on wide weights (N >= 8192), where the fused GEMM
 #   has enough 256-row weight tiles to fill the SMs and wins (M = 16: 6-16% on 11008x4096,
 #   17408x5120, 28672x8192; it loses 10% at N = 4096).
-# - 16 < M <= 256: the fused GEMM (1.1-1.5x faster than dequantize + cuBLAS at M = 256).
-# - 256 < M <= 512 with K >= 8192: still the fused GEMM (M = 512: 1.15-1.2x faster than
-#   dequantize + cuBLAS on 4096x11008 and 28672x8192; 6% slower on 11008x4096 and 17408x5120).
-# - larger M: dequantize + cuBLAS.
+# - 16 < M <= 512: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS; M = 512:
+#   from 4% slower (11008x4096) to 1.3-1.5x faster (4096x11008, 28672x8192)).
+# - larger M: dequantize + cuBLAS (M = 1024: the fused GEMM measured 1.0-1.25x slower).
 GEMV_MAX_M = 16
 FUSED_MIN_M_WIDE_N = 12
 WIDE_N = 8192
-FUSED_MAX_M = 256
-FUSED_MAX_M_LONG_K = 512
-LONG_K = 8192
+FUSED_MAX_M = 512
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 _TRUE = ("1", "true", "yes", "on")
@@ -96,7 +93,7 @@ def auto_prefers_fused(p: Problem) -> bool:
     run at all): the measured crossovers above."""
     if p.m <= GEMV_MAX_M:
         return p.m >= FUSED_MIN_M_WIDE_N and p.n >= WIDE_N
-    return p.m <= (FUSED_MAX_M_LONG_K if p.k >= LONG_K else FUSED_MAX_M)
+    return p.m <= FUSED_MAX_M
 
 
 _PLATFORM_OF = {"cpu": "cpu", "gemv": "cuda", "dequant": "cuda", "fused": "cuda", "native": "cuda"}
