@@ -16,7 +16,7 @@ TARGET = "jax_fp4_fused_cuda"
 BLOCK_SIZE = 16        # NVFP4 block size, the only one served
 K_MULTIPLE = 128       # K per pipeline stage
 MAX_M_TILES = 65535    # grid.y limit
-TILE_M_LARGE = 128     # activation rows per CTA when M > 64 (16 / 32 / 64 below)
+TILE_M_LARGE = 128     # the smallest activation tile above M = 64 (bounds the M tiles)
 _INT_LIMIT = 2**31 - 1
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))

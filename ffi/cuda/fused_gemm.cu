@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
   auto load_stage = [&](int c, int slot) {
     const uint32_t act_dst = act_base + slot * Cfg::kActBytes + a_dst0;
     const T* a_src = a_src0 + static_cast<int64_t>(c) * kStageK;
-    if (a_valid == BM / 16) {  // every row in M: the whole tile but the last M tile
+    if (a_valid == BM / 16) {  // all rows in M (every M tile but a ragged last one)
 #pragma unroll
       for (int i = 0; i < BM / 16; ++i, a_src += a_step) CpAsync16(act_dst + i * 2048, a_src, 16u);
     } else {
@@ -757,8 +757,8 @@ cudaError_t DispatchFused(cudaStream_t stream, int device, int sms, int tile_m, 
                           const uint8_t* packed, const uint8_t* scale, const float* gs,
                           const void* bias, void* y, int64_t m, int64_t n, int64_t k,
                           bool vec_store, int forced_split) {
-  const auto launch = tile_m == 16   ? LaunchFused<T, 16>
-                      : tile_m == 32 ? LaunchFused<T, 32>
+  const auto launch = tile_m == 16    ? LaunchFused<T, 16>
+                      : tile_m == 32  ? LaunchFused<T, 32>
                       : tile_m == 64  ? LaunchFused<T, 64>
                       : tile_m == 128 ? LaunchFused<T, 128>
                                       : LaunchFused<T, 256>;

@@ -25,7 +25,7 @@ namespace fused {
 inline constexpr int64_t kBlockSize = 16;   // NVFP4 block size, the only one served
 inline constexpr int64_t kKMultiple = 128;  // K per pipeline stage
 inline constexpr int64_t kMaxMTiles = 65535;
-inline constexpr int64_t kTileMLarge = 128;  // activation rows per CTA when M > 64 (16 / 32 / 64 below)
+inline constexpr int64_t kTileMLarge = 128;  // the smallest activation tile above M = 64 (bounds the M tiles)
 
 // f32 elements of the workspace result for an [M, K] x [N, K]^T problem. A pure function of the
 // shape, kept in sync with jax_fp4/_fused.py:fused_workspace_elems.
