@@ -51,7 +51,7 @@ from jax_fp4._format import E2M1_VALUES
 MB = 1_000_000
 GB = 1_000_000_000
 
-DEFAULT_M = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
+DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_M = (1, 4, 16)
 
 # Defaults sized for an H200: 60 MB of L2, 141 GB of HBM.
@@ -82,6 +82,8 @@ DEFAULT_SHAPES = (
     Shape(11008, 4096),
     Shape(4096, 11008),
     Shape(17408, 5120),
+    Shape(28672, 8192),
+    Shape(5120, 17408, max_m=8),    # decode-only: the remaining shape of issue 4's GEMV targets
     Shape(248320, 2048, max_m=8),   # lm_head
 )
 QUICK_SHAPES = (Shape(256, 512), Shape(512, 256))
