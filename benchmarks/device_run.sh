@@ -11,6 +11,7 @@
 #   bash benchmarks/device_run.sh build profile gemv-sweep fused-sweep   # ncu, launch-config sweeps
 #   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
 #   bash benchmarks/device_run.sh build fused-tests fused-tiles   # fused GEMM tests, CTA row tiles
+#   bash benchmarks/device_run.sh build fused-crossovers   # the dispatch's crossovers, ~4 min
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -102,6 +103,13 @@ for stage in "$@"; do
           --ms ${FUSED_TILE_MS:-16,32,48,64} --json "$OUT/fused_tile_${tile:-auto}.json" \
           2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
       done | tee "$OUT/fused_tiles.log" ;;
+    fused-crossovers)
+      # What the dispatch thresholds of jax_fp4/_dispatch.py rest on: the GEMV against the fused
+      # GEMM at M = 9..16, and the fused GEMM against dequantize + cuBLAS at M = 256..1024.
+      { timeout 150 python benchmarks/fused_timing.py --variants bf16,fused,gemv --ms 9,12,16 \
+          --json "$OUT/crossovers_small_m.json"
+        timeout 200 python benchmarks/fused_timing.py --variants bf16,dequant16,fused --ms 256,512,1024 \
+          --json "$OUT/crossovers_large_m.json"; } 2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|" | tee "$OUT/crossovers.log" ;;
     fused-profile)
       # Stall reasons per SASS instruction of the fused GEMM, one launch per case (kernel replay;
       # no preallocated pool, so that ncu saves and restores only the live buffers).
@@ -120,7 +128,7 @@ for stage in "$@"; do
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, kernel-tests, fused-tests, sanitizer, fused, bench, profile, fused-profile, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, kernel-tests, fused-tests, sanitizer, fused, bench, profile, fused-profile, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles, fused-crossovers)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -24,7 +24,8 @@ from jax_fp4 import _fused, _native
 BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 
 # The "auto" thresholds, from the crossovers measured on the H200 (benchmarks/NOTES_fused.md,
-# "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json, fused_load_hoist_h200.json):
+# "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json and
+# fused_load_hoist_h200.json; re-measure with `bash benchmarks/device_run.sh build fused-crossovers`):
 # - M <= 8: the decode GEMV.
 # - 9 <= M <= 16: the GEMV, except from M = 12 on wide weights (N >= 8192), where the fused GEMM
 #   has enough 256-row weight tiles to fill the SMs and wins (M = 16: 6-16% on 11008x4096,
