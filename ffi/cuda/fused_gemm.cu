@@ -77,6 +77,11 @@ constexpr int kFillStages = 2;        // split heuristic: per-CTA fixed cost in 
 constexpr int kSmemPerSm = 233472;    // sm_90 shared memory per SM (each CTA reserves 1 KB of it)
 constexpr int kMaxSmemPerCta = 232448;  // sm_90 opt-in maximum per CTA
 
+// The activation tiles the kernel is built for (FusedConfig, JAX_FP4_FUSED_TILE_M).
+constexpr bool IsTileM(long bm) {
+  return bm == 16 || bm == 32 || bm == 64 || bm == 128 || bm == 256;
+}
+
 // BM = activation rows per CTA (the wgmma N): the smallest of 16 / 32 / 64 / 128 / 256 that covers
 // M wastes the least tensor work. BM <= 32 fits two CTAs per SM (<= 128 registers, <= 113 KB of
 // shared memory, fewer stages), so that one CTA's decode hides the other's waits. Up to BM = 128
@@ -85,8 +90,7 @@ constexpr int kMaxSmemPerCta = 232448;  // sm_90 opt-in maximum per CTA
 // fragment feeds 256 activation rows.
 template <int BM>
 struct FusedConfig {
-  static_assert(BM == 16 || BM == 32 || BM == 64 || BM == 128 || BM == 256,
-                "BM is 16, 32, 64, 128 or 256");
+  static_assert(IsTileM(BM), "BM is 16, 32, 64, 128 or 256");
   static constexpr int kTilesPerWarpgroup = BM == 256 ? 1 : 2;  // m64 weight tiles
   static constexpr int kTileN = 2 * 64 * kTilesPerWarpgroup;     // weight rows per CTA
   static constexpr int kGroups = 2 * kTilesPerWarpgroup;         // wgmma groups per stage
@@ -817,9 +821,7 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
       "an integer in 1.." + std::to_string(kMaxSplit), &forced_split);
   if (bad_override.empty()) {
     bad_override = ReadOverride(
-        "JAX_FP4_FUSED_TILE_M",
-        [](long v) { return v == 16 || v == 32 || v == 64 || v == 128 || v == 256; },
-        "one of 16, 32, 64, 128, 256", &forced_tile);
+        "JAX_FP4_FUSED_TILE_M", IsTileM, "one of 16, 32, 64, 128, 256", &forced_tile);
   }
   if (!bad_override.empty()) return invalid(bad_override);
   const int tile_m = forced_tile > 0 ? forced_tile : DefaultTileM(m);
