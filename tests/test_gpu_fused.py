@@ -356,7 +356,7 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                                             quarter = (2 * h + (t >> 1)) ^ (((g >> 1) & 1) << 1)
                                             w = (row * 64 + (quarter << 4) + 8 * (t & 1)) // 4
                                             v = reference.e4m3_decode(sc[row * 8 + 4 * h + t]) * h16.mul
-                                            sp = h16.pair(v, v)  # ScalePair<T>
+                                            sp = h16.pair(v, v)  # e4m3x2_scale_pairs<T>
                                             for sb in range(2):
                                                 q = int(pk32[w + sb])
                                                 for jj in range(4):

@@ -15,11 +15,12 @@
 //                    decode (adjacent-element pairs: PRMT, shift and two masks per pair) instead
 //                    of split pairs (decode_e2m1_split_pair)
 //   gemv             the production one-tile kernel, GemvMmaKernel<bf16, 1> (one accumulator
-//                    chain), at the heuristic's k_split
+//                    chain), at the heuristic's k_split, with the 256-byte L2 prefetch it gets
+//                    at k_split > 1 (gemv_no_l2: without)
 //   gemv_2tiles      GemvMmaKernel<bf16, 2> (two column tiles per warp share the activations):
 //                    what the heuristic launches at M = 1 when the column grid allows it
 //   gemv_c2/c4       the same with 2 / 4 accumulator chains (the 8 dependent HMMA of a window
-//                    split 2 / 4 ways)
+//                    split 2 / 4 ways); these and the rows above gemv run without the L2 prefetch
 // Reading, in times ("a >> b": a takes much longer than b):
 //   gemv ~ no_decode >> loads  -> the mma loop itself (instructions, dependency latency)
 //   gemv >> no_decode          -> the decode
@@ -300,9 +301,11 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   };
   add_gemv("no_decode", GemvMmaKernel<T, 1, 1, DecodeNone>, 1, k_split);
   add_gemv("gemv_adjacent", GemvMmaKernel<T, 1, 1, DecodeAdjacentPairs, 2>, 1, k_split);
-  add_gemv("gemv", GemvMmaKernel<T, 1>, 1, k_split);
+  // As launched (k_split > 1: 256-byte L2 prefetch of the weights), and without the prefetch.
+  add_gemv("gemv", GemvMmaKernel<T, 1, 1, DecodeE2M1, 1, 256>, 1, k_split);
+  add_gemv("gemv_no_l2", GemvMmaKernel<T, 1>, 1, k_split);
   if (cfg.col_tiles == 2) {  // the heuristic's pick at M = 1 where the column grid allows
-    add_gemv("gemv_2tiles", GemvMmaKernel<T, 2>, 2, k_split);
+    add_gemv("gemv_2tiles", GemvMmaKernel<T, 2, 1, DecodeE2M1, 1, 256>, 2, k_split);
   }
   add_gemv("gemv_c2", GemvMmaKernel<T, 1, 1, DecodeE2M1, 2>, 1, k_split);
   add_gemv("gemv_c4", GemvMmaKernel<T, 1, 1, DecodeE2M1, 4>, 1, k_split);

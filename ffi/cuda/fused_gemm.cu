@@ -16,8 +16,9 @@
 //   act    [BM][128] f16/bf16 as two [BM][64] K-major 128B-swizzled wgmma B tiles (1024-aligned)
 //   packed [TN][64 B]  (16-byte quarter q of row r stored at quarter q ^ (2 ((r >> 1) & 1)))
 //   scale  [TN][8 B]   raw E4M3
-// Each lane converts the scale bytes it needs itself (one per row and group, 8 per stage) into
-// 16-bit pairs {s, s} * 2^7 (fp16) / 2^119 (bf16), inside the decode, after the stage barrier.
+// Each lane converts the scale bytes it needs itself (its two rows' bytes of a group with one
+// cvt.rn.f16x2.e4m3x2 per group) into 16-bit pairs {s, s} * 2^7 (fp16) / 2^119 (bf16), inside
+// the decode, after the stage barrier.
 //
 // Fragment K order (why the activations come permuted): the wgmma register-A fragment gives lane
 // (g = lane / 4, t = lane % 4) of warp w rows 16 w + g and 16 w + g + 8, k pairs (2t, 2t+1) and
@@ -344,14 +345,6 @@ __device__ __forceinline__ void WgmmaRS(float (&d)[BM / 2], const uint32_t (&a)[
 
 // ---- decode helpers --------------------------------------------------------------------------
 
-// E4M3 byte -> 16-bit pair {s, s} * 2^7 (fp16) or * 2^119 (bf16): exact; NaN stays NaN.
-template <typename T>
-__device__ __forceinline__ uint32_t ScalePair(uint32_t byte) {
-  using Tr = HalfTraits<T>;
-  const float s = e4m3_to_float_fast(byte & 0xFFu) * Tr::kScaleMul;
-  return Tr::pair_from_floats(s, s);
-}
-
 // What one lane reads for one (m64 tile, 64-k sub-chunk) group: per row (lo = 16 w + g, hi = +8)
 // its packed words 2t and 2t + 1 of the sub-chunk and the raw scale byte of that 16-k block.
 struct GroupBytes {
@@ -374,12 +367,14 @@ __device__ __forceinline__ GroupBytes LoadGroup(uint32_t pk_lo, uint32_t sc_lo) 
 template <typename T>
 __device__ __forceinline__ void DecodeGroup(uint32_t (&out)[4][4], const GroupBytes& gb) {
   using Tr = HalfTraits<T>;
+  uint32_t scales[2];  // both rows' scale pairs from one conversion
+  e4m3x2_scale_pairs<T>(gb.scale[0] | (gb.scale[1] << 8), scales[0], scales[1]);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
 #pragma unroll
     for (int sb = 0; sb < 2; ++sb) {
       const uint32_t q = sb == 0 ? gb.words[r].x : gb.words[r].y;
-      const uint32_t sc = ScalePair<T>(gb.scale[r]);
+      const uint32_t sc = scales[r];
       out[2 * sb][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 0>(q), sc);
       out[2 * sb][2 + r] = Tr::pair_mul(decode_e2m1_split_pair<T, 1>(q), sc);
       out[2 * sb + 1][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 2>(q), sc);

@@ -157,7 +157,12 @@ cudaError_t LaunchMma(cudaStream_t stream, const T* a, const uint8_t* packed, co
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = GemvMmaSmemBytes(CT, k_split);
-  GemvMmaKernel<T, CT, RT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  if (k_split > 1) {
+    GemvMmaKernel<T, CT, RT, DecodeE2M1, 1, 256>
+        <<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  } else {
+    GemvMmaKernel<T, CT, RT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  }
   return cudaGetLastError();
 }
 

@@ -102,7 +102,7 @@ __device__ __forceinline__ void LoadActivation(uint4 (&dst)[4], const T* ap) {
 }
 
 // Loads one window's fragments at the current pointers, then advances them by `step` windows.
-template <typename T, int CT, int RT>
+template <typename T, int CT, int RT, int L2PrefetchBytes>
 __device__ __forceinline__ void MmaLoad(MmaFragments<CT, RT>& f, const uint8_t* (&wp)[CT][2],
                                         const uint8_t* (&sp)[CT][2], const T* (&ap)[RT],
                                         int64_t step) {
@@ -110,7 +110,7 @@ __device__ __forceinline__ void MmaLoad(MmaFragments<CT, RT>& f, const uint8_t* 
   for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      f.w[ct][h] = ld_stream_u4(wp[ct][h]);
+      f.w[ct][h] = ld_stream_u4<L2PrefetchBytes>(wp[ct][h]);
       f.s[ct][h] = LoadScalePair(sp[ct][h]);
       wp[ct][h] += step * (kGemvWindow / 2);
       sp[ct][h] += step * (kGemvWindow / 16);
@@ -143,33 +143,6 @@ struct DecodeE2M1 {
   }
 };
 
-// The two block scales of one weight row in a window (scale bytes b0 = low byte, b1) as 16-bit
-// pairs lo = {s0, s0}, hi = {s1, s1} with s = e4m3 * HalfTraits<T>::kScaleMul, so that
-// decode * scale = e2m1 * e4m3 * 2^-7 exactly.
-template <typename T>
-__device__ __forceinline__ void ScalePairsOfRow(uint32_t bytes, uint32_t& lo, uint32_t& hi) {
-  using Tr = HalfTraits<T>;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  // sm_89+: one cvt turns both E4M3 bytes into an exact fp16 pair (NaN stays NaN).
-  uint32_t h2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<unsigned short>(bytes)));
-  if constexpr (std::is_same_v<T, __half>) {
-    const uint32_t scaled = Tr::pair_mul(h2, 0x58005800u);  // x {128, 128}: <= 57344, exact
-    lo = prmt(scaled, 0u, 0x1010u);
-    hi = prmt(scaled, 0u, 0x3232u);
-  } else {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-    lo = Tr::pair_from_floats(f.x * Tr::kScaleMul, f.x * Tr::kScaleMul);
-    hi = Tr::pair_from_floats(f.y * Tr::kScaleMul, f.y * Tr::kScaleMul);
-  }
-#else
-  const float s0 = e4m3_to_float_fast(bytes & 0xFFu) * Tr::kScaleMul;
-  const float s1 = e4m3_to_float_fast(bytes >> 8) * Tr::kScaleMul;
-  lo = Tr::pair_from_floats(s0, s0);
-  hi = Tr::pair_from_floats(s1, s1);
-#endif
-}
-
 // Block scales of a window as 16-bit pairs (lo: the lane's first 16-element block, k-steps 0-3;
 // hi: 4-7).
 template <typename T, int CT, int RT>
@@ -178,7 +151,7 @@ __device__ __forceinline__ void ScalePairs(const MmaFragments<CT, RT>& f, uint32
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) ScalePairsOfRow<T>(f.s[ct][h], lo[ct][h], hi[ct][h]);
+    for (int h = 0; h < 2; ++h) e4m3x2_scale_pairs<T>(f.s[ct][h], lo[ct][h], hi[ct][h]);
   }
 }
 
@@ -303,7 +276,12 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // Two-tile warps are held to 128 registers (2 blocks of the largest size per SM: 4 blocks of
 // k_split 4 instead of 3 at the 137 they would take; no spills, ptxas -v).
 // RT (row tiles of 8 activation rows per warp) is 1, or 2 with one column tile (M > 8).
-template <typename T, int CT, int RT = 1, typename Decode = DecodeE2M1, int Chains = 1>
+// L2PrefetchBytes (0 or 256): the L2 prefetch size of the weight loads. 256 pays when k_split > 1,
+// where the block's other warps read the neighbouring windows of the same rows at the same time
+// (1-4% at M = 1 on the H200); a lone warp walking its row gained nothing from it
+// (benchmarks/NOTES.md, ninth session).
+template <typename T, int CT, int RT = 1, typename Decode = DecodeE2M1, int Chains = 1,
+          int L2PrefetchBytes = 0>
 __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 : 1)
     GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                   const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
@@ -370,13 +348,13 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
     // (A third, loads two windows ahead, measured slower: benchmarks/NOTES.md, sixth session.)
     MmaFragments<CT, RT> f0, f1;
     int64_t w = warp;
-    if (w < windows) MmaLoad<T, CT, RT>(f0, wp, sp, ap, k_split);
+    if (w < windows) MmaLoad<T, CT, RT, L2PrefetchBytes>(f0, wp, sp, ap, k_split);
     while (w < windows) {
-      if (w + k_split < windows) MmaLoad<T, CT, RT>(f1, wp, sp, ap, k_split);
+      if (w + k_split < windows) MmaLoad<T, CT, RT, L2PrefetchBytes>(f1, wp, sp, ap, k_split);
       MmaCompute<T, CT, RT, Decode, Chains>(acc, f0);
       w += k_split;
       if (w >= windows) break;
-      if (w + k_split < windows) MmaLoad<T, CT, RT>(f0, wp, sp, ap, k_split);
+      if (w + k_split < windows) MmaLoad<T, CT, RT, L2PrefetchBytes>(f0, wp, sp, ap, k_split);
       MmaCompute<T, CT, RT, Decode, Chains>(acc, f1);
       w += k_split;
     }

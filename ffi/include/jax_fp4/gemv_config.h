@@ -24,6 +24,10 @@ constexpr int kGemvTileCols = 16;           // output columns per mma tile
 constexpr int kGemvMaxWarpsPerBlock = 16;   // k_split * col_tiles <= this (register budget)
 constexpr int kGemvTargetWarpsPerSm = 16;   // grow k_split until this many warps per SM
 constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) per block
+// Blocks of the two-tile kernel resident per SM at the k_split it gets at M = 1 (4 warps at the
+// 128-register bound: 4 per SM). A two-tile grid just over one wave of them (by less than half a
+// wave) leaves its second wave nearly empty.
+constexpr int kGemvTwoTileBlocksPerSm = 4;
 // k_split bounds of the heuristic, as the H200 measured (benchmarks/NOTES.md, fourth session):
 // one-tile warps split K at least 4 ways where K allows (2 was never faster than 4) and at most 8
 // (16: 17.6 vs 13.5 us on 4096x11008); two- and four-tile warps at most 4 (two tiles at M = 8 on
@@ -42,9 +46,12 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   const int64_t windows = k > 0 ? k / kGemvWindow : 0;
 
   // Share each activation fragment (its loads and split-pair permutes) over several column tiles
-  // when the column grid alone still gives two waves of blocks. At M = 1 two tiles at most: the
-  // H200 sweep after the split-pair decode measured (2, 4) 13.0 us against 14.7-15.5 for every
-  // one-tile config on 11008x4096, but four tiles 26.6 against 22.7 on 17408x5120.
+  // when the column grid alone still gives two waves of blocks. At M = 1 two tiles at most, and
+  // not when their grid is just over one wave: the H200 measured (2, 4) 13.0-13.4 us against
+  // 14.7-15.7 for one tile on 11008x4096 (344 blocks) and two tiles ahead or even on 28672x8192
+  // (896) and lm_head (7760), but one tile faster on 17408x5120 (544 blocks, 528 resident):
+  // 21.5-22.5 against 24.5-25.7 us in three measurements (benchmarks/NOTES.md, ninth session).
+  // Four tiles: 26.6 against 22.7 on 17408x5120.
   // M > 8: each decoded weight fragment feeds two 8-row tiles (one pass over the weight for 16
   // rows instead of two; 128 registers leave room for one column tile only).
   const int row_tiles = m > 8 ? 2 : 1;
@@ -54,7 +61,10 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   } else if (m > 1 && GemvCeilDiv(tiles, 4) >= 2 * sms) {
     col_tiles = 4;
   } else if (GemvCeilDiv(tiles, 2) >= 2 * sms) {
-    col_tiles = 2;
+    const int64_t two_tile_blocks = GemvCeilDiv(tiles, 2);
+    const int64_t wave = kGemvTwoTileBlocksPerSm * sms;
+    const bool thin_second_wave = two_tile_blocks > wave && 2 * two_tile_blocks < 3 * wave;
+    col_tiles = m == 1 && thin_second_wave ? 1 : 2;
   }
   const int64_t blocks = GemvCeilDiv(tiles, col_tiles);
 
@@ -80,6 +90,7 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
 
 // Compile-time checks of the H200 (132 SMs) shapes quoted in benchmarks/NOTES.md.
 static_assert(gemv_launch_config(1, 11008, 4096, 132).col_tiles == 2, "");
+static_assert(gemv_launch_config(1, 17408, 5120, 132).col_tiles == 1, "");
 static_assert(gemv_launch_config(1, 11008, 4096, 132).k_split == 4, "");
 static_assert(gemv_launch_config(4, 248320, 2048, 132).col_tiles == 4, "");
 static_assert(gemv_launch_config(4, 248320, 2048, 132).k_split == 1, "");

@@ -148,12 +148,49 @@ __device__ __forceinline__ float e4m3_to_float_fast(uint32_t b) {
   return __uint_as_float(__float_as_uint(mag) | ((b & 0x80u) << 24));
 }
 
+// Two E4M3 block-scale bytes (b0 = low byte of `bytes`, b1) as the 16-bit pairs the decode
+// multiplies by: lo = {s0, s0}, hi = {s1, s1} with s = e4m3 * HalfTraits<T>::kScaleMul, so that
+// decode * scale = e2m1 * e4m3 * 2^-7 exactly. NaN bytes give NaN.
+template <typename T>
+__device__ __forceinline__ void e4m3x2_scale_pairs(uint32_t bytes, uint32_t& lo, uint32_t& hi) {
+  using Tr = HalfTraits<T>;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // sm_89+: one cvt turns both E4M3 bytes into an exact fp16 pair (NaN stays NaN).
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<unsigned short>(bytes)));
+  if constexpr (std::is_same_v<T, __half>) {
+    const uint32_t scaled = Tr::pair_mul(h2, 0x58005800u);  // x {128, 128}: <= 57344, exact
+    lo = prmt(scaled, 0u, 0x1010u);
+    hi = prmt(scaled, 0u, 0x3232u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    lo = Tr::pair_from_floats(f.x * Tr::kScaleMul, f.x * Tr::kScaleMul);
+    hi = Tr::pair_from_floats(f.y * Tr::kScaleMul, f.y * Tr::kScaleMul);
+  }
+#else
+  const float s0 = e4m3_to_float_fast(bytes & 0xFFu) * Tr::kScaleMul;
+  const float s1 = e4m3_to_float_fast((bytes >> 8) & 0xFFu) * Tr::kScaleMul;
+  lo = Tr::pair_from_floats(s0, s0);
+  hi = Tr::pair_from_floats(s1, s1);
+#endif
+}
+
 // Streaming 16-byte load (read once: do not keep it in L1, where activations live).
+// L2PrefetchBytes = 256: a miss fetches the 256 bytes around the address into L2 (the L2::256B
+// prefetch-size hint), for loads whose neighbours other warps are about to read.
+template <int L2PrefetchBytes = 0>
 __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
+  static_assert(L2PrefetchBytes == 0 || L2PrefetchBytes == 256, "no hint, or 256 bytes");
   uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
+  if constexpr (L2PrefetchBytes == 256) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  }
   return r;
 }
 
