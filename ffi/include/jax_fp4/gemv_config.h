@@ -24,9 +24,9 @@ constexpr int kGemvTileCols = 16;           // output columns per mma tile
 constexpr int kGemvMaxWarpsPerBlock = 16;   // k_split * col_tiles <= this (register budget)
 constexpr int kGemvTargetWarpsPerSm = 16;   // grow k_split until this many warps per SM
 constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) per block
-// Blocks of the two-tile kernel resident per SM at the k_split it gets at M = 1 (4 warps at the
-// 128-register bound: 4 per SM). A two-tile grid just over one wave of them (by less than half a
-// wave) leaves its second wave nearly empty.
+// Blocks of the two-tile kernel resident per SM at k_split 4, what it gets at M = 1 on grids of
+// one to two waves (4 warps at the 128-register bound: 4 blocks per SM). A two-tile grid just over
+// one wave of them (by less than half a wave) leaves its second wave nearly empty.
 constexpr int kGemvTwoTileBlocksPerSm = 4;
 // k_split bounds of the heuristic, as the H200 measured (benchmarks/NOTES.md, fourth session):
 // one-tile warps split K at least 4 ways where K allows (2 was never faster than 4) and at most 8
