@@ -4,6 +4,7 @@
 // variants that each take one suspect away:
 //   stream           the same bytes read contiguously, 16 B per thread (the achievable read)
 //   loads            the GEMV's own loads in its own address pattern and order, no math
+//   loads_occ4/5     the same loads held to 4 / 5 resident blocks per SM (the GEMV's occupancy)
 //   loads_prepacked  the same loads, addressed as if each warp's window were 1 KB contiguous
 //                    (a load-time "prepack" layout), no math
 //   loads_bulk       sm_90: the tile's rows fetched by TMA bulk copies (cp.async.bulk, 512 B per
@@ -24,6 +25,7 @@
 // Reading, in times ("a >> b": a takes much longer than b):
 //   gemv ~ no_decode >> loads  -> the mma loop itself (instructions, dependency latency)
 //   gemv >> no_decode          -> the decode
+//   loads_occ5 ~ gemv >> loads -> bytes in flight: the GEMV has too few warps for its loads
 //   loads ~ gemv >> loads_bulk -> the loads' path (L1 miss tracking): a TMA-fed kernel pays
 //   loads >> loads_prepacked   -> the access pattern: a prepacked layout pays
 //
@@ -266,25 +268,47 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   struct Row {
     std::string name;
     float us;
+    int blocks_per_sm;  // resident blocks per SM of the row's kernel (0: not queried)
   };
   std::vector<Row> rows;
   const char* only = std::getenv("GEMV_PROBE_ROWS");
   const auto wanted = [&](const std::string& name) {
     return only == nullptr || ("," + std::string(only) + ",").find("," + name + ",") != std::string::npos;
   };
-  const auto add = [&](const std::string& name, const auto& launch) {
-    if (wanted(name)) rows.push_back({name, TimeUs(launch, copies, rounds)});
+  // Blocks of `kernel` that fit one SM with `threads` threads and `smem` bytes of shared memory.
+  const auto resident = [](auto kernel, int threads, size_t smem) {
+    int blocks = 0;
+    CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
+    return blocks;
+  };
+  const auto add = [&](const std::string& name, const auto& launch, int blocks_per_sm = 0) {
+    if (wanted(name)) rows.push_back({name, TimeUs(launch, copies, rounds), blocks_per_sm});
   };
   rows.push_back({"stream", TimeUs([&](int c) {
                     StreamKernel<<<num_sms * 16, 256>>>(weights(c), packed_bytes, scales(c),
                                                         scale_bytes, sink);
-                  }, copies, rounds)});
+                  }, copies, rounds), 0});
   add("loads", [&](int c) {
     LoadsKernel<false><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
-  });
+  }, resident(LoadsKernel<false>, block.x, 0));
+  // The same loads held to `blocks` resident blocks per SM (the GEMV's occupancy: 5 for one tile
+  // at 96 registers, 4 for two at 128) by a shared-memory allocation they do not use: are the
+  // loads alone still at the stream's speed with as few warps as the GEMV has?
+  int device = 0, smem_per_sm = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                    device));
+  CHECK_CUDA(cudaFuncSetAttribute(LoadsKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  smem_per_sm - 1024));
+  for (int blocks : {4, 5}) {
+    const size_t hold = static_cast<size_t>(smem_per_sm / blocks - 1024);  // 1 KB reserved per block
+    add("loads_occ" + std::to_string(blocks), [&](int c) {
+      LoadsKernel<false><<<grid, block, hold>>>(a, weights(c), scales(c), sink, n, k);
+    }, resident(LoadsKernel<false>, block.x, hold));
+  }
   add("loads_prepacked", [&](int c) {
     LoadsKernel<true><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
-  });
+  }, resident(LoadsKernel<true>, block.x, 0));
   if (major >= 9 && k % (2 * kBulkRowBytes) == 0) {
     const auto launch = [&](int c) {
       BulkLoadsKernel<<<grid, 32, kBulkDepth * kBulkStageBytes>>>(weights(c), scales(c), sink, n, k);
@@ -297,7 +321,7 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     const size_t smem = GemvMmaSmemBytes(col_tiles, split);
     add(name, [&](int c) {
       kernel<<<kernel_grid, 32 * split, smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
-    });
+    }, resident(kernel, 32 * split, smem));
   };
   add_gemv("no_decode", GemvMmaKernel<T, 1, 1, DecodeNone>, 1, k_split);
   add_gemv("gemv_adjacent", GemvMmaKernel<T, 1, 1, DecodeAdjacentPairs, 2>, 1, k_split);
@@ -321,9 +345,10 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     }
   }
   for (const Row& r : rows) {
-    std::printf("%6lldx%-6lld k_split=%-2d %-19s %8.2f us %6.2f TB/s %5.0f%% of stream\n",
+    std::printf("%6lldx%-6lld k_split=%-2d %-19s %8.2f us %6.2f TB/s %5.0f%% of stream  %s\n",
                 static_cast<long long>(n), static_cast<long long>(k), k_split, r.name.c_str(), r.us,
-                bytes / (r.us * 1e-6) / 1e12, 100.0 * rows[0].us / r.us);
+                bytes / (r.us * 1e-6) / 1e12, 100.0 * rows[0].us / r.us,
+                r.blocks_per_sm > 0 ? (std::to_string(r.blocks_per_sm) + " blocks/SM").c_str() : "");
   }
   CHECK_CUDA(cudaFree(packed));
   CHECK_CUDA(cudaFree(scale));
