@@ -594,6 +594,51 @@ def format_decode(d: DecodeResult) -> str:
     ])
 
 
+# Markdown tables of a results JSON (benchmarks/README.md): (header, format) per column, over the
+# JSON's row dicts; the memory-bound rows (M <= 8) with bandwidth, the rest with TFLOP/s.
+_MD_COMMON = (
+    ("N x K", lambda r: f"{r['n']}x{r['k']}"),
+    ("M", lambda r: f"{r['m']}"),
+    ("path", lambda r: r["path"]),
+    ("us", lambda r: f"{r['us']:.1f}" + ("?" if r.get("noisy") else "")),
+)
+_MD_TAIL = (
+    ("bf16 us", lambda r: f"{r['bf16_us']:.1f}"),
+    ("naive us", lambda r: f"{r['naive_us']:.1f}"),
+    ("x bf16", lambda r: f"{r['speedup_vs_bf16']:.2f}"),
+    ("x naive", lambda r: f"{r['speedup_vs_naive']:.2f}"),
+)
+_MD_DECODE = _MD_COMMON + (
+    ("TB/s", lambda r: f"{r['tbps']:.2f}"),
+    ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
+    ("floor us", lambda r: f"{r['floor_us']:.1f}"),
+) + _MD_TAIL
+_MD_PREFILL = _MD_COMMON + (("TFLOP/s", lambda r: f"{r['tflops']:.0f}"),) + _MD_TAIL
+MARKDOWN_DECODE_MAX_M = 8
+
+
+def _markdown_table(columns, rows) -> list[str]:
+    left = {"N x K", "path"}  # text columns; numbers align right
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |",
+             "|" + "|".join("---" if name in left else "---:" for name, _ in columns) + "|"]
+    lines += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in rows]
+    return lines
+
+
+def markdown_tables(results: dict) -> str:
+    """The rows of a `--json` results dict as two Markdown tables (M <= 8, then M > 8), in the
+    order of the JSON; '?' after the time marks a noisy row."""
+    rows = results["rows"]
+    decode = [r for r in rows if r["m"] <= MARKDOWN_DECODE_MAX_M]
+    prefill = [r for r in rows if r["m"] > MARKDOWN_DECODE_MAX_M]
+    parts = []
+    if decode:
+        parts.append("\n".join(_markdown_table(_MD_DECODE, decode)))
+    if prefill:
+        parts.append("\n".join(_markdown_table(_MD_PREFILL, prefill)))
+    return "\n\n".join(parts)
+
+
 def device_description() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{d.device_kind}"
@@ -664,6 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-cap-gb", type=float, default=DEFAULT_DENSE_CAP_BYTES / GB,
                    help="most dense weight bytes per chain (default 8)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: fresh from the OS)")
+    p.add_argument("--markdown-from", metavar="JSON",
+                   help="print an earlier --json result as Markdown tables and exit (no device work)")
     return p
 
 
@@ -673,6 +720,10 @@ def _log(text: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.markdown_from:
+        with open(args.markdown_from) as f:
+            print(markdown_tables(json.load(f)))
+        return 0
     if args.repeats is not None and args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
