@@ -676,7 +676,7 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
 // Tuning overrides, read on each call, for measurements (not for use); unset or empty = the
 // heuristic's choice (*forced = 0):
 //   JAX_FP4_FUSED_SPLIT=<n>, n in 1..kMaxSplit: the split-K factor (clamped to the K stages);
-//   JAX_FP4_FUSED_TILE_M=<bm>, bm in {16, 32, 64, 128}: activation rows per CTA.
+//   JAX_FP4_FUSED_TILE_M=<bm>, bm in {16, 32, 64, 128, 256} (IsTileM): activation rows per CTA.
 // Anything else is an error (returned as a message), not silently ignored.
 std::string ReadOverride(const char* name, bool (*valid)(long), const std::string& expected,
                          int* forced) {
