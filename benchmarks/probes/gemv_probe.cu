@@ -5,6 +5,8 @@
 //   stream           the same bytes read contiguously, 16 B per thread (the achievable read)
 //   loads            the GEMV's own loads in its own address pattern and order, no math
 //   loads_occ4/5     the same loads held to 4 / 5 resident blocks per SM (the GEMV's occupancy)
+//                    by shared memory they do not use; that also shrinks the L1 carve-out that
+//                    caches the activations, so these rows mix both effects
 //   loads_prepacked  the same loads, addressed as if each warp's window were 1 KB contiguous
 //                    (a load-time "prepack" layout), no math
 //   loads_bulk       sm_90: the tile's rows fetched by TMA bulk copies (cp.async.bulk, 512 B per
@@ -35,6 +37,7 @@
 // Usage: gemv_probe [NxK ...]   (default: 11008x4096 4096x11008 28672x8192)
 // GEMV_PROBE_KSPLITS=3,6,... adds rows gemv_k<s> and gemv_c2_k<s>: the kernel with 1 / 2
 // accumulator chains at k_split s instead of the heuristic's.
+// GEMV_PROBE_COPIES=c: rotate through c copies of the weights instead (1: L2-resident weights).
 // GEMV_PROBE_ROWS=name,name,... times only those rows (stream always runs: the reference), e.g.
 // to profile one kernel under Nsight Compute.
 #include <cuda_bf16.h>
@@ -241,7 +244,12 @@ float TimeUs(Launch launch, int copies, int rounds) {
 void Probe(int64_t n, int64_t k, int num_sms, int major) {
   const int64_t packed_bytes = n * k / 2, scale_bytes = n * k / 16;
   const int64_t bytes = packed_bytes + scale_bytes;
-  const int copies = static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
+  // GEMV_PROBE_COPIES=1: one copy, which stays in the 60 MB L2 for shapes of up to ~40 MB: the
+  // kernels' time without HBM (compute and L2 latency only).
+  const char* copies_env = std::getenv("GEMV_PROBE_COPIES");
+  const int copies = copies_env != nullptr && std::atoi(copies_env) > 0
+                         ? std::atoi(copies_env)
+                         : static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
   uint8_t *packed = nullptr, *scale = nullptr;
   T *a = nullptr, *y = nullptr;
   float* gs = nullptr;
@@ -301,7 +309,8 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   CHECK_CUDA(cudaFuncSetAttribute(LoadsKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   smem_per_sm - 1024));
   for (int blocks : {4, 5}) {
-    const size_t hold = static_cast<size_t>(smem_per_sm / blocks - 1024);  // 1 KB reserved per block
+    // 1 KB reserved per block; allocations come in 128-byte units.
+    const size_t hold = static_cast<size_t>((smem_per_sm / blocks - 1024) & ~127);
     add("loads_occ" + std::to_string(blocks), [&](int c) {
       LoadsKernel<false><<<grid, block, hold>>>(a, weights(c), scales(c), sink, n, k);
     }, resident(LoadsKernel<false>, block.x, hold));
