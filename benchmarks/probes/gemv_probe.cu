@@ -24,6 +24,9 @@
 //                    what the heuristic launches at M = 1 when the column grid allows it
 //   gemv_prepacked_decode  timing stand-in for a prepacked nibble layout (DecodePrepackedTiming:
 //                    8 instead of 13 ALU instructions per word, no activation permutes)
+//   gemv_tiled       the production kernel reading the tile-major layout of loads_prepacked
+//                    (one 1 KB weight run and one 128 B scale run per warp and window; timing
+//                    only); gemv_tiled_prepacked_decode also with DecodePrepackedTiming
 //   gemv_c2/c4       the same with 2 / 4 accumulator chains (the 8 dependent HMMA of a window
 //                    split 2 / 4 ways); these and the rows above gemv run without the L2 prefetch
 // Reading, in times ("a >> b": a takes much longer than b):
@@ -372,6 +375,16 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   if (cfg.col_tiles == 2) {
     add_gemv("gemv_2tiles_prepacked_decode",
              GemvMmaKernel<T, 2, 1, DecodePrepackedTiming, 1, 256>, 2, k_split);
+  }
+  // Tile-major weight and scale layout (the loads_prepacked addressing) in the full kernel, with
+  // the split-pair and the prepacked-nibble decodes (timing only: the values are not decoded
+  // correctly from this layout).
+  add_gemv("gemv_tiled", GemvMmaKernel<T, 1, 1, DecodeE2M1, 1, 256, true>, 1, k_split);
+  add_gemv("gemv_tiled_prepacked_decode",
+           GemvMmaKernel<T, 1, 1, DecodePrepackedTiming, 1, 256, true>, 1, k_split);
+  if (cfg.col_tiles == 2) {
+    add_gemv("gemv_2tiles_tiled_prepacked_decode",
+             GemvMmaKernel<T, 2, 1, DecodePrepackedTiming, 1, 256, true>, 2, k_split);
   }
   add_gemv("gemv_c2", GemvMmaKernel<T, 1, 1, DecodeE2M1, 2>, 1, k_split);
   add_gemv("gemv_c4", GemvMmaKernel<T, 1, 1, DecodeE2M1, 4>, 1, k_split);

@@ -102,18 +102,31 @@ __device__ __forceinline__ void LoadActivation(uint4 (&dst)[4], const T* ap) {
 }
 
 // Loads one window's fragments at the current pointers, then advances them by `step` windows.
-template <typename T, int CT, int RT, int L2PrefetchBytes>
+// Tiled (timing probe only, benchmarks/probes/gemv_probe.cu): the weight as if stored tile-major,
+// [16-row tile][window][h][lane][16 B] and scales [tile][window][lane][rows g, g + 8: 2 x 2 B], so
+// a warp's window is one 1 KB run and one 128 B run (wp[ct][0] / sp[ct][0] used).
+template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled = false>
 __device__ __forceinline__ void MmaLoad(MmaFragments<CT, RT>& f, const uint8_t* (&wp)[CT][2],
                                         const uint8_t* (&sp)[CT][2], const T* (&ap)[RT],
                                         int64_t step) {
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
+    if constexpr (Tiled) {
+      f.w[ct][0] = ld_stream_u4<L2PrefetchBytes>(wp[ct][0]);
+      f.w[ct][1] = ld_stream_u4<L2PrefetchBytes>(wp[ct][0] + 512);
+      const uint32_t both = *reinterpret_cast<const uint32_t*>(sp[ct][0]);
+      f.s[ct][0] = both;
+      f.s[ct][1] = both >> 16;
+      wp[ct][0] += step * 1024;
+      sp[ct][0] += step * 128;
+    } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      f.w[ct][h] = ld_stream_u4<L2PrefetchBytes>(wp[ct][h]);
-      f.s[ct][h] = LoadScalePair(sp[ct][h]);
-      wp[ct][h] += step * (kGemvWindow / 2);
-      sp[ct][h] += step * (kGemvWindow / 16);
+      for (int h = 0; h < 2; ++h) {
+        f.w[ct][h] = ld_stream_u4<L2PrefetchBytes>(wp[ct][h]);
+        f.s[ct][h] = LoadScalePair(sp[ct][h]);
+        wp[ct][h] += step * (kGemvWindow / 2);
+        sp[ct][h] += step * (kGemvWindow / 16);
+      }
     }
   }
 #pragma unroll
@@ -280,8 +293,9 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // where the block's other warps read the neighbouring windows of the same rows at the same time
 // (1-4% at M = 1 on the H200); a lone warp walking its row gained nothing from it
 // (benchmarks/NOTES.md, ninth session).
+// Tiled: a timing-only layout of the probe (see MmaLoad); the launcher never sets it.
 template <typename T, int CT, int RT = 1, typename Decode = DecodeE2M1, int Chains = 1,
-          int L2PrefetchBytes = 0>
+          int L2PrefetchBytes = 0, bool Tiled = false>
 __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 : 1)
     GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                   const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
@@ -307,6 +321,11 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
       const int64_t col = Min64(col0 + kGemvTileCols * ct + g + 8 * h, n - 1);
       wp_first[ct][h] = packed + col * row_bytes + warp * (kGemvWindow / 2) + 16 * t;
       sp_first[ct][h] = scale + col * k_blocks + warp * (kGemvWindow / 16) + 2 * t;
+      if constexpr (Tiled) {  // timing probe only (MmaLoad); n % 16 == 0 there
+        const int64_t tile_window = (col0 / kGemvTileCols + ct) * windows + warp;
+        wp_first[ct][h] = packed + tile_window * 1024 + 16 * lane;
+        sp_first[ct][h] = scale + tile_window * 128 + 4 * lane;
+      }
     }
   }
 
@@ -348,13 +367,13 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
     // (A third, loads two windows ahead, measured slower: benchmarks/NOTES.md, sixth session.)
     MmaFragments<CT, RT> f0, f1;
     int64_t w = warp;
-    if (w < windows) MmaLoad<T, CT, RT, L2PrefetchBytes>(f0, wp, sp, ap, k_split);
+    if (w < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f0, wp, sp, ap, k_split);
     while (w < windows) {
-      if (w + k_split < windows) MmaLoad<T, CT, RT, L2PrefetchBytes>(f1, wp, sp, ap, k_split);
+      if (w + k_split < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f1, wp, sp, ap, k_split);
       MmaCompute<T, CT, RT, Decode, Chains>(acc, f0);
       w += k_split;
       if (w >= windows) break;
-      if (w + k_split < windows) MmaLoad<T, CT, RT, L2PrefetchBytes>(f0, wp, sp, ap, k_split);
+      if (w + k_split < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f0, wp, sp, ap, k_split);
       MmaCompute<T, CT, RT, Decode, Chains>(acc, f1);
       w += k_split;
     }
