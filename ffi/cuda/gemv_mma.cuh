@@ -369,11 +369,15 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
     int64_t w = warp;
     if (w < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f0, wp, sp, ap, k_split);
     while (w < windows) {
-      if (w + k_split < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f1, wp, sp, ap, k_split);
+      if (w + k_split < windows) {
+        MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f1, wp, sp, ap, k_split);
+      }
       MmaCompute<T, CT, RT, Decode, Chains>(acc, f0);
       w += k_split;
       if (w >= windows) break;
-      if (w + k_split < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f0, wp, sp, ap, k_split);
+      if (w + k_split < windows) {
+        MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f0, wp, sp, ap, k_split);
+      }
       MmaCompute<T, CT, RT, Decode, Chains>(acc, f1);
       w += k_split;
     }
