@@ -32,7 +32,8 @@
 // Reading, in times ("a >> b": a takes much longer than b):
 //   gemv ~ no_decode >> loads  -> the mma loop itself (instructions, dependency latency)
 //   gemv >> no_decode          -> the decode
-//   loads_occ5 ~ gemv >> loads -> bytes in flight: the GEMV has too few warps for its loads
+//   loads_occ5 ~ gemv >> loads -> bytes in flight, or the smaller L1 (the hold shrinks both;
+//                                 more warps did not speed up the GEMV: NOTES.md, tenth session)
 //   loads ~ gemv >> loads_bulk -> the loads' path (L1 miss tracking): a TMA-fed kernel pays
 //   loads >> loads_prepacked   -> the access pattern: a prepacked layout pays
 //
@@ -277,8 +278,9 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   // GEMV_PROBE_COPIES=1: one copy, which stays in the 60 MB L2 for shapes of up to ~40 MB: the
   // kernels' time without HBM (compute and L2 latency only).
   const char* copies_env = std::getenv("GEMV_PROBE_COPIES");
-  const int copies = copies_env != nullptr && std::atoi(copies_env) > 0
-                         ? std::atoi(copies_env)
+  const int copies_override = copies_env != nullptr ? std::atoi(copies_env) : 0;
+  const int copies = copies_override > 0
+                         ? copies_override
                          : static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
   uint8_t *packed = nullptr, *scale = nullptr;
   T *a = nullptr, *y = nullptr;

@@ -316,15 +316,19 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
   const uint8_t* sp_first[CT][2];
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
+    if constexpr (Tiled) {  // timing probe only (MmaLoad reads [ct][0]); n % 16 == 0 there
+      const int64_t tile_window = (col0 / kGemvTileCols + ct) * windows + warp;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t col = Min64(col0 + kGemvTileCols * ct + g + 8 * h, n - 1);
-      wp_first[ct][h] = packed + col * row_bytes + warp * (kGemvWindow / 2) + 16 * t;
-      sp_first[ct][h] = scale + col * k_blocks + warp * (kGemvWindow / 16) + 2 * t;
-      if constexpr (Tiled) {  // timing probe only (MmaLoad); n % 16 == 0 there
-        const int64_t tile_window = (col0 / kGemvTileCols + ct) * windows + warp;
+      for (int h = 0; h < 2; ++h) {
         wp_first[ct][h] = packed + tile_window * 1024 + 16 * lane;
         sp_first[ct][h] = scale + tile_window * 128 + 4 * lane;
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t col = Min64(col0 + kGemvTileCols * ct + g + 8 * h, n - 1);
+        wp_first[ct][h] = packed + col * row_bytes + warp * (kGemvWindow / 2) + 16 * t;
+        sp_first[ct][h] = scale + col * k_blocks + warp * (kGemvWindow / 16) + 2 * t;
       }
     }
   }
