@@ -1,6 +1,7 @@
 """jax_fp4: NVFP4 weight-only matmul for JAX.
 
     w = jax_fp4.quantize(weight)            # float [N, K] -> NVFP4Weight
+    w = jax_fp4.prepack(w)                  # optional, once: the decode GEMV's faster layout
     y = jax_fp4.matmul(a, w, bias)          # a [..., K] fp16/bf16 -> y [..., N]
 """
 
@@ -8,7 +9,8 @@ from jax_fp4 import _ffi  # noqa: F401  (importing it registers the FFI targets)
 from jax_fp4._dispatch import BACKENDS, GEMV_MAX_M
 from jax_fp4._format import NVFP4Weight, dequantize, pack_codes, quantize, unpack_codes
 from jax_fp4._matmul import dispatch_path, matmul
-from jax_fp4._native import PrepackedNVFP4Weight, prepack
+from jax_fp4._native import PrepackedNVFP4Weight
+from jax_fp4._prepack import prepack, unprepack
 from jax_fp4._primitive import nvfp4_matmul_p
 
 __version__ = "0.1.0"
@@ -37,4 +39,5 @@ __all__ = [
     "PrepackedNVFP4Weight",
     "quantize",
     "unpack_codes",
+    "unprepack",
 ]

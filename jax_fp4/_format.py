@@ -7,6 +7,10 @@ Layout (ONNX Runtime MatMulBlockQuantizedFp4Weight, NVIDIA ModelOpt):
 
 Stacked weights (layers, experts) add leading axes to all three arrays; every function here keeps
 them, so an NVFP4Weight works as a leaf container under vmap, scan and shardings.
+
+A weight may instead hold its packed codes and scales in the decode GEMV's tile-major layout
+(layout="tiled", made once by `jax_fp4.prepack`; jax_fp4/_layout.py defines it): same array shapes,
+other byte order. Functions that read the bytes themselves (dequantize) accept both.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from jax_fp4 import _layout
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -30,6 +36,9 @@ E2M1_VALUES = np.array(
 
 _SCALE_DTYPES = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
 
+# "spec": the layout above (checkpoints, every path). "tiled": the decode GEMV's (jax_fp4/_layout.py).
+LAYOUTS = ("spec", "tiled")
+
 
 @jax.tree_util.register_pytree_node_class
 class NVFP4Weight:
@@ -40,9 +49,14 @@ class NVFP4Weight:
       scale: [..., N, ceil(K/block_size)] E4M3 block scales, float8_e4m3fn or raw uint8 bytes.
       global_scale: float32 scalar (per stacked weight: shape [...]), ModelOpt's weight_scale_2.
       block_size: elements per scale block (16 for NVFP4); static pytree metadata.
+      layout: "spec" (the format above) or "tiled" (the bytes of packed and scale reordered for the
+        decode GEMV by `jax_fp4.prepack`; needs block_size 16, N % 16 == 0, K % 128 == 0); static
+        pytree metadata.
     """
 
-    def __init__(self, packed, scale, global_scale, block_size: int = 16):
+    def __init__(self, packed, scale, global_scale, block_size: int = 16, *, layout: str = "spec"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"NVFP4Weight: layout must be one of {LAYOUTS}, got {layout!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
             raise TypeError(f"NVFP4Weight: block_size must be an int, got {block_size!r}")
         if block_size <= 0:
@@ -71,23 +85,26 @@ class NVFP4Weight:
             raise ValueError(
                 f"NVFP4Weight: global_scale must be a scalar (shape {tuple(lead)}), got shape "
                 f"{tuple(global_scale.shape)}")
+        if layout == "tiled" and (reason := tiled_layout_unsupported(n, 2 * half_k, block_size)):
+            raise ValueError(f"NVFP4Weight: layout='tiled' {reason}")
         if global_scale.dtype != np.float32:
             global_scale = global_scale.astype(np.float32)
         self.packed = packed
         self.scale = scale
         self.global_scale = global_scale
         self.block_size = int(block_size)
+        self.layout = layout
 
-    # Pytree protocol: children are the arrays; block_size is static. Unflattening bypasses
-    # __init__ because transforms rebuild the container with tracers or placeholders.
+    # Pytree protocol: children are the arrays; (block_size, layout) is static. Unflattening
+    # bypasses __init__ because transforms rebuild the container with tracers or placeholders.
     def tree_flatten(self):
-        return (self.packed, self.scale, self.global_scale), self.block_size
+        return (self.packed, self.scale, self.global_scale), (self.block_size, self.layout)
 
     @classmethod
-    def tree_unflatten(cls, block_size, children):
+    def tree_unflatten(cls, static, children):
         obj = object.__new__(cls)
         obj.packed, obj.scale, obj.global_scale = children
-        obj.block_size = block_size
+        obj.block_size, obj.layout = static
         return obj
 
     @property
@@ -118,7 +135,24 @@ class NVFP4Weight:
                    for x in (self.packed, self.scale, self.global_scale))
 
     def __repr__(self):
-        return f"NVFP4Weight(shape={self.shape}, block_size={self.block_size})"
+        layout = "" if self.layout == "spec" else f", layout={self.layout!r}"
+        return f"NVFP4Weight(shape={self.shape}, block_size={self.block_size}{layout})"
+
+
+def tiled_layout_unsupported(n: int, k: int, block_size: int) -> str | None:
+    """Why a [N, K] weight cannot take the tiled layout (None if it can)."""
+    if block_size != 16:
+        return f"needs block_size 16, got {block_size}"
+    if n % 16 or k % 128:
+        return f"needs N % 16 == 0 and K % 128 == 0, got N={n}, K={k}"
+    return None
+
+
+def spec_arrays(w: NVFP4Weight):
+    """(packed, scale) of `w` in the spec layout (undoing the tiled layout if `w` has it)."""
+    if w.layout == "tiled":
+        return _layout.untile_packed(w.packed), _layout.untile_scale(w.scale)
+    return w.packed, w.scale
 
 
 def scale_as_bytes(scale):
@@ -155,9 +189,10 @@ def dequantize(w: NVFP4Weight, dtype=jnp.float32):
     and rounded once to `dtype`."""
     if not isinstance(w, NVFP4Weight):
         raise TypeError(f"dequantize: w must be an NVFP4Weight, got {type(w).__name__}")
+    packed, scale = spec_arrays(w)
     k = w.k
-    values = jnp.asarray(E2M1_VALUES)[unpack_codes(w.packed)]
-    block_scale = jnp.repeat(e4m3_to_float32(w.scale), w.block_size, axis=-1)[..., :k]
+    values = jnp.asarray(E2M1_VALUES)[unpack_codes(packed)]
+    block_scale = jnp.repeat(e4m3_to_float32(scale), w.block_size, axis=-1)[..., :k]
     gs = jnp.asarray(w.global_scale, jnp.float32)[..., None, None]
     return (values * block_scale * gs).astype(dtype)
 

@@ -74,7 +74,8 @@ def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None):
     _dispatch.check_backend(backend, _primitive.problem_of(a.shape, a.dtype, w.packed.shape, w.block_size))
     return _primitive.bind(a, w.packed, scale_as_bytes(w.scale), jnp.asarray(w.global_scale, jnp.float32),
                            bias, block_size=w.block_size, backend=backend,
-                           swizzled_scale=getattr(w, "swizzled_scale", None))  # from prepack()
+                           swizzled_scale=getattr(w, "swizzled_scale", None),  # prepack(target="sm120")
+                           layout=w.layout)
 
 
 def dispatch_path(a, w: NVFP4Weight, *, backend: str | None = None, platform: str | None = None) -> str:

@@ -301,7 +301,7 @@ class PrepackedNVFP4Weight(NVFP4Weight):
     def tree_unflatten(cls, block_size, children):
         obj = object.__new__(cls)
         obj.packed, obj.scale, obj.global_scale, obj.swizzled_scale = children
-        obj.block_size = block_size
+        obj.block_size, obj.layout = block_size, "spec"
         return obj
 
     @property
@@ -321,6 +321,9 @@ def prepack(w: NVFP4Weight, target: str = "sm120") -> PrepackedNVFP4Weight:
         raise TypeError(f"prepack: w must be an NVFP4Weight, got {type(w).__name__}")
     if w.block_size != NATIVE_BLOCK_SIZE:
         raise ValueError(f"prepack: the SM120 native path needs block_size 16, got {w.block_size}")
+    if w.layout != "spec":
+        raise ValueError(f"prepack: target 'sm120' needs a weight in the spec layout, got layout "
+                         f"{w.layout!r} (jax_fp4.unprepack gives it back)")
     return PrepackedNVFP4Weight(w.packed, w.scale, w.global_scale, w.block_size,
                                 swizzled_scale=swizzle_scales(w.scale))
 

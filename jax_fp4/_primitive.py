@@ -3,7 +3,9 @@ JVP and transpose.
 
 Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale uint8 [N, ceil(K/bs)],
 global_scale float32 [], bias [N] (a's dtype) when has_bias, and the prepacked SM120 scales
-(`prepack`) when has_swizzled. Result: [..., N] in a's dtype.
+(`prepack`) when has_swizzled. Result: [..., N] in a's dtype. Static `layout`: the byte order of
+packed and scale ("spec" or "tiled", jax_fp4/_layout.py); the tensor-core GEMV reads "tiled"
+directly, every other path through the inverse transform.
 The lowering picks a path from static shapes (`_dispatch.select_path`); the chosen path shows in
 the HLO as the FFI custom-call target, or, for pure-JAX paths, as a `jax_fp4/<path>` op name.
 """
@@ -19,19 +21,19 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_fp4 import _dispatch, _ffi, _fused, _native, _sharding
+from jax_fp4 import _dispatch, _ffi, _fused, _layout, _native, _sharding
 from jax_fp4._format import NVFP4Weight, dequantize
 
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
 
 
 def bind(a, packed, scale, global_scale, bias, *, block_size: int, backend: str,
-         swizzled_scale=None):
+         swizzled_scale=None, layout: str = "spec"):
     """Bind the primitive; `bias` and `swizzled_scale` (prepacked SM120 scales) may be None.
     Operands must already be validated."""
     operands = (a, packed, scale, global_scale) + tuple(
         x for x in (bias, swizzled_scale) if x is not None)
-    return nvfp4_matmul_p.bind(*operands, block_size=block_size, backend=backend,
+    return nvfp4_matmul_p.bind(*operands, block_size=block_size, backend=backend, layout=layout,
                                has_bias=bias is not None, has_swizzled=swizzled_scale is not None)
 
 
@@ -74,9 +76,9 @@ def _empty(a, packed, scale, global_scale, bias, *, block_size, **_):
     return out if bias is None else out + bias
 
 
-def _dense_f32(packed, scale, global_scale, block_size):
+def _dense_f32(packed, scale, global_scale, block_size, layout="spec"):
     """The dequantized weight [N, K] in float32 (the reference decomposition and dA use it)."""
-    return dequantize(NVFP4Weight.tree_unflatten(block_size, (packed, scale, global_scale)),
+    return dequantize(NVFP4Weight.tree_unflatten((block_size, layout), (packed, scale, global_scale)),
                       jnp.float32)
 
 
@@ -112,13 +114,21 @@ def _cpu(a, packed, scale, global_scale, bias, *, block_size, **_):
 
 
 @_as_2d
-def _gemv(a, packed, scale, global_scale, bias, *, block_size, **_):
+def _gemv(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
     out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
     call = jax.ffi.ffi_call("jax_fp4_gemv_cuda", out)
     return call(a, packed, scale, global_scale, _bias_operand(bias, a.dtype),
-                block_size=np.int64(block_size),
-                use_mma=_dispatch.env_flag("JAX_FP4_GEMV_MMA", True),
+                block_size=np.int64(block_size), use_mma=gemv_uses_mma(), tiled=tiled,
                 row_tiling=_dispatch.env_flag("JAX_FP4_GEMV_ROW_TILING", True))
+
+
+def gemv_uses_mma() -> bool:
+    return _dispatch.env_flag("JAX_FP4_GEMV_MMA", True)
+
+
+def _gemv_tiled(a, packed, scale, global_scale, bias, *, block_size, **_):
+    """The tensor-core GEMV reading the tiled layout itself."""
+    return _gemv(a, packed, scale, global_scale, bias, block_size=block_size, tiled=True)
 
 
 def _dequant(a, packed, scale, global_scale, bias, *, block_size, **_):
@@ -148,6 +158,34 @@ _PATHS = {"empty": _empty, "reference": _reference, "cpu": _cpu, "gemv": _gemv, 
           "fused": _fused_gemm, "native": _native.native_matmul}
 
 
+def _reading_spec_layout(impl):
+    """`impl` on a tiled weight: the weight's spec layout back first (traced into the program)."""
+    @functools.wraps(impl)
+    def wrapped(a, packed, scale, global_scale, bias, **kwargs):
+        return impl(a, _layout.untile_packed(packed), _layout.untile_scale(scale), global_scale,
+                    bias, **kwargs)
+    return wrapped
+
+
+# Module-level so that each (path, layout) is one function (the partitioning rules cache on it).
+_TILED_PATHS = {path: _reading_spec_layout(impl) for path, impl in _PATHS.items()}
+_SCALAR_GEMV_ON_TILED = _TILED_PATHS["gemv"]
+_TILED_PATHS["gemv"] = _gemv_tiled
+_TILED_PATHS["empty"] = _empty
+
+
+def _impl_for(path: str, layout: str, platform: str):
+    """The implementation of `path` for operands in `layout`."""
+    if layout == "spec":
+        return _PATHS[path]
+    if path == "gemv":
+        # The tiled layout is the tensor-core kernel's (sm_80+); the scalar one reads the spec's.
+        capability = _native.device_capability() if platform == "cuda" else None
+        if not (gemv_uses_mma() and capability is not None and capability >= (8, 0)):
+            return _SCALAR_GEMV_ON_TILED
+    return _TILED_PATHS[path]
+
+
 def problem_of(a_shape, a_dtype, packed_shape, block_size) -> _dispatch.Problem:
     return _dispatch.Problem(m=math.prod(a_shape[:-1]), n=packed_shape[0], k=2 * packed_shape[1],
                              block_size=block_size, dtype=np.dtype(a_dtype))
@@ -162,10 +200,11 @@ def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend) -> s
                                  native_enabled=on_cuda and _dispatch.env_flag(_native.NATIVE_ENV, False))
 
 
-def _lowering(ctx, *operands, block_size, backend, has_bias, has_swizzled, platform):
+def _lowering(ctx, *operands, block_size, backend, layout, has_bias, has_swizzled, platform):
     a_aval, packed_aval = ctx.avals_in[0], ctx.avals_in[1]
     path = path_for(platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend)
-    impl = _sharding.wrap_impl(ctx, path, _PATHS[path], block_size=block_size, has_bias=has_bias)
+    impl = _sharding.wrap_impl(ctx, path, _impl_for(path, layout, platform), block_size=block_size,
+                               has_bias=has_bias, tiled=layout == "tiled")
 
     def lowered(*ops):
         *five, swizzled = _split(ops, has_bias, has_swizzled)
@@ -216,10 +255,10 @@ def _is_zero(t):
     return type(t) is ad.Zero
 
 
-def _jvp(primals, tangents, *, block_size, backend, has_bias, has_swizzled):
+def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzled):
     a, packed, scale, global_scale, bias, swizzled = _split(primals, has_bias, has_swizzled)
     da, _, _, dgs, dbias, _ = _split(tangents, has_bias, has_swizzled)
-    weight = dict(block_size=block_size, backend=backend, swizzled_scale=swizzled)
+    weight = dict(block_size=block_size, backend=backend, swizzled_scale=swizzled, layout=layout)
     y = bind(a, packed, scale, global_scale, bias, **weight)
     out_tangents = []
     dbias = None if dbias is None or _is_zero(dbias) else dbias
@@ -234,7 +273,7 @@ def _jvp(primals, tangents, *, block_size, backend, has_bias, has_swizzled):
     return y, functools.reduce(jnp.add, out_tangents)
 
 
-def _transpose(ct, *operands, block_size, backend, has_bias, has_swizzled):
+def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzled):
     a, packed, scale, global_scale, bias, swizzled = _split(operands, has_bias, has_swizzled)
     if ad.is_undefined_primal(packed) or ad.is_undefined_primal(scale):
         raise TypeError("jax_fp4: the quantized weight (packed codes, block scales) is not differentiable")
@@ -244,11 +283,11 @@ def _transpose(ct, *operands, block_size, backend, has_bias, has_swizzled):
     if ad.is_undefined_primal(global_scale):
         # y is linear in gs: dL/dgs = sum(ct * y(gs=1)), with `a` a known primal here.
         unit = bind(a, packed, scale, jnp.float32(1), None, block_size=block_size, backend=backend,
-                    swizzled_scale=swizzled)
+                    swizzled_scale=swizzled, layout=layout)
         ct_gs = jnp.sum(ct.astype(jnp.float32) * unit.astype(jnp.float32))
     else:
         if ad.is_undefined_primal(a):
-            w = _dense_f32(packed, scale, global_scale, block_size)
+            w = _dense_f32(packed, scale, global_scale, block_size, layout)
             ct_a = jnp.matmul(ct.astype(jnp.float32), w,
                               precision=jax.lax.Precision.HIGHEST).astype(a.aval.dtype)
         if has_bias and ad.is_undefined_primal(bias):

@@ -95,11 +95,14 @@ def _entry(axes):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_k_check=None):
+def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_k_check=None,
+         tiled=False):
     """Choose (lead_axes per leading dim, n_axes, k_axes, reasons) from the proposed shardings.
 
     Pure function of shapes and shardings; `reasons` lists why a proposed sharding was dropped.
     `local_k_check(k_local)` returns why the kernel cannot take that K slice (None if it can).
+    `tiled`: the weight is in the tiled layout, whose 16-row tiles hold all of K: N shards must
+    keep whole tiles and K cannot be split.
     """
     reasons = []
     a_spec = _spec(a_sharding, len(a_shape))
@@ -110,6 +113,13 @@ def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_
     if n_axes and n % _size(mesh, n_axes):
         reasons.append(f"N={n} is not divisible by the {_size(mesh, n_axes)} shards of {n_axes}")
         n_axes = ()
+    if n_axes and tiled and (n // _size(mesh, n_axes)) % 16:
+        reasons.append(f"tiled layout: N shards of {n // _size(mesh, n_axes)} rows would split its "
+                       "16-row tiles: gathering N")
+        n_axes = ()
+    if k_axes and tiled:
+        reasons.append("tiled layout: its 16-row tiles hold all of K: gathering K")
+        k_axes = ()
     if k_axes:
         shards = _size(mesh, k_axes)
         if block_size % 2 or k % (block_size * shards):
@@ -135,7 +145,8 @@ def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_
 
 
 @functools.lru_cache(maxsize=None)
-def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k_check=None):
+def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k_check=None,
+             tiled=False):
     """custom_partitioning around `impl` for one static configuration."""
 
     def run(a, packed, scale, global_scale, bias):
@@ -158,7 +169,7 @@ def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k
         n = arg_shapes[1].shape[0]
         lead, n_axes, k_axes, _ = plan(mesh, a_shape, arg_shapes[0].sharding,
                                        arg_shapes[1].sharding, n=n, k=k, block_size=block_size,
-                                       local_k_check=local_k_check)
+                                       local_k_check=local_k_check, tiled=tiled)
         if mesh is None or mesh.empty or not isinstance(arg_shapes[0].sharding, NamedSharding):
             # Shardings without a mesh (GSPMDSharding): run the kernel on replicated operands.
             from jax._src.sharding_impls import GSPMDSharding  # noqa: PLC0415 - no public name
@@ -191,7 +202,7 @@ def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k
             return GSPMDSharding.get_replicated(arg_shapes[0].sharding._device_assignment)
         lead, n_axes, _, _ = plan(mesh, arg_shapes[0].shape, arg_shapes[0].sharding,
                                   arg_shapes[1].sharding, n=arg_shapes[1].shape[0], k=k,
-                                  block_size=block_size, local_k_check=local_k_check)
+                                  block_size=block_size, local_k_check=local_k_check, tiled=tiled)
         return NamedSharding(mesh, P(*[_entry(ax) for ax in lead], _entry(n_axes)))
 
     lead = " ".join(f"m{i}" for i in range(a_ndim - 1))
@@ -211,13 +222,13 @@ def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k
 
 
 def partitioned(impl, *, block_size: int, has_bias: bool, a_ndim: int, k: int,
-                local_k_check=None):
+                local_k_check=None, tiled=False):
     """`impl` (a path implementation) as a call XLA's partitioner splits with the rules above.
 
     `impl(a, packed, scale, global_scale, bias_or_None, *, block_size)` must take a of any rank
     and must not capture array constants (custom_partitioning traces it and refuses constants).
     """
-    cp = _wrapped(impl, block_size, has_bias, a_ndim, k, local_k_check)
+    cp = _wrapped(impl, block_size, has_bias, a_ndim, k, local_k_check, tiled)
 
     def call(a, packed, scale, global_scale, bias, *, block_size):
         del block_size
@@ -242,9 +253,10 @@ def _needs_rule(ctx) -> bool:
     return False
 
 
-def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool):
+def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool, tiled: bool = False):
     """The implementation the lowering should trace: `impl`, or `impl` under the partitioning
-    rules when `path` is a kernel path lowered into a multi-device program."""
+    rules when `path` is a kernel path lowered into a multi-device program. `tiled`: the weight
+    operands are in the tiled layout."""
     if path not in KERNEL_PATHS or not _needs_rule(ctx):
         return impl
     if not env_flag("JAX_FP4_CUSTOM_PARTITIONING", True):
@@ -252,7 +264,8 @@ def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool):
     a_aval = ctx.avals_in[0]
     return partitioned(impl, block_size=block_size, has_bias=has_bias, a_ndim=a_aval.ndim,
                        k=a_aval.shape[-1],
-                       local_k_check=_local_k_check(path, block_size, np.dtype(a_aval.dtype)))
+                       local_k_check=_local_k_check(path, block_size, np.dtype(a_aval.dtype)),
+                       tiled=tiled)
 
 
 @functools.lru_cache(maxsize=None)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp4
-from jax_fp4._format import E2M1_VALUES
+from jax_fp4._format import E2M1_VALUES, tiled_layout_unsupported
 
 MB = 1_000_000
 GB = 1_000_000_000
@@ -300,6 +300,7 @@ class Row:
     naive_tflops: float
     layers: tuple[int, int]
     noisy: bool
+    layout: str = "spec"  # the jax_fp4 weights' layout ("tiled": jax_fp4.prepack)
 
 
 @dataclasses.dataclass
@@ -323,7 +324,7 @@ def tflops(flops: int, us: float) -> float:
 
 
 def make_row(path: str, m: int, shape: Shape, dtype_name: str, fp4: ChainTiming, dense: ChainTiming,
-             naive: ChainTiming, read: ReadBandwidth) -> Row:
+             naive: ChainTiming, read: ReadBandwidth, layout: str = "spec") -> Row:
     itemsize = np.dtype(DTYPES[dtype_name]).itemsize
     n, k = shape.n, shape.k
     nbytes = nvfp4_weight_bytes(n, k) + io_bytes(m, n, k, itemsize)
@@ -341,6 +342,7 @@ def make_row(path: str, m: int, shape: Shape, dtype_name: str, fp4: ChainTiming,
         bf16_tbps=tbps(dense_bytes, dense.us), bf16_tflops=tflops(flops, dense.us),
         naive_tbps=tbps(nbytes, naive.us), naive_tflops=tflops(flops, naive.us),
         layers=(fp4.l1, fp4.l2), noisy=fp4.noisy or dense.noisy or naive.noisy or read.noisy,
+        layout=layout,
     )
 
 
@@ -350,6 +352,7 @@ def make_row(path: str, m: int, shape: Shape, dtype_name: str, fp4: ChainTiming,
 class Settings:
     dtype_name: str = "bf16"
     backend: str | None = None
+    layout: str = "spec"      # "tiled": the jax_fp4 weights prepacked (where the shape allows)
     repeats: int = 10
     warmup: int = 2
     min_time_s: float = 0.2   # time at least this long per chain pair (more repeats, up to 10x)
@@ -410,22 +413,32 @@ class Bench:
         read = self.read_bandwidth(layer_bytes)
         l1, l2 = chain_lengths(layer_bytes, shape.n * shape.k * itemsize, s.budget)
         dense_ws, fp4_ws = make_weights(self._next_key(), shape, l2, s.dtype)
+        run_ws = [self.laid_out(w) for w in fp4_ws]  # the naive baseline reads the spec layout
         rows = []
         for m in ms:
             started = time.perf_counter()
             acts = make_activations(self._next_key(), m, shape.k, l2, s.dtype)
-            path = jax_fp4.dispatch_path(acts[0], fp4_ws[0], backend=s.backend)
-            fp4 = self._time(chain_of(fp4_layer(s.backend)), (acts, fp4_ws), l1, l2)
+            path = jax_fp4.dispatch_path(acts[0], run_ws[0], backend=s.backend)
+            fp4 = self._time(chain_of(fp4_layer(s.backend)), (acts, run_ws), l1, l2)
             dense = self._time(chain_of(dense_layer), (acts, dense_ws), l1, l2)
             naive = self._time(chain_of(naive_layer), (acts, fp4_ws), l1, l2)
-            row = make_row(path, m, shape, s.dtype_name, fp4, dense, naive, read)
+            row = make_row(path, m, shape, s.dtype_name, fp4, dense, naive, read, run_ws[0].layout)
             self.log(f"{format_row(row)}   [{time.perf_counter() - started:.1f} s]")
             rows.append(row)
             del acts
         return rows
 
+    def laid_out(self, w: jax_fp4.NVFP4Weight) -> jax_fp4.NVFP4Weight:
+        """`w` in the layout of the settings (spec where the tiled layout cannot take the shape)."""
+        if self.settings.layout == "tiled" and tiled_layout_unsupported(w.n, w.k, w.block_size) is None:
+            return _prepack_jit(w)
+        return w
+
     def decode_step(self, model: "DecodeModel") -> "DecodeResult":
         return run_decode_step(self, model)
+
+
+_prepack_jit = jax.jit(jax_fp4.prepack)
 
 
 # ---- a decode step of a Qwen3-like model ----------------------------------------------------------
@@ -516,6 +529,10 @@ def make_decode_model(bench: Bench, model: DecodeModel) -> tuple[tuple, tuple]:
     return (layers_dense, head_dense), (layers_fp4, head_fp4)
 
 
+def _is_weight(x) -> bool:
+    return isinstance(x, jax_fp4.NVFP4Weight)
+
+
 def run_decode_step(bench: Bench, model: DecodeModel) -> DecodeResult:
     s = bench.settings
     all_shapes = model.all_shapes()
@@ -540,7 +557,8 @@ def run_decode_step(bench: Bench, model: DecodeModel) -> DecodeResult:
                   f"{e2e:.1f} us end to end")
         return t, e2e
 
-    fp4, fp4_e2e = measure(fp4_layer(s.backend), [fp4_1, fp4_2])
+    laid_out = [jax.tree_util.tree_map(bench.laid_out, m, is_leaf=_is_weight) for m in (fp4_1, fp4_2)]
+    fp4, fp4_e2e = measure(fp4_layer(s.backend), laid_out)
     dense, dense_e2e = measure(dense_layer, [dense1, dense2])
     naive, naive_e2e = measure(naive_layer, [fp4_1, fp4_2])
     path = jax_fp4.dispatch_path(xs[0], fp4_1[1], backend=s.backend)
@@ -560,6 +578,7 @@ _COLUMNS = (
     ("shape", 13, lambda r: f"{r.n}x{r.k}"),
     ("M", 5, lambda r: f"{r.m}"),
     ("path", 9, lambda r: r.path),
+    ("layout", 6, lambda r: r.layout),
     ("us", 9, lambda r: f"{r.us:.2f}"),
     ("TB/s", 6, lambda r: f"{r.tbps:.3g}"),
     ("%read", 6, lambda r: f"{100 * r.fraction_of_read_bw:.0f}%"),
@@ -652,6 +671,7 @@ def results_json(rows: Sequence[Row], reads: Sequence[ReadBandwidth], decode: De
         "jax_fp4_version": jax_fp4.__version__,
         "dtype": settings.dtype_name,
         "backend": settings.backend or "auto",
+        "layout": settings.layout,
         "repeats": settings.repeats,
         "warmup": settings.warmup,
         "seed": seed,
@@ -692,6 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
     p.add_argument("--backend", choices=[b for b in jax_fp4.BACKENDS], default=None,
                    help="force a jax_fp4 backend (default: auto dispatch)")
+    p.add_argument("--layout", choices=("spec", "tiled"), default="spec",
+                   help="weight layout of the jax_fp4 matmuls: 'tiled' prepacks them for the decode "
+                        "GEMV (jax_fp4.prepack) where the shape allows (default spec)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed calls per chain (median; default 10, quick 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per chain after compiling (>= 1)")
@@ -730,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = args.cache_mb * MB if args.cache_mb is not None else (
         QUICK_CACHE_BYTES if args.quick else DEFAULT_CACHE_BYTES)
     settings = Settings(
-        dtype_name=args.dtype, backend=args.backend,
+        dtype_name=args.dtype, backend=args.backend, layout=args.layout,
         repeats=args.repeats if args.repeats is not None else (5 if args.quick else 10),
         warmup=args.warmup,
         min_time_s=args.min_time if args.min_time is not None else (0.0 if args.quick else 0.2),
@@ -742,7 +765,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ms = args.m or (QUICK_M if args.quick else DEFAULT_M)
 
     _log(f"jax_fp4 bench on {device_description()}, jax {jax.__version__}, dtype {args.dtype}, "
-         f"backend {args.backend or 'auto'}, {settings.repeats} repeats, seed {seed}")
+         f"backend {args.backend or 'auto'}, layout {args.layout}, {settings.repeats} repeats, "
+         f"seed {seed}")
     bench = Bench(settings, jax.random.key(seed), log=_log)
     started = time.perf_counter()
     if not args.quick:

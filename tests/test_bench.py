@@ -100,3 +100,15 @@ def test_markdown_tables_split_decode_and_prefill_rows(tmp_path, capsys):
     path.write_text(json.dumps(results))
     assert bench.main(["--markdown-from", str(path)]) == 0
     assert capsys.readouterr().out.strip() == bench.markdown_tables(results)
+
+
+def test_bench_tiled_layout_rows(tmp_path):
+    """--layout tiled times prepacked weights where the shape allows and says so per row."""
+    out = tmp_path / "tiled.json"
+    assert bench.main(["--quick", "--shapes", "96x128,40x128", "--m", "1", "--repeats", "1",
+                       "--warmup", "0", "--layout", "tiled", "--seed", "2", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["layout"] == "tiled"
+    assert [r["layout"] for r in results["rows"]] == ["tiled", "spec"]  # 40 rows: no 16-row tiles
+    for row in results["rows"]:
+        assert _positive_finite(row["us"]) and _positive_finite(row["naive_us"])

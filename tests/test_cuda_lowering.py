@@ -92,3 +92,26 @@ def test_prepacked_weight_runs_every_other_path_unchanged():
     a32 = a.astype(jnp.float32)
     grads = [jax.grad(lambda a, w: jnp.sum(jax_fp4.matmul(a, w) ** 2))(a32, x) for x in (w, p)]
     np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
+
+
+def _gemv_tiled_attrs(fn, *args):
+    text = jax.jit(lambda *xs: fn(*xs)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"custom_call @jax_fp4_gemv_cuda.*?tiled = (true|false)", text)
+
+
+def test_tiled_weights_reach_the_tensor_core_gemv_as_they_are(cuda_device, monkeypatch):
+    a, w = _case(4)
+    p = jax_fp4.prepack(w)
+    matmul = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731
+    assert _gemv_tiled_attrs(matmul, a, w) == ["false"]
+    assert _gemv_tiled_attrs(matmul, a, p) == ["true"]
+    # the scalar kernel (pre-sm_80, or the tensor-core kernel switched off) gets the spec layout back
+    monkeypatch.setenv("JAX_FP4_GEMV_MMA", "0")
+    assert _gemv_tiled_attrs(matmul, a, p) == ["false"]
+    monkeypatch.delenv("JAX_FP4_GEMV_MMA")
+    cuda_device((7, 5))
+    assert _gemv_tiled_attrs(matmul, a, p) == ["false"]
+    cuda_device((9, 0))
+    # the other paths read the spec layout (transformed back inside the program)
+    assert _targets(matmul, *(_case(64)[0], p)) == ["jax_fp4_fused_cuda"]
+    assert _targets(matmul, *(_case(600)[0], p)) == ["jax_fp4_dequant_cuda"]

@@ -42,6 +42,7 @@ DEQUANT = "jax_fp4_dequant_cuda"
 
 # Importing jax_fp4 registers its FFI targets (the package's CUDA module).
 import jax_fp4  # noqa: E402,F401
+from jax_fp4 import _layout  # noqa: E402
 
 DTYPES = ["float16", "bfloat16"]
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -63,14 +64,19 @@ def _poison(shape, dtype):
     del p
 
 
-def gemv(a, packed, scale, gs, bias, *, use_mma=True, row_tiling=True, block_size=16):
+def gemv(a, packed, scale, gs, bias, *, use_mma=True, row_tiling=True, block_size=16,
+         tiled=False):
+    """The GEMV target on spec-layout packed / scale; tiled=True hands it the same weight in the
+    tiled layout (jax_fp4.prepack's)."""
     m, n = a.shape[0], packed.shape[0]
     if bias is None:
         bias = jnp.zeros((0,), a.dtype)
+    if tiled:
+        packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
     _poison((m, n), a.dtype)
     call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((m, n), a.dtype))
     y = call(a, packed, scale, gs, bias, block_size=np.int64(block_size), use_mma=bool(use_mma),
-             row_tiling=bool(row_tiling))
+             tiled=bool(tiled), row_tiling=bool(row_tiling))
     return np.asarray(y)
 
 
@@ -313,7 +319,7 @@ def test_gemv_under_jit_and_graphs():
     @jax.jit
     def f(a, packed, scale, gs, bias):
         y = call(a * 1, packed, scale, gs, bias, block_size=np.int64(16), use_mma=True,
-                 row_tiling=True)
+                 tiled=False, row_tiling=True)
         return y, y.astype(jnp.float32).sum()
 
     for _ in range(3):
@@ -330,6 +336,107 @@ def test_gemv_rejects_bad_operands():
                                              block_size=32)
     with pytest.raises(Exception, match="block_size"):
         gemv(a, packed, scale, gs, None, block_size=32)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV on the tiled layout (jax_fp4.prepack): N % 16 == 0, K % 128 == 0, the tensor-core kernel.
+# Tile counts are odd where they can be, so that the two- and four-tile launches have a partial
+# last block.
+
+TILED_SHAPES = [(16, 128), (48, 256), (112, 512), (1008, 4096), (8496, 128), (17008, 256),
+                (96, 4096), (272, 2816)]
+if QUICK:
+    TILED_SHAPES = [(16, 128), (48, 256), (8496, 128), (96, 4096)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", M_VALUES)
+def test_gemv_tiled_random_sweep(m, dtype):
+    rng = np.random.default_rng()
+    i = M_VALUES.index(m)
+    shapes = [TILED_SHAPES[i % len(TILED_SHAPES)], TILED_SHAPES[(3 * i + 1) % len(TILED_SHAPES)]]
+    for j, (n, k) in enumerate(shapes):
+        a, packed, scale, gs, bias = random_problem(rng, m, n, k, dtype, with_bias=(i + j) % 2 == 0)
+        ref = reference_gemv(a, packed, scale, gs, bias)
+        for row_tiling in (True, False):
+            y = gemv(a, packed, scale, gs, bias, row_tiling=row_tiling, tiled=True)
+            check_close(y, ref, dtype, f"tiled M={m} N={n} K={k} rt={row_tiling}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k", [(1, 16, 128), (4, 48, 256), (8, 32, 4096), (9, 16, 128),
+                                     (17, 128, 512), (5, 1104, 128), (2, 8496, 256)])
+def test_gemv_tiled_exact_bitwise(m, n, k, dtype):
+    rng = np.random.default_rng()
+    for with_bias in (False, True):
+        a, packed, scale, gs, bias = exact_problem(rng, m, n, k, dtype, with_bias)
+        expected = as_dtype(reference_gemv(a, packed, scale, gs, bias), dtype)
+        y = gemv(a, packed, scale, gs, bias, tiled=True)
+        np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16),
+                                      err_msg=f"tiled M={m} N={n} K={k} bias={with_bias}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", ["1,1", "1,8", "2,1", "2,8", "4,1", "4,4", "1,4,2", "1,16,4"])
+def test_gemv_tiled_every_launch_config(config, dtype, monkeypatch):
+    rng = np.random.default_rng()
+    monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)
+    for m, n, k in ((3, 80, 1024), (9, 48, 512), (1, 16, 128), (17, 112, 2816)):
+        a, packed, scale, gs, bias = exact_problem(rng, m, n, k, dtype, with_bias=True)
+        expected = as_dtype(reference_gemv(a, packed, scale, gs, bias), dtype)
+        y = gemv(a, packed, scale, gs, bias, tiled=True)
+        np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16),
+                                      err_msg=f"tiled config={config} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_tiled_lane_ownership_probe(dtype):
+    """One-hot activations against column-coded weights (as test_gemv_lane_ownership_probe) in
+    the tiled layout: every k of two windows, every lane and row of an M chunk, 48 columns."""
+    rng = np.random.default_rng()
+    m, n, k = 8, 48, 256
+    col_scale = (0x30 + np.arange(n) % 16).astype(np.uint8)
+    scale = np.repeat(col_scale[:, None], k // 16, axis=1)
+    codes = rng.integers(1, 8, size=(n, k)).astype(np.uint8)
+    codes[:, 1::3] |= 8
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    w = reference.dequantize(packed, scale, 1.0, 16)
+    trials = [(t * 8 + (np.arange(m) + t) % 8) % k for t in range(k // 8)]
+    trials += [rng.integers(0, k, size=m) for _ in range(8)]
+    for trial, ks in enumerate(trials):
+        a = np.zeros((m, k), np.float32)
+        a[np.arange(m), ks] = 1.0
+        y = gemv(jnp.asarray(a, dtype), packed, scale, np.float32(1.0), None, tiled=True)
+        np.testing.assert_array_equal(y.view(np.uint16), as_dtype(w[:, ks].T, dtype).view(np.uint16),
+                                      err_msg=f"trial {trial}, k per row {ks.tolist()}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_tiled_nan_scale_and_determinism(dtype):
+    rng = np.random.default_rng()
+    m, n, k = 5, 160, 1024
+    a, packed, scale, gs, bias = random_problem(rng, m, n, k, dtype, with_bias=True)
+    scale = np.clip(scale, 0x20, 0x50).astype(np.uint8)
+    cols = rng.choice(n, size=2, replace=False)
+    scale[cols[0], rng.integers(k // 16)] = 0x7F
+    scale[cols[1], rng.integers(k // 16)] = 0xFF
+    y = gemv(a, packed, scale, gs, bias, tiled=True)
+    nan_cols = np.zeros(n, bool)
+    nan_cols[cols] = True
+    assert np.isnan(y[:, nan_cols].astype(np.float32)).all()
+    check_close(y, reference_gemv(a, packed, scale, gs, bias), dtype, "tiled NaN scale")
+    for _ in range(3):
+        np.testing.assert_array_equal(gemv(a, packed, scale, gs, bias, tiled=True).view(np.uint16),
+                                      y.view(np.uint16))
+
+
+def test_gemv_tiled_rejects_untileable_shapes():
+    rng = np.random.default_rng()
+    a, packed, scale, gs, _ = random_problem(rng, 2, 40, 256, "bfloat16", with_bias=False)
+    call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((2, 40), a.dtype))
+    with pytest.raises(Exception, match="tiled layout needs N % 16 == 0 and K % 128 == 0"):
+        np.asarray(call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16),
+                        use_mma=True, tiled=True, row_tiling=True))
 
 
 # ---------------------------------------------------------------------------------------------

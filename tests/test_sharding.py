@@ -474,3 +474,47 @@ def test_sharded_inference_example():
         assert facts[name]["relative_error"] < reference.TOLERANCE["bfloat16"]
         assert facts[name]["collectives"] == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
         assert facts[name]["output_spec"] == ("data",)
+
+
+# ---- the GEMV's tiled layout (jax_fp4.prepack) ----------------------------------------------------
+
+def _tiled_weight(rng, n, k, mesh, spec):
+    """A random weight in the tiled layout placed with `spec`, plus its float64 dequant."""
+    packed, scale, gs = reference.random_weight(rng, n, k)
+    t = jax_fp4.prepack(jax_fp4.NVFP4Weight(packed, scale, gs))
+    w = jax_fp4.NVFP4Weight(_put(np.asarray(t.packed), mesh, spec), _put(np.asarray(t.scale), mesh, spec),
+                            _put(gs, mesh, P()), layout="tiled")
+    return w, reference.dequantize(packed, scale, gs, 16)
+
+
+@pytest.mark.parametrize("n, spec, n_local, k_local", [
+    (256, P("x", None), 32, 256),   # 8 shards of 32 rows keep the 16-row tiles whole
+    (128, P("x", None), 16, 256),   # one tile per shard
+    (64, P(None, "x"), 64, 256),    # row parallel would cut the tiles' K: K gathered
+    (96, P("x", None), 96, 256),    # 12-row shards would cut the tiles: N gathered
+])
+def test_tiled_weights_shard_only_along_whole_tiles(n, spec, n_local, k_local):
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    k = 256
+    w, w64 = _tiled_weight(rng, n, k, mesh, spec)
+    a, a64 = _activation(rng, (5, k), "float32", mesh, P())
+    _, hlo = _compile(jax_fp4.matmul, a, w)
+    _check(jax.jit(jax_fp4.matmul)(a, w), a64 @ w64.T, "float32")
+    [(_, ops)] = _kernel_calls(hlo)
+    assert ops[1] == (n_local, k_local // 2)
+    assert (_collectives(hlo)["all-gather"] >= 1) == (n_local == n)
+
+
+def test_plan_for_the_tiled_layout():
+    mesh = _mesh((2, 4), ("data", "model"))
+    sh = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    _, n_axes, _, why = _sharding.plan(mesh, (8, 256), sh(), sh("model", None), n=96, k=256,
+                                       block_size=16, tiled=True)
+    assert n_axes == () and "16-row tiles" in why[0]  # 96 / 4 = 24 rows per shard
+    _, n_axes, _, why = _sharding.plan(mesh, (8, 256), sh(), sh("model", None), n=128, k=256,
+                                       block_size=16, tiled=True)
+    assert n_axes == ("model",) and why == []
+    _, _, k_axes, why = _sharding.plan(mesh, (8, 256), sh(), sh(None, "model"), n=128, k=256,
+                                       block_size=16, tiled=True)
+    assert k_axes == () and "hold all of K" in why[0]

@@ -22,11 +22,12 @@
 //                    at k_split > 1 (gemv_no_l2: without)
 //   gemv_2tiles      GemvMmaKernel<bf16, 2> (two column tiles per warp share the activations):
 //                    what the heuristic launches at M = 1 when the column grid allows it
-//   gemv_prepacked_decode  timing stand-in for a prepacked nibble layout (DecodePrepackedTiming:
-//                    8 instead of 13 ALU instructions per word, no activation permutes)
-//   gemv_tiled       the production kernel reading the tile-major layout of loads_prepacked
-//                    (one 1 KB weight run and one 128 B scale run per warp and window; timing
-//                    only); gemv_tiled_prepacked_decode also with DecodePrepackedTiming
+//   gemv_prepacked_decode  the tiled layout's decode (DecodeTiled: 8 instead of 13 ALU
+//                    instructions per word, no activation permutes) on the spec addressing
+//   gemv_tiled       the split-pair decode on the tiled layout's addressing (loads_prepacked:
+//                    one 1 KB weight run and one 128 B scale run per warp and window);
+//                    gemv_tiled_prepacked_decode is the kernel jax_fp4.prepack's weights run
+//                    (DecodeTiled on the tiled addressing)
 //   gemv_c2/c4       the same with 2 / 4 accumulator chains (the 8 dependent HMMA of a window
 //                    split 2 / 4 ways); these and the rows above gemv run without the L2 prefetch
 // Reading, in times ("a >> b": a takes much longer than b):
@@ -199,31 +200,6 @@ struct DecodeNone {
   }
 };
 
-// Timing stand-in for a load-time nibble layout (a "prepack"; values are not decoded correctly):
-// a word's four bf16 pairs stored so that pair 0 sits where bf16 wants it (one mask), pairs 1 and
-// 2 rotated by 3 and 6 bits (rotate + mask), pair 3 in the leftover bits {0, 1, 3, 4} (+16),
-// placed by one multiply with three non-overlapping copies (mask, multiply, mask): 8 ALU
-// instructions per word instead of the split pairs' 13. The pairs are adjacent elements, so the
-// activations need no permutes (natural pairs, as DecodeNone).
-struct DecodePrepackedTiming {
-  template <typename U, int S>
-  __device__ __forceinline__ static void Weights(uint32_t q, uint32_t& first, uint32_t& second) {
-    constexpr uint32_t kPair = 0x81C081C0u;
-    if constexpr (S % 2 == 0) {
-      first = q & kPair;
-      second = __funnelshift_r(q, q, 6) & kPair;
-    } else {
-      first = __funnelshift_r(q, q, 3) & kPair;
-      second = ((q & 0x001B001Bu) * 0x1084u) & kPair;
-    }
-  }
-  template <int S>
-  __device__ __forceinline__ static void Activations(const uint4& x, uint32_t& b0, uint32_t& b1) {
-    b0 = S % 2 ? x.y : x.x;
-    b1 = S % 2 ? x.w : x.z;
-  }
-};
-
 // The decode before the split pairs: adjacent elements (2i, 2i + 1) per pair, byte i of the word
 // spread by a PRMT, then a shift and two masks (4 ALU instructions per pair); activations in their
 // natural pairs.
@@ -372,21 +348,20 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   if (cfg.col_tiles == 2) {  // the heuristic's pick at M = 1 where the column grid allows
     add_gemv("gemv_2tiles", GemvMmaKernel<T, 2, 1, DecodeE2M1, 1, 256>, 2, k_split);
   }
-  add_gemv("gemv_prepacked_decode", GemvMmaKernel<T, 1, 1, DecodePrepackedTiming, 1, 256>, 1,
+  add_gemv("gemv_prepacked_decode", GemvMmaKernel<T, 1, 1, DecodeTiled, 1, 256>, 1, k_split);
+  if (cfg.col_tiles == 2) {
+    add_gemv("gemv_2tiles_prepacked_decode", GemvMmaKernel<T, 2, 1, DecodeTiled, 1, 256>, 2,
+             k_split);
+  }
+  // The tiled layout's addressing in the full kernel, with the split-pair decode (timing only:
+  // those values are not decoded correctly) and with its own decode (the production kernel on
+  // prepacked weights).
+  add_gemv("gemv_tiled", GemvMmaKernel<T, 1, 1, DecodeE2M1, 1, 256, true>, 1, k_split);
+  add_gemv("gemv_tiled_prepacked_decode", GemvMmaKernel<T, 1, 1, DecodeTiled, 1, 256, true>, 1,
            k_split);
   if (cfg.col_tiles == 2) {
-    add_gemv("gemv_2tiles_prepacked_decode",
-             GemvMmaKernel<T, 2, 1, DecodePrepackedTiming, 1, 256>, 2, k_split);
-  }
-  // Tile-major weight and scale layout (the loads_prepacked addressing) in the full kernel, with
-  // the split-pair and the prepacked-nibble decodes (timing only: the values are not decoded
-  // correctly from this layout).
-  add_gemv("gemv_tiled", GemvMmaKernel<T, 1, 1, DecodeE2M1, 1, 256, true>, 1, k_split);
-  add_gemv("gemv_tiled_prepacked_decode",
-           GemvMmaKernel<T, 1, 1, DecodePrepackedTiming, 1, 256, true>, 1, k_split);
-  if (cfg.col_tiles == 2) {
     add_gemv("gemv_2tiles_tiled_prepacked_decode",
-             GemvMmaKernel<T, 2, 1, DecodePrepackedTiming, 1, 256, true>, 2, k_split);
+             GemvMmaKernel<T, 2, 1, DecodeTiled, 1, 256, true>, 2, k_split);
   }
   add_gemv("gemv_c2", GemvMmaKernel<T, 1, 1, DecodeE2M1, 2>, 1, k_split);
   add_gemv("gemv_c4", GemvMmaKernel<T, 1, 1, DecodeE2M1, 4>, 1, k_split);

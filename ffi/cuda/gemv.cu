@@ -7,7 +7,8 @@
 //   weight fragment feeds two such row tiles unless row tiling is off). See the fragment table
 //   above the kernel. The E4M3 block scale is folded into the decoded 16-bit weight before the
 //   mma (exact), global scale and bias are applied in the epilogue. Device code in
-//   cuda/gemv_mma.cuh (shared with benchmarks/probes/gemv_probe.cu).
+//   cuda/gemv_mma.cuh (shared with benchmarks/probes/gemv_probe.cu). It reads the weight in the
+//   spec layout, or (attribute tiled) in the tiled layout of jax_fp4.prepack (_layout.py).
 // * GemvScalarKernel (any K % 32 == 0): a warp per output column, 32 K elements (one 16-byte load
 //   of packed weight, two scale blocks) per lane per step, per-block fp32 partial sums, a warp
 //   shuffle reduction, and row tiling (RowsPerBlock rows of M share each decoded weight).
@@ -148,22 +149,34 @@ __global__ void __launch_bounds__(32 * kGemvScalarColsPerBlock)
 // Launchers.
 constexpr int64_t kMaxGridY = 65535;
 
-template <typename T, int CT, int RT = 1>
-cudaError_t LaunchMma(cudaStream_t stream, const T* a, const uint8_t* packed, const uint8_t* scale,
-                      const float* gs, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
-                      int k_split) {
+template <typename T, int CT, int RT, bool Tiled>
+cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* packed,
+                            const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
+                            int64_t n, int64_t k, int k_split) {
+  using Decode = std::conditional_t<Tiled, DecodeTiled, DecodeE2M1>;
   const int64_t tiles = CeilDiv(n, kGemvTileCols);
   const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = GemvMmaSmemBytes(CT, k_split);
   if (k_split > 1) {
-    GemvMmaKernel<T, CT, RT, DecodeE2M1, 1, 256>
+    GemvMmaKernel<T, CT, RT, Decode, 1, 256, Tiled>
         <<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
   } else {
-    GemvMmaKernel<T, CT, RT><<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+    GemvMmaKernel<T, CT, RT, Decode, 1, 0, Tiled>
+        <<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
   }
   return cudaGetLastError();
+}
+
+template <typename T, int CT, int RT = 1>
+cudaError_t LaunchMma(cudaStream_t stream, bool tiled, const T* a, const uint8_t* packed,
+                      const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
+                      int64_t n, int64_t k, int k_split) {
+  return tiled ? LaunchMmaLayout<T, CT, RT, true>(stream, a, packed, scale, gs, bias, y, m, n, k,
+                                                  k_split)
+               : LaunchMmaLayout<T, CT, RT, false>(stream, a, packed, scale, gs, bias, y, m, n, k,
+                                                   k_split);
 }
 
 template <typename T, int R>
@@ -205,18 +218,19 @@ template <typename T>
 cudaError_t LaunchGemv(cudaStream_t stream, const DeviceInfo& info, const void* a,
                        const uint8_t* packed, const uint8_t* scale, const float* gs,
                        const void* bias, void* y, int64_t m, int64_t n, int64_t k, bool use_mma,
-                       bool row_tiling, const GemvLaunchConfig& cfg) {
+                       bool tiled, bool row_tiling, const GemvLaunchConfig& cfg) {
   const T* at = static_cast<const T*>(a);
   const T* bt = static_cast<const T*>(bias);
   T* yt = static_cast<T*>(y);
-  if (use_mma && k > 0 && k % kGemvWindow == 0 && info.sm >= 80) {
+  if (tiled || (use_mma && k > 0 && k % kGemvWindow == 0 && info.sm >= 80)) {
+    const int ks = cfg.k_split;
     if (row_tiling && cfg.row_tiles == 2 && cfg.col_tiles == 1) {
-      return LaunchMma<T, 1, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
+      return LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
     }
     switch (cfg.col_tiles) {
-      case 4: return LaunchMma<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
-      case 2: return LaunchMma<T, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
-      default: return LaunchMma<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k, cfg.k_split);
+      case 4: return LaunchMma<T, 4>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
+      case 2: return LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
+      default: return LaunchMma<T, 1>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
     }
   }
   const int rows = row_tiling ? cfg.rows_per_block : 1;
@@ -230,7 +244,7 @@ cudaError_t LaunchGemv(cudaStream_t stream, const DeviceInfo& info, const void* 
 ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
                         ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
                         ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y, int64_t block_size,
-                        bool use_mma, bool row_tiling) {
+                        bool use_mma, bool tiled, bool row_tiling) {
   MatmulShape shape;
   const std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
@@ -245,18 +259,30 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
     return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: K must be a multiple of 32, got " +
                                        std::to_string(shape.k));
   }
+  if (tiled && (shape.n % kGemvTileCols != 0 || shape.k % kGemvWindow != 0)) {
+    return ffi::Error::InvalidArgument(
+        "jax_fp4_gemv_cuda: the tiled layout needs N % 16 == 0 and K % 128 == 0, got N = " +
+        std::to_string(shape.n) + ", K = " + std::to_string(shape.k));
+  }
   if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
   const void* bias_data = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
-  // 16-byte vector loads of a and packed (rows are 16-byte multiples since K % 32 == 0).
+  // 16-byte vector loads of a and packed (rows are 16-byte multiples since K % 32 == 0); the
+  // tiled layout's scales are read 4 bytes at a time.
   if (!IsAligned(a.untyped_data(), 16) || !IsAligned(packed.untyped_data(), 16) ||
-      !IsAligned(scale.untyped_data(), 2)) {
+      !IsAligned(scale.untyped_data(), tiled ? 4 : 2)) {
     return ffi::Error::InvalidArgument(
-        "jax_fp4_gemv_cuda: a and packed must be 16-byte aligned and scale 2-byte aligned");
+        "jax_fp4_gemv_cuda: a and packed must be 16-byte aligned and scale 2-byte aligned "
+        "(4-byte for the tiled layout)");
   }
 
   DeviceInfo info;
   cudaError_t err = GetDeviceInfo(&info);
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: device query", err);
+  if (tiled && info.sm < 80) {
+    return ffi::Error::InvalidArgument(
+        "jax_fp4_gemv_cuda: the tiled layout needs the tensor-core kernel (sm_80+), this device "
+        "is sm_" + std::to_string(info.sm));
+  }
   GemvLaunchConfig cfg = gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms);
   const std::string bad_override = ApplyConfigOverride(&cfg);
   if (!bad_override.empty()) return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + bad_override);
@@ -264,12 +290,13 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   if (a.element_type() == ffi::DataType::F16) {
     err = LaunchGemv<__half>(stream, info, a.untyped_data(), packed.typed_data(),
                              scale.typed_data(), global_scale.typed_data(), bias_data,
-                             y->untyped_data(), shape.m, shape.n, shape.k, use_mma, row_tiling, cfg);
+                             y->untyped_data(), shape.m, shape.n, shape.k, use_mma, tiled,
+                             row_tiling, cfg);
   } else {
     err = LaunchGemv<__nv_bfloat16>(stream, info, a.untyped_data(), packed.typed_data(),
                                     scale.typed_data(), global_scale.typed_data(), bias_data,
                                     y->untyped_data(), shape.m, shape.n, shape.k, use_mma,
-                                    row_tiling, cfg);
+                                    tiled, row_tiling, cfg);
   }
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: kernel launch", err);
   return ffi::Error::Success();
@@ -290,5 +317,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GemvCuda, jax_fp4::cuda::GemvCudaImpl,
                                   .Ret<ffi::AnyBuffer>()          // y [M, N]
                                   .Attr<int64_t>("block_size")
                                   .Attr<bool>("use_mma")
+                                  .Attr<bool>("tiled")   // weight in the tiled layout
                                   .Attr<bool>("row_tiling"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -102,9 +102,9 @@ __device__ __forceinline__ void LoadActivation(uint4 (&dst)[4], const T* ap) {
 }
 
 // Loads one window's fragments at the current pointers, then advances them by `step` windows.
-// Tiled (timing probe only, benchmarks/probes/gemv_probe.cu): the weight as if stored tile-major,
-// [16-row tile][window][h][lane][16 B] and scales [tile][window][lane][rows g, g + 8: 2 x 2 B], so
-// a warp's window is one 1 KB run and one 128 B run (wp[ct][0] / sp[ct][0] used).
+// Tiled: the weight in the tiled layout (jax_fp4/_layout.py), [16-row tile][window][h][lane][16 B]
+// and scales [tile][window][lane][rows g, g + 8: 2 x 2 B], so a warp's window is one 1 KB run and
+// one 128 B run (only wp[ct][0] / sp[ct][0] are used).
 template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled = false>
 __device__ __forceinline__ void MmaLoad(MmaFragments<CT, RT>& f, const uint8_t* (&wp)[CT][2],
                                         const uint8_t* (&sp)[CT][2], const T* (&ap)[RT],
@@ -153,6 +153,40 @@ struct DecodeE2M1 {
     const uint32_t lo = S % 2 ? x.y : x.x, hi = S % 2 ? x.w : x.z;
     b0 = split_activation_pair<2 * (S % 2)>(lo, hi);
     b1 = split_activation_pair<2 * (S % 2) + 1>(lo, hi);
+  }
+};
+
+// The decode of the tiled layout (jax_fp4/_layout.py): its words hold the elements in adjacent
+// pairs (2p, 2p + 1), pair 0 already at the bf16 positions (mantissa 6, exponent 7-8, sign 15;
+// +16 for the odd element), pairs 1 and 2 rotated left by 3 and 6 bits, pair 3 at bits
+// {4, 0, 1, 3} (+16), which one multiply by 0x1084 (copies shifted by 2, 7 and 12, none
+// overlapping) carries to {6, 7, 8, 15}. bf16: one mask per pair then gives e2m1 * 2^-126, exact
+// (8 ALU instructions per word against DecodeE2M1's 13); fp16 moves the three EM bits up by 3
+// (e2m1 * 2^-14). The activations stay in their natural pairs (no permutes).
+// K-step S (word S / 2): slots (2t, 2t + 1) take pair S % 2, slots (2t + 8, 2t + 9) pair 2 + S % 2.
+struct DecodeTiled {
+  template <typename T>
+  __device__ __forceinline__ static uint32_t Pair(uint32_t x) {  // x: the pair at the bf16 bits
+    if constexpr (std::is_same_v<T, __half>) {
+      return ((x & 0x01C001C0u) << 3) | (x & 0x80008000u);
+    } else {
+      return x & 0x81C081C0u;
+    }
+  }
+  template <typename T, int S>
+  __device__ __forceinline__ static void Weights(uint32_t q, uint32_t& first, uint32_t& second) {
+    if constexpr (S % 2 == 0) {
+      first = Pair<T>(q);
+      second = Pair<T>(__funnelshift_r(q, q, 6));
+    } else {
+      first = Pair<T>(__funnelshift_r(q, q, 3));
+      second = Pair<T>((q & 0x001B001Bu) * 0x1084u);
+    }
+  }
+  template <int S>
+  __device__ __forceinline__ static void Activations(const uint4& x, uint32_t& b0, uint32_t& b1) {
+    b0 = S % 2 ? x.y : x.x;
+    b1 = S % 2 ? x.w : x.z;
   }
 };
 
@@ -293,7 +327,7 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // where the block's other warps read the neighbouring windows of the same rows at the same time
 // (1-4% at M = 1 on the H200); a lone warp walking its row gained nothing from it
 // (benchmarks/NOTES.md, ninth session).
-// Tiled: a timing-only layout of the probe (see MmaLoad); the launcher never sets it.
+// Tiled: the weight is in the tiled layout (MmaLoad; N % 16 == 0), decoded by DecodeTiled.
 template <typename T, int CT, int RT = 1, typename Decode = DecodeE2M1, int Chains = 1,
           int L2PrefetchBytes = 0, bool Tiled = false>
 __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 : 1)
@@ -316,8 +350,10 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
   const uint8_t* sp_first[CT][2];
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
-    if constexpr (Tiled) {  // timing probe only (MmaLoad reads [ct][0]); n % 16 == 0 there
-      const int64_t tile_window = (col0 / kGemvTileCols + ct) * windows + warp;
+    if constexpr (Tiled) {  // MmaLoad reads [ct][0]; n % 16 == 0
+      // A tile past N (the grid's last block, CT > 1) reads the last tile; never stored.
+      const int64_t tile = Min64(col0 / kGemvTileCols + ct, n / kGemvTileCols - 1);
+      const int64_t tile_window = tile * windows + warp;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         wp_first[ct][h] = packed + tile_window * 1024 + 16 * lane;

@@ -1,0 +1,42 @@
+"""`prepack` / `unprepack`: weight layouts prepared once at load time for a kernel path.
+
+  target="gemv"   the decode GEMV's tiled layout (jax_fp4/_layout.py): the packed codes and block
+                  scales reordered in place (same shapes and bytes); every other path reads the
+                  weight through the inverse transform, so prepack the weights that serve decode.
+  target="sm120"  the native Blackwell SM120 path's swizzled scales, kept beside the plain ones
+                  (jax_fp4/_native.py).
+"""
+
+from __future__ import annotations
+
+from jax_fp4 import _layout, _native
+from jax_fp4._format import NVFP4Weight, spec_arrays, tiled_layout_unsupported
+
+TARGETS = ("gemv", "sm120")
+
+
+def prepack(w: NVFP4Weight, target: str = "gemv") -> NVFP4Weight:
+    """A copy of `w` laid out for `target`'s kernel ("gemv" or "sm120"); pure jnp, jit-able, keeps
+    stacked leading axes. Computes the same matmul as `w` on every path."""
+    if not isinstance(w, NVFP4Weight):
+        raise TypeError(f"prepack: w must be an NVFP4Weight, got {type(w).__name__}")
+    if target not in TARGETS:
+        raise ValueError(f"prepack: target must be one of {TARGETS}, got {target!r}")
+    if target == "sm120":
+        return _native.prepack(unprepack(w), target="sm120")
+    if w.layout == "tiled":
+        return w
+    if (reason := tiled_layout_unsupported(w.n, w.k, w.block_size)) is not None:
+        raise ValueError(f"prepack(target='gemv'): the tiled layout {reason} (weight shape {w.shape})")
+    return NVFP4Weight(_layout.tile_packed(w.packed), _layout.tile_scale(w.scale), w.global_scale,
+                       w.block_size, layout="tiled")
+
+
+def unprepack(w: NVFP4Weight) -> NVFP4Weight:
+    """`w` as a plain NVFP4Weight in the spec layout (what checkpoints store)."""
+    if not isinstance(w, NVFP4Weight):
+        raise TypeError(f"unprepack: w must be an NVFP4Weight, got {type(w).__name__}")
+    if w.layout == "spec" and type(w) is NVFP4Weight:
+        return w
+    packed, scale = spec_arrays(w)
+    return NVFP4Weight(packed, scale, w.global_scale, w.block_size)
