@@ -53,20 +53,20 @@ def fused_call(a, packed, scale, gs):
     call = jax.ffi.ffi_call(FUSED, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                     jax.ShapeDtypeStruct((0,), jnp.float32)))
     y, _ = call(_fused.to_fragment_order(a), packed, scale, gs, jnp.zeros((0,), a.dtype),
-                block_size=np.int64(16))
+                block_size=np.int64(16), tiled=False)
     return y
 
 
 def gemv_call(a, packed, scale, gs):
     call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype))
     return call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16),
-                use_mma=True, row_tiling=True)
+                use_mma=True, tiled=False, row_tiling=True)
 
 
 def dequantize(a, packed, scale, gs):
     """The dequant kernel's [N, K] weight in a's dtype."""
     call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((packed.shape[0], a.shape[-1]), a.dtype))
-    return call(packed, scale, gs, block_size=np.int64(16))
+    return call(packed, scale, gs, block_size=np.int64(16), tiled=False)
 
 
 def dequant_call(a, packed, scale, gs):

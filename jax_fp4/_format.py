@@ -102,9 +102,11 @@ class NVFP4Weight:
 
     @classmethod
     def tree_unflatten(cls, static, children):
+        """`static` is (block_size, layout), or a bare block_size for the spec layout (what
+        shard_map in_specs trees are commonly built with: tree_unflatten(16, (spec, spec, P())))."""
         obj = object.__new__(cls)
         obj.packed, obj.scale, obj.global_scale = children
-        obj.block_size, obj.layout = static
+        obj.block_size, obj.layout = static if isinstance(static, tuple) else (static, "spec")
         return obj
 
     @property

@@ -25,19 +25,23 @@ _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 FRAGMENT_BLOCK = 64    # the fragment K order permutes K inside blocks of this many elements
 
 
-def to_fragment_order(a):
+def to_fragment_order(a, tiled: bool = False):
     """The activation [..., K] with K permuted inside each 64-element block as the fused kernel
     reads it: result[..., 64 b + k_log] = a[..., 64 b + p(k_log)], where
     k_log = 32 sb + 16 j1 + 8 j0 + 2 t + o  <->  p = 16 t + 8 sb + 4 o + 2 j1 + j0
-    (ffi/cuda/fused_gemm.cu, "Fragment K order": it lets every lane decode whole packed words).
+    (ffi/cuda/fused_gemm.cu, "Fragment K order": it lets every lane decode whole packed words);
+    for weights in the tiled layout (tiled=True) p = 16 t + 8 sb + 4 j0 + 2 j1 + o.
     A reshape and a transpose (NumPy or jax arrays); K must be a multiple of 64."""
     *lead, k = a.shape
     if k % FRAGMENT_BLOCK:
         raise ValueError(f"to_fragment_order: K must be a multiple of {FRAGMENT_BLOCK}, got {k}")
-    # Physical index bits, high to low: t (2 bits), sb, o, j1, j0.
+    # Physical index bits, high to low: t (2 bits), sb, then o, j1, j0 (tiled: j0, j1, o).
     x = a.reshape(*lead, k // FRAGMENT_BLOCK, 2, 2, 2, 2, 2, 2)
     d = len(lead) + 1
-    t1, t0, sb, o, j1, j0 = range(d, d + 6)
+    if tiled:
+        t1, t0, sb, j0, j1, o = range(d, d + 6)
+    else:
+        t1, t0, sb, o, j1, j0 = range(d, d + 6)
     x = x.transpose(*range(d), sb, j1, j0, t1, t0, o)
     return x.reshape(*lead, k)
 

@@ -4,8 +4,8 @@ JVP and transpose.
 Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale uint8 [N, ceil(K/bs)],
 global_scale float32 [], bias [N] (a's dtype) when has_bias, and the prepacked SM120 scales
 (`prepack`) when has_swizzled. Result: [..., N] in a's dtype. Static `layout`: the byte order of
-packed and scale ("spec" or "tiled", jax_fp4/_layout.py); the tensor-core GEMV reads "tiled"
-directly, every other path through the inverse transform.
+packed and scale ("spec" or "tiled", jax_fp4/_layout.py); the CUDA kernels (tensor-core GEMV,
+dequant, fused) read "tiled" directly, the other paths through the inverse transform.
 The lowering picks a path from static shapes (`_dispatch.select_path`); the chosen path shows in
 the HLO as the FFI custom-call target, or, for pure-JAX paths, as a `jax_fp4/<path>` op name.
 """
@@ -126,15 +126,10 @@ def gemv_uses_mma() -> bool:
     return _dispatch.env_flag("JAX_FP4_GEMV_MMA", True)
 
 
-def _gemv_tiled(a, packed, scale, global_scale, bias, *, block_size, **_):
-    """The tensor-core GEMV reading the tiled layout itself."""
-    return _gemv(a, packed, scale, global_scale, bias, block_size=block_size, tiled=True)
-
-
-def _dequant(a, packed, scale, global_scale, bias, *, block_size, **_):
+def _dequant(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
     n, k = packed.shape[0], a.shape[-1]
     call = jax.ffi.ffi_call("jax_fp4_dequant_cuda", jax.ShapeDtypeStruct((n, k), a.dtype))
-    w = call(packed, scale, global_scale, block_size=np.int64(block_size))
+    w = call(packed, scale, global_scale, block_size=np.int64(block_size), tiled=tiled)
     if bias is None:
         # cuBLAS accumulates in fp32 and rounds once in its epilogue; asking for an f32 [M, N]
         # result and casting measured 5-14% slower at M >= 512 on the H200 (fused_h200.json).
@@ -144,13 +139,13 @@ def _dequant(a, packed, scale, global_scale, bias, *, block_size, **_):
 
 
 @_as_2d
-def _fused_gemm(a, packed, scale, global_scale, bias, *, block_size, **_):
+def _fused_gemm(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
     m, n, k = a.shape[0], packed.shape[0], a.shape[1]
     outs = (jax.ShapeDtypeStruct((m, n), a.dtype),
             jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),), jnp.float32))
     y, _ = jax.ffi.ffi_call(_fused.TARGET, outs)(
-        _fused.to_fragment_order(a), packed, scale, global_scale, _bias_operand(bias, a.dtype),
-        block_size=np.int64(block_size))
+        _fused.to_fragment_order(a, tiled), packed, scale, global_scale,
+        _bias_operand(bias, a.dtype), block_size=np.int64(block_size), tiled=tiled)
     return y
 
 
@@ -167,11 +162,20 @@ def _reading_spec_layout(impl):
     return wrapped
 
 
+def _reading_tiled_layout(impl):
+    """`impl` (a kernel with a `tiled` flag) reading the tiled layout itself."""
+    @functools.wraps(impl)
+    def wrapped(a, packed, scale, global_scale, bias, *, block_size, **_):
+        return impl(a, packed, scale, global_scale, bias, block_size=block_size, tiled=True)
+    return wrapped
+
+
 # Module-level so that each (path, layout) is one function (the partitioning rules cache on it).
+# The CUDA kernels read the tiled layout; the CPU, reference and native paths transform it back.
 _TILED_PATHS = {path: _reading_spec_layout(impl) for path, impl in _PATHS.items()}
 _SCALAR_GEMV_ON_TILED = _TILED_PATHS["gemv"]
-_TILED_PATHS["gemv"] = _gemv_tiled
-_TILED_PATHS["empty"] = _empty
+_TILED_PATHS.update(empty=_empty, gemv=_reading_tiled_layout(_gemv),
+                    dequant=_reading_tiled_layout(_dequant), fused=_reading_tiled_layout(_fused_gemm))
 
 
 def _impl_for(path: str, layout: str, platform: str):

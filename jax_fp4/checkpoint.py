@@ -36,7 +36,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jax_fp4._format import NVFP4Weight
+from jax_fp4._format import NVFP4Weight, spec_arrays
 
 __all__ = [
     "CheckpointError",
@@ -199,8 +199,7 @@ def _weight_arrays(w, where: str):
     if w.block_size != NVFP4_BLOCK_SIZE:
         raise ValueError(f"{where}: NVFP4 checkpoints use block_size {NVFP4_BLOCK_SIZE}, got "
                          f"{w.block_size}")
-    packed = np.asarray(w.packed)
-    scale = np.asarray(w.scale)
+    packed, scale = (np.asarray(x) for x in spec_arrays(w))  # files hold the spec layout
     if scale.dtype == _U8:
         scale = scale.view(_F8)
     gs = np.asarray(w.global_scale, np.float32)
@@ -338,8 +337,9 @@ def fuse(weights) -> NVFP4Weight:
             "shared global scale. Quantize the concatenated float weights once "
             "(jax_fp4.quantize(jnp.concatenate([...], axis=-2))) instead of fusing separately "
             "quantized parts")
-    packed = np.concatenate([np.asarray(w.packed) for w in ws], axis=-2)
-    scale = np.concatenate([np.asarray(w.scale).view(_U8) for w in ws], axis=-2)
+    parts = [spec_arrays(w) for w in ws]
+    packed = np.concatenate([np.asarray(p) for p, _ in parts], axis=-2)
+    scale = np.concatenate([np.asarray(s).view(_U8) for _, s in parts], axis=-2)
     if np.asarray(first.scale).dtype == _F8:
         scale = scale.view(_F8)
     return NVFP4Weight(packed, scale, scales[0].copy(), block_size=first.block_size)

@@ -5,6 +5,7 @@
     params = fp4nn.quantize_params(float_params)         # nn.Dense params -> FP4Dense params
     stats = fp4nn.calibrate(model, float_params, batch)  # or: calibrated block scales
     params = fp4nn.quantize_params(float_params, method="mse", calibration=stats)
+    params = fp4nn.prepack_params(params)                # decode GEMV layout; FP4Dense(layout="tiled")
 
 `FP4Dense`'s params are the NVFP4 tensors in the [out, in] layout, ``packed`` uint8 [N, K/2],
 ``scale`` float8_e4m3fn [N, ceil(K/16)], ``global_scale`` float32 [], plus ``bias`` [N] as in
@@ -29,6 +30,7 @@ from flax.core import meta
 from flax.core.frozen_dict import FrozenDict
 
 from jax_fp4._format import NVFP4Weight
+from jax_fp4._prepack import prepack
 from jax_fp4._layers import (check_calibration_method, compute_dtype, input_square_sums,
                              layer_importance, quantize_kernel)
 from jax_fp4._matmul import matmul
@@ -87,6 +89,7 @@ class FP4Dense(nn.Module):
         nn.with_logical_partitioning to shard the NVFP4 arrays (see the module docstring).
       bias_init: initializer of the bias.
       block_size: elements per E4M3 block scale (16 for NVFP4).
+      layout: "spec", or "tiled" for params holding the decode GEMV's layout (`prepack_params`).
       backend: the jax_fp4.matmul backend (None: pick from shapes and platform).
     """
 
@@ -97,6 +100,7 @@ class FP4Dense(nn.Module):
     kernel_init: Callable = default_kernel_init
     bias_init: Callable = nn.initializers.zeros_init()
     block_size: int = 16
+    layout: str = "spec"  # "tiled": params hold jax_fp4.prepack's layout (prepack_params)
     backend: str | None = None
 
     @nn.compact
@@ -121,7 +125,8 @@ class FP4Dense(nn.Module):
         scale = self.param("scale", init("scale"), key)
         global_scale = self.param("global_scale", init("global_scale"), key)
         bias = self.param("bias", self.bias_init, (n,), self.param_dtype) if self.use_bias else None
-        weight = NVFP4Weight(packed, scale, global_scale, block_size=self.block_size)
+        weight = NVFP4Weight(packed, scale, global_scale, block_size=self.block_size,
+                             layout=self.layout)
         if weight.shape != (n, k):
             raise ValueError(f"FP4Dense: params hold a weight [N, K] = {weight.shape}, expected "
                              f"{(n, k)} for features={n} and inputs of shape {tuple(inputs.shape)}")
@@ -145,12 +150,14 @@ def params_from_weight(weight: NVFP4Weight, bias=None) -> dict[str, Any]:
     return params
 
 
-def weight_from_params(params: Mapping[str, Any], block_size: int = 16) -> NVFP4Weight:
+def weight_from_params(params: Mapping[str, Any], block_size: int = 16,
+                       layout: str = "spec") -> NVFP4Weight:
     """The NVFP4Weight held by FP4Dense params (boxed or not)."""
     missing = [k for k in _FP4_KEYS if k not in params]
     if missing:
         raise KeyError(f"weight_from_params: FP4Dense params need {list(_FP4_KEYS)}; missing {missing}")
-    return NVFP4Weight(*(_unboxed(params[k]) for k in _FP4_KEYS), block_size=block_size)
+    return NVFP4Weight(*(_unboxed(params[k]) for k in _FP4_KEYS), block_size=block_size,
+                       layout=layout)
 
 
 def _is_dense(tree) -> bool:
@@ -228,6 +235,34 @@ def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, bl
         return tree, False
 
     return convert(params, ())[0]
+
+
+def prepack_params(params, filter: Callable[[tuple], bool] | None = None):
+    """FP4Dense params with the weights in the decode GEMV's tiled layout (`jax_fp4.prepack`): every
+    dict holding ``packed``, ``scale`` and ``global_scale`` (or those whose path `filter` accepts)
+    is converted; boxes (nn.Partitioned) are kept. The modules reading them need
+    ``FP4Dense(..., layout="tiled")``. A selected layer whose shape the layout cannot take (N % 16,
+    K % 128) is an error: filter it out and leave that module's layout "spec". Returns a new tree."""
+
+    def convert(tree, path):
+        if isinstance(tree, Mapping) and all(key in tree for key in _FP4_KEYS):
+            if filter is not None and not filter(path):
+                return tree
+            where = f"prepack_params: layer {'/'.join(map(str, path)) or '<root>'}"
+            try:
+                tiled = prepack(weight_from_params(tree))
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            out = dict(tree)
+            for key, value in (("packed", tiled.packed), ("scale", tiled.scale)):
+                out[key] = tree[key].replace_boxed(value) if isinstance(tree[key], meta.AxisMetadata) else value
+            return FrozenDict(out) if isinstance(tree, FrozenDict) else out
+        if isinstance(tree, Mapping):
+            out = {key: convert(value, (*path, key)) for key, value in tree.items()}
+            return FrozenDict(out) if isinstance(tree, FrozenDict) else out
+        return tree
+
+    return convert(params, ())
 
 
 _CALIBRATION = "jax_fp4_calibration"

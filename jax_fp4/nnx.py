@@ -6,6 +6,7 @@
     model = fp4nnx.quantize_model(model, method="mse", calibration=stats)
     layer = fp4nnx.FP4Linear.from_linear(linear)    # one layer
     layer = fp4nnx.FP4Linear.from_weight(w, bias)   # from an NVFP4Weight (e.g. a checkpoint)
+    model = fp4nnx.prepack_model(model)             # the decode GEMV's layout, once, in place
 
 `FP4Linear` is a drop-in for `flax.nnx.Linear`: same call signature, `in_features`,
 `out_features`, `use_bias`, `dtype` / `param_dtype` handling and `kernel_metadata` /
@@ -35,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_fp4._format import NVFP4Weight
+from jax_fp4._format import NVFP4Weight, tiled_layout_unsupported
+from jax_fp4._prepack import prepack, unprepack
 from jax_fp4._layers import (check_calibration_method, compute_dtype, input_square_sums,
                              layer_importance, quantize_kernel)
 from jax_fp4._matmul import matmul
@@ -168,6 +170,7 @@ class FP4Linear(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.block_size = int(weight.block_size)
+        self.layout = weight.layout  # "tiled" after prepack(): the arrays hold the GEMV's layout
         self.backend = backend
 
     @classmethod
@@ -223,7 +226,20 @@ class FP4Linear(nnx.Module):
     def weight(self) -> NVFP4Weight:
         """The layer's NVFP4Weight [out_features, in_features]."""
         return NVFP4Weight.tree_unflatten(
-            self.block_size, (self.packed[...], self.scale[...], self.global_scale[...]))
+            (self.block_size, self.layout), (self.packed[...], self.scale[...], self.global_scale[...]))
+
+    def prepack(self) -> bool:
+        """Put the weight in the decode GEMV's tiled layout (`jax_fp4.prepack`), in place.
+        Returns False (and changes nothing) where the shape cannot take it (N % 16, K % 128 or
+        block_size 16); the layer computes the same either way."""
+        weight = self.weight
+        if tiled_layout_unsupported(weight.n, weight.k, weight.block_size) is not None:
+            return False
+        tiled = prepack(weight)
+        self.packed.set_value(tiled.packed)
+        self.scale.set_value(tiled.scale)
+        self.layout = tiled.layout
+        return True
 
     def __call__(self, inputs, out_sharding=None):
         """``inputs @ W^T + bias`` over the last axis: [..., in_features] -> [..., out_features].
@@ -440,7 +456,18 @@ def load_weights(model, tensors: Mapping[str, Any], *, prefix: str = "", strict:
         elif bias_name in tensors:
             raise CheckpointError(f"load_weights: {bias_name!r} is given but the FP4Linear {name!r} "
                                   "has no bias (use_bias=False)")
+        weight = prepack(weight) if layer.layout == "tiled" else unprepack(weight)
         layer.packed.set_value(jnp.asarray(weight.packed))
         layer.scale.set_value(jnp.asarray(weight.scale))
         layer.global_scale.set_value(jnp.asarray(weight.global_scale, jnp.float32))
+    return model
+
+
+def prepack_model(model, filter: Callable[[tuple], bool] | None = None):
+    """Put every FP4Linear of `model` (or those whose path `filter` accepts) in the decode GEMV's
+    tiled layout (`jax_fp4.prepack`), in place, and return `model`. Layers whose shape the layout
+    cannot take (N % 16, K % 128, block_size 16) keep the spec layout; results do not change."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, FP4Linear) and (filter is None or filter(tuple(path))):
+            node.prepack()
     return model

@@ -345,3 +345,16 @@ def test_nnx_model_save_and_load(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"no NVFP4 weight 'out'"):
         fp4nnx.load_weights(fresh, loaded)
     fp4nnx.load_weights(fresh, loaded, strict=False)
+
+
+def test_tiled_weights_save_and_fuse_in_the_spec_layout(tmp_path):
+    """A prepacked (tiled) weight is written as the spec layout, and fuse() gives a spec weight."""
+    w = quantize(_float_weight(80, n=32, k=256))
+    tiled = jax_fp4.prepack(w)
+    ck.save_safetensors(ck.to_modelopt(tiled, "layer"), tmp_path / "t.safetensors")
+    ck.save_safetensors(ck.to_modelopt(w, "layer"), tmp_path / "s.safetensors")
+    assert (tmp_path / "t.safetensors").read_bytes() == (tmp_path / "s.safetensors").read_bytes()
+    _same_bits(ck.load_safetensors(tmp_path / "t.safetensors")["layer"], w)
+    fused = ck.fuse([tiled, w])
+    assert fused.layout == "spec"
+    _same_bits(fused, ck.fuse([w, w]))

@@ -530,3 +530,63 @@ def test_linen_params_shard_on_a_mesh():
     y = jax.jit(dense.apply)(params, x_sharded)
     p = params["params"]
     _assert_close(y, _ref_apply(x, fp4nn.weight_from_params(p), p["bias"]))
+
+
+# ---- the decode GEMV's tiled layout (jax_fp4.prepack) -----------------------------------------
+
+def test_nnx_prepack_model_keeps_results_and_round_trips_checkpoints():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(128, 48, rngs=rngs)
+            self.odd = nnx.Linear(48, 40, rngs=rngs)   # K = 48: stays in the spec layout
+
+        def __call__(self, x):
+            return self.odd(jnp.tanh(self.up(x)))
+
+    model = fp4nnx.quantize_model(Net(nnx.Rngs(0)))
+    x = jnp.asarray(np.random.default_rng(90).standard_normal((3, 128)), jnp.float32)
+    before = np.asarray(model(x))
+    spec_up = model.up.weight
+    assert fp4nnx.prepack_model(model) is model
+    assert (model.up.layout, model.odd.layout) == ("tiled", "spec")
+    np.testing.assert_array_equal(np.asarray(model(x)), before)
+    np.testing.assert_array_equal(np.asarray(jax_fp4.unprepack(model.up.weight).packed), spec_up.packed)
+    # export writes the spec layout; loading into a tiled layer prepacks again
+    tensors = fp4nnx.export_weights(model)
+    fresh = fp4nnx.prepack_model(fp4nnx.quantize_model(Net(nnx.Rngs(1))))
+    fp4nnx.load_weights(fresh, {k: (jax_fp4.unprepack(v) if isinstance(v, jax_fp4.NVFP4Weight) else v)
+                                for k, v in tensors.items()})
+    assert fresh.up.layout == "tiled"
+    np.testing.assert_array_equal(np.asarray(fresh(x)), before)
+    # from_weight keeps a tiled weight's layout; split/merge (jit) keep it too
+    layer = fp4nnx.FP4Linear.from_weight(jax_fp4.prepack(spec_up))
+    assert layer.layout == "tiled"
+    graphdef, state = nnx.split(layer)
+    y = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(model.up(x)))
+
+
+def test_linen_prepack_params_with_tiled_modules():
+    class Net(nn.Module):
+        layout: str = "spec"
+
+        @nn.compact
+        def __call__(self, x):
+            return fp4nn.FP4Dense(32, layout=self.layout)(x)
+
+    x = _x(91, (4, 128))
+    params = Net().init(jax.random.key(2), x)
+    tiled = fp4nn.prepack_params(params)
+    layer = tiled["params"]["FP4Dense_0"]
+    assert layer["packed"].shape == (32, 64)
+    assert not np.array_equal(layer["packed"], params["params"]["FP4Dense_0"]["packed"])
+    np.testing.assert_array_equal(np.asarray(Net(layout="tiled").apply(tiled, x)),
+                                  np.asarray(Net().apply(params, x)))
+    w = fp4nn.weight_from_params(layer, layout="tiled")
+    assert w.layout == "tiled"
+    untouched = fp4nn.prepack_params(params, filter=lambda path: False)
+    np.testing.assert_array_equal(untouched["params"]["FP4Dense_0"]["packed"],
+                                  params["params"]["FP4Dense_0"]["packed"])
+    narrow = Net().init(jax.random.key(3), _x(92, (4, 48)))   # K = 48
+    with pytest.raises(ValueError, match=r"prepack_params: layer params/FP4Dense_0: .*K % 128"):
+        fp4nn.prepack_params(narrow)

@@ -21,7 +21,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax_fp4 import _ffi, _fused
+from jax_fp4 import _ffi, _fused, _layout
 from tests import reference
 
 TARGET = "jax_fp4_fused_cuda"
@@ -61,18 +61,22 @@ def _poison(shape, dtype):
     del p
 
 
-def fused(a, packed, scale, gs, bias=None, *, block_size=16):
+def fused(a, packed, scale, gs, bias=None, *, block_size=16, tiled=False):
+    """The fused target on spec-layout packed / scale (tiled=True: handed the tiled layout)."""
     a = jnp.asarray(a)
     m, k = a.shape
     n = packed.shape[0]
     if bias is None:
         bias = jnp.zeros((0,), a.dtype)
+    if tiled:
+        packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
     ws = _fused.fused_workspace_elems(m, n, k)
     _poison((m, n), a.dtype)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                      jax.ShapeDtypeStruct((ws,), jnp.float32)))
-    y, _ = call(_fused.to_fragment_order(a), jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(gs, jnp.float32).reshape(1),
-                jnp.asarray(bias), block_size=np.int64(block_size))
+    y, _ = call(_fused.to_fragment_order(a, tiled), jnp.asarray(packed), jnp.asarray(scale),
+                jnp.asarray(gs, jnp.float32).reshape(1), jnp.asarray(bias),
+                block_size=np.int64(block_size), tiled=bool(tiled))
     return np.asarray(y)
 
 
@@ -243,6 +247,83 @@ def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
     monkeypatch.setenv(variable, value)
     with pytest.raises(Exception, match=message):
         fused(a, packed, scale, gs)
+
+
+# Weights in the tiled layout (jax_fp4.prepack): N % 16 == 0, ragged against the 128 / 256-row
+# CTA tiles; every activation tile and several splits.
+TILED_SHAPES = [(1, 16, 128), (9, 304, 256), (17, 1008, 384), (16, 256, 8192), (64, 272, 512),
+                (65, 512, 256), (200, 1040, 1024), (300, 96, 128), (48, 4096, 11008),
+                (1000, 528, 1152)]
+QUICK_TILED_SHAPES = [(9, 304, 256), (70, 528, 384), (16, 256, 2048)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("m, n, k", QUICK_TILED_SHAPES if QUICK else TILED_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiled_random_sweep(m, n, k, dtype):
+    rng = np.random.default_rng()
+    packed, scale, gs = random_weight(rng, n, k, special=True)
+    a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
+    bias = rng.standard_normal(n).astype(NP_DTYPES[dtype]) if m % 2 else None
+    y = fused(a, packed, scale, gs, bias, tiled=True)
+    check_close(y, a, packed, scale, gs, bias, dtype)
+
+
+@needs_sm90
+@pytest.mark.parametrize("m, n, k", [(70, 304, 256), (16, 256, 384), (5, 1024, 256), (300, 528, 1152)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiled_exact_arithmetic_bit_for_bit(m, n, k, dtype):
+    rng = np.random.default_rng()
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    scale = rng.choice(np.array([0x01, 0x08, 0x30, 0x38, 0x40], np.uint8), size=(n, k // 16))
+    gs = np.float32(2.0**rng.integers(-3, 2))
+    a = rng.integers(-2, 3, size=(m, k)).astype(NP_DTYPES[dtype])
+    bias = rng.integers(-4, 5, size=n).astype(NP_DTYPES[dtype])
+    want = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16,
+                            np.asarray(bias, np.float64)).astype(NP_DTYPES[dtype])
+    for _ in range(2):  # and bit-identical on a rerun
+        y = fused(a, packed, scale, gs, bias, tiled=True)
+        np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16))
+
+
+@needs_sm90
+@pytest.mark.parametrize("tile_m, split", [("16", "1"), ("32", "3"), ("64", "8"), ("128", ""),
+                                           ("256", "2")])
+def test_tiled_forced_tiles_and_splits(tile_m, split, monkeypatch):
+    rng = np.random.default_rng()
+    n, k = 528, 1024
+    packed, scale, gs = random_weight(rng, n, k, special=True)
+    bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", tile_m)
+    monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", split)
+    for m in (1, 33, 300):
+        a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        check_close(fused(a, packed, scale, gs, bias, tiled=True), a, packed, scale, gs, bias,
+                    "bfloat16")
+
+
+@needs_sm90
+def test_tiled_rejects_ragged_n():
+    rng = np.random.default_rng()
+    packed, scale, gs = random_weight(rng, 40, 256)
+    a = rng.standard_normal((8, 256)).astype(np.float16)
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((8, 40), a.dtype),
+                                     jax.ShapeDtypeStruct((0,), jnp.float32)))
+    with pytest.raises(Exception, match="tiled layout needs N % 16 == 0"):
+        np.asarray(call(a, packed, scale, jnp.asarray([gs]), jnp.zeros((0,), a.dtype),
+                        block_size=np.int64(16), tiled=True)[0])
+
+
+def test_tiled_fragment_order_is_the_spec_order_with_o_and_j0_swapped():
+    """The activation order for tiled weights: physical p = 16 t + 8 sb + 4 j0 + 2 j1 + o at
+    logical k_log = 32 sb + 16 j1 + 8 j0 + 2 t + o, per 64-element block."""
+    k = 128
+    a = np.arange(k)[None, :]
+    got = _fused.to_fragment_order(a, tiled=True)[0]
+    for k_log in range(k):
+        b, r = divmod(k_log, 64)
+        sb, j1, j0, t, o = r >> 5, (r >> 4) & 1, (r >> 3) & 1, (r >> 1) & 3, r & 1
+        assert got[k_log] == 64 * b + 16 * t + 8 * sb + 4 * j0 + 2 * j1 + o
 
 
 def test_static_rules():

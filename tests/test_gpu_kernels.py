@@ -80,11 +80,14 @@ def gemv(a, packed, scale, gs, bias, *, use_mma=True, row_tiling=True, block_siz
     return np.asarray(y)
 
 
-def dequant(packed, scale, gs, dtype, block_size):
+def dequant(packed, scale, gs, dtype, block_size, tiled=False):
+    """The dequant target on spec-layout packed / scale (tiled=True: handed the tiled layout)."""
     n, k = packed.shape[0], 2 * packed.shape[1]
+    if tiled:
+        packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
     _poison((n, k), dtype)
     call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((n, k), jnp.dtype(dtype)))
-    return np.asarray(call(packed, scale, gs, block_size=np.int64(block_size)))
+    return np.asarray(call(packed, scale, gs, block_size=np.int64(block_size), tiled=bool(tiled)))
 
 
 def random_scales(rng, n, kb, specials=True):

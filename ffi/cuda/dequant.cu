@@ -6,7 +6,10 @@
 //   one 8-byte load of packed weight, one scale byte, two 16-byte stores.
 // * General path (any block_size > 0, any even K, blocks that split a byte, partial trailing
 //   blocks): a thread per packed byte, each element with its own scale index, one 4-byte store.
-// Both use grid-stride loops with 64-bit indices and never touch memory outside the operands.
+// * Tiled path (attribute tiled: the layout of jax_fp4.prepack, N % 16 == 0, K % 128 == 0,
+//   block_size 16): a thread per 16 contiguous bytes of the tiled weight (32 elements of one row,
+//   two scale bytes), four 16-byte stores; same values bit for bit.
+// All use grid-stride loops with 64-bit indices and never touch memory outside the operands.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -72,6 +75,49 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Tiled layout: chunk i (16 bytes) is lane L = 4 g + t, row half h of window w of 16-row tile T
+// (i = ((T W + w) 2 + h) 32 + L): row 16 T + 8 h + g, elements 128 w + 32 t .. + 31, scale bytes
+// ((T W + w) 32 + L) 4 + 2 h (+1).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    DequantTiledKernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scale,
+                       const float* __restrict__ global_scale, T* __restrict__ w, int64_t n,
+                       int64_t k) {
+  using Tr = HalfTraits<T>;
+  using Hf = HalfTraits<__half>;
+  const float gs = __ldg(global_scale);
+  const int64_t total = n * k / 32;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += stride) {
+    const int lane = static_cast<int>(i & 31), h = static_cast<int>((i >> 5) & 1);
+    const int64_t tile_window = i >> 6;
+    const int64_t windows = k / 128;
+    const int64_t tile = tile_window / windows, window = tile_window - tile * windows;
+    const int64_t row = 16 * tile + 8 * h + (lane >> 2);
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(packed) + i);
+    const int64_t lane_scales = 32 * tile_window + lane;  // 4 bytes each: rows g and g + 8
+    const uint32_t sb = __ldg(reinterpret_cast<const uint16_t*>(scale) + 2 * lane_scales + h);
+    // fp16 decode is e2m1 * 2^-14 and s carries 2^14: the product is e2m1 * e4m3, exact in fp32.
+    const float s[2] = {e4m3_to_float_fast(sb & 0xFFu) * 16384.0f,
+                        e4m3_to_float_fast(sb >> 8) * 16384.0f};
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    uint4* dst = reinterpret_cast<uint4*>(w + row * k + 128 * window + 32 * (lane & 3));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // word j: elements 8 j .. 8 j + 7, block j / 2
+      const float sj = s[j / 2];
+      const float2 p0 = Hf::pair_to_float2(decode_tiled_pair<__half, 0>(words[j]));
+      const float2 p1 = Hf::pair_to_float2(decode_tiled_pair<__half, 1>(words[j]));
+      const float2 p2 = Hf::pair_to_float2(decode_tiled_pair<__half, 2>(words[j]));
+      const float2 p3 = Hf::pair_to_float2(decode_tiled_pair<__half, 3>(words[j]));
+      dst[j] = make_uint4(Tr::pair_from_floats((p0.x * sj) * gs, (p0.y * sj) * gs),
+                          Tr::pair_from_floats((p1.x * sj) * gs, (p1.y * sj) * gs),
+                          Tr::pair_from_floats((p2.x * sj) * gs, (p2.y * sj) * gs),
+                          Tr::pair_from_floats((p3.x * sj) * gs, (p3.y * sj) * gs));
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     DequantGeneralKernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scale,
@@ -99,15 +145,17 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 cudaError_t LaunchDequant(cudaStream_t stream, const DeviceInfo& info, const uint8_t* packed,
                           const uint8_t* scale, const float* gs, void* out, int64_t n, int64_t k,
-                          int64_t k_blocks, int64_t block_size) {
+                          int64_t k_blocks, int64_t block_size, bool tiled) {
   T* w = static_cast<T*>(out);
   const bool fast = k % 16 == 0 && block_size % 16 == 0 && IsAligned(packed, 8) && IsAligned(w, 16);
-  const int64_t work = fast ? n * (k / 16) : n * (k / 2);
+  const int64_t work = tiled ? n * (k / 32) : fast ? n * (k / 16) : n * (k / 2);
   // Enough blocks to fill the device several times over; grid-stride beyond that.
   const int64_t max_blocks = static_cast<int64_t>(info.num_sms) * 32;
   const unsigned blocks =
       static_cast<unsigned>(std::max<int64_t>(1, std::min(CeilDiv(work, kThreads), max_blocks)));
-  if (fast) {
+  if (tiled) {
+    DequantTiledKernel<T><<<blocks, kThreads, 0, stream>>>(packed, scale, gs, w, n, k);
+  } else if (fast) {
     DequantFastKernel<T><<<blocks, kThreads, 0, stream>>>(packed, scale, gs, w, n, k, k_blocks,
                                                           block_size);
   } else {
@@ -119,7 +167,7 @@ cudaError_t LaunchDequant(cudaStream_t stream, const DeviceInfo& info, const uin
 
 ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
                            ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
-                           ffi::Result<ffi::AnyBuffer> w, int64_t block_size) {
+                           ffi::Result<ffi::AnyBuffer> w, int64_t block_size, bool tiled) {
   MatmulShape shape;
   const std::string problem = CheckWeightOperands(packed.dimensions(), scale.dimensions(),
                                                   global_scale.element_count(), block_size, &shape);
@@ -134,9 +182,21 @@ ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
                                        std::to_string(shape.n) + ", " + std::to_string(shape.k) +
                                        "], got " + DimsToString(w_dims));
   }
+  if (tiled && (block_size != 16 || shape.n % 16 != 0 || shape.k % 128 != 0)) {
+    return ffi::Error::InvalidArgument(
+        "jax_fp4_dequant_cuda: the tiled layout needs block_size 16, N % 16 == 0 and K % 128 == "
+        "0, got block_size " + std::to_string(block_size) + ", N = " + std::to_string(shape.n) +
+        ", K = " + std::to_string(shape.k));
+  }
   if (shape.n == 0 || shape.k == 0) return ffi::Error::Success();
   if (!IsAligned(w->untyped_data(), 4)) {
     return ffi::Error::InvalidArgument("jax_fp4_dequant_cuda: w must be 4-byte aligned");
+  }
+  if (tiled && (!IsAligned(w->untyped_data(), 16) || !IsAligned(packed.typed_data(), 16) ||
+                !IsAligned(scale.typed_data(), 4))) {
+    return ffi::Error::InvalidArgument(
+        "jax_fp4_dequant_cuda: the tiled layout needs w and packed 16-byte and scale 4-byte "
+        "aligned");
   }
 
   DeviceInfo info;
@@ -145,11 +205,11 @@ ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
   if (dtype == ffi::DataType::F16) {
     err = LaunchDequant<__half>(stream, info, packed.typed_data(), scale.typed_data(),
                                 global_scale.typed_data(), w->untyped_data(), shape.n, shape.k,
-                                shape.k_blocks, block_size);
+                                shape.k_blocks, block_size, tiled);
   } else {
     err = LaunchDequant<__nv_bfloat16>(stream, info, packed.typed_data(), scale.typed_data(),
                                        global_scale.typed_data(), w->untyped_data(), shape.n,
-                                       shape.k, shape.k_blocks, block_size);
+                                       shape.k, shape.k_blocks, block_size, tiled);
   }
   if (err != cudaSuccess) return CudaError("jax_fp4_dequant_cuda: kernel launch", err);
   return ffi::Error::Success();
@@ -166,5 +226,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantCuda, jax_fp4::cuda::DequantCudaImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, ceil(K/bs)]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
                                   .Ret<ffi::AnyBuffer>()          // w [N, K] f16 / bf16
-                                  .Attr<int64_t>("block_size"),
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<bool>("tiled"),   // weight in the tiled layout
                               {ffi::Traits::kCmdBufferCompatible});

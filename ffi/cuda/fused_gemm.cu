@@ -35,6 +35,13 @@
 // e2m1 * 2^-14 (fp16) / 2^-126 (bf16) times the scale pair = e2m1 * e4m3 * 2^-7; the epilogue
 // multiplies by 2^7 gs.
 //
+// Tiled weights (template flag Tiled; the layout of jax_fp4.prepack, jax_fp4/_layout.py): the
+// same stage contents gathered from other addresses (a row's 16-byte quarter q of window c sits
+// in its 16-row tile's 1 KB run of that window; a tile's 128 scale bytes of the window are copied
+// whole and read at their tiled offsets), and each word decoded in adjacent pairs
+// (decode_tiled_pair) instead of split pairs: the pair at logical (k_log, k_log + 1) then holds
+// physical (p, p + 1) with p = 16 t + 8 sb + 4 j0 + 2 j1 + o (to_fragment_order(tiled=True)).
+//
 // One wgmma commit group = one (sub-chunk of 64 k, m64 tile): decode group q into registers
 // A[q & 1] while the previous group runs, with the next group's shared-memory loads already
 // issued; wgmma.wait_group 1 after each commit retires the group that last read A[(q & 1) ^ 1].
@@ -352,19 +359,21 @@ struct GroupBytes {
   uint32_t scale[2];
 };
 
-__device__ __forceinline__ GroupBytes LoadGroup(uint32_t pk_lo, uint32_t sc_lo) {
+// sc_hi: the high row's scale byte relative to the low row's (8 rows of 8 bytes; tiled: 2).
+__device__ __forceinline__ GroupBytes LoadGroup(uint32_t pk_lo, uint32_t sc_lo, uint32_t sc_hi) {
   GroupBytes gb;
   gb.words[0] = LdShared64(pk_lo);
   gb.words[1] = LdShared64(pk_lo + 8 * 64);
   gb.scale[0] = LdShared8(sc_lo);
-  gb.scale[1] = LdShared8(sc_lo + 8 * 8);
+  gb.scale[1] = LdShared8(sc_lo + sc_hi);
   return gb;
 }
 
 // The 16 A-fragment registers of one group: out[s] = {a0, a1, a2, a3} of k16 step s. Word sb of
 // row r gives steps 2 sb (nibble pairs j = 0, 1) and 2 sb + 1 (j = 2, 3); j0 = j & 1 selects
 // the fragment's k + 8 half (registers 2, 3). See "Fragment K order" above.
-template <typename T>
+// Tiled: nibble pair j = 2 j1 + j0 of the spec's split pairs becomes adjacent pair j1 + 2 j0.
+template <typename T, bool Tiled>
 __device__ __forceinline__ void DecodeGroup(uint32_t (&out)[4][4], const GroupBytes& gb) {
   using Tr = HalfTraits<T>;
   uint32_t scales[2];  // both rows' scale pairs from one conversion
@@ -375,17 +384,24 @@ __device__ __forceinline__ void DecodeGroup(uint32_t (&out)[4][4], const GroupBy
     for (int sb = 0; sb < 2; ++sb) {
       const uint32_t q = sb == 0 ? gb.words[r].x : gb.words[r].y;
       const uint32_t sc = scales[r];
-      out[2 * sb][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 0>(q), sc);
-      out[2 * sb][2 + r] = Tr::pair_mul(decode_e2m1_split_pair<T, 1>(q), sc);
-      out[2 * sb + 1][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 2>(q), sc);
-      out[2 * sb + 1][2 + r] = Tr::pair_mul(decode_e2m1_split_pair<T, 3>(q), sc);
+      if constexpr (Tiled) {
+        out[2 * sb][r] = Tr::pair_mul(decode_tiled_pair<T, 0>(q), sc);
+        out[2 * sb][2 + r] = Tr::pair_mul(decode_tiled_pair<T, 2>(q), sc);
+        out[2 * sb + 1][r] = Tr::pair_mul(decode_tiled_pair<T, 1>(q), sc);
+        out[2 * sb + 1][2 + r] = Tr::pair_mul(decode_tiled_pair<T, 3>(q), sc);
+      } else {
+        out[2 * sb][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 0>(q), sc);
+        out[2 * sb][2 + r] = Tr::pair_mul(decode_e2m1_split_pair<T, 1>(q), sc);
+        out[2 * sb + 1][r] = Tr::pair_mul(decode_e2m1_split_pair<T, 2>(q), sc);
+        out[2 * sb + 1][2 + r] = Tr::pair_mul(decode_e2m1_split_pair<T, 3>(q), sc);
+      }
     }
   }
 }
 
 // ---- the kernel ------------------------------------------------------------------------------
 
-template <typename T, int BM>
+template <typename T, int BM, bool Tiled = false>
 __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
     FusedGemmKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                     const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
@@ -432,7 +448,14 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
                           (((a_ch & 7) ^ (a_r0 & 7)) << 4);
   const int p_q = tid & 3, p_r0 = tid >> 2;
   const uint32_t p_dst0 = p_r0 * 64 + ((p_q ^ (((p_r0 >> 1) & 1) << 1)) << 4);
-  const uint8_t* s_src = scale + static_cast<int64_t>(min(n0 + tid, n - 1)) * kb;
+  // Spec: the 8 scale bytes of row n0 + tid. Tiled: bytes 8 (tid % 16) .. of the 128-byte run of
+  // tile n0 / 16 + tid / 16 (stored in shared memory tile by tile, as in global memory).
+  const int64_t windows = k / kStageK;
+  const uint8_t* s_src =
+      Tiled ? scale + (static_cast<int64_t>(min(n0 / 16 + tid / 16, n / 16 - 1)) * windows) * 128 +
+                  (tid % 16) * 8
+            : scale + static_cast<int64_t>(min(n0 + tid, n - 1)) * kb;
+  const int64_t s_stage = Tiled ? 128 : 8;
   // Source rows, resolved once (per stage only the K offset moves; the per-row index arithmetic
   // was ~20% of BM = 256's instructions): a thread's rows i < a_valid lie in M (the rest are
   // zero-filled), its packed rows i < p_valid in N (the rest read row N - 1, never stored).
@@ -440,9 +463,18 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
   const T* a_src0 = a + static_cast<int64_t>(a_valid > 0 ? m0 + a_r0 : 0) * k + a_ch * 8;
   const int64_t a_step = 16 * static_cast<int64_t>(k);
   const int p_valid = min(max((n - n0 - p_r0 + 63) / 64, 0), kTileN / 64);
-  const uint8_t* p_src0 = packed + static_cast<int64_t>(min(n0 + p_r0, n - 1)) * row_bytes + p_q * 16;
-  const uint8_t* p_last = packed + static_cast<int64_t>(n - 1) * row_bytes + p_q * 16;
+  // Quarter p_q of a row's window: spec row-major; tiled in its tile's 1 KB run of the window,
+  // [row half][lane 4 g + quarter][16 B]. 64 rows are 32 K bytes in both (4 whole tiles).
+  auto packed_at = [&](int64_t row) {
+    if (Tiled) {
+      return packed + ((row / 16) * windows * 2 + (row / 8) % 2) * 512 + ((row % 8) * 4 + p_q) * 16;
+    }
+    return packed + row * row_bytes + p_q * 16;
+  };
+  const uint8_t* p_src0 = packed_at(min(n0 + p_r0, n - 1));
+  const uint8_t* p_last = packed_at(n - 1);
   const int64_t p_step = 64 * row_bytes;
+  const int64_t p_stage = Tiled ? 1024 : 64;
 
   auto load_stage = [&](int c, int slot) {
     const uint32_t act_dst = act_base + slot * Cfg::kActBytes + a_dst0;
@@ -457,26 +489,28 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
       }
     }
     const uint32_t pk_dst = pk_base + slot * Cfg::kPackedBytes + p_dst0;
-    const uint8_t* p_src = p_src0 + c * 64;
+    const uint8_t* p_src = p_src0 + c * p_stage;
 #pragma unroll
     for (int i = 0; i < kTileN / 64; ++i, p_src += p_step) {
-      CpAsync16(pk_dst + i * 64 * 64, i < p_valid ? p_src : p_last + c * 64, 16u);
+      CpAsync16(pk_dst + i * 64 * 64, i < p_valid ? p_src : p_last + c * p_stage, 16u);
     }
     if (tid < kTileN) {
-      CpAsync8(sc_base + slot * Cfg::kScaleBytes + tid * 8, s_src + static_cast<int64_t>(c) * 8);
+      CpAsync8(sc_base + slot * Cfg::kScaleBytes + tid * 8, s_src + c * s_stage);
     }
   };
 
   // Decode-side constants of this lane: its byte offsets inside a packed stage row (words 2t,
   // 2t + 1 of sub-chunk h, quarter-swizzled by row; rows 16 w + g and + 8 share the swizzle) and
-  // inside a row's 8 scale bytes (block 4h + t).
+  // of the scale of block 4h + t: in the row's 8 bytes; tiled, in the 16-row tile's 128 bytes at
+  // (4 g + block / 2) 4 + block % 2 (the high row 2 bytes on).
   const uint32_t pswz = ((g >> 1) & 1) << 1;
   uint32_t pk_off[2], sc_off[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     pk_off[h] = (((2u * h + (t >> 1)) ^ pswz) << 4) | ((t & 1u) << 3);
-    sc_off[h] = 4u * h + t;
+    sc_off[h] = Tiled ? (4u * g + 2u * h + (t >> 1)) * 4u + (t & 1u) : 4u * h + t;
   }
+  constexpr uint32_t sc_hi = Tiled ? 2 : 64;
   const int row_lo0 = wg * 64 * TJ + wq * 16 + g;  // tile j adds 64 j; the high row adds 8
 
   // Accumulators are not zeroed: the first wgmma of each tile runs with scale-d = 0 (D = A * B).
@@ -517,7 +551,9 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
     // Group q = (sub-chunk h = q / TJ, tile j = q % TJ); its loads are issued one group ahead.
     auto load_group = [&](int q) {
       const int r_lo = row_lo0 + 64 * (q % TJ);
-      return LoadGroup(pk_slot + r_lo * 64 + pk_off[q / TJ], sc_slot + r_lo * 8 + sc_off[q / TJ]);
+      const int sc_row = Tiled ? (r_lo / 16) * 128 : r_lo * 8;  // tiled: r_lo % 16 == g < 8
+      return LoadGroup(pk_slot + r_lo * 64 + pk_off[q / TJ], sc_slot + sc_row + sc_off[q / TJ],
+                       sc_hi);
     };
     GroupBytes next = load_group(0);
 #pragma unroll
@@ -525,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
       const int h = q / TJ, j = q % TJ, buf = q & 1;
       const GroupBytes cur = next;
       if (q + 1 < Cfg::kGroups) next = load_group(q + 1);
-      DecodeGroup<T>(afrag[buf], cur);
+      DecodeGroup<T, Tiled>(afrag[buf], cur);
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) FenceReg(acc[j][i]);
       WgmmaFence();
@@ -620,7 +656,8 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
 // ---- host side -------------------------------------------------------------------------------
 
 // How many clusters of `split` CTAs with `smem` bytes of dynamic shared memory fit on the device at
-// once (cached per device, split and whether smem is the spread size).
+// once (cached per device, split and whether smem is the spread size). Asked of the spec-layout
+// kernel; the tiled one has the same launch bounds and shared memory.
 template <typename T, int BM>
 int MaxActiveClusters(int device, int split, int smem) {
   constexpr int kMaxDevices = 64;
@@ -700,7 +737,7 @@ int DefaultTileM(int64_t m) {
   return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : (m <= 128 ? 128 : 256)));
 }
 
-template <typename T, int BM>
+template <typename T, int BM, bool Tiled>
 cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
                         const uint8_t* packed, const uint8_t* scale, const float* gs,
                         const void* bias, void* y, int64_t m, int64_t n, int64_t k, bool vec_store,
@@ -715,7 +752,9 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
   const int smem = Cfg::kMinBlocks > 1 && max_ctas < static_cast<int64_t>(Cfg::kMinBlocks) * sms
                        ? Cfg::kSpreadSmemBytes
                        : Cfg::kSmemBytes;
-  cudaError_t err = AllowDynamicSmem<FusedGemmKernel<T, BM>>(smem);
+  cudaError_t err = AllowDynamicSmem<FusedGemmKernel<T, BM, Tiled>>(smem);
+  // ChooseSplit's occupancy query asks the spec-layout kernel, which needs the same allowance.
+  if (err == cudaSuccess && Tiled) err = AllowDynamicSmem<FusedGemmKernel<T, BM>>(smem);
   if (err != cudaSuccess) return err;
   const int split = forced_split > 0
                         ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(forced_split, ks)))
@@ -734,7 +773,7 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
   attr[0].val.clusterDim.z = split;
   config.attrs = attr;
   config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, FusedGemmKernel<T, BM>, static_cast<const T*>(a), packed,
+  err = cudaLaunchKernelEx(&config, FusedGemmKernel<T, BM, Tiled>, static_cast<const T*>(a), packed,
                            scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
                            static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                            vec_store ? 1 : 0);
@@ -743,32 +782,43 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
     (void)cudaGetLastError();
     config.gridDim.z = 1;
     attr[0].val.clusterDim.z = 1;
-    err = cudaLaunchKernelEx(&config, FusedGemmKernel<T, BM>, static_cast<const T*>(a), packed,
-                             scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
+    err = cudaLaunchKernelEx(&config, FusedGemmKernel<T, BM, Tiled>, static_cast<const T*>(a),
+                             packed, scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
                              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                              vec_store ? 1 : 0);
   }
   return err;
 }
 
-template <typename T>
-cudaError_t DispatchFused(cudaStream_t stream, int device, int sms, int tile_m, const void* a,
-                          const uint8_t* packed, const uint8_t* scale, const float* gs,
-                          const void* bias, void* y, int64_t m, int64_t n, int64_t k,
-                          bool vec_store, int forced_split) {
-  const auto launch = tile_m == 16    ? LaunchFused<T, 16>
-                      : tile_m == 32  ? LaunchFused<T, 32>
-                      : tile_m == 64  ? LaunchFused<T, 64>
-                      : tile_m == 128 ? LaunchFused<T, 128>
-                                      : LaunchFused<T, 256>;
+template <typename T, bool Tiled>
+cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, int tile_m, const void* a,
+                                const uint8_t* packed, const uint8_t* scale, const float* gs,
+                                const void* bias, void* y, int64_t m, int64_t n, int64_t k,
+                                bool vec_store, int forced_split) {
+  const auto launch = tile_m == 16    ? LaunchFused<T, 16, Tiled>
+                      : tile_m == 32  ? LaunchFused<T, 32, Tiled>
+                      : tile_m == 64  ? LaunchFused<T, 64, Tiled>
+                      : tile_m == 128 ? LaunchFused<T, 128, Tiled>
+                                      : LaunchFused<T, 256, Tiled>;
   return launch(stream, device, sms, a, packed, scale, gs, bias, y, m, n, k, vec_store,
                 forced_split);
+}
+
+template <typename T>
+cudaError_t DispatchFused(cudaStream_t stream, bool tiled, int device, int sms, int tile_m,
+                          const void* a, const uint8_t* packed, const uint8_t* scale,
+                          const float* gs, const void* bias, void* y, int64_t m, int64_t n,
+                          int64_t k, bool vec_store, int forced_split) {
+  const auto dispatch = tiled ? DispatchFusedLayout<T, true> : DispatchFusedLayout<T, false>;
+  return dispatch(stream, device, sms, tile_m, a, packed, scale, gs, bias, y, m, n, k, vec_store,
+                  forced_split);
 }
 
 ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
                          ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
                          ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
-                         ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t block_size) {
+                         ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t block_size,
+                         bool tiled) {
   constexpr const char* kName = "jax_fp4_fused_cuda";
   MatmulShape shape;
   const std::string problem = CheckMatmulOperands(
@@ -787,6 +837,9 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
     return invalid("K must be a positive multiple of 128, got " + std::to_string(k));
   }
   if (m >= INT_MAX || n >= INT_MAX || k >= INT_MAX) return invalid("M, N and K must be < 2^31");
+  if (tiled && n % 16 != 0) {
+    return invalid("the tiled layout needs N % 16 == 0, got N = " + std::to_string(n));
+  }
   if (CeilDiv(m, fused::kTileMLarge) > fused::kMaxMTiles) return invalid("M too large");
   const int64_t ws_needed = fused::WorkspaceElems(m, n, k);
   if (static_cast<int64_t>(workspace->element_count()) < ws_needed) {
@@ -827,12 +880,12 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   const void* bias_ptr = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   const bool vec_store = n % 4 == 0 && IsAligned(y->untyped_data(), 8);
   if (a.element_type() == ffi::DataType::F16) {
-    err = DispatchFused<__half>(stream, device, info.num_sms, tile_m, a.untyped_data(),
+    err = DispatchFused<__half>(stream, tiled, device, info.num_sms, tile_m, a.untyped_data(),
                                 packed.typed_data(), scale.typed_data(),
                                 global_scale.typed_data(), bias_ptr, y->untyped_data(), m, n, k,
                                 vec_store, forced_split);
   } else {
-    err = DispatchFused<__nv_bfloat16>(stream, device, info.num_sms, tile_m, a.untyped_data(),
+    err = DispatchFused<__nv_bfloat16>(stream, tiled, device, info.num_sms, tile_m, a.untyped_data(),
                                        packed.typed_data(), scale.typed_data(),
                                        global_scale.typed_data(), bias_ptr, y->untyped_data(), m,
                                        n, k, vec_store, forced_split);
@@ -855,5 +908,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FusedCuda, jax_fp4::cuda::fused_detail::Fuse
                                   .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
                                   .Ret<ffi::AnyBuffer>()          // y [M, N]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // workspace (WorkspaceElems)
-                                  .Attr<int64_t>("block_size"),
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<bool>("tiled"),   // weight in the tiled layout
                               {ffi::Traits::kCmdBufferCompatible});

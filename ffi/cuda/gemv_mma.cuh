@@ -156,32 +156,14 @@ struct DecodeE2M1 {
   }
 };
 
-// The decode of the tiled layout (jax_fp4/_layout.py): its words hold the elements in adjacent
-// pairs (2p, 2p + 1), pair 0 already at the bf16 positions (mantissa 6, exponent 7-8, sign 15;
-// +16 for the odd element), pairs 1 and 2 rotated left by 3 and 6 bits, pair 3 at bits
-// {4, 0, 1, 3} (+16), which one multiply by 0x1084 (copies shifted by 2, 7 and 12, none
-// overlapping) carries to {6, 7, 8, 15}. bf16: one mask per pair then gives e2m1 * 2^-126, exact
-// (8 ALU instructions per word against DecodeE2M1's 13); fp16 moves the three EM bits up by 3
-// (e2m1 * 2^-14). The activations stay in their natural pairs (no permutes).
-// K-step S (word S / 2): slots (2t, 2t + 1) take pair S % 2, slots (2t + 8, 2t + 9) pair 2 + S % 2.
+// The decode of the tiled layout (decode_tiled_pair): k-step S (word S / 2) puts pair S % 2 in
+// slots (2t, 2t + 1) and pair 2 + S % 2 in slots (2t + 8, 2t + 9); the activations stay in their
+// natural pairs (no permutes).
 struct DecodeTiled {
-  template <typename T>
-  __device__ __forceinline__ static uint32_t Pair(uint32_t x) {  // x: the pair at the bf16 bits
-    if constexpr (std::is_same_v<T, __half>) {
-      return ((x & 0x01C001C0u) << 3) | (x & 0x80008000u);
-    } else {
-      return x & 0x81C081C0u;
-    }
-  }
   template <typename T, int S>
   __device__ __forceinline__ static void Weights(uint32_t q, uint32_t& first, uint32_t& second) {
-    if constexpr (S % 2 == 0) {
-      first = Pair<T>(q);
-      second = Pair<T>(__funnelshift_r(q, q, 6));
-    } else {
-      first = Pair<T>(__funnelshift_r(q, q, 3));
-      second = Pair<T>((q & 0x001B001Bu) * 0x1084u);
-    }
+    first = decode_tiled_pair<T, S % 2>(q);
+    second = decode_tiled_pair<T, 2 + S % 2>(q);
   }
   template <int S>
   __device__ __forceinline__ static void Activations(const uint4& x, uint32_t& b0, uint32_t& b1) {
