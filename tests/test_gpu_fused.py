@@ -378,14 +378,25 @@ class _Half:
         nibbles = x & (0x000F000F << p)
         return (nibbles * ((1 << (6 - p)) + (1 << (12 - p)))) & 0x81C081C0
 
+    def decode_tiled(self, q, p):  # decode_tiled_pair<T, p>(q): elements 2p, 2p + 1
+        x = [q, ((q >> 3) | (q << 29)) & 0xFFFFFFFF, ((q >> 6) | (q << 26)) & 0xFFFFFFFF,
+             ((q & 0x001B001B) * 0x1084) & 0xFFFFFFFF][p]
+        if self.dt == np.float16:
+            return (((x & 0x01C001C0) << 3) | (x & 0x80008000)) & 0xFFFFFFFF
+        return x & 0x81C081C0
 
-def _model_fused(a, packed, scale, gs, dtype, bm, splits):
-    """y[M, N] as FusedGemmKernel<T, bm> computes it with `splits` K-splits (fp32 sums in float64)."""
+
+def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False):
+    """y[M, N] as FusedGemmKernel<T, bm, tiled> computes it with `splits` K-splits (fp32 sums in
+    float64); packed and scale are given in the spec layout (tiled: converted here)."""
     h16 = _Half(dtype)
     m, k = a.shape
     n = packed.shape[0]
     ks = k // 128
-    a = _fused.to_fragment_order(a)  # what the caller hands the kernel
+    a = _fused.to_fragment_order(a, tiled)  # what the caller hands the kernel
+    if tiled:
+        flat_packed = np.asarray(_layout.tile_packed(packed)).reshape(-1)
+        flat_scale = np.asarray(_layout.tile_scale(scale)).reshape(-1)
     tj = _tiles_per_warpgroup(bm)
     tile_n = 128 * tj
     epi_stride = tile_n + 4
@@ -412,11 +423,20 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                         dst0 = r0 * 64 + ((q ^ (((r0 >> 1) & 1) << 1)) << 4)
                         for i in range(tile_n // 64):
                             row = min(n0 + r0 + 64 * i, n - 1)
-                            pk[dst0 + 4096 * i:dst0 + 4096 * i + 16] = \
-                                packed[row, 64 * c + 16 * q:64 * c + 16 * q + 16]
-                    sc = np.zeros(tile_n * 8, np.uint8)  # raw bytes; row tid's 8 from thread tid
+                            if tiled:  # the row's quarter q of window c in its tile's 1 KB run
+                                src = (((row // 16) * ks * 2 + (row // 8) % 2) * 512
+                                       + ((row % 8) * 4 + q) * 16 + 1024 * c)
+                                chunk = flat_packed[src:src + 16]
+                            else:
+                                chunk = packed[row, 64 * c + 16 * q:64 * c + 16 * q + 16]
+                            pk[dst0 + 4096 * i:dst0 + 4096 * i + 16] = chunk
+                    sc = np.zeros(tile_n * 8, np.uint8)  # raw bytes; 8 from each thread tid
                     for tid in range(tile_n):
-                        sc[8 * tid:8 * tid + 8] = scale[min(n0 + tid, n - 1), 8 * c:8 * c + 8]
+                        if tiled:  # bytes 8 (tid % 16).. of tile n0 / 16 + tid / 16's 128-byte run
+                            src = min(n0 // 16 + tid // 16, n // 16 - 1) * ks * 128 + (tid % 16) * 8 + 128 * c
+                            sc[8 * tid:8 * tid + 8] = flat_scale[src:src + 8]
+                        else:
+                            sc[8 * tid:8 * tid + 8] = scale[min(n0 + tid, n - 1), 8 * c:8 * c + 8]
                     pk32 = pk.view(np.uint32)
                     for h in range(2):
                         b_mat = np.zeros((64, bm))  # B[k][act row] read through the descriptor
@@ -436,13 +456,20 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
                                         for r, row in enumerate((r_lo, r_lo + 8)):
                                             quarter = (2 * h + (t >> 1)) ^ (((g >> 1) & 1) << 1)
                                             w = (row * 64 + (quarter << 4) + 8 * (t & 1)) // 4
-                                            v = reference.e4m3_decode(sc[row * 8 + 4 * h + t]) * h16.mul
+                                            if tiled:
+                                                byte = ((r_lo // 16) * 128 + (4 * g + 2 * h + (t >> 1)) * 4
+                                                        + (t & 1) + 2 * r)
+                                            else:
+                                                byte = row * 8 + 4 * h + t
+                                            v = reference.e4m3_decode(sc[byte]) * h16.mul
                                             sp = h16.pair(v, v)  # e4m3x2_scale_pairs<T>
                                             for sb in range(2):
                                                 q = int(pk32[w + sb])
                                                 for jj in range(4):
                                                     s_, off = 2 * sb + (jj >> 1), 8 * (jj & 1)
-                                                    pair = h16.halves(h16.pair_mul(h16.decode_split(q, jj), sp))
+                                                    bits = (h16.decode_tiled(q, (jj >> 1) + 2 * (jj & 1)) if tiled
+                                                            else h16.decode_split(q, jj))
+                                                    pair = h16.halves(h16.pair_mul(bits, sp))
                                                     col = 16 * s_ + off + 2 * t
                                                     a_mat[16 * wq + g + 8 * r, col:col + 2] = pair
                                 base = wg * 64 * tj + 64 * j
@@ -473,19 +500,23 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits):
     return y
 
 
-@pytest.mark.parametrize("m, n, k, dtype, bm, splits", [
-    (5, 300, 256, "float16", 64, 1),
-    (13, 270, 256, "bfloat16", 16, 2),
-    (40, 260, 256, "float16", 32, 1),
-    (70, 260, 384, "bfloat16", 128, 3),
-    (300, 140, 256, "float16", 256, 2),
+@pytest.mark.parametrize("m, n, k, dtype, bm, splits, tiled", [
+    (5, 300, 256, "float16", 64, 1, False),
+    (13, 270, 256, "bfloat16", 16, 2, False),
+    (40, 260, 256, "float16", 32, 1, False),
+    (70, 260, 384, "bfloat16", 128, 3, False),
+    (300, 140, 256, "float16", 256, 2, False),
+    (5, 304, 256, "float16", 64, 1, True),
+    (13, 272, 256, "bfloat16", 16, 2, True),
+    (70, 272, 384, "bfloat16", 128, 3, True),
+    (300, 144, 256, "float16", 256, 2, True),
 ])
-def test_layout_model_matches_reference(m, n, k, dtype, bm, splits):
+def test_layout_model_matches_reference(m, n, k, dtype, bm, splits, tiled):
     rng = np.random.default_rng()
     packed, scale, _ = random_weight(rng, n, k, special=True)
     gs = np.float32(0.5)
     a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
-    y = _model_fused(a, packed, scale, gs, dtype, bm, splits)
+    y = _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled)
     ref = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16)
     assert np.isfinite(y).all()
     np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())
