@@ -487,6 +487,24 @@ def test_dequant_matches_reference_bitwise(n, k, block_size, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(16, 128), (48, 384), (32, 2816), (1008, 4096)])
+def test_dequant_tiled_matches_reference_bitwise(n, k, dtype):
+    """The dequant kernel on the tiled layout (jax_fp4.prepack's): the same bits as the reference
+    (and so as the spec layout), NaN scale bytes included."""
+    rng = np.random.default_rng()
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    scale = random_scales(rng, n, k // 16)
+    scale.flat[rng.integers(scale.size)] = 0x7F
+    gs = np.float32(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-8, 2))
+    w = dequant(packed, scale, gs, dtype, 16, tiled=True)
+    _same_bits(w, reference_dequant(packed, scale, gs, 16, dtype))
+    assert np.isnan(w.astype(np.float32)).any()
+    call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((8, k), jnp.dtype(dtype)))
+    with pytest.raises(Exception, match="tiled layout needs block_size 16, N % 16 == 0"):
+        np.asarray(call(packed[:8], scale[:8], gs, block_size=np.int64(16), tiled=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 3])
 def test_dequant_every_scale_byte_and_code(dtype, block_size):
     """All 256 E4M3 bytes against all 16 codes (NaN bytes give NaN, subnormals exact)."""
