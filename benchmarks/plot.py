@@ -95,7 +95,8 @@ def plot_results(results: dict, out_dir: str, max_m_bw: int = 64) -> list[str]:
     for (n, k, dtype), rows in group_rows(results.get("rows", [])).items():
         path = os.path.join(out_dir, f"{n}x{k}_{dtype}.png")
         paths = ", ".join(sorted({r["path"] for r in rows}))
-        title = f"NVFP4 matmul N={n} K={k} {dtype} on {device} (path: {paths})"
+        layouts = ", ".join(sorted({r.get("layout", "spec") for r in rows}))
+        title = f"NVFP4 matmul N={n} K={k} {dtype} on {device} (path: {paths}; layout: {layouts})"
         plot_shape(plt, rows, title, path, max_m_bw)
         written.append(path)
     decode = results.get("decode_step")

@@ -14,3 +14,4 @@ def test_quickstart_runs_and_reports_errors():
     assert "path taken: layer 1 -> " in out
     kernel_error = float(re.search(r"dequantized weights: ([0-9.e-]+)", out).group(1))
     assert kernel_error < 0.02
+    assert float(re.search(r"relative difference ([0-9.e+-]+) from the spec layout", out).group(1)) < 0.01

@@ -272,7 +272,7 @@ def test_quantized_weight_is_not_differentiable():
     with pytest.raises(TypeError, match="quantized weight .* not differentiable"):
         _primitive._transpose(ct, a, ad.UndefinedPrimal(jax.core.ShapedArray((8, 16), jnp.uint8)),
                               w.scale, w.global_scale, block_size=16, backend="auto",
-                              has_bias=False, has_swizzled=False)
+                              layout="spec", has_bias=False, has_swizzled=False)
 
 
 def test_grad_through_vmap_over_experts():
