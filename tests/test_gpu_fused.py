@@ -148,16 +148,21 @@ def test_exact_arithmetic_bit_for_bit(m, n, k, dtype):
     and partial sum is exact in fp32, so y must equal the rounded float64 reference exactly (this
     also pins the E2M1 subnormal 0.5 and E4M3 subnormal scales)."""
     rng = np.random.default_rng()
+    a, packed, scale, gs, bias, want = _exact_problem(rng, m, n, k, dtype)
+    y = fused(a, packed, scale, gs, bias)
+    np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16))
+
+
+def _exact_problem(rng, m, n, k, dtype):
+    """Inputs of test_exact_arithmetic_bit_for_bit, and the rounded float64 result they must give."""
     packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
     scale = rng.choice(np.array([0x01, 0x08, 0x30, 0x38, 0x40], np.uint8), size=(n, k // 16))
     gs = np.float32(2.0**rng.integers(-3, 2))
     a = rng.integers(-2, 3, size=(m, k)).astype(NP_DTYPES[dtype])
     bias = rng.integers(-4, 5, size=n).astype(NP_DTYPES[dtype])
-    y = fused(a, packed, scale, gs, bias)
-    ref = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16,
-                           np.asarray(bias, np.float64))
-    want = ref.astype(NP_DTYPES[dtype])
-    np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16))
+    want = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16,
+                            np.asarray(bias, np.float64)).astype(NP_DTYPES[dtype])
+    return a, packed, scale, gs, bias, want
 
 
 @needs_sm90
@@ -274,13 +279,7 @@ def test_tiled_random_sweep(m, n, k, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tiled_exact_arithmetic_bit_for_bit(m, n, k, dtype):
     rng = np.random.default_rng()
-    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
-    scale = rng.choice(np.array([0x01, 0x08, 0x30, 0x38, 0x40], np.uint8), size=(n, k // 16))
-    gs = np.float32(2.0**rng.integers(-3, 2))
-    a = rng.integers(-2, 3, size=(m, k)).astype(NP_DTYPES[dtype])
-    bias = rng.integers(-4, 5, size=n).astype(NP_DTYPES[dtype])
-    want = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16,
-                            np.asarray(bias, np.float64)).astype(NP_DTYPES[dtype])
+    a, packed, scale, gs, bias, want = _exact_problem(rng, m, n, k, dtype)
     for _ in range(2):  # and bit-identical on a rerun
         y = fused(a, packed, scale, gs, bias, tiled=True)
         np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16))

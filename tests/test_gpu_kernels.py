@@ -143,19 +143,31 @@ if QUICK:
     NK_SHAPES = [(1, 128), (7, 96), (129, 160), (33, 256)]
 
 
+# The tiled layout (jax_fp4.prepack): N % 16 == 0, K % 128 == 0, the tensor-core kernel only. Tile
+# counts are odd where they can be, so that the two- and four-tile launches have a partial last block.
+TILED_SHAPES = [(16, 128), (48, 256), (112, 512), (1008, 4096), (8496, 128), (17008, 256),
+                (96, 4096), (272, 2816)]
+if QUICK:
+    TILED_SHAPES = [(16, 128), (48, 256), (8496, 128), (96, 4096)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", M_VALUES)
-def test_gemv_random_sweep(m, dtype):
+@pytest.mark.parametrize("tiled", [False, True], ids=["spec", "tiled"])
+def test_gemv_random_sweep(m, dtype, tiled):
     rng = np.random.default_rng()
     i = M_VALUES.index(m)
-    shapes = [NK_SHAPES[i % len(NK_SHAPES)], NK_SHAPES[(3 * i + 1) % len(NK_SHAPES)]]
+    pool = TILED_SHAPES if tiled else NK_SHAPES
+    shapes = [pool[i % len(pool)], pool[(3 * i + 1) % len(pool)]]
     for j, (n, k) in enumerate(shapes):
         a, packed, scale, gs, bias = random_problem(rng, m, n, k, dtype, with_bias=(i + j) % 2 == 0)
         ref = reference_gemv(a, packed, scale, gs, bias)
-        for use_mma in (True, False):
+        for use_mma in (True,) if tiled else (True, False):
             for row_tiling in (True, False):
-                y = gemv(a, packed, scale, gs, bias, use_mma=use_mma, row_tiling=row_tiling)
-                check_close(y, ref, dtype, f"M={m} N={n} K={k} mma={use_mma} rt={row_tiling}")
+                y = gemv(a, packed, scale, gs, bias, use_mma=use_mma, row_tiling=row_tiling,
+                         tiled=tiled)
+                check_close(y, ref, dtype,
+                            f"M={m} N={n} K={k} mma={use_mma} rt={row_tiling} tiled={tiled}")
 
 
 # Shapes that reach the launch-config branches on an H200 (132 SMs): scalar row tiling (N/8 >=
@@ -342,28 +354,7 @@ def test_gemv_rejects_bad_operands():
 
 
 # ---------------------------------------------------------------------------------------------
-# GEMV on the tiled layout (jax_fp4.prepack): N % 16 == 0, K % 128 == 0, the tensor-core kernel.
-# Tile counts are odd where they can be, so that the two- and four-tile launches have a partial
-# last block.
-
-TILED_SHAPES = [(16, 128), (48, 256), (112, 512), (1008, 4096), (8496, 128), (17008, 256),
-                (96, 4096), (272, 2816)]
-if QUICK:
-    TILED_SHAPES = [(16, 128), (48, 256), (8496, 128), (96, 4096)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", M_VALUES)
-def test_gemv_tiled_random_sweep(m, dtype):
-    rng = np.random.default_rng()
-    i = M_VALUES.index(m)
-    shapes = [TILED_SHAPES[i % len(TILED_SHAPES)], TILED_SHAPES[(3 * i + 1) % len(TILED_SHAPES)]]
-    for j, (n, k) in enumerate(shapes):
-        a, packed, scale, gs, bias = random_problem(rng, m, n, k, dtype, with_bias=(i + j) % 2 == 0)
-        ref = reference_gemv(a, packed, scale, gs, bias)
-        for row_tiling in (True, False):
-            y = gemv(a, packed, scale, gs, bias, row_tiling=row_tiling, tiled=True)
-            check_close(y, ref, dtype, f"tiled M={m} N={n} K={k} rt={row_tiling}")
+# GEMV on the tiled layout (jax_fp4.prepack); its random sweep is test_gemv_random_sweep[tiled].
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
