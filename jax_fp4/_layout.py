@@ -4,8 +4,9 @@ The tensor-core GEMV (ffi/cuda/gemv_mma.cuh) has a warp read, per 128-wide K win
 each of 16 weight rows per lane group and 2-byte scale pairs from 16 rows: many short runs. The
 tiled layout stores exactly what one warp reads in one window as one contiguous run, and the
 nibbles of each 32-bit word in the order the decode wants (no activation permutes, fewer ALU
-instructions per word). Measured with the GEMV probe: 11-28% faster than the spec layout
-(benchmarks/NOTES.md, tenth session).
+instructions per word). The fused GEMM and the dequant kernel read it too. Measured on the H200
+(benchmarks/NOTES.md, tenth and eleventh sessions): the GEMV 1.14-1.38x faster at M = 1, the
+fused GEMM 1.2-1.6x at M = 16-64.
 
 For a weight [N, K] (N % 16 == 0, K % 128 == 0, block_size 16), W = K / 128 windows, tile T of 16
 rows, window w, lane L = 4 g + t of the warp (g = 0..7, t = 0..3):

@@ -1,8 +1,10 @@
 """`prepack` / `unprepack`: weight layouts prepared once at load time for a kernel path.
 
-  target="gemv"   the decode GEMV's tiled layout (jax_fp4/_layout.py): the packed codes and block
-                  scales reordered in place (same shapes and bytes); every other path reads the
-                  weight through the inverse transform, so prepack the weights that serve decode.
+  target="gemv"   the tiled layout (jax_fp4/_layout.py), named for the decode GEMV it was made
+                  for: the packed codes and block scales reordered (same shapes and bytes). The
+                  CUDA GEMV, fused GEMM and dequant kernels read it directly (faster than the spec
+                  layout on the H200); the CPU, reference and native paths transform it back
+                  inside the program.
   target="sm120"  the native Blackwell SM120 path's swizzled scales, kept beside the plain ones
                   (jax_fp4/_native.py).
 """

@@ -123,6 +123,7 @@ def _gemv(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_)
 
 
 def gemv_uses_mma() -> bool:
+    """JAX_FP4_GEMV_MMA: the tensor-core GEMV (the only one that reads the tiled layout)."""
     return _dispatch.env_flag("JAX_FP4_GEMV_MMA", True)
 
 
