@@ -1,10 +1,10 @@
 """`prepack` / `unprepack`: weight layouts prepared once at load time for a kernel path.
 
-  target="gemv"   the tiled layout (jax_fp4/_layout.py), named for the decode GEMV it was made
-                  for: the packed codes and block scales reordered (same shapes and bytes). The
-                  CUDA GEMV, fused GEMM and dequant kernels read it directly (faster than the spec
-                  layout on the H200); the CPU, reference and native paths transform it back
-                  inside the program.
+  target="tiled"  the tiled layout (jax_fp4/_layout.py): the packed codes and block scales
+                  reordered (same shapes and bytes). The CUDA GEMV, fused GEMM and dequant kernels
+                  read it directly (faster than the spec layout on the H200); the CPU, reference
+                  and native paths transform it back inside the program, so it is for CUDA
+                  devices (on SM120 with the native path, use target="sm120").
   target="sm120"  the native Blackwell SM120 path's swizzled scales, kept beside the plain ones
                   (jax_fp4/_native.py).
 """
@@ -14,11 +14,11 @@ from __future__ import annotations
 from jax_fp4 import _layout, _native
 from jax_fp4._format import NVFP4Weight, spec_arrays, tiled_layout_unsupported
 
-TARGETS = ("gemv", "sm120")
+TARGETS = ("tiled", "sm120")
 
 
-def prepack(w: NVFP4Weight, target: str = "gemv") -> NVFP4Weight:
-    """A copy of `w` laid out for `target`'s kernel ("gemv" or "sm120"); pure jnp, jit-able, keeps
+def prepack(w: NVFP4Weight, target: str = "tiled") -> NVFP4Weight:
+    """A copy of `w` laid out for `target`'s kernels ("tiled" or "sm120"); pure jnp, jit-able, keeps
     stacked leading axes. Computes the same matmul as `w` on every path."""
     if not isinstance(w, NVFP4Weight):
         raise TypeError(f"prepack: w must be an NVFP4Weight, got {type(w).__name__}")
@@ -29,7 +29,7 @@ def prepack(w: NVFP4Weight, target: str = "gemv") -> NVFP4Weight:
     if w.layout == "tiled":
         return w
     if (reason := tiled_layout_unsupported(w.n, w.k, w.block_size)) is not None:
-        raise ValueError(f"prepack(target='gemv'): the tiled layout {reason} (weight shape {w.shape})")
+        raise ValueError(f"prepack: the tiled layout {reason} (weight shape {w.shape})")
     return NVFP4Weight(_layout.tile_packed(w.packed), _layout.tile_scale(w.scale), w.global_scale,
                        w.block_size, layout="tiled")
 

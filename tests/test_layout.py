@@ -114,6 +114,8 @@ def test_prepack_round_trip_and_same_values(lead, n, k):
     np.testing.assert_array_equal(np.asarray(back.scale), np.asarray(w.scale))
     np.testing.assert_array_equal(np.asarray(jax_fp4.dequantize(p)), np.asarray(jax_fp4.dequantize(w)))
     assert jax_fp4.prepack(p) is p and jax_fp4.unprepack(w) is w
+    np.testing.assert_array_equal(np.asarray(jax_fp4.prepack(w, target="tiled").packed),
+                                  np.asarray(p.packed))
 
 
 def test_prepack_is_a_jittable_pytree():
