@@ -2,9 +2,9 @@
 
   target="tiled"  the tiled layout (jax_fp4/_layout.py): the packed codes and block scales
                   reordered (same shapes and bytes). The CUDA GEMV, fused GEMM and dequant kernels
-                  read it directly (faster than the spec layout on the H200); the CPU, reference
-                  and native paths transform it back inside the program, so it is for CUDA
-                  devices (on SM120 with the native path, use target="sm120").
+                  and the CPU kernel read it directly (the CUDA ones faster than the spec layout
+                  on the H200); the reference and native paths transform it back inside the
+                  program (on SM120 with the native path, use target="sm120").
   target="sm120"  the native Blackwell SM120 path's swizzled scales, kept beside the plain ones
                   (jax_fp4/_native.py).
 """

@@ -4,8 +4,9 @@ JVP and transpose.
 Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale uint8 [N, ceil(K/bs)],
 global_scale float32 [], bias [N] (a's dtype) when has_bias, and the prepacked SM120 scales
 (`prepack`) when has_swizzled. Result: [..., N] in a's dtype. Static `layout`: the byte order of
-packed and scale ("spec" or "tiled", jax_fp4/_layout.py); the CUDA kernels (tensor-core GEMV,
-dequant, fused) read "tiled" directly, the other paths through the inverse transform.
+packed and scale ("spec" or "tiled", jax_fp4/_layout.py); the kernels (CPU, tensor-core GEMV,
+dequant, fused) read "tiled" directly, the reference, native and scalar-GEMV paths through the
+inverse transform.
 The lowering picks a path from static shapes (`_dispatch.select_path`); the chosen path shows in
 the HLO as the FFI custom-call target, or, for pure-JAX paths, as a `jax_fp4/<path>` op name.
 """
@@ -106,11 +107,11 @@ def _bias_operand(bias, dtype):
 
 
 @_as_2d
-def _cpu(a, packed, scale, global_scale, bias, *, block_size, **_):
+def _cpu(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
     out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
     call = jax.ffi.ffi_call("jax_fp4_matmul_cpu", out)
     return call(a, packed, scale, global_scale, _bias_operand(bias, a.dtype),
-                block_size=np.int64(block_size))
+                block_size=np.int64(block_size), tiled=tiled)
 
 
 @_as_2d
@@ -172,10 +173,10 @@ def _reading_tiled_layout(impl):
 
 
 # Module-level so that each (path, layout) is one function (the partitioning rules cache on it).
-# The CUDA kernels read the tiled layout; the CPU, reference and native paths transform it back.
+# The kernels read the tiled layout; the reference and native paths transform it back.
 _TILED_PATHS = {path: _reading_spec_layout(impl) for path, impl in _PATHS.items()}
 _SCALAR_GEMV_ON_TILED = _TILED_PATHS["gemv"]
-_TILED_PATHS.update(empty=_empty, gemv=_reading_tiled_layout(_gemv),
+_TILED_PATHS.update(empty=_empty, cpu=_reading_tiled_layout(_cpu), gemv=_reading_tiled_layout(_gemv),
                     dequant=_reading_tiled_layout(_dequant), fused=_reading_tiled_layout(_fused_gemm))
 
 

@@ -186,7 +186,13 @@ def test_cpu_handler_validates_operands():
     call = jax.ffi.ffi_call("jax_fp4_matmul_cpu", jax.ShapeDtypeStruct((2, 8), jnp.float32))
     with pytest.raises(Exception, match="scale must be"):
         jax.block_until_ready(call(jnp.ones((2, 32), jnp.float32), w.packed, np.zeros((8, 1), np.uint8),
-                                   w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(16)))
+                                   w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(16),
+                                   tiled=False))
     with pytest.raises(Exception, match="block_size must be positive"):
         jax.block_until_ready(call(jnp.ones((2, 32), jnp.float32), w.packed, w.scale_bytes,
-                                   w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(0)))
+                                   w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(0),
+                                   tiled=False))
+    with pytest.raises(Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128"):
+        jax.block_until_ready(call(jnp.ones((2, 32), jnp.float32), w.packed, w.scale_bytes,
+                                   w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(16),
+                                   tiled=True))

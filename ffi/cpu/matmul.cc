@@ -1,7 +1,8 @@
 // CPU XLA FFI handler: Y = A @ dequant(W)^T (+ bias), fused.
 //
 // Weight rows are decoded a tile at a time into a small fp32 buffer and consumed at once, so the
-// dequantized [N, K] matrix never exists; accumulation is fp32, the global scale and bias are applied
+// dequantized [N, K] matrix never exists (from the spec layout, or from jax_fp4.prepack's tiled
+// layout, attribute tiled, through the nvfp4.h helpers: the same values bit for bit); accumulation is fp32, the global scale and bias are applied
 // once per output in the epilogue, then the result is rounded to A's dtype. Tiles of weight rows are
 // shared out over XLA's intra-op thread pool.
 #include "cpu/handlers.h"
@@ -62,6 +63,7 @@ struct MatmulJob {
   void* y = nullptr;
   ffi::DataType dtype = ffi::DataType::F32;
   float global_scale = 1.0f;
+  bool tiled = false;  // packed / scale in the tiled layout (block_size 16, K % 128 == 0)
 
   int64_t num_tiles = 0;
   std::atomic<int64_t> next_tile{0};
@@ -77,6 +79,38 @@ void DecodeTile(const MatmulJob& job, int64_t n0, int64_t rows, float* w_tile) {
     for (uint32_t code = 0; code < 16; ++code) table[code] = e2m1_to_float(code);
     return table;
   }();
+  if (job.tiled) {
+    // A tiled word's bit permutation, undone byte by byte: kSpecBits[j][v] is the spec-order word
+    // (element e's code at bits 4e..4e+3) of the tiled word holding byte v at byte j and zeros
+    // elsewhere; each bit moves on its own, so the four parts OR together.
+    static const auto kSpecBits = [] {
+      std::array<std::array<uint32_t, 256>, 4> table{};
+      for (int j = 0; j < 4; ++j) {
+        for (uint32_t v = 0; v < 256; ++v) {
+          for (int e = 0; e < 8; ++e) table[j][v] |= tiled_word_code(v << (8 * j), e) << (4 * e);
+        }
+      }
+      return table;
+    }();
+    const int64_t windows = job.k / 128;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = n0 + r;
+      float* w_row = w_tile + r * job.k;
+      for (int64_t kb = 0; kb < job.k_blocks; ++kb) {  // 16 elements: two words of one quarter
+        const float block_scale = e4m3_to_float(job.scale[tiled_scale_offset(row, kb, windows)]);
+        const uint8_t* chunk = job.packed + tiled_packed_offset(row, kb / 8, (kb % 8) / 2, windows);
+        for (int j = 0; j < 2; ++j) {
+          const uint8_t* b = chunk + 8 * (kb % 2) + 4 * j;
+          const uint32_t codes =
+              kSpecBits[0][b[0]] | kSpecBits[1][b[1]] | kSpecBits[2][b[2]] | kSpecBits[3][b[3]];
+          for (int e = 0; e < 8; ++e) {
+            w_row[16 * kb + 8 * j + e] = kE2M1[(codes >> (4 * e)) & 0xFu] * block_scale;
+          }
+        }
+      }
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* packed_row = job.packed + (n0 + r) * (job.k / 2);
     const uint8_t* scale_row = job.scale + (n0 + r) * job.k_blocks;
@@ -135,13 +169,19 @@ void Work(const std::shared_ptr<MatmulJob>& job) {
 ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
                          ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::U8> scale,
                          ffi::Buffer<ffi::F32> global_scale, ffi::AnyBuffer bias,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t block_size) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t block_size, bool tiled) {
   MatmulShape shape;
   const std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
       global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
       y->dimensions(), block_size, /*allow_f32=*/true, &shape);
   if (!problem.empty()) return ffi::Error::InvalidArgument("jax_fp4_matmul_cpu: " + problem);
+  if (tiled && (block_size != 16 || shape.n % 16 != 0 || shape.k % 128 != 0)) {
+    return ffi::Error::InvalidArgument(
+        "jax_fp4_matmul_cpu: the tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
+        "got block_size " + std::to_string(block_size) + ", N = " + std::to_string(shape.n) +
+        ", K = " + std::to_string(shape.k));
+  }
   if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
 
   auto job = std::make_shared<MatmulJob>();
@@ -160,6 +200,7 @@ ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
   job->bias = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   job->y = y->untyped_data();
   job->global_scale = global_scale.typed_data()[0];
+  job->tiled = tiled;
   job->num_tiles = (shape.n + kRowTile - 1) / kRowTile;
 
   // Small problems are not worth waking other threads for.
@@ -185,4 +226,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4MatmulCpu, jax_fp4::MatmulCpuImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
                                   .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
                                   .Ret<ffi::AnyBuffer>()          // y [M, N]
-                                  .Attr<int64_t>("block_size"));
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<bool>("tiled"));          // weight in the tiled layout

@@ -73,6 +73,35 @@ JAX_FP4_HD uint32_t packed_code(const uint8_t* packed_row, int64_t k) {
   return (packed_row[k >> 1] >> ((k & 1) * 4)) & 0xFu;
 }
 
+// The tiled layout of jax_fp4.prepack (jax_fp4/_layout.py has the definition; N % 16 == 0,
+// K % 128 == 0, block size 16; W = K / 128 windows). Row r sits in 16-row tile r / 16, row half
+// (r / 8) % 2, lane group g = r % 8.
+// Byte offset of row r's 16 packed bytes of window w, quarter t (elements 128 w + 32 t .. + 31).
+JAX_FP4_HD int64_t tiled_packed_offset(int64_t row, int64_t window, int64_t quarter,
+                                       int64_t windows) {
+  return (((row / 16) * windows + window) * 2 + (row / 8) % 2) * 512 + ((row % 8) * 4 + quarter) * 16;
+}
+
+// Byte offset of row r's scale of block b (elements 16 b .. 16 b + 15).
+JAX_FP4_HD int64_t tiled_scale_offset(int64_t row, int64_t block, int64_t windows) {
+  const int64_t window = block / 8, lane = (row % 8) * 4 + (block % 8) / 2;
+  return (((row / 16) * windows + window) * 32 + lane) * 4 + 2 * ((row / 8) % 2) + block % 2;
+}
+
+// E2M1 code of element e (0..7) of a tiled 32-bit word (little-endian bytes). Element e = 2 p + h
+// keeps its mantissa, exponent and sign bits at the bf16 positions 6, 7, 8, 15 (+16 h), the word
+// rotated left by 3 p for pairs p = 0..2, and at 4, 0, 1, 3 (+16 h) for pair 3.
+JAX_FP4_HD uint32_t tiled_word_code(uint32_t word, int e) {
+  const int p = e / 2, h = 16 * (e % 2);
+  uint32_t code = 0;
+  for (int bit = 0; bit < 4; ++bit) {
+    const int pos = p < 3 ? ((bit < 3 ? 6 + bit : 15) + h + 3 * p) % 32
+                          : (bit == 0 ? 4 : (bit == 3 ? 3 : bit - 1)) + h;
+    code |= ((word >> pos) & 1u) << bit;
+  }
+  return code;
+}
+
 // 16-bit float conversions for host code (device code uses cuda_fp16/cuda_bf16 intrinsics).
 JAX_FP4_HD float bf16_bits_to_float(uint16_t bits) {
   return bits_to_float(static_cast<uint32_t>(bits) << 16);
