@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/device_run.sh build tests          # ~3 min
 #   bash benchmarks/device_run.sh build sanitizer fused
-#   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~2.5 min
+#   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~4 min
+#   (bench and gemv-sweep time prepacked weights; BENCH_LAYOUT=spec for the spec layout)
 #   bash benchmarks/device_run.sh build probe          # GEMV limiter probe, ~1 min
 #   bash benchmarks/device_run.sh build kernel-tests probe gemv-sweep   # ~5 min
 #   bash benchmarks/device_run.sh build probe gemv-profile   # ncu stall reasons per SASS line
@@ -38,7 +39,7 @@ for stage in "$@"; do
       python benchmarks/fused_timing.py --json "$OUT/fused_h200.json" > "$OUT/fused_timing.log" 2>&1 || status=1
       tail -25 "$OUT/fused_timing.log" ;;
     bench)
-      python -m jax_fp4.bench --decode-step --json "$OUT/h200.json" > "$OUT/bench.log" 2>&1 || status=1
+      python -m jax_fp4.bench --layout "${BENCH_LAYOUT:-tiled}" --decode-step --json "$OUT/h200.json" > "$OUT/bench.log" 2>&1 || status=1
       tail -50 "$OUT/bench.log" ;;
     profile)
       # --replay-mode application: kernel replay backs up device memory and crawls on big weights.
@@ -53,12 +54,12 @@ for stage in "$@"; do
       # heuristic's pick (empty).
       for cfg in "" 1,2 1,4 1,8 2,2 2,4 2,8 4,2 4,4; do
         echo "== M=1,8 col_tiles,k_split = ${cfg:-heuristic}"
-        JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m jax_fp4.bench --backend gemv --m 1,8 --repeats 5 \
+        JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m jax_fp4.bench --backend gemv --m 1,8 --repeats 5 --layout "${BENCH_LAYOUT:-tiled}" \
           --shapes 11008x4096,4096x11008,17408x5120,5120x17408,28672x8192 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee "$OUT/gemv_sweep.log"
       for cfg in "" 1,1 1,2 1,4 2,1 2,2 4,2; do
         echo "== lm_head M=4 col_tiles,k_split = ${cfg:-heuristic}"
-        JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m jax_fp4.bench --backend gemv --m 4 --repeats 5 \
+        JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m jax_fp4.bench --backend gemv --m 4 --repeats 5 --layout "${BENCH_LAYOUT:-tiled}" \
           --shapes 248320x2048 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee -a "$OUT/gemv_sweep.log" ;;
     probe)
