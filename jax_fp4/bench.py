@@ -713,8 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=[b for b in jax_fp4.BACKENDS], default=None,
                    help="force a jax_fp4 backend (default: auto dispatch)")
     p.add_argument("--layout", choices=("spec", "tiled"), default="spec",
-                   help="weight layout of the jax_fp4 matmuls: 'tiled' prepacks them for the decode "
-                        "GEMV (jax_fp4.prepack) where the shape allows (default spec)")
+                   help="weight layout of the jax_fp4 matmuls: 'tiled' prepacks them "
+                        "(jax_fp4.prepack, the layout the CUDA kernels read fastest) where the shape "
+                        "allows (default spec)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed calls per chain (median; default 10, quick 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per chain after compiling (>= 1)")

@@ -242,7 +242,9 @@ def prepack_params(params, filter: Callable[[tuple], bool] | None = None):
     dict holding ``packed``, ``scale`` and ``global_scale`` (or those whose path `filter` accepts)
     is converted; boxes (nn.Partitioned) are kept. The modules reading them need
     ``FP4Dense(..., layout="tiled")``. A selected layer whose shape the layout cannot take (N % 16,
-    K % 128) is an error: filter it out and leave that module's layout "spec". Returns a new tree."""
+    K % 128) is an error: filter it out and leave that module's layout "spec". Returns a new tree.
+    Apply it once, to spec-layout params: plain arrays carry no layout mark, so a second pass
+    would reorder the bytes again (FP4Dense's `layout` field is the record)."""
 
     def convert(tree, path):
         if isinstance(tree, Mapping) and all(key in tree for key in _FP4_KEYS):
