@@ -85,8 +85,9 @@ class NVFP4Weight:
             raise ValueError(
                 f"NVFP4Weight: global_scale must be a scalar (shape {tuple(lead)}), got shape "
                 f"{tuple(global_scale.shape)}")
-        if layout == "tiled" and (reason := tiled_layout_unsupported(n, 2 * half_k, block_size)):
-            raise ValueError(f"NVFP4Weight: layout='tiled' {reason}")
+        if layout == "tiled":
+            if (reason := _layout.tiled_layout_unsupported(n, 2 * half_k, block_size)) is not None:
+                raise ValueError(f"NVFP4Weight: layout='tiled' {reason}")
         if global_scale.dtype != np.float32:
             global_scale = global_scale.astype(np.float32)
         self.packed = packed
@@ -139,15 +140,6 @@ class NVFP4Weight:
     def __repr__(self):
         layout = "" if self.layout == "spec" else f", layout={self.layout!r}"
         return f"NVFP4Weight(shape={self.shape}, block_size={self.block_size}{layout})"
-
-
-def tiled_layout_unsupported(n: int, k: int, block_size: int) -> str | None:
-    """Why a [N, K] weight cannot take the tiled layout (None if it can)."""
-    if block_size != 16:
-        return f"needs block_size 16, got {block_size}"
-    if n % 16 or k % 128:
-        return f"needs N % 16 == 0 and K % 128 == 0, got N={n}, K={k}"
-    return None
 
 
 def spec_arrays(w: NVFP4Weight):

@@ -75,12 +75,20 @@ def _words_to_bytes(w):
     return b.reshape(*w.shape[:-1], 4 * w.shape[-1])
 
 
+def tiled_layout_unsupported(n: int, k: int, block_size: int) -> str | None:
+    """Why a [N, K] weight cannot take the tiled layout (None if it can)."""
+    if block_size != 16:
+        return f"needs block_size 16, got {block_size}"
+    if n % TILE_ROWS or k % WINDOW:
+        return f"needs N % 16 == 0 and K % 128 == 0, got N={n}, K={k}"
+    return None
+
+
 def _check(shape, k_per_byte: int, what: str):
     *lead, n, cols = shape
     k = cols * k_per_byte
-    if n % TILE_ROWS or k % WINDOW:
-        raise ValueError(f"tiled layout: {what} needs N % 16 == 0 and K % 128 == 0, got shape "
-                         f"{tuple(shape)} (N={n}, K={k})")
+    if (reason := tiled_layout_unsupported(n, k, 16)) is not None:
+        raise ValueError(f"tiled layout: {what} {reason} (shape {tuple(shape)})")
     return lead, n, k
 
 

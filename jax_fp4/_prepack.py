@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from jax_fp4 import _layout, _native
-from jax_fp4._format import NVFP4Weight, spec_arrays, tiled_layout_unsupported
+from jax_fp4._format import NVFP4Weight, spec_arrays
 
 TARGETS = ("tiled", "sm120")
 
@@ -28,7 +28,7 @@ def prepack(w: NVFP4Weight, target: str = "tiled") -> NVFP4Weight:
         return _native.prepack(unprepack(w), target="sm120")
     if w.layout == "tiled":
         return w
-    if (reason := tiled_layout_unsupported(w.n, w.k, w.block_size)) is not None:
+    if (reason := _layout.tiled_layout_unsupported(w.n, w.k, w.block_size)) is not None:
         raise ValueError(f"prepack: the tiled layout {reason} (weight shape {w.shape})")
     return NVFP4Weight(_layout.tile_packed(w.packed), _layout.tile_scale(w.scale), w.global_scale,
                        w.block_size, layout="tiled")

@@ -46,7 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp4
-from jax_fp4._format import E2M1_VALUES, tiled_layout_unsupported
+from jax_fp4._format import E2M1_VALUES
+from jax_fp4._layout import tiled_layout_unsupported
 
 MB = 1_000_000
 GB = 1_000_000_000

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_fp4._format import NVFP4Weight, tiled_layout_unsupported
+from jax_fp4._format import NVFP4Weight
+from jax_fp4._layout import tiled_layout_unsupported
 from jax_fp4._prepack import prepack, unprepack
 from jax_fp4._layers import (check_calibration_method, compute_dtype, input_square_sums,
                              layer_importance, quantize_kernel)

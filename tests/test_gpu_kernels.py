@@ -428,7 +428,8 @@ def test_gemv_tiled_rejects_untileable_shapes():
     rng = np.random.default_rng()
     a, packed, scale, gs, _ = random_problem(rng, 2, 40, 256, "bfloat16", with_bias=False)
     call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((2, 40), a.dtype))
-    with pytest.raises(Exception, match="tiled layout needs N % 16 == 0 and K % 128 == 0"):
+    with pytest.raises(Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
+                                        "got block_size 16, N = 40"):
         np.asarray(call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16),
                         use_mma=True, tiled=True, row_tiling=True))
 

@@ -176,11 +176,8 @@ ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
       global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
       y->dimensions(), block_size, /*allow_f32=*/true, &shape);
   if (!problem.empty()) return ffi::Error::InvalidArgument("jax_fp4_matmul_cpu: " + problem);
-  if (tiled && (block_size != 16 || shape.n % 16 != 0 || shape.k % 128 != 0)) {
-    return ffi::Error::InvalidArgument(
-        "jax_fp4_matmul_cpu: the tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
-        "got block_size " + std::to_string(block_size) + ", N = " + std::to_string(shape.n) +
-        ", K = " + std::to_string(shape.k));
+  if (const std::string bad = tiled ? CheckTiledLayout(shape, block_size) : ""; !bad.empty()) {
+    return ffi::Error::InvalidArgument("jax_fp4_matmul_cpu: " + bad);
   }
   if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
 

@@ -180,11 +180,8 @@ ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
                                        std::to_string(shape.n) + ", " + std::to_string(shape.k) +
                                        "], got " + DimsToString(w_dims));
   }
-  if (tiled && (block_size != 16 || shape.n % 16 != 0 || shape.k % 128 != 0)) {
-    return ffi::Error::InvalidArgument(
-        "jax_fp4_dequant_cuda: the tiled layout needs block_size 16, N % 16 == 0 and K % 128 == "
-        "0, got block_size " + std::to_string(block_size) + ", N = " + std::to_string(shape.n) +
-        ", K = " + std::to_string(shape.k));
+  if (const std::string bad = tiled ? CheckTiledLayout(shape, block_size) : ""; !bad.empty()) {
+    return ffi::Error::InvalidArgument("jax_fp4_dequant_cuda: " + bad);
   }
   if (shape.n == 0 || shape.k == 0) return ffi::Error::Success();
   if (!IsAligned(w->untyped_data(), 4)) {

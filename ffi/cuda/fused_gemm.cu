@@ -463,13 +463,10 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
   const T* a_src0 = a + static_cast<int64_t>(a_valid > 0 ? m0 + a_r0 : 0) * k + a_ch * 8;
   const int64_t a_step = 16 * static_cast<int64_t>(k);
   const int p_valid = min(max((n - n0 - p_r0 + 63) / 64, 0), kTileN / 64);
-  // Quarter p_q of a row's window: spec row-major; tiled in its tile's 1 KB run of the window,
-  // [row half][lane 4 g + quarter][16 B]. 64 rows are 32 K bytes in both (4 whole tiles).
+  // Quarter p_q of a row's window 0: spec row-major; tiled in its tile's 1 KB run of the window
+  // (nvfp4.h). 64 rows are 32 K bytes in both (4 whole tiles).
   auto packed_at = [&](int64_t row) {
-    if (Tiled) {
-      return packed + ((row / 16) * windows * 2 + (row / 8) % 2) * 512 + ((row % 8) * 4 + p_q) * 16;
-    }
-    return packed + row * row_bytes + p_q * 16;
+    return packed + (Tiled ? tiled_packed_offset(row, 0, p_q, windows) : row * row_bytes + p_q * 16);
   };
   const uint8_t* p_src0 = packed_at(min(n0 + p_r0, n - 1));
   const uint8_t* p_last = packed_at(n - 1);
@@ -837,8 +834,8 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
     return invalid("K must be a positive multiple of 128, got " + std::to_string(k));
   }
   if (m >= INT_MAX || n >= INT_MAX || k >= INT_MAX) return invalid("M, N and K must be < 2^31");
-  if (tiled && n % 16 != 0) {
-    return invalid("the tiled layout needs N % 16 == 0, got N = " + std::to_string(n));
+  if (const std::string bad = tiled ? CheckTiledLayout(shape, block_size) : ""; !bad.empty()) {
+    return invalid(bad);
   }
   if (CeilDiv(m, fused::kTileMLarge) > fused::kMaxMTiles) return invalid("M too large");
   const int64_t ws_needed = fused::WorkspaceElems(m, n, k);

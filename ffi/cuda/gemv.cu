@@ -259,10 +259,8 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
     return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: K must be a multiple of 32, got " +
                                        std::to_string(shape.k));
   }
-  if (tiled && (shape.n % kGemvTileCols != 0 || shape.k % kGemvWindow != 0)) {
-    return ffi::Error::InvalidArgument(
-        "jax_fp4_gemv_cuda: the tiled layout needs N % 16 == 0 and K % 128 == 0, got N = " +
-        std::to_string(shape.n) + ", K = " + std::to_string(shape.k));
+  if (const std::string bad = tiled ? CheckTiledLayout(shape, block_size) : ""; !bad.empty()) {
+    return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + bad);
   }
   if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
   const void* bias_data = bias.element_count() != 0 ? bias.untyped_data() : nullptr;

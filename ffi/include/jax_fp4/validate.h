@@ -49,6 +49,15 @@ inline std::string CheckWeightOperands(xla::ffi::Span<const int64_t> packed_dims
   return "";
 }
 
+// Checks that a weight [N, K] can be in the tiled layout of jax_fp4.prepack (attribute tiled):
+// block size 16, N % 16 == 0, K % 128 == 0. Returns "" when it can, else the problem.
+inline std::string CheckTiledLayout(const MatmulShape& shape, int64_t block_size) {
+  if (block_size == 16 && shape.n % 16 == 0 && shape.k % 128 == 0) return "";
+  return "the tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, got block_size " +
+         std::to_string(block_size) + ", N = " + std::to_string(shape.n) + ", K = " +
+         std::to_string(shape.k);
+}
+
 // Checks a matmul's operands: a [M, K], weight operands, bias [N] or empty, y [M, N].
 inline std::string CheckMatmulOperands(xla::ffi::DataType a_type,
                                        xla::ffi::Span<const int64_t> a_dims,
