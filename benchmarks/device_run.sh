@@ -8,6 +8,7 @@
 #   (bench and gemv-sweep time prepacked weights; BENCH_LAYOUT=spec for the spec layout)
 #   bash benchmarks/device_run.sh build probe          # GEMV limiter probe, ~1 min
 #   bash benchmarks/device_run.sh build kernel-tests probe gemv-sweep   # ~5 min
+#   bash benchmarks/device_run.sh build gemv-configs   # every GEMV launch config at M = 1-16, ~1 min
 #   bash benchmarks/device_run.sh build probe gemv-profile   # ncu stall reasons per SASS line
 #   bash benchmarks/device_run.sh build profile gemv-sweep fused-sweep   # ncu, launch-config sweeps
 #   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
@@ -67,6 +68,13 @@ for stage in "$@"; do
       probe=$(ls build/*/gemv_probe 2>/dev/null | head -1)
       if [ -z "$probe" ]; then echo "gemv_probe not built: run the build stage first" >&2; status=1; continue; fi
       timeout 120 "$probe" ${PROBE_SHAPES:-11008x4096 4096x11008 17408x5120 28672x8192} 2>&1 | tee "$OUT/gemv_probe.log" ;;
+    gemv-configs)
+      # Every launch config of the prepacked GEMV at M = 1, 2, 4, 8, 12, 16 (kernel-only times,
+      # the heuristic's pick starred): what gemv_launch_config rests on.
+      probe=$(ls build/*/gemv_probe 2>/dev/null | head -1)
+      if [ -z "$probe" ]; then echo "gemv_probe not built: run the build stage first" >&2; status=1; continue; fi
+      GEMV_PROBE_SWEEP_M=${SWEEP_M:-1,2,4,8,12,16} timeout 240 "$probe" \
+        ${PROBE_SHAPES:-11008x4096 4096x11008 17408x5120 5120x17408 28672x8192 248320x2048 4096x4096} 2>&1 | tee "$OUT/gemv_configs.log" ;;
     gemv-profile)
       # Stall reasons per SASS instruction of the probe's GEMV kernels (one launch each, M = 1,
       # 11008x4096), plus the SASS of the probe binary.
@@ -129,7 +137,7 @@ for stage in "$@"; do
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, kernel-tests, fused-tests, sanitizer, fused, bench, profile, fused-profile, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles, fused-crossovers)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, kernel-tests, gemv-configs, fused-tests, sanitizer, fused, bench, profile, fused-profile, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles, fused-crossovers)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -15,14 +15,26 @@ config = _jax_fp4_cpu.gemv_launch_config
 
 H200_SMS = 132
 MAX_WARPS_PER_BLOCK = 16
-TARGET_WARPS_PER_SM = 16
-MIN_SPLIT_ONE_TILE = 4
+SPLITS = (1, 2, 3, 4, 6, 8)
 TWO_TILE_BLOCKS_PER_SM = 4
 
-M_VALUES = [1, 2, 3, 4, 7, 8, 9, 64, 1000]
-N_VALUES = [1, 7, 16, 100, 1000, 1056, 4096, 8448, 11008, 16896, 248320]
-K_VALUES = [0, 32, 96, 128, 256, 512, 1536, 2048, 4096, 16384]
+M_VALUES = [1, 2, 3, 4, 5, 7, 8, 9, 16, 64, 1000]
+N_VALUES = [1, 7, 16, 100, 1000, 1056, 4096, 5120, 8448, 11008, 16896, 17408, 28672, 248320]
+K_VALUES = [0, 32, 96, 128, 256, 512, 1536, 2048, 4096, 5120, 16384, 17408]
 SMS = [1, 2, 46, 108, 132, 170]
+
+
+def resident_warps(col_tiles, row_tiles):
+    """Warps per SM of the mma kernel at its register count (96, or 121-128 with two tiles)."""
+    return 20 if col_tiles == 1 and row_tiles == 1 else 16
+
+
+def grid_blocks(c, m, n):
+    return math.ceil(math.ceil(n / 16) / c["col_tiles"]) * math.ceil(max(m, 1) / (8 * c["row_tiles"]))
+
+
+def fits_one_wave(c, m, n, k_split, num_sms):
+    return grid_blocks(c, m, n) <= num_sms * (resident_warps(c["col_tiles"], c["row_tiles"]) // k_split)
 
 
 @pytest.mark.parametrize("num_sms", SMS)
@@ -31,58 +43,57 @@ def test_invariants(num_sms):
         c = config(m, n, k, num_sms)
         ct, ks, rows = c["col_tiles"], c["k_split"], c["rows_per_block"]
         where = f"m={m} n={n} k={k} sms={num_sms}: {c}"
-        assert ct in (1, 2, 4), where
+        assert ct in (1, 2), where
         # Two 8-row tiles per warp exactly when M > 8, and then one column tile (registers).
         assert c["row_tiles"] == (2 if m > 8 else 1), where
         if c["row_tiles"] == 2:
             assert ct == 1, where
-        assert ks >= 1 and ks & (ks - 1) == 0, where  # power of two
-        assert ct * ks <= MAX_WARPS_PER_BLOCK, where
-        assert ks <= (8 if ct == 1 else 4), where
+        assert ks in SPLITS and ct * ks <= MAX_WARPS_PER_BLOCK, where
         assert rows in (1, 2, 4), where
         windows = k // 128
         if ks > 1:
-            assert windows >= 2 * ks, f"every split warp keeps >= 2 windows: {where}"
+            assert windows >= 4 * ks, f"every split warp keeps >= 4 windows: {where}"
+            assert fits_one_wave(c, m, n, ks, num_sms), f"the grid is resident at once: {where}"
+        # The largest such k_split: the next candidate up breaks a rule.
+        for bigger in (s for s in SPLITS if s > ks):
+            assert (ct * bigger > MAX_WARPS_PER_BLOCK or 4 * bigger > windows
+                    or not fits_one_wave(c, m, n, bigger, num_sms)), f"k_split {bigger} allowed: {where}"
+        # Two column tiles only when their grid still has two waves of blocks, and not at M <= 4
+        # when it is just over one wave of k_split-4 blocks (by less than half a wave).
+        blocks2, wave = math.ceil(math.ceil(n / 16) / 2), TWO_TILE_BLOCKS_PER_SM * num_sms
+        if ct == 2:
+            assert blocks2 >= 2 * num_sms, where
+            assert not (m <= 4 and wave < blocks2 < 1.5 * wave), where
+        elif m <= 8 and blocks2 >= 2 * num_sms:
+            assert m <= 4 and wave < blocks2 < 1.5 * wave, where
         if m == 1:
-            assert ct in (1, 2), f"at most two tiles at M = 1: {where}"
             assert rows == 1, where
-            # Not two tiles when their grid is just over one wave (by less than half a wave).
-            blocks2, wave = math.ceil(math.ceil(n / 16) / 2), TWO_TILE_BLOCKS_PER_SM * num_sms
-            if wave < blocks2 < 1.5 * wave:
-                assert ct == 1, where
         assert rows <= max(1, 4 if m >= 3 else m), where
         # Row tiling only when the column grid ceil(N / 8) covers a wave on its own.
         if math.ceil(n / 8) < num_sms:
             assert rows == 1, where
-        # Column tiles only when the grid still has two waves of blocks.
-        if ct > 1:
-            assert math.ceil(math.ceil(n / 16) / ct) >= 2 * num_sms, where
-        # k_split stops growing once the grid is full (one-tile warps: at least 4 where K allows).
-        blocks = math.ceil(math.ceil(n / 16) / ct)
-        if ct == 1:
-            assert ks >= min(MIN_SPLIT_ONE_TILE, max(1, 2 ** int(math.log2(max(1, windows // 2))))), where
-        if ks > (MIN_SPLIT_ONE_TILE if ct == 1 else 1):
-            assert blocks * (ks // 2) < TARGET_WARPS_PER_SM * num_sms, where
 
 
 def test_h200_shapes():
-    """The decisions for the shapes quoted in benchmarks/NOTES.md (H200, 132 SMs)."""
+    """The picks the H200 sweep measured best (benchmarks/results/sweeps/gemv_configs_h200.log)."""
     def cfg(m, n, k):
         c = config(m, n, k, H200_SMS)
         return c["col_tiles"], c["k_split"], c["rows_per_block"]
 
-    assert cfg(1, 11008, 4096) == (2, 4, 1)      # MLP up/gate at decode: two tiles share activations
-    assert cfg(4, 11008, 4096) == (2, 4, 4)      # speculative decode, 4 rows
-    assert cfg(1, 4096, 11008) == (1, 8, 1)      # MLP down
-    assert cfg(4, 248320, 2048) == (4, 1, 4)     # lm_head
-    assert cfg(8, 17408, 5120) == (4, 4, 4)
-    assert cfg(1, 4096, 4096) == (1, 8, 1)
-    assert cfg(1, 17408, 5120) == (1, 4, 1)      # two tiles would spill into a second wave
-    assert cfg(1, 28672, 8192) == (2, 4, 1)      # 1.7 waves of two-tile blocks
-    assert cfg(1, 248320, 2048) == (2, 1, 1)     # lm_head at decode
-    assert cfg(8, 2048, 2048) == (1, 8, 4)       # small MLP: split K for parallelism
+    for m in (1, 2, 4, 8):
+        assert cfg(m, 11008, 4096)[:2] == (2, 4)     # MLP up/gate: two tiles share activations
+        assert cfg(m, 4096, 11008)[:2] == (1, 8)     # MLP down
+        assert cfg(m, 5120, 17408)[:2] == (1, 6)     # 8 would need 1.2 waves of 8-warp blocks
+        assert cfg(m, 28672, 8192)[:2] == (2, 2)     # 4 would need 1.7 waves
+        assert cfg(m, 248320, 2048)[:2] == (2, 1)    # lm_head: many waves at any split
+        assert cfg(m, 4096, 4096)[:2] == (1, 8)
+    for m in (1, 2, 4):
+        assert cfg(m, 17408, 5120)[:2] == (1, 2)     # two tiles just over a wave
+    assert cfg(8, 17408, 5120)[:2] == (2, 3)
+    assert cfg(4, 11008, 4096) == (2, 4, 4)      # speculative decode, 4 rows (scalar row tiling 4)
+    assert cfg(8, 2048, 2048) == (1, 4, 4)       # small MLP: split K for parallelism (16 windows)
     assert cfg(1, 100, 128) == (1, 1, 1)         # one window: nothing to split
-    assert cfg(16, 11008, 4096) == (1, 4, 4)     # M = 16: one pass, two row tiles per warp
+    assert cfg(16, 11008, 4096)[:2] == (1, 2)    # M = 16: one pass, two row tiles per warp
     assert config(16, 11008, 4096, H200_SMS)["row_tiles"] == 2
 
 

@@ -144,7 +144,7 @@ if QUICK:
 
 
 # The tiled layout (jax_fp4.prepack): N % 16 == 0, K % 128 == 0, the tensor-core kernel only. Tile
-# counts are odd where they can be, so that the two- and four-tile launches have a partial last block.
+# counts are odd where they can be, so that the two-tile launches have a partial last block.
 TILED_SHAPES = [(16, 128), (48, 256), (112, 512), (1008, 4096), (8496, 128), (17008, 256),
                 (96, 4096), (272, 2816)]
 if QUICK:
@@ -171,18 +171,21 @@ def test_gemv_random_sweep(m, dtype, tiled):
 
 
 # Shapes that reach the launch-config branches on an H200 (132 SMs): scalar row tiling (N/8 >=
-# a wave, K % 128 != 0), mma with col_tiles 2 and 4 (large ragged N, M > 1), deep split-K.
+# a wave, K % 128 != 0), mma with one and two column tiles (large ragged N), two row tiles,
+# k_split 8 and a non-power-of-two k_split.
 WIDE_CASES = [
     (5, 1100, 160),    # scalar, rows_per_block 4 with a partial tile
     (2, 2056, 96),     # scalar, rows_per_block 2
     (3, 8500, 128),    # mma col_tiles 2, ragged N
-    (9, 8500, 256),    # mma col_tiles 2, two M chunks
-    (5, 17000, 256),   # mma col_tiles 4, ragged N
-    (1, 100, 4096),    # mma k_split 16
+    (9, 8500, 256),    # mma two row tiles, ragged N, a partial second row tile
+    (5, 17000, 256),   # mma col_tiles 2 (M > 4), ragged N
+    (2, 17000, 256),   # mma one tile where M <= 4 (two tiles would be just over a wave)
+    (2, 5110, 3072),   # mma k_split 6, ragged N
+    (1, 100, 4096),    # mma k_split 8
     (4, 4097, 1024),   # ragged by one column
 ]
 if QUICK:
-    WIDE_CASES = [(5, 1100, 160), (3, 8500, 128), (5, 17000, 256), (1, 100, 4096)]
+    WIDE_CASES = [(5, 1100, 160), (3, 8500, 128), (5, 17000, 256), (2, 5110, 3072), (1, 100, 4096)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -231,12 +234,12 @@ def test_gemv_exact_bitwise(m, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", ["1,1", "1,2", "1,8", "1,16", "2,1", "2,8", "4,1", "4,4",
-                                    "1,4,1", "1,4,2", "1,4,4", "2,16", "4,8,2", "1,16,4"])
+@pytest.mark.parametrize("config", ["1,1", "1,2", "1,3", "1,6", "1,8", "1,16", "2,1", "2,3", "2,8",
+                                    "1,4,1", "1,4,2", "1,4,4", "2,16", "2,6,2", "1,16,4"])
 def test_gemv_every_launch_config(config, dtype, monkeypatch):
     """Every kernel variant (col_tiles, k_split, rows_per_block), forced through the debug
     override JAX_FP4_GEMV_CONFIG, on exact inputs: all must match the reference bit for bit.
-    ("2,16" and "4,8,2": k_split is rounded down into the block's 16-warp budget.)"""
+    ("2,16": k_split is clamped into the block's 16-warp budget.)"""
     rng = np.random.default_rng()
     monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)
     for m, n, k in ((3, 70, 1024), (9, 37, 512), (1, 5, 128), (17, 45, 2816)):
@@ -248,7 +251,7 @@ def test_gemv_every_launch_config(config, dtype, monkeypatch):
                                           err_msg=f"config={config} M={m} N={n} K={k} mma={use_mma}")
 
 
-@pytest.mark.parametrize("config", ["3,1", "1", "1,0", "1,4,3", "1,4,1,1", "1,4,", "x"])
+@pytest.mark.parametrize("config", ["3,1", "4,1", "1", "1,0", "1,4,3", "1,4,1,1", "1,4,", "x"])
 def test_gemv_config_override_rejects_malformed_values(config, monkeypatch):
     """A malformed override is an error, not silently ignored (which also shows that the handler
     reads it on every call, so the launch-config tests above do run the configs they name)."""
@@ -371,7 +374,7 @@ def test_gemv_tiled_exact_bitwise(m, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", ["1,1", "1,8", "2,1", "2,8", "4,1", "4,4", "1,4,2", "1,16,4"])
+@pytest.mark.parametrize("config", ["1,1", "1,6", "1,8", "2,1", "2,3", "2,8", "1,4,2", "1,16,4"])
 def test_gemv_tiled_every_launch_config(config, dtype, monkeypatch):
     rng = np.random.default_rng()
     monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)

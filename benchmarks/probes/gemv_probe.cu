@@ -45,6 +45,7 @@
 // GEMV_PROBE_KSPLITS=3,6,... adds rows gemv_k<s> and gemv_c2_k<s>: the kernel with 1 / 2
 // accumulator chains at k_split s instead of the heuristic's.
 // GEMV_PROBE_COPIES=c: rotate through c copies of the weights instead (1: L2-resident weights).
+// GEMV_PROBE_SWEEP_M=1,2,4,8,16: the launch-config sweep of the prepacked kernel instead (SweepConfigs).
 // GEMV_PROBE_ROWS=name,name,... times only those rows (stream always runs: the reference), e.g.
 // to profile one kernel under Nsight Compute.
 #include <cuda_bf16.h>
@@ -390,6 +391,87 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   CHECK_CUDA(cudaFree(sink));
 }
 
+// GEMV_PROBE_SWEEP_M=1,2,4,8,16: instead of the probe rows, the production kernel on prepacked
+// weights (GemvMmaKernel<bf16, CT, RT, DecodeTiled, 1, L2, true>, what jax_fp4.prepack's weights
+// run) at each M and every launch config (M <= 8: col_tiles 1 and 2; M > 8: two row tiles, one
+// column tile; k_split 1..16 within the warp budget, non-powers of two included), the
+// heuristic's pick starred: the table gemv_launch_config rests on.
+template <int CT, int RT>
+float TimeTiledGemv(const T* a, const uint8_t* packed, const uint8_t* scale, const float* gs,
+                    T* y, int64_t m, int64_t n, int64_t k, int k_split, int64_t packed_bytes,
+                    int64_t scale_bytes, int copies) {
+  const dim3 grid(static_cast<unsigned>(CeilDiv(CeilDiv(n, kGemvTileCols), CT)),
+                  static_cast<unsigned>(CeilDiv(m, 8 * RT)));
+  const size_t smem = GemvMmaSmemBytes(CT, k_split);
+  return TimeUs([&](int c) {
+    const uint8_t* w = packed + packed_bytes * c;
+    const uint8_t* s = scale + scale_bytes * c;
+    if (k_split > 1) {
+      GemvMmaKernel<T, CT, RT, DecodeTiled, 1, 256, true>
+          <<<grid, 32 * k_split, smem>>>(a, w, s, gs, nullptr, y, m, n, k);
+    } else {
+      GemvMmaKernel<T, CT, RT, DecodeTiled, 1, 0, true>
+          <<<grid, 32, smem>>>(a, w, s, gs, nullptr, y, m, n, k);
+    }
+  }, copies, 20);
+}
+
+void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms) {
+  const int64_t packed_bytes = n * k / 2, scale_bytes = n * k / 16;
+  const int64_t bytes = packed_bytes + scale_bytes;
+  const int copies = static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
+  const int max_m = *std::max_element(ms.begin(), ms.end());
+  uint8_t *packed = nullptr, *scale = nullptr;
+  T *a = nullptr, *y = nullptr;
+  float* gs = nullptr;
+  uint32_t* sink = nullptr;
+  CHECK_CUDA(cudaMalloc(&packed, packed_bytes * copies));
+  CHECK_CUDA(cudaMalloc(&scale, scale_bytes * copies));
+  CHECK_CUDA(cudaMalloc(&a, sizeof(T) * k * max_m));
+  CHECK_CUDA(cudaMalloc(&y, sizeof(T) * n * max_m));
+  CHECK_CUDA(cudaMalloc(&gs, sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&sink, sizeof(uint32_t)));
+  CHECK_CUDA(cudaMemset(packed, 0x35, packed_bytes * copies));
+  CHECK_CUDA(cudaMemset(scale, 0x38, scale_bytes * copies));
+  CHECK_CUDA(cudaMemset(a, 0x3C, sizeof(T) * k * max_m));
+  CHECK_CUDA(cudaMemset(gs, 0, sizeof(float)));
+  const float stream_us = TimeUs([&](int c) {
+    StreamKernel<<<num_sms * 16, 256>>>(packed + packed_bytes * c, packed_bytes,
+                                        scale + scale_bytes * c, scale_bytes, sink);
+  }, copies, 20);
+  std::printf("%6lldx%-6lld stream %8.2f us %6.2f TB/s\n", static_cast<long long>(n),
+              static_cast<long long>(k), stream_us, bytes / (stream_us * 1e-6) / 1e12);
+  for (int m : ms) {
+    const GemvLaunchConfig pick = gemv_launch_config(m, n, k, num_sms);
+    float best = 1e30f;
+    std::string line;
+    for (int ct : {1, 2}) {
+      if (m > 8 && ct > 1) continue;  // two row tiles: one column tile
+      for (int ks : {1, 2, 3, 4, 6, 8, 12, 16}) {
+        if (ks * ct > kGemvMaxWarpsPerBlock) continue;
+        const float us =
+            m > 8 ? TimeTiledGemv<1, 2>(a, packed, scale, gs, y, m, n, k, ks, packed_bytes, scale_bytes, copies)
+            : ct == 1 ? TimeTiledGemv<1, 1>(a, packed, scale, gs, y, m, n, k, ks, packed_bytes, scale_bytes, copies)
+                      : TimeTiledGemv<2, 1>(a, packed, scale, gs, y, m, n, k, ks, packed_bytes, scale_bytes, copies);
+        const bool picked = ct == pick.col_tiles && ks == pick.k_split;
+        best = std::min(best, us);
+        char cell[48];
+        std::snprintf(cell, sizeof(cell), " %d,%-2d %6.2f%s", ct, ks, us, picked ? "*" : " ");
+        line += cell;
+      }
+    }
+    std::printf("%6lldx%-6lld M=%d best %6.2f us (%3.0f%% of stream) |%s\n",
+                static_cast<long long>(n), static_cast<long long>(k), m, best,
+                100.0 * stream_us / best, line.c_str());
+  }
+  CHECK_CUDA(cudaFree(packed));
+  CHECK_CUDA(cudaFree(scale));
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(y));
+  CHECK_CUDA(cudaFree(gs));
+  CHECK_CUDA(cudaFree(sink));
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace jax_fp4
@@ -406,6 +488,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gemv_probe needs sm_80 or newer\n");
     return 1;
   }
+  std::vector<int> sweep_ms;
+  if (const char* env = std::getenv("GEMV_PROBE_SWEEP_M")) {
+    for (const char* p = env; *p != '\0';) {
+      const int m = std::atoi(p);
+      if (m < 1 || m > 16) {
+        std::fprintf(stderr, "GEMV_PROBE_SWEEP_M: want M values in 1..16, got '%s'\n", env);
+        return 2;
+      }
+      sweep_ms.push_back(m);
+      while (*p != '\0' && *p != ',') ++p;
+      if (*p == ',') ++p;
+    }
+  }
   for (const std::string& s : shapes) {
     long long n = 0, k = 0;
     if (std::sscanf(s.c_str(), "%lldx%lld", &n, &k) != 2 || n <= 0 || k <= 0 ||
@@ -414,7 +509,11 @@ int main(int argc, char** argv) {
                    s.c_str(), jax_fp4::kGemvTileCols, jax_fp4::kGemvWindow);
       return 2;
     }
-    jax_fp4::cuda::Probe(n, k, sms, major);
+    if (!sweep_ms.empty()) {
+      jax_fp4::cuda::SweepConfigs(n, k, sms, sweep_ms);
+    } else {
+      jax_fp4::cuda::Probe(n, k, sms, major);
+    }
   }
   return 0;
 }

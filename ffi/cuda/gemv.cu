@@ -191,25 +191,23 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
 }
 
 // Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block]" (read on each
-// call; empty or unset = the heuristic): col_tiles and rows_per_block 1, 2 or 4; k_split >= 1,
-// rounded down to a power of two within the block's warp budget; row_tiles stays the heuristic's
-// with one column tile and becomes 1 with more. Anything else is an error.
+// call; empty or unset = the heuristic): col_tiles 1 or 2, rows_per_block 1, 2 or 4; k_split >= 1,
+// clamped into the block's warp budget (16 / col_tiles); row_tiles stays the heuristic's with one
+// column tile and becomes 1 with two. Anything else is an error.
 std::string ApplyConfigOverride(GemvLaunchConfig* cfg) {
   const char* env = std::getenv("JAX_FP4_GEMV_CONFIG");
   if (env == nullptr || *env == '\0') return "";
   int ct = 0, ks = 0, rows = 1, used = 0;
   const int got = std::sscanf(env, "%d,%d%n,%d%n", &ct, &ks, &used, &rows, &used);
-  if (got < 2 || env[used] != '\0' || !(ct == 1 || ct == 2 || ct == 4) || ks < 1 ||
+  if (got < 2 || env[used] != '\0' || !(ct == 1 || ct == 2) || ks < 1 ||
       !(rows == 1 || rows == 2 || rows == 4)) {
     return std::string("JAX_FP4_GEMV_CONFIG must be col_tiles,k_split[,rows_per_block] with "
-                       "col_tiles and rows_per_block in {1, 2, 4} and k_split >= 1, got '") +
+                       "col_tiles in {1, 2}, rows_per_block in {1, 2, 4} and k_split >= 1, got '") +
            env + "'";
   }
   cfg->col_tiles = ct;
   if (ct > 1) cfg->row_tiles = 1;
-  int p = 1;
-  while (p * 2 <= ks && p * 2 * ct <= kGemvMaxWarpsPerBlock) p *= 2;
-  cfg->k_split = p;
+  cfg->k_split = std::min(ks, kGemvMaxWarpsPerBlock / ct);
   cfg->rows_per_block = rows;
   return "";
 }
@@ -227,11 +225,9 @@ cudaError_t LaunchGemv(cudaStream_t stream, const DeviceInfo& info, const void* 
     if (row_tiling && cfg.row_tiles == 2 && cfg.col_tiles == 1) {
       return LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
     }
-    switch (cfg.col_tiles) {
-      case 4: return LaunchMma<T, 4>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
-      case 2: return LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
-      default: return LaunchMma<T, 1>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
-    }
+    return cfg.col_tiles == 2
+               ? LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks)
+               : LaunchMma<T, 1>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
   }
   const int rows = row_tiling ? cfg.rows_per_block : 1;
   switch (rows) {

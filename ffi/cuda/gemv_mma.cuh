@@ -63,10 +63,10 @@ __device__ __forceinline__ void StoreOutput(T* y, const T* bias, int64_t n, int6
 // 16 bits apart) is what makes the decode cheap (decode_e2m1_split_pair), and costs two byte
 // permutes per k-step on the activation side, shared by all column tiles.
 //
-// A warp computes CT tiles of 16 columns with ONE activation fragment per window and row tile, for
-// RT tiles of 8 activation rows (each decoded weight fragment feeds RT mma);
-// k_split = blockDim.x / 32 warps of a block take windows warp, warp + k_split, ... and reduce in
-// shared memory in a fixed order.
+// A warp computes CT (1 or 2) tiles of 16 columns with ONE activation fragment per window and row
+// tile, for RT tiles of 8 activation rows (each decoded weight fragment feeds RT mma);
+// k_split = blockDim.x / 32 warps of a block (any count up to 16 / CT) take windows warp,
+// warp + k_split, ... and reduce in shared memory in a fixed order.
 template <typename T>
 __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -351,6 +351,7 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
     }
   }
 
+  static_assert(CT == 1 || CT == 2, "one or two column tiles (four: 198-244 registers)");
   static_assert(RT == 1 || (RT == 2 && CT == 1), "two row tiles only with one column tile");
   const int64_t m_chunks = CeilDiv(m, 8 * RT);
   for (int64_t chunk = blockIdx.y; chunk < m_chunks; chunk += gridDim.y) {
