@@ -249,6 +249,41 @@ float TimeUs(Launch launch, int copies, int rounds) {
   return 1000.0f * ms / static_cast<float>(rounds * copies);
 }
 
+// The operands of one shape: `copies` copies of the weights (rotated through so that every call
+// reads HBM), `rows` activation and output rows. Values are arbitrary (timing only).
+struct ProbeBuffers {
+  uint8_t* packed = nullptr;
+  uint8_t* scale = nullptr;
+  T* a = nullptr;
+  T* y = nullptr;
+  float* gs = nullptr;
+  uint32_t* sink = nullptr;
+
+  ProbeBuffers(int64_t n, int64_t k, int copies, int rows) {
+    const int64_t packed_bytes = n * k / 2, scale_bytes = n * k / 16;
+    CHECK_CUDA(cudaMalloc(&packed, packed_bytes * copies));
+    CHECK_CUDA(cudaMalloc(&scale, scale_bytes * copies));
+    CHECK_CUDA(cudaMalloc(&a, sizeof(T) * k * rows));
+    CHECK_CUDA(cudaMalloc(&y, sizeof(T) * n * rows));
+    CHECK_CUDA(cudaMalloc(&gs, sizeof(float)));
+    CHECK_CUDA(cudaMalloc(&sink, sizeof(uint32_t)));
+    CHECK_CUDA(cudaMemset(packed, 0x35, packed_bytes * copies));
+    CHECK_CUDA(cudaMemset(scale, 0x38, scale_bytes * copies));  // E4M3 1.0
+    CHECK_CUDA(cudaMemset(a, 0x3C, sizeof(T) * k * rows));      // bf16 ~0.0115
+    CHECK_CUDA(cudaMemset(gs, 0, sizeof(float)));
+  }
+  ~ProbeBuffers() {
+    cudaFree(packed);
+    cudaFree(scale);
+    cudaFree(a);
+    cudaFree(y);
+    cudaFree(gs);
+    cudaFree(sink);
+  }
+  ProbeBuffers(const ProbeBuffers&) = delete;
+  ProbeBuffers& operator=(const ProbeBuffers&) = delete;
+};
+
 void Probe(int64_t n, int64_t k, int num_sms, int major) {
   const int64_t packed_bytes = n * k / 2, scale_bytes = n * k / 16;
   const int64_t bytes = packed_bytes + scale_bytes;
@@ -259,20 +294,13 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   const int copies = copies_override > 0
                          ? copies_override
                          : static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
-  uint8_t *packed = nullptr, *scale = nullptr;
-  T *a = nullptr, *y = nullptr;
-  float* gs = nullptr;
-  uint32_t* sink = nullptr;
-  CHECK_CUDA(cudaMalloc(&packed, packed_bytes * copies));
-  CHECK_CUDA(cudaMalloc(&scale, scale_bytes * copies));
-  CHECK_CUDA(cudaMalloc(&a, sizeof(T) * k));
-  CHECK_CUDA(cudaMalloc(&y, sizeof(T) * n));
-  CHECK_CUDA(cudaMalloc(&gs, sizeof(float)));
-  CHECK_CUDA(cudaMalloc(&sink, sizeof(uint32_t)));
-  CHECK_CUDA(cudaMemset(packed, 0x35, packed_bytes * copies));
-  CHECK_CUDA(cudaMemset(scale, 0x38, scale_bytes * copies));  // E4M3 1.0
-  CHECK_CUDA(cudaMemset(a, 0x3C, sizeof(T) * k));             // bf16 ~0.0115
-  CHECK_CUDA(cudaMemset(gs, 0, sizeof(float)));
+  const ProbeBuffers buffers(n, k, copies, 1);
+  uint8_t* const packed = buffers.packed;
+  uint8_t* const scale = buffers.scale;
+  T* const a = buffers.a;
+  T* const y = buffers.y;
+  float* const gs = buffers.gs;
+  uint32_t* const sink = buffers.sink;
 
   const GemvLaunchConfig cfg = gemv_launch_config(1, n, k, num_sms);
   const int k_split = cfg.k_split;
@@ -383,12 +411,6 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
                 bytes / (r.us * 1e-6) / 1e12, 100.0 * rows[0].us / r.us,
                 r.blocks_per_sm > 0 ? (std::to_string(r.blocks_per_sm) + " blocks/SM").c_str() : "");
   }
-  CHECK_CUDA(cudaFree(packed));
-  CHECK_CUDA(cudaFree(scale));
-  CHECK_CUDA(cudaFree(a));
-  CHECK_CUDA(cudaFree(y));
-  CHECK_CUDA(cudaFree(gs));
-  CHECK_CUDA(cudaFree(sink));
 }
 
 // GEMV_PROBE_SWEEP_M=1,2,4,8,16: instead of the probe rows, the production kernel on prepacked
@@ -397,21 +419,19 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
 // column tile; k_split 1..16 within the warp budget, non-powers of two included), the
 // heuristic's pick starred: the table gemv_launch_config rests on.
 template <int CT, int RT>
-float TimeTiledGemv(const T* a, const uint8_t* packed, const uint8_t* scale, const float* gs,
-                    T* y, int64_t m, int64_t n, int64_t k, int k_split, int64_t packed_bytes,
-                    int64_t scale_bytes, int copies) {
+float TimeTiledGemv(const ProbeBuffers& b, int64_t m, int64_t n, int64_t k, int k_split, int copies) {
   const dim3 grid(static_cast<unsigned>(CeilDiv(CeilDiv(n, kGemvTileCols), CT)),
                   static_cast<unsigned>(CeilDiv(m, 8 * RT)));
   const size_t smem = GemvMmaSmemBytes(CT, k_split);
   return TimeUs([&](int c) {
-    const uint8_t* w = packed + packed_bytes * c;
-    const uint8_t* s = scale + scale_bytes * c;
+    const uint8_t* w = b.packed + n * k / 2 * c;
+    const uint8_t* s = b.scale + n * k / 16 * c;
     if (k_split > 1) {
       GemvMmaKernel<T, CT, RT, DecodeTiled, 1, 256, true>
-          <<<grid, 32 * k_split, smem>>>(a, w, s, gs, nullptr, y, m, n, k);
+          <<<grid, 32 * k_split, smem>>>(b.a, w, s, b.gs, nullptr, b.y, m, n, k);
     } else {
       GemvMmaKernel<T, CT, RT, DecodeTiled, 1, 0, true>
-          <<<grid, 32, smem>>>(a, w, s, gs, nullptr, y, m, n, k);
+          <<<grid, 32, smem>>>(b.a, w, s, b.gs, nullptr, b.y, m, n, k);
     }
   }, copies, 20);
 }
@@ -421,23 +441,10 @@ void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms)
   const int64_t bytes = packed_bytes + scale_bytes;
   const int copies = static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
   const int max_m = *std::max_element(ms.begin(), ms.end());
-  uint8_t *packed = nullptr, *scale = nullptr;
-  T *a = nullptr, *y = nullptr;
-  float* gs = nullptr;
-  uint32_t* sink = nullptr;
-  CHECK_CUDA(cudaMalloc(&packed, packed_bytes * copies));
-  CHECK_CUDA(cudaMalloc(&scale, scale_bytes * copies));
-  CHECK_CUDA(cudaMalloc(&a, sizeof(T) * k * max_m));
-  CHECK_CUDA(cudaMalloc(&y, sizeof(T) * n * max_m));
-  CHECK_CUDA(cudaMalloc(&gs, sizeof(float)));
-  CHECK_CUDA(cudaMalloc(&sink, sizeof(uint32_t)));
-  CHECK_CUDA(cudaMemset(packed, 0x35, packed_bytes * copies));
-  CHECK_CUDA(cudaMemset(scale, 0x38, scale_bytes * copies));
-  CHECK_CUDA(cudaMemset(a, 0x3C, sizeof(T) * k * max_m));
-  CHECK_CUDA(cudaMemset(gs, 0, sizeof(float)));
+  const ProbeBuffers b(n, k, copies, max_m);
   const float stream_us = TimeUs([&](int c) {
-    StreamKernel<<<num_sms * 16, 256>>>(packed + packed_bytes * c, packed_bytes,
-                                        scale + scale_bytes * c, scale_bytes, sink);
+    StreamKernel<<<num_sms * 16, 256>>>(b.packed + packed_bytes * c, packed_bytes,
+                                        b.scale + scale_bytes * c, scale_bytes, b.sink);
   }, copies, 20);
   std::printf("%6lldx%-6lld stream %8.2f us %6.2f TB/s\n", static_cast<long long>(n),
               static_cast<long long>(k), stream_us, bytes / (stream_us * 1e-6) / 1e12);
@@ -450,9 +457,9 @@ void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms)
       for (int ks : {1, 2, 3, 4, 6, 8, 12, 16}) {
         if (ks * ct > kGemvMaxWarpsPerBlock) continue;
         const float us =
-            m > 8 ? TimeTiledGemv<1, 2>(a, packed, scale, gs, y, m, n, k, ks, packed_bytes, scale_bytes, copies)
-            : ct == 1 ? TimeTiledGemv<1, 1>(a, packed, scale, gs, y, m, n, k, ks, packed_bytes, scale_bytes, copies)
-                      : TimeTiledGemv<2, 1>(a, packed, scale, gs, y, m, n, k, ks, packed_bytes, scale_bytes, copies);
+            m > 8 ? TimeTiledGemv<1, 2>(b, m, n, k, ks, copies)
+            : ct == 1 ? TimeTiledGemv<1, 1>(b, m, n, k, ks, copies)
+                      : TimeTiledGemv<2, 1>(b, m, n, k, ks, copies);
         const bool picked = ct == pick.col_tiles && ks == pick.k_split;
         best = std::min(best, us);
         char cell[48];
@@ -464,12 +471,6 @@ void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms)
                 static_cast<long long>(n), static_cast<long long>(k), m, best,
                 100.0 * stream_us / best, line.c_str());
   }
-  CHECK_CUDA(cudaFree(packed));
-  CHECK_CUDA(cudaFree(scale));
-  CHECK_CUDA(cudaFree(a));
-  CHECK_CUDA(cudaFree(y));
-  CHECK_CUDA(cudaFree(gs));
-  CHECK_CUDA(cudaFree(sink));
 }
 
 }  // namespace
