@@ -68,12 +68,12 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   }
   const int64_t blocks = GemvCeilDiv(tiles, col_tiles) * GemvCeilDiv(m > 0 ? m : 1, 8 * row_tiles);
 
-  // The largest k_split (at least 4 windows per warp, within the block's warp budget) whose grid
-  // is resident all at once.
+  // The largest k_split (at least two windows per warp, as before; within the block's warp
+  // budget) whose grid is resident all at once.
   const int resident_warps = GemvResidentWarpsPerSm(col_tiles, row_tiles);
   int k_split = 1;
   for (const int split : kGemvSplits) {
-    if (split * col_tiles <= kGemvMaxWarpsPerBlock && 4 * split <= windows &&
+    if (split * col_tiles <= kGemvMaxWarpsPerBlock && 2 * split <= windows &&
         blocks <= sms * (resident_warps / split)) {
       k_split = split;
       break;
@@ -103,6 +103,7 @@ static_assert(gemv_launch_config(4, 11008, 4096, 132).rows_per_block == 4, "");
 static_assert(gemv_launch_config(16, 11008, 4096, 132).row_tiles == 2, "");
 static_assert(gemv_launch_config(16, 11008, 4096, 132).col_tiles == 1, "");
 static_assert(gemv_launch_config(4, 1000, 4096, 132).rows_per_block == 1, "");
+static_assert(gemv_launch_config(8, 2048, 2048, 132).k_split == 8, "");
 
 }  // namespace jax_fp4
 
