@@ -143,6 +143,7 @@ class ChainTiming:
     t1_us: float         # median time of one call of each chain
     t2_us: float
     noisy: bool = False  # the difference was not positive: `us` falls back to t2 / L2 (an upper bound)
+    iqr_us: float = 0.0  # interquartile range of the per-pair estimates (t2_i - t1_i) / (L2 - L1)
 
 
 def _time_once(fn: Callable, args) -> float:
@@ -171,10 +172,21 @@ def time_chain(make_chain: Callable[[int], Callable], args, l1: int, l2: int,
         t1.append(_time_once(f1, args))
         t2.append(_time_once(f2, args))
     m1, m2 = statistics.median(t1) * 1e6, statistics.median(t2) * 1e6
+    iqr = pair_estimates_iqr(t1, t2, l2 - l1)
     diff = (m2 - m1) / (l2 - l1)
     if diff > 0:
-        return ChainTiming(diff, l1, l2, m1, m2)
-    return ChainTiming(m2 / l2, l1, l2, m1, m2, noisy=True)
+        return ChainTiming(diff, l1, l2, m1, m2, iqr_us=iqr)
+    return ChainTiming(m2 / l2, l1, l2, m1, m2, noisy=True, iqr_us=iqr)
+
+
+def pair_estimates_iqr(t1: Sequence[float], t2: Sequence[float], layers: int) -> float:
+    """The spread of the single-pair estimates (t2_i - t1_i) / layers, in us per layer: their
+    interquartile range (0 with fewer than two pairs). The median of the pairs is far steadier
+    than one pair; a large IQR next to a small `us` says the row is dominated by host jitter."""
+    if len(t1) < 2:
+        return 0.0
+    quartiles = statistics.quantiles([(b - a) * 1e6 / layers for a, b in zip(t1, t2)], n=4)
+    return quartiles[2] - quartiles[0]
 
 
 def warm_up_device(seconds: float) -> None:
@@ -302,6 +314,7 @@ class Row:
     layers: tuple[int, int]
     noisy: bool
     layout: str = "spec"  # the jax_fp4 weights' layout ("tiled": jax_fp4.prepack)
+    us_iqr: float = 0.0   # jax_fp4's ChainTiming.iqr_us: the spread of its single-pair estimates
 
 
 @dataclasses.dataclass
@@ -343,7 +356,7 @@ def make_row(path: str, m: int, shape: Shape, dtype_name: str, fp4: ChainTiming,
         bf16_tbps=tbps(dense_bytes, dense.us), bf16_tflops=tflops(flops, dense.us),
         naive_tbps=tbps(nbytes, naive.us), naive_tflops=tflops(flops, naive.us),
         layers=(fp4.l1, fp4.l2), noisy=fp4.noisy or dense.noisy or naive.noisy or read.noisy,
-        layout=layout,
+        layout=layout, us_iqr=fp4.iqr_us,
     )
 
 

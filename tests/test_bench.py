@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ def test_bench_quick_run_writes_json(tmp_path, capsys):
     for field in ROW_FIELDS[5:]:
         assert _positive_finite(row[field]), (field, row[field])
     assert row["bytes"] == 96 * 64 + 96 * 8 + 4 + 2 * (2 * 128 + 2 * 96)
+    assert row["us_iqr"] == 0.0  # one timed pair: no spread to report
     assert row["layers"][0] < row["layers"][1]
 
     decode = results["decode_step"]
@@ -49,6 +51,16 @@ def test_bench_quick_run_writes_json(tmp_path, capsys):
 
     table = capsys.readouterr().out
     assert "96x128" in table and "decode step" in table
+
+
+def test_pair_estimates_iqr():
+    # Pairs (t1, t2) in seconds over 10 layers: per-layer estimates 1, 2, ..., 9 us.
+    t1 = [0.001] * 9
+    t2 = [0.001 + 10e-6 * i for i in range(1, 10)]
+    q = statistics.quantiles([float(i) for i in range(1, 10)], n=4)
+    assert bench.pair_estimates_iqr(t1, t2, 10) == pytest.approx(q[2] - q[0])
+    assert bench.pair_estimates_iqr(t1[:1], t2[:1], 10) == 0.0
+    assert bench.pair_estimates_iqr([0.001] * 4, [0.002] * 4, 10) == pytest.approx(0.0)
 
 
 def test_chain_lengths_exceed_cache_and_respect_dense_cap():
