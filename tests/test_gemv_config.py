@@ -19,7 +19,7 @@ SPLITS = (1, 2, 3, 4, 6, 8)
 TWO_TILE_BLOCKS_PER_SM = 4
 
 M_VALUES = [1, 2, 3, 4, 5, 7, 8, 9, 16, 64, 1000]
-N_VALUES = [1, 7, 16, 100, 1000, 1056, 4096, 5120, 8448, 11008, 16896, 17408, 28672, 248320]
+N_VALUES = [1, 7, 16, 100, 1000, 1056, 4096, 5120, 8448, 11008, 16896, 17408, 24576, 28672, 248320]
 K_VALUES = [0, 32, 96, 128, 256, 512, 1536, 2048, 4096, 5120, 16384, 17408]
 SMS = [1, 2, 46, 108, 132, 170]
 
@@ -35,6 +35,12 @@ def grid_blocks(c, m, n):
 
 def fits_one_wave(c, m, n, k_split, num_sms):
     return grid_blocks(c, m, n) <= num_sms * (resident_warps(c["col_tiles"], c["row_tiles"]) // k_split)
+
+
+def allowed_split(c, m, n, k, k_split, num_sms):
+    """k_split within the block's warp budget, two windows per warp, the grid in one wave."""
+    return (c["col_tiles"] * k_split <= MAX_WARPS_PER_BLOCK and 2 * k_split <= k // 128
+            and fits_one_wave(c, m, n, k_split, num_sms))
 
 
 @pytest.mark.parametrize("num_sms", SMS)
@@ -53,19 +59,22 @@ def test_invariants(num_sms):
         windows = k // 128
         if ks > 1:
             assert windows >= 2 * ks, f"every split warp keeps >= 2 windows: {where}"
-            assert fits_one_wave(c, m, n, ks, num_sms), f"the grid is resident at once: {where}"
-        # The largest such k_split: the next candidate up breaks a rule.
+            assert allowed_split(c, m, n, k, ks, num_sms), f"the grid is resident at once: {where}"
+        # The largest such k_split.
         for bigger in (s for s in SPLITS if s > ks):
-            assert (ct * bigger > MAX_WARPS_PER_BLOCK or 2 * bigger > windows
-                    or not fits_one_wave(c, m, n, bigger, num_sms)), f"k_split {bigger} allowed: {where}"
-        # Two column tiles only when their grid still has two waves of blocks, and not at M <= 4
-        # when it is just over one wave of k_split-4 blocks (by less than half a wave).
+            assert not allowed_split(c, m, n, k, bigger, num_sms), f"k_split {bigger} allowed: {where}"
+        # Two column tiles only when their grid still has two waves of blocks; not at M <= 4 when
+        # it is just over one wave of k_split-4 blocks (by less than half a wave), unless one tile
+        # would not split K there.
         blocks2, wave = math.ceil(math.ceil(n / 16) / 2), TWO_TILE_BLOCKS_PER_SM * num_sms
+        thin = m <= 4 and wave < blocks2 < 1.5 * wave
+        one_tile = {"col_tiles": 1, "row_tiles": 1}
+        one_tile_splits = any(allowed_split(one_tile, m, n, k, s, num_sms) for s in SPLITS if s > 1)
         if ct == 2:
             assert blocks2 >= 2 * num_sms, where
-            assert not (m <= 4 and wave < blocks2 < 1.5 * wave), where
+            assert not (thin and one_tile_splits), where
         elif m <= 8 and blocks2 >= 2 * num_sms:
-            assert m <= 4 and wave < blocks2 < 1.5 * wave, where
+            assert thin and one_tile_splits and ks > 1, where
         if m == 1:
             assert rows == 1, where
         assert rows <= max(1, 4 if m >= 3 else m), where
@@ -90,6 +99,7 @@ def test_h200_shapes():
     for m in (1, 2, 4):
         assert cfg(m, 17408, 5120)[:2] == (1, 2)     # two tiles just over a wave
     assert cfg(8, 17408, 5120)[:2] == (2, 3)
+    assert cfg(1, 24576, 4096)[:2] == (2, 2)     # one tile would fit a wave only at k_split 1
     assert cfg(4, 11008, 4096) == (2, 4, 4)      # speculative decode, 4 rows (scalar row tiling 4)
     assert cfg(8, 2048, 2048) == (1, 8, 4)       # small MLP: split K for parallelism (2 windows each)
     assert cfg(1, 100, 128) == (1, 1, 1)         # one window: nothing to split

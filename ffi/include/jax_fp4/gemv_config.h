@@ -37,6 +37,20 @@ constexpr int kGemvTwoTileBlocksPerSm = 4;
 
 constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The largest k_split of kGemvSplits (at least two windows per warp, within the block's warp
+// budget) whose grid of `blocks` is resident all at once; 1 where none is.
+constexpr int GemvOneWaveSplit(int64_t blocks, int col_tiles, int row_tiles, int64_t windows,
+                               int64_t sms) {
+  const int resident_warps = GemvResidentWarpsPerSm(col_tiles, row_tiles);
+  for (const int split : kGemvSplits) {
+    if (split * col_tiles <= kGemvMaxWarpsPerBlock && 2 * split <= windows &&
+        blocks <= sms * (resident_warps / split)) {
+      return split;
+    }
+  }
+  return 1;
+}
+
 // m, n, k: the matmul (K % 32 == 0 for any path; the mma fields matter only when K % 128 == 0).
 // num_sms: the device's multiprocessor count (132 on an H200).
 //
@@ -51,34 +65,27 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   const int64_t sms = num_sms > 0 ? num_sms : 1;
   const int64_t tiles = GemvCeilDiv(n > 0 ? n : 1, kGemvTileCols);
   const int64_t windows = k > 0 ? k / kGemvWindow : 0;
+  const int64_t m_chunks = GemvCeilDiv(m > 0 ? m : 1, 8);  // 8-row tiles of M
 
   // M > 8: each decoded weight fragment feeds two 8-row tiles (one pass over the weight for 16
   // rows instead of two; their registers leave room for one column tile only).
   // M <= 8: two column tiles share each activation fragment where their grid still gives two
   // waves of blocks (11008x4096: 10.4 against 10.6 us; 28672x8192: 36.1 against 38.9), except
-  // where it is just over one wave of k_split-4 blocks at M <= 4 (17408x5120: one tile 17.0-17.3
-  // us, two 17.7; at M = 8, where the shared activations weigh more, two tiles win, 17.8 to 19.2).
+  // where it is just over one wave of k_split-4 blocks at M <= 4 and one tile still splits K
+  // (17408x5120: one tile at k_split 2 17.0-17.3 us, two 17.7; at M = 8, where the shared
+  // activations weigh more, two tiles win, 17.8 to 19.2). One tile at k_split 1 would leave too
+  // few warps in flight (17408x5120 (1, 1): 22.0 us).
   const int row_tiles = m > 8 ? 2 : 1;
   int col_tiles = 1;
   if (row_tiles == 1 && GemvCeilDiv(tiles, 2) >= 2 * sms) {
     const int64_t two_tile_blocks = GemvCeilDiv(tiles, 2);
     const int64_t wave = kGemvTwoTileBlocksPerSm * sms;
     const bool thin_second_wave = two_tile_blocks > wave && 2 * two_tile_blocks < 3 * wave;
-    col_tiles = m <= 4 && thin_second_wave ? 1 : 2;
+    const bool one_tile_splits = GemvOneWaveSplit(tiles * m_chunks, 1, 1, windows, sms) > 1;
+    col_tiles = m <= 4 && thin_second_wave && one_tile_splits ? 1 : 2;
   }
-  const int64_t blocks = GemvCeilDiv(tiles, col_tiles) * GemvCeilDiv(m > 0 ? m : 1, 8 * row_tiles);
-
-  // The largest k_split (at least two windows per warp, as before; within the block's warp
-  // budget) whose grid is resident all at once.
-  const int resident_warps = GemvResidentWarpsPerSm(col_tiles, row_tiles);
-  int k_split = 1;
-  for (const int split : kGemvSplits) {
-    if (split * col_tiles <= kGemvMaxWarpsPerBlock && 2 * split <= windows &&
-        blocks <= sms * (resident_warps / split)) {
-      k_split = split;
-      break;
-    }
-  }
+  const int64_t blocks = GemvCeilDiv(tiles, col_tiles) * GemvCeilDiv(m_chunks, row_tiles);
+  const int k_split = GemvOneWaveSplit(blocks, col_tiles, row_tiles, windows, sms);
 
   // Scalar path: row tiling trades grid parallelism (M leaves gridDim.y) for weight reuse, so
   // only when the column grid ceil(N / 8) covers a wave of SMs on its own.
@@ -104,6 +111,9 @@ static_assert(gemv_launch_config(16, 11008, 4096, 132).row_tiles == 2, "");
 static_assert(gemv_launch_config(16, 11008, 4096, 132).col_tiles == 1, "");
 static_assert(gemv_launch_config(4, 1000, 4096, 132).rows_per_block == 1, "");
 static_assert(gemv_launch_config(8, 2048, 2048, 132).k_split == 8, "");
+// 24576x4096 (a fused gate/up projection): one tile would need k_split 1 to fit a wave.
+static_assert(gemv_launch_config(1, 24576, 4096, 132).col_tiles == 2, "");
+static_assert(gemv_launch_config(1, 24576, 4096, 132).k_split == 2, "");
 
 }  // namespace jax_fp4
 
