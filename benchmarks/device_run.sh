@@ -76,11 +76,12 @@ for stage in "$@"; do
       timeout 120 "$probe" ${PROBE_SHAPES:-11008x4096 4096x11008 17408x5120 28672x8192} 2>&1 | tee "$OUT/gemv_probe.log" ;;
     gemv-configs)
       # Every launch config of the prepacked GEMV at M = 1, 2, 4, 8, 12, 16 (kernel-only times,
-      # the heuristic's pick starred): what gemv_launch_config rests on.
+      # the heuristic's pick starred): what gemv_launch_config rests on. Default shapes: the
+      # bench's decode shapes, then the decode step's own (qkv, gate/up, down).
       probe=$(ls build/*/gemv_probe 2>/dev/null | head -1)
       if [ -z "$probe" ]; then echo "gemv_probe not built: run the build stage first" >&2; status=1; continue; fi
       GEMV_PROBE_SWEEP_M=${SWEEP_M:-1,2,4,8,12,16} timeout 240 "$probe" \
-        ${PROBE_SHAPES:-11008x4096 4096x11008 17408x5120 5120x17408 28672x8192 248320x2048 4096x4096} 2>&1 | tee "$OUT/gemv_configs.log" ;;
+        ${PROBE_SHAPES:-11008x4096 4096x11008 17408x5120 5120x17408 28672x8192 248320x2048 4096x4096 6144x4096 24576x4096 4096x12288} 2>&1 | tee "$OUT/gemv_configs.log" ;;
     gemv-profile)
       # Stall reasons per SASS instruction of the probe's GEMV kernels (one launch each, M = 1,
       # 11008x4096), plus the SASS of the probe binary.
