@@ -420,19 +420,9 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
 // heuristic's pick starred: the table gemv_launch_config rests on.
 template <int CT, int RT>
 float TimeTiledGemv(const ProbeBuffers& b, int64_t m, int64_t n, int64_t k, int k_split, int copies) {
-  const dim3 grid(static_cast<unsigned>(CeilDiv(CeilDiv(n, kGemvTileCols), CT)),
-                  static_cast<unsigned>(CeilDiv(m, 8 * RT)));
-  const size_t smem = GemvMmaSmemBytes(CT, k_split);
   return TimeUs([&](int c) {
-    const uint8_t* w = b.packed + n * k / 2 * c;
-    const uint8_t* s = b.scale + n * k / 16 * c;
-    if (k_split > 1) {
-      GemvMmaKernel<T, CT, RT, DecodeTiled, 1, 256, true>
-          <<<grid, 32 * k_split, smem>>>(b.a, w, s, b.gs, nullptr, b.y, m, n, k);
-    } else {
-      GemvMmaKernel<T, CT, RT, DecodeTiled, 1, 0, true>
-          <<<grid, 32, smem>>>(b.a, w, s, b.gs, nullptr, b.y, m, n, k);
-    }
+    LaunchMmaLayout<T, CT, RT, true>(nullptr, b.a, b.packed + n * k / 2 * c, b.scale + n * k / 16 * c,
+                                     b.gs, nullptr, b.y, m, n, k, k_split);
   }, copies, 20);
 }
 

@@ -24,7 +24,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/gemv_mma.cuh"
@@ -147,28 +146,6 @@ __global__ void __launch_bounds__(32 * kGemvScalarColsPerBlock)
 
 //------------------------------------------------------------------------------------------------
 // Launchers.
-constexpr int64_t kMaxGridY = 65535;
-
-template <typename T, int CT, int RT, bool Tiled>
-cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* packed,
-                            const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
-                            int64_t n, int64_t k, int k_split) {
-  using Decode = std::conditional_t<Tiled, DecodeTiled, DecodeE2M1>;
-  const int64_t tiles = CeilDiv(n, kGemvTileCols);
-  const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
-                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
-  const dim3 block(32 * k_split);
-  const size_t smem = GemvMmaSmemBytes(CT, k_split);
-  if (k_split > 1) {
-    GemvMmaKernel<T, CT, RT, Decode, 1, 256, Tiled>
-        <<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
-  } else {
-    GemvMmaKernel<T, CT, RT, Decode, 1, 0, Tiled>
-        <<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
-  }
-  return cudaGetLastError();
-}
-
 template <typename T, int CT, int RT = 1>
 cudaError_t LaunchMma(cudaStream_t stream, bool tiled, const T* a, const uint8_t* packed,
                       const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -414,6 +415,31 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
 #else
   __trap();  // the launcher never selects this kernel below sm_80
 #endif
+}
+
+constexpr int64_t kMaxGridY = 65535;  // grid.y limit: M chunks beyond it are strided
+
+// The production launch of GemvMmaKernel for a weight in the spec or (Tiled) the tiled layout: CT
+// column tiles and RT row tiles per warp, k_split warps per block (the 256-byte L2 prefetch only
+// when k_split > 1, see above). Shared by gemv.cu's handler and the probe's config sweep.
+template <typename T, int CT, int RT, bool Tiled>
+cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* packed,
+                            const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
+                            int64_t n, int64_t k, int k_split) {
+  using Decode = std::conditional_t<Tiled, DecodeTiled, DecodeE2M1>;
+  const int64_t tiles = CeilDiv(n, kGemvTileCols);
+  const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
+                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
+  const dim3 block(32 * k_split);
+  const size_t smem = GemvMmaSmemBytes(CT, k_split);
+  if (k_split > 1) {
+    GemvMmaKernel<T, CT, RT, Decode, 1, 256, Tiled>
+        <<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  } else {
+    GemvMmaKernel<T, CT, RT, Decode, 1, 0, Tiled>
+        <<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace cuda

@@ -33,7 +33,7 @@ constexpr int GemvResidentWarpsPerSm(int col_tiles, int row_tiles) {
 // than 8 or 6 (benchmarks/results/sweeps/gemv_configs_h200.log).
 constexpr int kGemvSplits[] = {8, 6, 4, 3, 2, 1};
 // Two-tile blocks resident per SM at k_split 4: the unit of the "thin second wave" band below.
-constexpr int kGemvTwoTileBlocksPerSm = 4;
+constexpr int kGemvTwoTileBlocksPerSm = GemvResidentWarpsPerSm(2, 1) / 4;
 
 constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
