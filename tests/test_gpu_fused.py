@@ -235,14 +235,41 @@ def test_forced_tile_matches_reference(tile_m, m, monkeypatch):
     check_close(fused(a, packed, scale, gs, bias), a, packed, scale, gs, bias, "bfloat16")
 
 
+@needs_sm90
+@pytest.mark.parametrize("tile_m", ["64", "128", "256"])
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_warp_specialized_equals_multistage(tile_m, tiled, dtype, monkeypatch):
+    """From 64 activation rows per CTA two kernels serve (JAX_FP4_FUSED_WARP_SPECIALIZED): the
+    warp-specialized one (a copying warpgroup, mbarrier stages) and the multistage one. Both
+    match the reference on ragged M and N with split-K, and each other bit for bit (the same
+    wgmma sequence per CTA and the same reduction order)."""
+    rng = np.random.default_rng()
+    n, k = 528, 1152
+    packed, scale, gs = random_weight(rng, n, k, special=True)
+    bias = rng.standard_normal(n).astype(NP_DTYPES[dtype])
+    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", tile_m)
+    for m, split in ((1, "1"), (70, "3"), (300, "")):
+        a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
+        monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", split)
+        ys = {}
+        for ws in ("1", "0"):
+            monkeypatch.setenv("JAX_FP4_FUSED_WARP_SPECIALIZED", ws)
+            ys[ws] = fused(a, packed, scale, gs, bias, tiled=tiled)
+        check_close(ys["1"], a, packed, scale, gs, bias, dtype)
+        np.testing.assert_array_equal(ys["1"].view(np.uint16), ys["0"].view(np.uint16))
+
+
 _SPLIT_ERROR = "JAX_FP4_FUSED_SPLIT must be an integer in 1..8"
 _TILE_ERROR = "JAX_FP4_FUSED_TILE_M must be one of 16, 32, 64, 128, 256"
+_WS_ERROR = "JAX_FP4_FUSED_WARP_SPECIALIZED must be 0 or 1"
 
 
 @needs_sm90
 @pytest.mark.parametrize("variable, value, message", [
     *[("JAX_FP4_FUSED_SPLIT", v, _SPLIT_ERROR) for v in ("0", "9", "-1", "2x", "x", " ")],
     *[("JAX_FP4_FUSED_TILE_M", v, _TILE_ERROR) for v in ("0", "8", "48", "512", "x", " ")],
+    *[("JAX_FP4_FUSED_WARP_SPECIALIZED", v, _WS_ERROR) for v in ("2", "-1", "yes", " ")],
 ])
 def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
     """A malformed tuning override is an error naming the variable, not silently ignored."""

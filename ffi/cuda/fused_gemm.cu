@@ -10,9 +10,17 @@
 //   wgmma N (BM = 16 .. 256)     = activation rows m,
 //   wgmma K (16 per instruction) = k, in the kernel's own order inside each 64-k block (below).
 //
-// CTA tile: TN weight rows x BM activation rows, 256 threads = 2 warpgroups; warpgroup wg owns
-// weight rows [TN / 2 wg, TN / 2 (wg + 1)) as TJ m64 tiles j (TJ = 2, TN = 256 up to BM = 128;
-// TJ = 1, TN = 128 at BM = 256). Pipeline stage = 128 K elements:
+// CTA tile: TN weight rows x BM activation rows, decoded and multiplied by 256 threads = 2
+// warpgroups; warpgroup wg owns weight rows [TN / 2 wg, TN / 2 (wg + 1)) as TJ m64 tiles j
+// (TJ = 2, TN = 256 up to BM = 128; TJ = 1, TN = 128 at BM = 256). Two kernels share the stage
+// layout, the decode and the epilogue:
+//   FusedGemmKernel (multistage, BM <= 64 by default): the same 256 threads also issue the copies,
+//     S - 2 stages ahead, with one CTA-wide barrier per stage;
+//   FusedGemmWsKernel (warp-specialized, BM >= 128 by default): a third warpgroup only copies,
+//     S stages ahead, each stage's completion on an mbarrier, and the two decoding warpgroups
+//     run on their own schedules (no CTA-wide barrier in the main loop; setmaxnreg gives them
+//     224 registers, the copier 56).
+// Pipeline stage = 128 K elements:
 //   act    [BM][128] f16/bf16 as two [BM][64] K-major 128B-swizzled wgmma B tiles (1024-aligned)
 //   packed [TN][64 B]  (16-byte quarter q of row r stored at quarter q ^ (2 ((r >> 1) & 1)))
 //   scale  [TN][8 B]   raw E4M3
@@ -78,7 +86,13 @@ namespace jax_fp4 {
 namespace cuda {
 namespace fused_detail {  // named, not anonymous: helpers unused on non-sm_90a passes stay quiet
 
-constexpr int kThreads = 256;         // 2 warpgroups
+constexpr int kConsumerThreads = 256;  // 2 warpgroups decode and multiply
+constexpr int kProducerThreads = 128;  // warp-specialized kernel: 1 warpgroup copies
+constexpr int kWsThreads = kProducerThreads + kConsumerThreads;
+// Warp-specialized register split (setmaxnreg): 128 x 56 + 256 x 224 <= 64 K registers (40 for
+// the producer spilled its source pointers at 256-row CTA tiles, two scale rows per thread).
+constexpr int kProducerRegisters = 56;
+constexpr int kConsumerRegisters = 224;
 constexpr int kStageK = 128;          // K per pipeline stage
 constexpr int kMaxSplit = 8;          // portable cluster size
 constexpr int kFillStages = 2;        // split heuristic: per-CTA fixed cost in stage units
@@ -152,6 +166,16 @@ __device__ __forceinline__ void WgmmaCommit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
+// Moves this warpgroup's register budget to N per thread (warp-specialized kernel).
+template <int N, bool Increase>
+__device__ __forceinline__ void SetMaxRegisters() {
+  if constexpr (Increase) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
@@ -159,6 +183,8 @@ __device__ __forceinline__ void WgmmaWait() {
 
 __device__ __forceinline__ void FenceReg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 __device__ __forceinline__ void FenceReg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+template <typename P>
+__device__ __forceinline__ void FencePtr(const P*& p) { asm volatile("" : "+l"(p)); }
 
 // wgmma shared-memory descriptor: K-major operand, 128-byte swizzle, 8-row groups 1024 B apart.
 __device__ __forceinline__ uint64_t MakeDesc(uint32_t smem_addr) {
@@ -399,153 +425,169 @@ __device__ __forceinline__ void DecodeGroup(uint32_t (&out)[4][4], const GroupBy
   }
 }
 
-// ---- the kernel ------------------------------------------------------------------------------
+// ---- the kernel's parts ----------------------------------------------------------------------
 
-template <typename T, int BM, bool Tiled = false>
-__global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
-    FusedGemmKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
-                    const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
-                    const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
-                    int vec_store) {
-#if JAX_FP4_FUSED_SM90A
+// Shared-memory map of a CTA: S pipeline slots of activations, packed weight and scale bytes,
+// reused after the main loop as the fp32 epilogue tile. `base` is the 1024-aligned start.
+template <int BM>
+struct SmemMap {
   using Cfg = FusedConfig<BM>;
-  using Tr = HalfTraits<T>;
-  constexpr int S = Cfg::kStages;
-  constexpr int kAcc = BM / 2;
-  constexpr int TJ = Cfg::kTilesPerWarpgroup;
-  constexpr int kTileN = Cfg::kTileN;
-  namespace cg = cooperative_groups;
+  uint32_t act, pk, sc;
+  __device__ explicit SmemMap(uint32_t base)
+      : act(base),
+        pk(base + Cfg::kStages * Cfg::kActBytes),
+        sc(base + Cfg::kStages * (Cfg::kActBytes + Cfg::kPackedBytes)) {}
+  __device__ uint32_t ActSlot(int slot) const { return act + slot * Cfg::kActBytes; }
+  __device__ uint32_t PackedSlot(int slot) const { return pk + slot * Cfg::kPackedBytes; }
+  __device__ uint32_t ScaleSlot(int slot) const { return sc + slot * Cfg::kScaleBytes; }
+};
 
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw_base = SmemAddr(smem_raw);
-  const uint32_t align_pad = ((raw_base + 1023u) & ~1023u) - raw_base;
-  uint8_t* smem = smem_raw + align_pad;
-  const uint32_t sbase = raw_base + align_pad;
-  const uint32_t act_base = sbase;
-  const uint32_t pk_base = act_base + S * Cfg::kActBytes;
-  const uint32_t sc_base = pk_base + S * Cfg::kPackedBytes;
+// One thread's share (ltid of kLoaders threads) of the copies that fill a pipeline slot with K
+// stage c: the activation tile (16 chunks of 16 B per row; rows ltid / 16 + kLoaders / 16 i),
+// the packed weight tile (4 chunks per row; rows ltid / 4 + kLoaders / 4 i) and the scale bytes
+// (8 per row; rows ltid + kLoaders i). Source rows are resolved once (per stage only the K offset
+// moves; the per-row index arithmetic was ~20% of BM = 256's instructions): the thread's rows
+// i < a_valid lie in M (the rest are zero-filled), its packed rows i < p_valid in N (the rest read
+// row N - 1, never stored).
+template <typename T, int BM, bool Tiled, int kLoaders>
+struct StageLoader {
+  using Cfg = FusedConfig<BM>;
+  static constexpr int kActRows = kLoaders / 16;  // activation rows per pass
+  static constexpr int kActPasses = BM / kActRows;
+  static constexpr int kPkRows = kLoaders / 4;  // packed rows per pass
+  static constexpr int kPkPasses = Cfg::kTileN / kPkRows;
+  static constexpr int kScPasses = (Cfg::kTileN + kLoaders - 1) / kLoaders;
+  static_assert(kActRows % 8 == 0 && kPkRows % 16 == 0, "passes keep the swizzle phase and tiles");
+  static_assert(BM % kActRows == 0 && Cfg::kTileN % kPkRows == 0, "whole passes");
+  // The warp-specialized producer's register budget (kProducerRegisters) holds the pass pointers
+  // only if the compiler cannot hoist every pass's address out of the stage loop (it spilled).
+  static constexpr bool kOpaquePasses = kLoaders == kProducerThreads;
 
-  const int tid = threadIdx.x;
-  const int lane = tid & 31, warp = tid >> 5;
-  const int wg = warp >> 2, wq = warp & 3;
-  const int g = lane >> 2, t = lane & 3;
+  const T* a_any;
+  const T* a_src0;
+  int64_t a_step;
+  int a_valid;
+  uint32_t a_dst0;
+  const uint8_t* p_src0;
+  const uint8_t* p_last;
+  int64_t p_step;
+  int p_valid;
+  uint32_t p_dst0;
+  const uint8_t* s_src[kScPasses];
+  int s_rows;  // scale rows this thread copies
+  SmemMap<BM> map;
 
-  const int n0 = blockIdx.x * kTileN;
-  const int m0 = blockIdx.y * BM;
-  const int splits = gridDim.z;
-  const int ks = k / kStageK;
-  const int kc0 = static_cast<int>(static_cast<int64_t>(blockIdx.z) * ks / splits);
-  const int kc1 = static_cast<int>(static_cast<int64_t>(blockIdx.z + 1) * ks / splits);
-  const int nst = kc1 - kc0;
-  const int64_t row_bytes = k / 2;
-  const int64_t kb = k / 16;
+  __device__ StageLoader(int ltid, const T* a, const uint8_t* packed, const uint8_t* scale, int m,
+                         int n, int k, int m0, int n0, SmemMap<BM> smem)
+      : a_any(a), map(smem) {
+    const int a_ch = ltid & 15, a_r0 = ltid >> 4;
+    a_dst0 = (a_ch >> 3) * Cfg::kActSubBytes + a_r0 * 128 + (((a_ch & 7) ^ (a_r0 & 7)) << 4);
+    a_valid = min(max((m - m0 - a_r0 + kActRows - 1) / kActRows, 0), kActPasses);
+    a_src0 = a + static_cast<int64_t>(a_valid > 0 ? m0 + a_r0 : 0) * k + a_ch * 8;
+    a_step = kActRows * static_cast<int64_t>(k);
 
-  // Load bookkeeping. Activations: 16 chunks of 16 B per row per stage; thread tid copies chunk
-  // tid % 16 of rows tid / 16 + 16 i. Packed: 4 chunks per row; chunk tid % 4 of rows
-  // tid / 4 + 64 i. Scales: the 8 bytes of row tid.
-  const int a_ch = tid & 15, a_r0 = tid >> 4;
-  const uint32_t a_dst0 = (a_ch >> 3) * Cfg::kActSubBytes + a_r0 * 128 +
-                          (((a_ch & 7) ^ (a_r0 & 7)) << 4);
-  const int p_q = tid & 3, p_r0 = tid >> 2;
-  const uint32_t p_dst0 = p_r0 * 64 + ((p_q ^ (((p_r0 >> 1) & 1) << 1)) << 4);
-  // Spec: the 8 scale bytes of row n0 + tid. Tiled: bytes 8 (tid % 16) .. of the 128-byte run of
-  // tile n0 / 16 + tid / 16 (stored in shared memory tile by tile, as in global memory).
-  const int64_t windows = k / kStageK;
-  const uint8_t* s_src =
-      Tiled ? scale + (static_cast<int64_t>(min(n0 / 16 + tid / 16, n / 16 - 1)) * windows) * 128 +
-                  (tid % 16) * 8
-            : scale + static_cast<int64_t>(min(n0 + tid, n - 1)) * kb;
-  const int64_t s_stage = Tiled ? 128 : 8;
-  // Source rows, resolved once (per stage only the K offset moves; the per-row index arithmetic
-  // was ~20% of BM = 256's instructions): a thread's rows i < a_valid lie in M (the rest are
-  // zero-filled), its packed rows i < p_valid in N (the rest read row N - 1, never stored).
-  const int a_valid = min(max((m - m0 - a_r0 + 15) / 16, 0), BM / 16);
-  const T* a_src0 = a + static_cast<int64_t>(a_valid > 0 ? m0 + a_r0 : 0) * k + a_ch * 8;
-  const int64_t a_step = 16 * static_cast<int64_t>(k);
-  const int p_valid = min(max((n - n0 - p_r0 + 63) / 64, 0), kTileN / 64);
-  // Quarter p_q of a row's window 0: spec row-major; tiled in its tile's 1 KB run of the window
-  // (nvfp4.h). 64 rows are 32 K bytes in both (4 whole tiles).
-  auto packed_at = [&](int64_t row) {
-    return packed + (Tiled ? tiled_packed_offset(row, 0, p_q, windows) : row * row_bytes + p_q * 16);
-  };
-  const uint8_t* p_src0 = packed_at(min(n0 + p_r0, n - 1));
-  const uint8_t* p_last = packed_at(n - 1);
-  const int64_t p_step = 64 * row_bytes;
-  const int64_t p_stage = Tiled ? 1024 : 64;
+    const int p_q = ltid & 3, p_r0 = ltid >> 2;
+    p_dst0 = p_r0 * 64 + ((p_q ^ (((p_r0 >> 1) & 1) << 1)) << 4);
+    p_valid = min(max((n - n0 - p_r0 + kPkRows - 1) / kPkRows, 0), kPkPasses);
+    const int64_t row_bytes = k / 2;
+    const int64_t windows = k / kStageK;
+    // Quarter p_q of a row's window 0: spec row-major; tiled in its tile's 1 KB run of the window
+    // (nvfp4.h). kPkRows rows are whole 16-row tiles, kPkRows * row_bytes apart in both.
+    auto packed_at = [&](int64_t row) {
+      return packed + (Tiled ? tiled_packed_offset(row, 0, p_q, windows) : row * row_bytes + p_q * 16);
+    };
+    p_src0 = packed_at(min(n0 + p_r0, n - 1));
+    p_last = packed_at(n - 1);
+    p_step = kPkRows * row_bytes;
 
-  auto load_stage = [&](int c, int slot) {
-    const uint32_t act_dst = act_base + slot * Cfg::kActBytes + a_dst0;
-    const T* a_src = a_src0 + static_cast<int64_t>(c) * kStageK;
-    if (a_valid == BM / 16) {  // all rows in M (every M tile but a ragged last one)
+    // Spec: the 8 scale bytes of row n0 + r. Tiled: bytes 8 (r % 16) .. of the 128-byte run of
+    // tile n0 / 16 + r / 16 (stored in shared memory tile by tile, as in global memory).
+    s_rows = 0;
 #pragma unroll
-      for (int i = 0; i < BM / 16; ++i, a_src += a_step) CpAsync16(act_dst + i * 2048, a_src, 16u);
+    for (int i = 0; i < kScPasses; ++i) {
+      const int r = ltid + kLoaders * i;
+      if (r < Cfg::kTileN) s_rows = i + 1;
+      s_src[i] = Tiled ? scale + static_cast<int64_t>(min(n0 / 16 + r / 16, n / 16 - 1)) * windows * 128 +
+                             (r % 16) * 8
+                       : scale + static_cast<int64_t>(min(n0 + r, n - 1)) * (k / 16);
+    }
+  }
+
+  __device__ __forceinline__ void operator()(int c, int slot, int ltid) const {
+    const uint32_t act_dst = map.ActSlot(slot) + a_dst0;
+    const T* a_src = a_src0 + static_cast<int64_t>(c) * kStageK;
+    if (a_valid == kActPasses) {  // all rows in M (every M tile but a ragged last one)
+#pragma unroll
+      for (int i = 0; i < kActPasses; ++i, a_src += a_step) {
+        if constexpr (kOpaquePasses) FencePtr(a_src);
+        CpAsync16(act_dst + i * kActRows * 128, a_src, 16u);
+      }
     } else {
 #pragma unroll
-      for (int i = 0; i < BM / 16; ++i, a_src += a_step) {
-        CpAsync16(act_dst + i * 2048, i < a_valid ? a_src : a, i < a_valid ? 16u : 0u);
+      for (int i = 0; i < kActPasses; ++i, a_src += a_step) {
+        if constexpr (kOpaquePasses) FencePtr(a_src);
+        CpAsync16(act_dst + i * kActRows * 128, i < a_valid ? a_src : a_any, i < a_valid ? 16u : 0u);
       }
     }
-    const uint32_t pk_dst = pk_base + slot * Cfg::kPackedBytes + p_dst0;
-    const uint8_t* p_src = p_src0 + c * p_stage;
+    constexpr int64_t kPkStage = Tiled ? 1024 : 64;  // a row's window: its tile's run, or 64 B on
+    const uint32_t pk_dst = map.PackedSlot(slot) + p_dst0;
+    const uint8_t* p_src = p_src0 + c * kPkStage;
 #pragma unroll
-    for (int i = 0; i < kTileN / 64; ++i, p_src += p_step) {
-      CpAsync16(pk_dst + i * 64 * 64, i < p_valid ? p_src : p_last + c * p_stage, 16u);
+    for (int i = 0; i < kPkPasses; ++i, p_src += p_step) {
+      if constexpr (kOpaquePasses) FencePtr(p_src);
+      CpAsync16(pk_dst + i * kPkRows * 64, i < p_valid ? p_src : p_last + c * kPkStage, 16u);
     }
-    if (tid < kTileN) {
-      CpAsync8(sc_base + slot * Cfg::kScaleBytes + tid * 8, s_src + c * s_stage);
+    constexpr int64_t kScStage = Tiled ? 128 : 8;
+#pragma unroll
+    for (int i = 0; i < kScPasses; ++i) {
+      if (i < s_rows) {
+        CpAsync8(map.ScaleSlot(slot) + (ltid + kLoaders * i) * 8, s_src[i] + c * kScStage);
+      }
     }
-  };
+  }
+};
 
-  // Decode-side constants of this lane: its byte offsets inside a packed stage row (words 2t,
-  // 2t + 1 of sub-chunk h, quarter-swizzled by row; rows 16 w + g and + 8 share the swizzle) and
-  // of the scale of block 4h + t: in the row's 8 bytes; tiled, in the 16-row tile's 128 bytes at
-  // (4 g + block / 2) 4 + block % 2 (the high row 2 bytes on).
-  const uint32_t pswz = ((g >> 1) & 1) << 1;
+// The decode and tensor-core side of one consumer thread (ctid of the 256 threads of two
+// warpgroups): warpgroup wg owns weight rows [TN / 2 wg, TN / 2 (wg + 1)) of the CTA tile.
+template <typename T, int BM, bool Tiled>
+struct StageDecoder {
+  using Cfg = FusedConfig<BM>;
+  static constexpr int TJ = Cfg::kTilesPerWarpgroup;
+  static constexpr int kAcc = BM / 2;
+
+  int row_lo0;  // this lane's low row in tile 0 (tile j adds 64 j; the high row adds 8)
+  int t;
   uint32_t pk_off[2], sc_off[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    pk_off[h] = (((2u * h + (t >> 1)) ^ pswz) << 4) | ((t & 1u) << 3);
-    sc_off[h] = Tiled ? (4u * g + 2u * h + (t >> 1)) * 4u + (t & 1u) : 4u * h + t;
-  }
-  constexpr uint32_t sc_hi = Tiled ? 2 : 64;
-  const int row_lo0 = wg * 64 * TJ + wq * 16 + g;  // tile j adds 64 j; the high row adds 8
 
-  // Accumulators are not zeroed: the first wgmma of each tile runs with scale-d = 0 (D = A * B).
-  // (Zeroing them with ordinary moves makes ptxas serialize every wgmma: warning C7515.)
-  // Every CTA has at least one stage (split <= K / 128).
-  float acc[TJ][kAcc];
-  uint32_t afrag[2][4][4];  // double buffer: decode group q into afrag[q & 1]
+  // This lane's byte offsets inside a packed stage row (words 2t, 2t + 1 of sub-chunk h, quarter
+  // swizzled by row; rows 16 w + g and + 8 share the swizzle) and of the scale of block 4h + t: in
+  // the row's 8 bytes; tiled, in the 16-row tile's 128 bytes at (4 g + block / 2) 4 + block % 2
+  // (the high row 2 bytes on).
+  __device__ explicit StageDecoder(int ctid) {
+    const int lane = ctid & 31, warp = ctid >> 5;
+    const int wg = warp >> 2, wq = warp & 3;
+    const int g = lane >> 2;
+    t = lane & 3;
+    row_lo0 = wg * 64 * TJ + wq * 16 + g;
+    const uint32_t pswz = ((g >> 1) & 1) << 1;
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) afrag[j][s][r] = 0u;
+    for (int h = 0; h < 2; ++h) {
+      pk_off[h] = (((2u * h + (t >> 1)) ^ pswz) << 4) | ((t & 1u) << 3);
+      sc_off[h] = Tiled ? (4u * g + 2u * h + (t >> 1)) * 4u + (t & 1u) : 4u * h + t;
     }
   }
 
-  // Prologue: stages 0 .. S-3 in flight (one commit group each, empty past the end).
-#pragma unroll
-  for (int p = 0; p < S - 2; ++p) {
-    if (p < nst) load_stage(kc0 + p, p);
-    CpAsyncCommit();
-  }
-
-  int slot = 0;             // slot of stage `it`
-  int pf_slot = S - 2;      // slot of stage `it + S - 2`
-  for (int it = 0; it < nst; ++it) {
-    CpAsyncWait<S - 3>();  // stage `it` (this thread's copies) landed
-    FenceProxyAsync();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
-    __syncthreads();
-    // Refill the slot of stage it - 2: its decode finished before this barrier and its wgmma
-    // groups were retired by the wait_group 1 after stage it - 1's first group.
-    if (it + S - 2 < nst) load_stage(kc0 + it + S - 2, pf_slot);
-    CpAsyncCommit();
-
-    const uint32_t act_slot = act_base + slot * Cfg::kActBytes;
-    const uint32_t pk_slot = pk_base + slot * Cfg::kPackedBytes;
-    const uint32_t sc_slot = sc_base + slot * Cfg::kScaleBytes;
-    // Group q = (sub-chunk h = q / TJ, tile j = q % TJ); its loads are issued one group ahead.
+  // One stage: its kGroups groups (q = (sub-chunk h = q / TJ, tile j = q % TJ), shared-memory
+  // loads issued one group ahead) decoded into afrag[q & 1] and multiplied into acc[j]. `first`:
+  // the CTA's first stage (the first wgmma of each tile overwrites acc: D = A * B; zeroing the
+  // accumulators with ordinary moves makes ptxas serialize every wgmma, warning C7515).
+  // after_first_group() runs once the stage's first group is committed and every older group
+  // (all of the previous stage's) has retired.
+  template <typename Hook>
+  __device__ __forceinline__ void operator()(float (&acc)[TJ][kAcc], uint32_t (&afrag)[2][4][4],
+                                             uint32_t act_slot, uint32_t pk_slot, uint32_t sc_slot,
+                                             bool first, Hook&& after_first_group) const {
+    constexpr uint32_t sc_hi = Tiled ? 2 : 64;
     auto load_group = [&](int q) {
       const int r_lo = row_lo0 + 64 * (q % TJ);
       const int sc_row = Tiled ? (r_lo / 16) * 128 : r_lo * 8;  // tiled: r_lo % 16 == g < 8
@@ -566,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         WgmmaRS<T, BM>(acc[j], afrag[buf][s], MakeDesc(b_tile + s * 32),
-                       (it > 0 || q >= TJ || s > 0) ? 1u : 0u);
+                       (!first || q >= TJ || s > 0) ? 1u : 0u);
       }
       WgmmaCommit();
       WgmmaWait<1>();  // retires the previous group; this one stays in flight
@@ -576,44 +618,57 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
 #pragma unroll
         for (int r = 0; r < 4; ++r) FenceReg(afrag[buf ^ 1][s][r]);
       }
+      if (q == 0) after_first_group();
     }
-    slot = slot + 1 == S ? 0 : slot + 1;
-    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
   }
-  WgmmaWait<0>();
-#pragma unroll
-  for (int j = 0; j < TJ; ++j) {
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) FenceReg(acc[j][i]);
-  }
-  CpAsyncWait<0>();
-  __syncthreads();  // pipeline smem free: stage the fp32 tile as E[m][n]
 
-  float* epi = reinterpret_cast<float*>(smem);
+  // After the last stage: every group retired, the fp32 tile staged as E[m][n] in `epi` (the
+  // pipeline's shared memory, free once every consumer got here).
+  __device__ __forceinline__ void Drain(float (&acc)[TJ][kAcc]) const {
+    WgmmaWait<0>();
+#pragma unroll
+    for (int j = 0; j < TJ; ++j) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) FenceReg(acc[j][i]);
+    }
+  }
+  __device__ __forceinline__ void Stage(float* epi, const float (&acc)[TJ][kAcc]) const {
+    constexpr int ST = Cfg::kEpiStride;
+#pragma unroll
+    for (int j = 0; j < TJ; ++j) {
+      const int nl = row_lo0 + 64 * j;
+#pragma unroll
+      for (int b = 0; b < BM / 8; ++b) {
+        const int ml = 8 * b + 2 * t;
+        epi[ml * ST + nl] = acc[j][4 * b + 0];
+        epi[(ml + 1) * ST + nl] = acc[j][4 * b + 1];
+        epi[ml * ST + nl + 8] = acc[j][4 * b + 2];
+        epi[(ml + 1) * ST + nl + 8] = acc[j][4 * b + 3];
+      }
+    }
+  }
+};
+
+// Split-K reduction across the cluster (ranks = blockIdx.z), summed in rank order, then global
+// scale, bias and the store; by the 256 consumer threads (ctid), between two cluster barriers
+// that every live thread of the cluster reaches.
+template <typename T, int BM>
+__device__ __forceinline__ void ReduceAndStore(const float* epi, int ctid, int m0, int n0, int m,
+                                               int n, const float* global_scale, const T* bias,
+                                               T* y, int vec_store) {
+  using Cfg = FusedConfig<BM>;
+  using Tr = HalfTraits<T>;
+  namespace cg = cooperative_groups;
   constexpr int ST = Cfg::kEpiStride;
-#pragma unroll
-  for (int j = 0; j < TJ; ++j) {
-    const int nl = row_lo0 + 64 * j;
-#pragma unroll
-    for (int b = 0; b < BM / 8; ++b) {
-      const int ml = 8 * b + 2 * t;
-      epi[ml * ST + nl] = acc[j][4 * b + 0];
-      epi[(ml + 1) * ST + nl] = acc[j][4 * b + 1];
-      epi[ml * ST + nl + 8] = acc[j][4 * b + 2];
-      epi[(ml + 1) * ST + nl + 8] = acc[j][4 * b + 3];
-    }
-  }
-
-  // Split-K reduction across the cluster (ranks = blockIdx.z), summed in rank order.
   cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
+  const int splits = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const float alpha = __ldg(global_scale) * 128.0f;  // undo the 2^-7 of the folded scale
-  constexpr int kColThreads = kTileN / 4;  // threads per staged row, 4 columns each
-  const int c4 = tid % kColThreads;
+  constexpr int kColThreads = Cfg::kTileN / 4;  // threads per staged row, 4 columns each
+  const int c4 = ctid % kColThreads;
   const int nn = n0 + 4 * c4;
-  for (int ml = rank + splits * (tid / kColThreads); ml < BM;
-       ml += splits * (kThreads / kColThreads)) {
+  for (int ml = rank + splits * (ctid / kColThreads); ml < BM;
+       ml += splits * (kConsumerThreads / kColThreads)) {
     const int mm = m0 + ml;
     if (mm >= m || nn >= n) break;
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -646,16 +701,190 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<BM>::kMinBlocks)
       }
     }
   }
-  cluster.sync();  // keep this CTA's shared memory alive until every rank has read it
+}
+
+// The CTA's stage range [kc0, kc0 + nst) of its split-K rank (every CTA has at least one stage:
+// split <= K / 128).
+__device__ __forceinline__ int2 StageRange(int k) {
+  const int ks = k / kStageK;
+  const int kc0 = static_cast<int>(static_cast<int64_t>(blockIdx.z) * ks / gridDim.z);
+  const int kc1 = static_cast<int>(static_cast<int64_t>(blockIdx.z + 1) * ks / gridDim.z);
+  return make_int2(kc0, kc1 - kc0);
+}
+
+__device__ __forceinline__ uint32_t AlignedSmemBase(uint8_t*& smem, uint8_t* smem_raw) {
+  const uint32_t raw_base = SmemAddr(smem_raw);
+  const uint32_t align_pad = ((raw_base + 1023u) & ~1023u) - raw_base;
+  smem = smem_raw + align_pad;
+  return raw_base + align_pad;
+}
+
+// ---- the kernels -----------------------------------------------------------------------------
+
+// Multistage: all 256 threads copy (cp.async, S - 2 stages ahead) and all decode and multiply;
+// one CTA-wide barrier per stage. The default up to BM = 64 (WarpSpecializedByDefault).
+template <typename T, int BM, bool Tiled = false>
+__global__ void __launch_bounds__(kConsumerThreads, FusedConfig<BM>::kMinBlocks)
+    FusedGemmKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                    const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                    const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
+                    int vec_store) {
+#if JAX_FP4_FUSED_SM90A
+  using Cfg = FusedConfig<BM>;
+  using Decoder = StageDecoder<T, BM, Tiled>;
+  constexpr int S = Cfg::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem;
+  const SmemMap<BM> map(AlignedSmemBase(smem, smem_raw));
+  const int tid = threadIdx.x;
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * Cfg::kTileN;
+  const int2 range = StageRange(k);
+  const int kc0 = range.x, nst = range.y;
+  const StageLoader<T, BM, Tiled, kConsumerThreads> load(tid, a, packed, scale, m, n, k, m0, n0,
+                                                         map);
+  const Decoder decode(tid);
+
+  float acc[Decoder::TJ][Decoder::kAcc];
+  uint32_t afrag[2][4][4] = {};  // double buffer: decode group q into afrag[q & 1]
+
+  // Prologue: stages 0 .. S-3 in flight (one commit group each, empty past the end).
+#pragma unroll
+  for (int p = 0; p < S - 2; ++p) {
+    if (p < nst) load(kc0 + p, p, tid);
+    CpAsyncCommit();
+  }
+  int slot = 0;         // slot of stage `it`
+  int pf_slot = S - 2;  // slot of stage `it + S - 2`
+  for (int it = 0; it < nst; ++it) {
+    CpAsyncWait<S - 3>();  // stage `it` (this thread's copies) landed
+    FenceProxyAsync();     // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+    __syncthreads();
+    // Refill the slot of stage it - 2: its decode finished before this barrier and its wgmma
+    // groups were retired by the wait_group 1 after stage it - 1's first group.
+    if (it + S - 2 < nst) load(kc0 + it + S - 2, pf_slot, tid);
+    CpAsyncCommit();
+    decode(acc, afrag, map.ActSlot(slot), map.PackedSlot(slot), map.ScaleSlot(slot), it == 0,
+           [] {});
+    slot = slot + 1 == S ? 0 : slot + 1;
+    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+  }
+  decode.Drain(acc);
+  CpAsyncWait<0>();
+  __syncthreads();  // pipeline smem free: stage the fp32 tile
+  float* epi = reinterpret_cast<float*>(smem);
+  decode.Stage(epi, acc);
+  cooperative_groups::this_cluster().sync();
+  ReduceAndStore<T, BM>(epi, tid, m0, n0, m, n, global_scale, bias, y, vec_store);
+  cooperative_groups::this_cluster().sync();  // keep this CTA's smem alive until every rank read it
+#endif  // JAX_FP4_FUSED_SM90A
+}
+
+// Warp-specialized (BM >= 64; the default from BM = 128): warpgroup 0 only copies (cp.async; each stage's completion
+// arrives on the slot's `full` mbarrier, kStages stages in flight, no register budget beyond
+// kProducerRegisters), warpgroups 1 and 2 only decode and multiply, each on its own schedule
+// (no CTA-wide barrier in the main loop): a consumer warp waits for `full`, and releases the slot
+// on `empty` once its wgmma groups that read it have retired.
+template <typename T, int BM, bool Tiled = false>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    FusedGemmWsKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                      const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                      const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
+                      int vec_store) {
+#if JAX_FP4_FUSED_SM90A
+  using Cfg = FusedConfig<BM>;
+  using Decoder = StageDecoder<T, BM, Tiled>;
+  constexpr int S = Cfg::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * S];  // full[S], then empty[S]
+  uint8_t* smem;
+  const SmemMap<BM> map(AlignedSmemBase(smem, smem_raw));
+  const uint32_t full_bar = SmemAddr(bars), empty_bar = full_bar + 8 * S;
+  const int tid = threadIdx.x;
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * Cfg::kTileN;
+  const int2 range = StageRange(k);
+  const int kc0 = range.x, nst = range.y;
+
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      MbarInit(full_bar + 8 * s, kProducerThreads);        // one cp.async arrival per thread
+      MbarInit(empty_bar + 8 * s, kConsumerThreads / 32);  // one arrival per consumer warp
+    }
+    FenceMbarInit();
+  }
+  __syncthreads();
+
+  if (tid < kProducerThreads) {
+    SetMaxRegisters<kProducerRegisters, false>();
+    const StageLoader<T, BM, Tiled, kProducerThreads> load(tid, a, packed, scale, m, n, k, m0, n0,
+                                                           map);
+    int slot = 0;
+    uint32_t empty_parity = 0;  // parity of the slot's previous release
+    for (int c = 0; c < nst; ++c) {
+      if (c >= S) MbarWait(empty_bar + 8 * slot, empty_parity);
+      load(kc0 + c, slot, tid);
+      CpAsyncArriveNoinc(full_bar + 8 * slot);
+      if (++slot == S) {
+        slot = 0;
+        if (c >= S) empty_parity ^= 1;  // the next round waits for the following release
+      }
+    }
+    CpAsyncCommit();
+    CpAsyncWait<0>();  // nothing in flight when this warpgroup exits
+    return;            // exited threads are not waited for by the cluster barriers below
+  }
+
+  SetMaxRegisters<kConsumerRegisters, true>();
+  const int ctid = tid - kProducerThreads;
+  const int lane = ctid & 31;
+  const Decoder decode(ctid);
+  float acc[Decoder::TJ][Decoder::kAcc];
+  uint32_t afrag[2][4][4] = {};
+  int slot = 0, prev_slot = S - 1;
+  uint32_t full_parity = 0;
+  for (int it = 0; it < nst; ++it) {
+    MbarWait(full_bar + 8 * slot, full_parity);
+    FenceProxyAsync();  // the producer's cp.async writes (generic proxy) -> wgmma (async proxy)
+    decode(acc, afrag, map.ActSlot(slot), map.PackedSlot(slot), map.ScaleSlot(slot), it == 0,
+           [&] {
+             if (it > 0 && lane == 0) MbarArrive(empty_bar + 8 * prev_slot);
+           });
+    prev_slot = slot;
+    if (++slot == S) {
+      slot = 0;
+      full_parity ^= 1;
+    }
+  }
+  decode.Drain(acc);
+  NamedBarrierSync(1, kConsumerThreads);  // both consumer warpgroups done with the pipeline smem
+  float* epi = reinterpret_cast<float*>(smem);
+  decode.Stage(epi, acc);
+  cooperative_groups::this_cluster().sync();
+  ReduceAndStore<T, BM>(epi, ctid, m0, n0, m, n, global_scale, bias, y, vec_store);
+  cooperative_groups::this_cluster().sync();  // keep this CTA's smem alive until every rank read it
 #endif  // JAX_FP4_FUSED_SM90A
 }
 
 // ---- host side -------------------------------------------------------------------------------
 
+// The kernel for activation tile BM: warp-specialized (WS, BM >= 64) or multistage.
+template <typename T, int BM, bool Tiled, bool WS>
+constexpr auto* FusedKernel() {
+  if constexpr (WS) {
+    static_assert(BM >= 64, "BM <= 32 runs the multistage kernel only");
+    return FusedGemmWsKernel<T, BM, Tiled>;
+  } else {
+    return FusedGemmKernel<T, BM, Tiled>;
+  }
+}
+template <typename T, int BM, bool Tiled, bool WS>
+constexpr auto* kFusedKernel = FusedKernel<T, BM, Tiled, WS>();
+template <bool WS>
+constexpr int kFusedThreads = WS ? kWsThreads : kConsumerThreads;
+
 // How many clusters of `split` CTAs with `smem` bytes of dynamic shared memory fit on the device at
 // once (cached per device, split and whether smem is the spread size). Asked of the spec-layout
 // kernel; the tiled one has the same launch bounds and shared memory.
-template <typename T, int BM>
+template <typename T, int BM, bool WS>
 int MaxActiveClusters(int device, int split, int smem) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices][kMaxSplit + 1][2];  // value + 1; 0 = not queried
@@ -666,7 +895,7 @@ int MaxActiveClusters(int device, int split, int smem) {
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(1, 1, split);
-  config.blockDim = dim3(kThreads, 1, 1);
+  config.blockDim = dim3(kFusedThreads<WS>, 1, 1);
   config.dynamicSmemBytes = smem;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -676,7 +905,7 @@ int MaxActiveClusters(int device, int split, int smem) {
   config.attrs = attr;
   config.numAttrs = 1;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, FusedGemmKernel<T, BM>, &config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&clusters, kFusedKernel<T, BM, false, WS>, &config) != cudaSuccess) {
     (void)cudaGetLastError();  // clear: a refused size just is not used
     clusters = 0;
   }
@@ -688,13 +917,13 @@ int MaxActiveClusters(int device, int split, int smem) {
 
 // Split-K factor: minimise waves * (stages per CTA + fixed cost) over the cluster sizes that
 // fit; ties go to the smaller split. Deterministic for a given device and shape.
-template <typename T, int BM>
+template <typename T, int BM, bool WS>
 int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
   int best = 1;
   int64_t best_cost = INT64_MAX;
   const int max_split = static_cast<int>(std::min<int64_t>(kMaxSplit, std::max<int64_t>(ks, 1)));
   for (int s = 1; s <= max_split; ++s) {
-    const int clusters = MaxActiveClusters<T, BM>(device, s, smem);
+    const int clusters = MaxActiveClusters<T, BM, WS>(device, s, smem);
     if (clusters <= 0) continue;
     const int64_t capacity = static_cast<int64_t>(clusters) * s;
     const int64_t waves = CeilDiv(tiles * s, capacity);
@@ -708,13 +937,14 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
 }
 
 // Tuning overrides, read on each call, for measurements (not for use); unset or empty = the
-// heuristic's choice (*forced = 0):
+// heuristic's choice (*forced left as it is):
 //   JAX_FP4_FUSED_SPLIT=<n>, n in 1..kMaxSplit: the split-K factor (clamped to the K stages);
-//   JAX_FP4_FUSED_TILE_M=<bm>, bm in {16, 32, 64, 128, 256} (IsTileM): activation rows per CTA.
+//   JAX_FP4_FUSED_TILE_M=<bm>, bm in {16, 32, 64, 128, 256} (IsTileM): activation rows per CTA;
+//   JAX_FP4_FUSED_WARP_SPECIALIZED=0|1: the multistage or the warp-specialized kernel for
+//   BM >= 64 (BM <= 32 always runs the multistage one).
 // Anything else is an error (returned as a message), not silently ignored.
 std::string ReadOverride(const char* name, bool (*valid)(long), const std::string& expected,
                          int* forced) {
-  *forced = 0;
   const char* env = std::getenv(name);
   if (env == nullptr || *env == '\0') return "";
   char* end = nullptr;
@@ -734,7 +964,12 @@ int DefaultTileM(int64_t m) {
   return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : (m <= 128 ? 128 : 256)));
 }
 
-template <typename T, int BM, bool Tiled>
+// Which kernel serves a tile by default: the warp-specialized one from 128 rows (M = 128 - 1024:
+// 3-12% faster than the multistage one); the multistage one up to 64 rows (M = 64: the
+// warp-specialized one 5% faster to 9% slower by shape). NOTES_fused.md, "Thirteenth session".
+constexpr bool WarpSpecializedByDefault(int tile_m) { return tile_m >= 128; }
+
+template <typename T, int BM, bool Tiled, bool WS>
 cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
                         const uint8_t* packed, const uint8_t* scale, const float* gs,
                         const void* bias, void* y, int64_t m, int64_t n, int64_t k, bool vec_store,
@@ -749,18 +984,19 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
   const int smem = Cfg::kMinBlocks > 1 && max_ctas < static_cast<int64_t>(Cfg::kMinBlocks) * sms
                        ? Cfg::kSpreadSmemBytes
                        : Cfg::kSmemBytes;
-  cudaError_t err = AllowDynamicSmem<FusedGemmKernel<T, BM, Tiled>>(smem);
+  constexpr auto* kKernel = kFusedKernel<T, BM, Tiled, WS>;
+  cudaError_t err = AllowDynamicSmem<kKernel>(smem);
   // ChooseSplit's occupancy query asks the spec-layout kernel, which needs the same allowance.
-  if (err == cudaSuccess && Tiled) err = AllowDynamicSmem<FusedGemmKernel<T, BM>>(smem);
+  if (err == cudaSuccess && Tiled) err = AllowDynamicSmem<kFusedKernel<T, BM, false, WS>>(smem);
   if (err != cudaSuccess) return err;
   const int split = forced_split > 0
                         ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(forced_split, ks)))
-                        : ChooseSplit<T, BM>(device, tiles_n * tiles_m, ks, smem);
+                        : ChooseSplit<T, BM, WS>(device, tiles_n * tiles_m, ks, smem);
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
                         static_cast<unsigned>(split));
-  config.blockDim = dim3(kThreads, 1, 1);
+  config.blockDim = dim3(kFusedThreads<WS>, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -770,7 +1006,7 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
   attr[0].val.clusterDim.z = split;
   config.attrs = attr;
   config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, FusedGemmKernel<T, BM, Tiled>, static_cast<const T*>(a), packed,
+  err = cudaLaunchKernelEx(&config, kKernel, static_cast<const T*>(a), packed,
                            scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
                            static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                            vec_store ? 1 : 0);
@@ -779,7 +1015,7 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
     (void)cudaGetLastError();
     config.gridDim.z = 1;
     attr[0].val.clusterDim.z = 1;
-    err = cudaLaunchKernelEx(&config, FusedGemmKernel<T, BM, Tiled>, static_cast<const T*>(a),
+    err = cudaLaunchKernelEx(&config, kKernel, static_cast<const T*>(a),
                              packed, scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
                              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                              vec_store ? 1 : 0);
@@ -788,26 +1024,26 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
 }
 
 template <typename T, bool Tiled>
-cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, int tile_m, const void* a,
-                                const uint8_t* packed, const uint8_t* scale, const float* gs,
-                                const void* bias, void* y, int64_t m, int64_t n, int64_t k,
-                                bool vec_store, int forced_split) {
-  const auto launch = tile_m == 16    ? LaunchFused<T, 16, Tiled>
-                      : tile_m == 32  ? LaunchFused<T, 32, Tiled>
-                      : tile_m == 64  ? LaunchFused<T, 64, Tiled>
-                      : tile_m == 128 ? LaunchFused<T, 128, Tiled>
-                                      : LaunchFused<T, 256, Tiled>;
+cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, int tile_m, bool ws,
+                                const void* a, const uint8_t* packed, const uint8_t* scale,
+                                const float* gs, const void* bias, void* y, int64_t m, int64_t n,
+                                int64_t k, bool vec_store, int forced_split) {
+  const auto launch = tile_m == 16    ? LaunchFused<T, 16, Tiled, false>
+                      : tile_m == 32  ? LaunchFused<T, 32, Tiled, false>
+                      : tile_m == 64  ? (ws ? LaunchFused<T, 64, Tiled, true> : LaunchFused<T, 64, Tiled, false>)
+                      : tile_m == 128 ? (ws ? LaunchFused<T, 128, Tiled, true> : LaunchFused<T, 128, Tiled, false>)
+                                      : (ws ? LaunchFused<T, 256, Tiled, true> : LaunchFused<T, 256, Tiled, false>);
   return launch(stream, device, sms, a, packed, scale, gs, bias, y, m, n, k, vec_store,
                 forced_split);
 }
 
 template <typename T>
-cudaError_t DispatchFused(cudaStream_t stream, bool tiled, int device, int sms, int tile_m,
+cudaError_t DispatchFused(cudaStream_t stream, bool tiled, int device, int sms, int tile_m, bool ws,
                           const void* a, const uint8_t* packed, const uint8_t* scale,
                           const float* gs, const void* bias, void* y, int64_t m, int64_t n,
                           int64_t k, bool vec_store, int forced_split) {
   const auto dispatch = tiled ? DispatchFusedLayout<T, true> : DispatchFusedLayout<T, false>;
-  return dispatch(stream, device, sms, tile_m, a, packed, scale, gs, bias, y, m, n, k, vec_store,
+  return dispatch(stream, device, sms, tile_m, ws, a, packed, scale, gs, bias, y, m, n, k, vec_store,
                   forced_split);
 }
 
@@ -868,8 +1104,15 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
     bad_override = ReadOverride(
         "JAX_FP4_FUSED_TILE_M", IsTileM, "one of 16, 32, 64, 128, 256", &forced_tile);
   }
+  int warp_specialized = -1;  // unset: WarpSpecializedByDefault
+  if (bad_override.empty()) {
+    bad_override = ReadOverride(
+        "JAX_FP4_FUSED_WARP_SPECIALIZED", [](long v) { return v == 0 || v == 1; }, "0 or 1",
+        &warp_specialized);
+  }
   if (!bad_override.empty()) return invalid(bad_override);
   const int tile_m = forced_tile > 0 ? forced_tile : DefaultTileM(m);
+  const bool ws = warp_specialized < 0 ? WarpSpecializedByDefault(tile_m) : warp_specialized == 1;
   if (CeilDiv(m, tile_m) > fused::kMaxMTiles) {
     return invalid("M too large for " + std::to_string(tile_m) + "-row tiles");
   }
@@ -877,13 +1120,13 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   const void* bias_ptr = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   const bool vec_store = n % 4 == 0 && IsAligned(y->untyped_data(), 8);
   if (a.element_type() == ffi::DataType::F16) {
-    err = DispatchFused<__half>(stream, tiled, device, info.num_sms, tile_m, a.untyped_data(),
+    err = DispatchFused<__half>(stream, tiled, device, info.num_sms, tile_m, ws, a.untyped_data(),
                                 packed.typed_data(), scale.typed_data(),
                                 global_scale.typed_data(), bias_ptr, y->untyped_data(), m, n, k,
                                 vec_store, forced_split);
   } else {
-    err = DispatchFused<__nv_bfloat16>(stream, tiled, device, info.num_sms, tile_m, a.untyped_data(),
-                                       packed.typed_data(), scale.typed_data(),
+    err = DispatchFused<__nv_bfloat16>(stream, tiled, device, info.num_sms, tile_m, ws,
+                                       a.untyped_data(), packed.typed_data(), scale.typed_data(),
                                        global_scale.typed_data(), bias_ptr, y->untyped_data(), m,
                                        n, k, vec_store, forced_split);
   }

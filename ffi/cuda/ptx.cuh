@@ -79,6 +79,17 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
+// One arrival on `bar` once every cp.async this thread issued so far has landed (the pending
+// count is not raised: `bar` must expect this arrival in its init count).
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, a multiple of 32.
+__device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // TMA bulk copy global -> shared of `bytes` (a multiple of 16, both addresses 16-byte aligned),
 // completing on barrier `bar`. Bypasses the L1 miss path that ld.global and cp.async share.
 __device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
