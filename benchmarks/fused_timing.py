@@ -125,7 +125,7 @@ def plot(json_path, png_path):
     shapes = sorted({(r["n"], r["k"]) for r in data["records"]})
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
     styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green",
-              "gemv": "tab:purple"}
+              "fused_multistage": "tab:olive", "gemv": "tab:purple"}
     for col, (n, k) in enumerate(shapes):
         rows = sorted((r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
         ms = [r["m"] for r in rows]
