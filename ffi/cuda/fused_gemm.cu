@@ -463,7 +463,7 @@ struct StageLoader {
   // only if the compiler cannot hoist every pass's address out of the stage loop (it spilled).
   static constexpr bool kOpaquePasses = kLoaders == kProducerThreads;
 
-  const T* a_any;
+  const T* a_any;  // a valid address for the zero-byte copies of rows past M
   const T* a_src0;
   int64_t a_step;
   int a_valid;
@@ -494,7 +494,8 @@ struct StageLoader {
     // Quarter p_q of a row's window 0: spec row-major; tiled in its tile's 1 KB run of the window
     // (nvfp4.h). kPkRows rows are whole 16-row tiles, kPkRows * row_bytes apart in both.
     auto packed_at = [&](int64_t row) {
-      return packed + (Tiled ? tiled_packed_offset(row, 0, p_q, windows) : row * row_bytes + p_q * 16);
+      return packed +
+             (Tiled ? tiled_packed_offset(row, 0, p_q, windows) : row * row_bytes + p_q * 16);
     };
     p_src0 = packed_at(min(n0 + p_r0, n - 1));
     p_last = packed_at(n - 1);
@@ -507,12 +508,13 @@ struct StageLoader {
     for (int i = 0; i < kScPasses; ++i) {
       const int r = ltid + kLoaders * i;
       if (r < Cfg::kTileN) s_rows = i + 1;
-      s_src[i] = Tiled ? scale + static_cast<int64_t>(min(n0 / 16 + r / 16, n / 16 - 1)) * windows * 128 +
-                             (r % 16) * 8
+      const int64_t tile = min(n0 / 16 + r / 16, n / 16 - 1);
+      s_src[i] = Tiled ? scale + tile * windows * 128 + (r % 16) * 8
                        : scale + static_cast<int64_t>(min(n0 + r, n - 1)) * (k / 16);
     }
   }
 
+  // Issues the copies of K stage c into pipeline slot `slot` (ltid: as constructed).
   __device__ __forceinline__ void operator()(int c, int slot, int ltid) const {
     const uint32_t act_dst = map.ActSlot(slot) + a_dst0;
     const T* a_src = a_src0 + static_cast<int64_t>(c) * kStageK;
@@ -526,10 +528,12 @@ struct StageLoader {
 #pragma unroll
       for (int i = 0; i < kActPasses; ++i, a_src += a_step) {
         if constexpr (kOpaquePasses) FencePtr(a_src);
-        CpAsync16(act_dst + i * kActRows * 128, i < a_valid ? a_src : a_any, i < a_valid ? 16u : 0u);
+        const bool in_m = i < a_valid;
+        CpAsync16(act_dst + i * kActRows * 128, in_m ? a_src : a_any, in_m ? 16u : 0u);
       }
     }
-    constexpr int64_t kPkStage = Tiled ? 1024 : 64;  // a row's window: its tile's run, or 64 B on
+    // Per stage: the next 1 KB run of the row's tile (tiled), or the row's next 64 bytes (spec).
+    constexpr int64_t kPkStage = Tiled ? 1024 : 64;
     const uint32_t pk_dst = map.PackedSlot(slot) + p_dst0;
     const uint8_t* p_src = p_src0 + c * kPkStage;
 #pragma unroll
@@ -622,8 +626,7 @@ struct StageDecoder {
     }
   }
 
-  // After the last stage: every group retired, the fp32 tile staged as E[m][n] in `epi` (the
-  // pipeline's shared memory, free once every consumer got here).
+  // After the last stage: every wgmma group retired, the accumulators final.
   __device__ __forceinline__ void Drain(float (&acc)[TJ][kAcc]) const {
     WgmmaWait<0>();
 #pragma unroll
@@ -632,6 +635,8 @@ struct StageDecoder {
       for (int i = 0; i < kAcc; ++i) FenceReg(acc[j][i]);
     }
   }
+  // The fp32 tile as E[m][n] in `epi` (the pipeline's shared memory, free once every consumer
+  // has drained).
   __device__ __forceinline__ void Stage(float* epi, const float (&acc)[TJ][kAcc]) const {
     constexpr int ST = Cfg::kEpiStride;
 #pragma unroll
@@ -779,11 +784,11 @@ __global__ void __launch_bounds__(kConsumerThreads, FusedConfig<BM>::kMinBlocks)
 #endif  // JAX_FP4_FUSED_SM90A
 }
 
-// Warp-specialized (BM >= 64; the default from BM = 128): warpgroup 0 only copies (cp.async; each stage's completion
-// arrives on the slot's `full` mbarrier, kStages stages in flight, no register budget beyond
-// kProducerRegisters), warpgroups 1 and 2 only decode and multiply, each on its own schedule
-// (no CTA-wide barrier in the main loop): a consumer warp waits for `full`, and releases the slot
-// on `empty` once its wgmma groups that read it have retired.
+// Warp-specialized (BM >= 64; the default from BM = 128): warpgroup 0 only copies (cp.async;
+// each stage's completion arrives on the slot's `full` mbarrier, kStages stages in flight, within
+// kProducerRegisters), warpgroups 1 and 2 only decode and multiply, each on its own schedule (no
+// CTA-wide barrier in the main loop): a consumer warp waits for `full`, and releases the slot on
+// `empty` once its wgmma groups that read it have retired.
 template <typename T, int BM, bool Tiled = false>
 __global__ void __launch_bounds__(kWsThreads, 1)
     FusedGemmWsKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
@@ -905,7 +910,8 @@ int MaxActiveClusters(int device, int split, int smem) {
   config.attrs = attr;
   config.numAttrs = 1;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kFusedKernel<T, BM, false, WS>, &config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&clusters, kFusedKernel<T, BM, false, WS>, &config) !=
+      cudaSuccess) {
     (void)cudaGetLastError();  // clear: a refused size just is not used
     clusters = 0;
   }
@@ -1028,11 +1034,14 @@ cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, int ti
                                 const void* a, const uint8_t* packed, const uint8_t* scale,
                                 const float* gs, const void* bias, void* y, int64_t m, int64_t n,
                                 int64_t k, bool vec_store, int forced_split) {
-  const auto launch = tile_m == 16    ? LaunchFused<T, 16, Tiled, false>
-                      : tile_m == 32  ? LaunchFused<T, 32, Tiled, false>
-                      : tile_m == 64  ? (ws ? LaunchFused<T, 64, Tiled, true> : LaunchFused<T, 64, Tiled, false>)
-                      : tile_m == 128 ? (ws ? LaunchFused<T, 128, Tiled, true> : LaunchFused<T, 128, Tiled, false>)
-                                      : (ws ? LaunchFused<T, 256, Tiled, true> : LaunchFused<T, 256, Tiled, false>);
+  // The 16- and 32-row tiles have the multistage kernel only.
+  const auto launch =
+      tile_m == 16   ? LaunchFused<T, 16, Tiled, false>
+      : tile_m == 32 ? LaunchFused<T, 32, Tiled, false>
+      : tile_m == 64 ? (ws ? LaunchFused<T, 64, Tiled, true> : LaunchFused<T, 64, Tiled, false>)
+      : tile_m == 128
+          ? (ws ? LaunchFused<T, 128, Tiled, true> : LaunchFused<T, 128, Tiled, false>)
+          : (ws ? LaunchFused<T, 256, Tiled, true> : LaunchFused<T, 256, Tiled, false>);
   return launch(stream, device, sms, a, packed, scale, gs, bias, y, m, n, k, vec_store,
                 forced_split);
 }
