@@ -556,6 +556,7 @@ struct StageLoader {
 template <typename T, int BM, bool Tiled>
 struct StageDecoder {
   using Cfg = FusedConfig<BM>;
+  static constexpr int kBM = BM;
   static constexpr int TJ = Cfg::kTilesPerWarpgroup;
   static constexpr int kAcc = BM / 2;
 
@@ -635,8 +636,7 @@ struct StageDecoder {
       for (int i = 0; i < kAcc; ++i) FenceReg(acc[j][i]);
     }
   }
-  // The fp32 tile as E[m][n] in `epi` (the pipeline's shared memory, free once every consumer
-  // has drained).
+  // The fp32 tile as E[m][n] in `epi` (StoreTile).
   __device__ __forceinline__ void Stage(float* epi, const float (&acc)[TJ][kAcc]) const {
     constexpr int ST = Cfg::kEpiStride;
 #pragma unroll
@@ -654,18 +654,24 @@ struct StageDecoder {
   }
 };
 
-// Split-K reduction across the cluster (ranks = blockIdx.z), summed in rank order, then global
-// scale, bias and the store; by the 256 consumer threads (ctid), between two cluster barriers
-// that every live thread of the cluster reaches.
-template <typename T, int BM>
-__device__ __forceinline__ void ReduceAndStore(const float* epi, int ctid, int m0, int n0, int m,
-                                               int n, const float* global_scale, const T* bias,
-                                               T* y, int vec_store) {
-  using Cfg = FusedConfig<BM>;
+// The CTA's fp32 tile staged in `epi` (the drained pipeline's shared memory), then the split-K
+// reduction across the cluster (ranks = blockIdx.z), summed in rank order, global scale, bias and
+// the store; by the 256 consumer threads (ctid). Every live thread of the cluster calls it (the
+// cluster barriers; the warp-specialized kernel's copier has exited).
+template <typename Decoder, typename T>
+__device__ __forceinline__ void StoreTile(const Decoder& decode,
+                                          const float (&acc)[Decoder::TJ][Decoder::kAcc],
+                                          float* epi, int ctid, int m0, int n0, int m, int n,
+                                          const float* global_scale, const T* bias, T* y,
+                                          int vec_store) {
+  using Cfg = typename Decoder::Cfg;
+  constexpr int BM = Decoder::kBM;
   using Tr = HalfTraits<T>;
   namespace cg = cooperative_groups;
   constexpr int ST = Cfg::kEpiStride;
   cg::cluster_group cluster = cg::this_cluster();
+  decode.Stage(epi, acc);
+  cluster.sync();
   const int splits = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const float alpha = __ldg(global_scale) * 128.0f;  // undo the 2^-7 of the folded scale
@@ -706,6 +712,7 @@ __device__ __forceinline__ void ReduceAndStore(const float* epi, int ctid, int m
       }
     }
   }
+  cluster.sync();  // keep this CTA's shared memory alive until every rank has read it
 }
 
 // The CTA's stage range [kc0, kc0 + nst) of its split-K rank (every CTA has at least one stage:
@@ -776,11 +783,8 @@ __global__ void __launch_bounds__(kConsumerThreads, FusedConfig<BM>::kMinBlocks)
   decode.Drain(acc);
   CpAsyncWait<0>();
   __syncthreads();  // pipeline smem free: stage the fp32 tile
-  float* epi = reinterpret_cast<float*>(smem);
-  decode.Stage(epi, acc);
-  cooperative_groups::this_cluster().sync();
-  ReduceAndStore<T, BM>(epi, tid, m0, n0, m, n, global_scale, bias, y, vec_store);
-  cooperative_groups::this_cluster().sync();  // keep this CTA's smem alive until every rank read it
+  StoreTile(decode, acc, reinterpret_cast<float*>(smem), tid, m0, n0, m, n, global_scale, bias, y,
+            vec_store);
 #endif  // JAX_FP4_FUSED_SM90A
 }
 
@@ -861,11 +865,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   }
   decode.Drain(acc);
   NamedBarrierSync(1, kConsumerThreads);  // both consumer warpgroups done with the pipeline smem
-  float* epi = reinterpret_cast<float*>(smem);
-  decode.Stage(epi, acc);
-  cooperative_groups::this_cluster().sync();
-  ReduceAndStore<T, BM>(epi, ctid, m0, n0, m, n, global_scale, bias, y, vec_store);
-  cooperative_groups::this_cluster().sync();  // keep this CTA's smem alive until every rank read it
+  StoreTile(decode, acc, reinterpret_cast<float*>(smem), ctid, m0, n0, m, n, global_scale, bias,
+            y, vec_store);
 #endif  // JAX_FP4_FUSED_SM90A
 }
 
