@@ -413,9 +413,11 @@ class _Half:
         return x & 0x81C081C0
 
 
-def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False):
+def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=256):
     """y[M, N] as FusedGemmKernel<T, bm, tiled> computes it with `splits` K-splits (fp32 sums in
-    float64); packed and scale are given in the spec layout (tiled: converted here)."""
+    float64); packed and scale are given in the spec layout (tiled: converted here). `loaders`:
+    how many threads issue a stage's copies (StageLoader's kLoaders: 256 in the multistage kernel,
+    the 128 of the warp-specialized kernel's copier)."""
     h16 = _Half(dtype)
     m, k = a.shape
     n = packed.shape[0]
@@ -436,34 +438,40 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False):
                 acc = np.zeros((tile_n, bm))  # D[weight row][activation row]
                 for c in range(z * ks // splits, (z + 1) * ks // splits):
                     act = np.zeros(2 * bm * 128, np.uint8)  # two [bm][64] SW128 tiles
-                    for tid in range(256):
+                    act_rows = loaders // 16  # rows per pass
+                    for tid in range(loaders):
                         ch, r0 = tid & 15, tid >> 4
                         dst0 = (ch >> 3) * bm * 128 + r0 * 128 + (((ch & 7) ^ (r0 & 7)) << 4)
-                        for i in range(bm // 16):
-                            row = m0 + r0 + 16 * i
+                        for i in range(bm // act_rows):
+                            row = m0 + r0 + act_rows * i
+                            dst = dst0 + act_rows * 128 * i
                             if row < m:
-                                act[dst0 + 2048 * i:dst0 + 2048 * i + 16] = \
+                                act[dst:dst + 16] = \
                                     a[row, 128 * c + 8 * ch:128 * c + 8 * ch + 8].view(np.uint8)
                     pk = np.zeros(tile_n * 64, np.uint8)
-                    for tid in range(256):
+                    pk_rows = loaders // 4  # rows per pass
+                    for tid in range(loaders):
                         q, r0 = tid & 3, tid >> 2
                         dst0 = r0 * 64 + ((q ^ (((r0 >> 1) & 1) << 1)) << 4)
-                        for i in range(tile_n // 64):
-                            row = min(n0 + r0 + 64 * i, n - 1)
+                        for i in range(tile_n // pk_rows):
+                            row = min(n0 + r0 + pk_rows * i, n - 1)
                             if tiled:  # the row's quarter q of window c in its tile's 1 KB run
                                 src = (((row // 16) * ks * 2 + (row // 8) % 2) * 512
                                        + ((row % 8) * 4 + q) * 16 + 1024 * c)
                                 chunk = flat_packed[src:src + 16]
                             else:
                                 chunk = packed[row, 64 * c + 16 * q:64 * c + 16 * q + 16]
-                            pk[dst0 + 4096 * i:dst0 + 4096 * i + 16] = chunk
-                    sc = np.zeros(tile_n * 8, np.uint8)  # raw bytes; 8 from each thread tid
-                    for tid in range(tile_n):
-                        if tiled:  # bytes 8 (tid % 16).. of tile n0 / 16 + tid / 16's 128-byte run
-                            src = min(n0 // 16 + tid // 16, n // 16 - 1) * ks * 128 + (tid % 16) * 8 + 128 * c
-                            sc[8 * tid:8 * tid + 8] = flat_scale[src:src + 8]
+                            pk[dst0 + pk_rows * 64 * i:dst0 + pk_rows * 64 * i + 16] = chunk
+                    sc = np.zeros(tile_n * 8, np.uint8)  # raw bytes; 8 of row r from thread r % loaders
+                    for r in (tid + loaders * i for tid in range(loaders)
+                              for i in range(-(-tile_n // loaders))):
+                        if r >= tile_n:
+                            continue
+                        if tiled:  # bytes 8 (r % 16).. of tile n0 / 16 + r / 16's 128-byte run
+                            src = min(n0 // 16 + r // 16, n // 16 - 1) * ks * 128 + (r % 16) * 8 + 128 * c
+                            sc[8 * r:8 * r + 8] = flat_scale[src:src + 8]
                         else:
-                            sc[8 * tid:8 * tid + 8] = scale[min(n0 + tid, n - 1), 8 * c:8 * c + 8]
+                            sc[8 * r:8 * r + 8] = scale[min(n0 + r, n - 1), 8 * c:8 * c + 8]
                     pk32 = pk.view(np.uint32)
                     for h in range(2):
                         b_mat = np.zeros((64, bm))  # B[k][act row] read through the descriptor
@@ -527,23 +535,28 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False):
     return y
 
 
-@pytest.mark.parametrize("m, n, k, dtype, bm, splits, tiled", [
-    (5, 300, 256, "float16", 64, 1, False),
-    (13, 270, 256, "bfloat16", 16, 2, False),
-    (40, 260, 256, "float16", 32, 1, False),
-    (70, 260, 384, "bfloat16", 128, 3, False),
-    (300, 140, 256, "float16", 256, 2, False),
-    (5, 304, 256, "float16", 64, 1, True),
-    (13, 272, 256, "bfloat16", 16, 2, True),
-    (70, 272, 384, "bfloat16", 128, 3, True),
-    (300, 144, 256, "float16", 256, 2, True),
+@pytest.mark.parametrize("m, n, k, dtype, bm, splits, tiled, loaders", [
+    (5, 300, 256, "float16", 64, 1, False, 256),
+    (13, 270, 256, "bfloat16", 16, 2, False, 256),
+    (40, 260, 256, "float16", 32, 1, False, 256),
+    (70, 260, 384, "bfloat16", 128, 3, False, 256),
+    (300, 140, 256, "float16", 256, 2, False, 256),
+    (5, 304, 256, "float16", 64, 1, True, 256),
+    (13, 272, 256, "bfloat16", 16, 2, True, 256),
+    (70, 272, 384, "bfloat16", 128, 3, True, 256),
+    (300, 144, 256, "float16", 256, 2, True, 256),
+    # the warp-specialized kernel's 128-thread copier (tiles of 64 rows and more)
+    (5, 300, 256, "float16", 64, 1, False, 128),
+    (70, 272, 384, "bfloat16", 128, 3, True, 128),
+    (300, 140, 256, "float16", 256, 2, False, 128),
+    (270, 144, 256, "bfloat16", 256, 1, True, 128),
 ])
-def test_layout_model_matches_reference(m, n, k, dtype, bm, splits, tiled):
+def test_layout_model_matches_reference(m, n, k, dtype, bm, splits, tiled, loaders):
     rng = np.random.default_rng()
     packed, scale, _ = random_weight(rng, n, k, special=True)
     gs = np.float32(0.5)
     a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
-    y = _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled)
+    y = _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled, loaders)
     ref = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16)
     assert np.isfinite(y).all()
     np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())
