@@ -363,7 +363,8 @@ def test_static_rules():
 
 
 # ---------------------------------------------------------------------------------------------
-# A bit-level model of FusedGemmKernel's index algebra (runs on any machine). It mirrors the
+# A bit-level model of the fused kernels' index algebra (runs on any machine; FusedGemmKernel and
+# FusedGemmWsKernel share it, up to how many threads issue the copies). It mirrors the
 # kernel's fragment K order of the activations, its cp.async placements and swizzles, each lane's
 # scale byte and word loads + split-pair E2M1 decode into the wgmma register-A fragment, the wgmma
 # semantics (A fragment layout per warp, B read through the K-major 128-byte-swizzle descriptor:
