@@ -1,6 +1,6 @@
 // Small PTX wrappers shared by the CUDA kernels (fused_gemm.cu, benchmarks/probes/gemv_probe.cu):
-// cp.async into shared memory, shared-memory vector loads, and (sm_90+) mbarriers and TMA bulk
-// copies. Device-only.
+// cp.async into shared memory, shared-memory vector loads, named barriers, and (sm_90+) mbarriers
+// (their cp.async completion too) and TMA bulk copies. Device-only.
 #ifndef JAX_FP4_CUDA_PTX_CUH_
 #define JAX_FP4_CUDA_PTX_CUH_
 
