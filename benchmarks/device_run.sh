@@ -15,6 +15,7 @@
 #   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
 #   bash benchmarks/device_run.sh build fused-tests fused-tiles   # fused GEMM tests, CTA row tiles
 #   bash benchmarks/device_run.sh build fused-crossovers   # the dispatch's crossovers, ~4 min
+#   bash benchmarks/device_run.sh build fused-tests fused-tile-n   # 128-row weight tiles at M = 65-128
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -140,11 +141,16 @@ for stage in "$@"; do
         rm -f "$OUT/$name.ncu-rep"
         grep -E "Duration|Registers Per|Achieved Active Warps|Issued Warp|No Eligible|Executed Ipc|Stall|Warp Cycles Per Issued|Grid Size|Cluster Size" "$OUT/$name.log" | cut -c1-150 | head -30
       done ;;
+    fused-tile-n)
+      # 128 against 256 weight rows per CTA at the 128-row activation tile (JAX_FP4_FUSED_TILE_N):
+      # the M = 65-128 decomposition experiment of NOTES_fused.md, "Thirteenth session".
+      timeout 200 python benchmarks/fused_timing.py --variants bf16,fused,fused_tile_n128 --ms ${FUSED_TILE_N_MS:-80,128} \
+        --json "$OUT/fused_tile_n.json" 2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|" | tee "$OUT/fused_tile_n.log" ;;
     fused-tests)
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, kernel-tests, gemv-configs, fused-tests, sanitizer, fused, bench, profile, fused-profile, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles, fused-crossovers)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, kernel-tests, gemv-configs, fused-tests, sanitizer, fused, bench, profile, fused-profile, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles, fused-crossovers, fused-tile-n)" >&2; exit 2 ;;
   esac
 done
 exit $status

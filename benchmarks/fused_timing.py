@@ -32,9 +32,11 @@ from jax_fp4 import _fused
 FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
 GEMV = "jax_fp4_gemv_cuda"
-VARIANTS = ("bf16", "dequant", "dequant16", "fused", "fused_multistage", "fused_own_a", "gemv")
-# Variants that are `fused` run under an environment override (read by the kernel on each call).
-ENV_VARIANTS = {"fused_multistage": ("JAX_FP4_FUSED_WARP_SPECIALIZED", "0")}
+# Variants that are `fused` run under an environment override (read by the kernel on each call):
+# the multistage kernel at every tile, and 128 weight rows per CTA at the 128-row tile (M = 65-128).
+ENV_VARIANTS = {"fused_multistage": ("JAX_FP4_FUSED_WARP_SPECIALIZED", "0"),
+                "fused_tile_n128": ("JAX_FP4_FUSED_TILE_N", "128")}
+VARIANTS = ("bf16", "dequant", "dequant16", "fused", *ENV_VARIANTS, "fused_own_a", "gemv")
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_MS = "16,32,64,128,256,512,1024,2048,4096"
 CHAIN_BYTES = 200e6  # each chain's fp4 weights exceed the 60 MB L2 about 3x
@@ -125,7 +127,7 @@ def plot(json_path, png_path):
     shapes = sorted({(r["n"], r["k"]) for r in data["records"]})
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
     styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green",
-              "fused_multistage": "tab:olive", "gemv": "tab:purple"}
+              "fused_multistage": "tab:olive", "fused_tile_n128": "tab:cyan", "gemv": "tab:purple"}
     for col, (n, k) in enumerate(shapes):
         rows = sorted((r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
         ms = [r["m"] for r in rows]
@@ -195,11 +197,9 @@ def main():
         def chain_fused(a, ws):
             return [fused_call(a, *w) for w in ws]
 
-        @jax.jit
-        def chain_fused_multistage(a, ws):
-            # chain_fused as its own executable: XLA may capture the calls in a command buffer on
-            # the first run, so an executable recorded under one override replays it later.
-            return [fused_call(a, *w) for w in ws]
+        # chain_fused as its own executable per override: XLA may capture the calls in a command
+        # buffer on the first run, and an executable recorded under one setting replays it later.
+        env_chains = {v: jax.jit(lambda a, ws: [fused_call(a, *w) for w in ws]) for v in ENV_VARIANTS}
 
         @jax.jit
         def chain_fused_own_a(acts, ws):
@@ -230,7 +230,7 @@ def main():
                 fn, ws = {"fused": (chain_fused, weights), "dequant": (chain_dequant, weights),
                           "dequant16": (chain_dequant16, weights), "bf16": (chain_bf16, w16),
                           "gemv": (chain_gemv, weights), "fused_own_a": (None, weights),
-                          "fused_multistage": (chain_fused_multistage, weights)}[v]
+                          **{e: (env_chains[e], weights) for e in ENV_VARIANTS}}[v]
                 if v == "fused_own_a":
                     fn, a_arg = chain_fused_own_a, [a * (1.0 + 2.0**-8 * i) for i in range(n_mm)]
                 else:

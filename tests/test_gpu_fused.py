@@ -260,9 +260,46 @@ def test_warp_specialized_equals_multistage(tile_m, tiled, dtype, monkeypatch):
         np.testing.assert_array_equal(ys["1"].view(np.uint16), ys["0"].view(np.uint16))
 
 
+@needs_sm90
+@pytest.mark.parametrize("warp_specialized", ["1", "0"])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_tile_n_128_equals_default_tile(warp_specialized, tiled, monkeypatch):
+    """JAX_FP4_FUSED_TILE_N=128: 128 weight rows per CTA at the 128-row activation tile (twice the
+    CTAs of the default 256). Each output is the same wgmma sequence and, at a forced split, the
+    same reduction: equal to the reference and bit-identical to the default tile."""
+    rng = np.random.default_rng()
+    n, k = 536, 1152
+    packed, scale, gs = random_weight(rng, n, k, special=True)
+    bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", "128")
+    monkeypatch.setenv("JAX_FP4_FUSED_WARP_SPECIALIZED", warp_specialized)
+    for m, split in ((70, "1"), (200, "3")):
+        a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", split)
+        monkeypatch.setenv("JAX_FP4_FUSED_TILE_N", "128")
+        y = fused(a, packed, scale, gs, bias, tiled=tiled)
+        monkeypatch.setenv("JAX_FP4_FUSED_TILE_N", "256")
+        y_default = fused(a, packed, scale, gs, bias, tiled=tiled)
+        check_close(y, a, packed, scale, gs, bias, "bfloat16")
+        np.testing.assert_array_equal(y.view(np.uint16), y_default.view(np.uint16))
+
+
+@needs_sm90
+def test_tile_n_128_needs_the_128_row_tile(monkeypatch):
+    rng = np.random.default_rng()
+    packed, scale, gs = random_weight(rng, 256, 256)
+    for m, tile_n in ((40, "128"), (300, "256")):  # 64- and 256-row activation tiles
+        a = rng.standard_normal((m, 256)).astype(np.float16)
+        monkeypatch.setenv("JAX_FP4_FUSED_TILE_N", tile_n)
+        with pytest.raises(Exception,
+                           match=f"JAX_FP4_FUSED_TILE_N={tile_n} needs 128-row activation tiles"):
+            fused(a, packed, scale, gs)
+
+
 _SPLIT_ERROR = "JAX_FP4_FUSED_SPLIT must be an integer in 1..8"
 _TILE_ERROR = "JAX_FP4_FUSED_TILE_M must be one of 16, 32, 64, 128, 256"
 _WS_ERROR = "JAX_FP4_FUSED_WARP_SPECIALIZED must be 0 or 1"
+_TILE_N_ERROR = "JAX_FP4_FUSED_TILE_N must be 128 or 256"
 
 
 @needs_sm90
@@ -270,6 +307,7 @@ _WS_ERROR = "JAX_FP4_FUSED_WARP_SPECIALIZED must be 0 or 1"
     *[("JAX_FP4_FUSED_SPLIT", v, _SPLIT_ERROR) for v in ("0", "9", "-1", "2x", "x", " ")],
     *[("JAX_FP4_FUSED_TILE_M", v, _TILE_ERROR) for v in ("0", "8", "48", "512", "x", " ")],
     *[("JAX_FP4_FUSED_WARP_SPECIALIZED", v, _WS_ERROR) for v in ("2", "-1", "yes", " ")],
+    *[("JAX_FP4_FUSED_TILE_N", v, _TILE_N_ERROR) for v in ("64", "512", "x")],
 ])
 def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
     """A malformed tuning override is an error naming the variable, not silently ignored."""
@@ -373,10 +411,9 @@ def test_static_rules():
 # changes.
 
 
-def _tiles_per_warpgroup(bm):
-    """FusedConfig<BM>::kTilesPerWarpgroup: m64 weight tiles per warpgroup (256 weight rows per
-    CTA up to BM = 128, 128 rows at BM = 256)."""
-    return 1 if bm == 256 else 2
+def _default_tile_n(bm):
+    """DefaultTileN(BM): weight rows per CTA (256 up to BM = 128, 128 at BM = 256)."""
+    return 128 if bm == 256 else 256
 
 
 class _Half:
@@ -414,11 +451,12 @@ class _Half:
         return x & 0x81C081C0
 
 
-def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=256):
-    """y[M, N] as FusedGemmKernel<T, bm, tiled> computes it with `splits` K-splits (fp32 sums in
-    float64); packed and scale are given in the spec layout (tiled: converted here). `loaders`:
-    how many threads issue a stage's copies (StageLoader's kLoaders: 256 in the multistage kernel,
-    the 128 of the warp-specialized kernel's copier)."""
+def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=256, tile_n=None):
+    """y[M, N] as FusedGemmKernel<T, FusedConfig<bm, tile_n>, tiled> computes it with `splits`
+    K-splits (fp32 sums in float64); packed and scale are given in the spec layout (tiled:
+    converted here). `loaders`: how many threads issue a stage's copies (StageLoader's kLoaders:
+    256 in the multistage kernel, the 128 of the warp-specialized kernel's copier); `tile_n`:
+    weight rows per CTA (default DefaultTileN(bm))."""
     h16 = _Half(dtype)
     m, k = a.shape
     n = packed.shape[0]
@@ -427,8 +465,8 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
     if tiled:
         flat_packed = np.asarray(_layout.tile_packed(packed)).reshape(-1)
         flat_scale = np.asarray(_layout.tile_scale(scale)).reshape(-1)
-    tj = _tiles_per_warpgroup(bm)
-    tile_n = 128 * tj
+    tile_n = tile_n or _default_tile_n(bm)
+    tj = tile_n // 128  # m64 weight tiles per warpgroup
     epi_stride = tile_n + 4
     col_threads = tile_n // 4  # epilogue threads per staged row
     y = np.full((m, n), np.nan)
@@ -536,28 +574,31 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
     return y
 
 
-@pytest.mark.parametrize("m, n, k, dtype, bm, splits, tiled, loaders", [
-    (5, 300, 256, "float16", 64, 1, False, 256),
-    (13, 270, 256, "bfloat16", 16, 2, False, 256),
-    (40, 260, 256, "float16", 32, 1, False, 256),
-    (70, 260, 384, "bfloat16", 128, 3, False, 256),
-    (300, 140, 256, "float16", 256, 2, False, 256),
-    (5, 304, 256, "float16", 64, 1, True, 256),
-    (13, 272, 256, "bfloat16", 16, 2, True, 256),
-    (70, 272, 384, "bfloat16", 128, 3, True, 256),
-    (300, 144, 256, "float16", 256, 2, True, 256),
+@pytest.mark.parametrize("m, n, k, dtype, bm, splits, tiled, loaders, tile_n", [
+    (5, 300, 256, "float16", 64, 1, False, 256, None),
+    (13, 270, 256, "bfloat16", 16, 2, False, 256, None),
+    (40, 260, 256, "float16", 32, 1, False, 256, None),
+    (70, 260, 384, "bfloat16", 128, 3, False, 256, None),
+    (300, 140, 256, "float16", 256, 2, False, 256, None),
+    (5, 304, 256, "float16", 64, 1, True, 256, None),
+    (13, 272, 256, "bfloat16", 16, 2, True, 256, None),
+    (70, 272, 384, "bfloat16", 128, 3, True, 256, None),
+    (300, 144, 256, "float16", 256, 2, True, 256, None),
     # the warp-specialized kernel's 128-thread copier (tiles of 64 rows and more)
-    (5, 300, 256, "float16", 64, 1, False, 128),
-    (70, 272, 384, "bfloat16", 128, 3, True, 128),
-    (300, 140, 256, "float16", 256, 2, False, 128),
-    (270, 144, 256, "bfloat16", 256, 1, True, 128),
+    (5, 300, 256, "float16", 64, 1, False, 128, None),
+    (70, 272, 384, "bfloat16", 128, 3, True, 128, None),
+    (300, 140, 256, "float16", 256, 2, False, 128, None),
+    (270, 144, 256, "bfloat16", 256, 1, True, 128, None),
+    # 128 weight rows per CTA at the 128-row tile (JAX_FP4_FUSED_TILE_N=128)
+    (70, 272, 384, "bfloat16", 128, 3, True, 128, 128),
+    (130, 300, 256, "float16", 128, 2, False, 256, 128),
 ])
-def test_layout_model_matches_reference(m, n, k, dtype, bm, splits, tiled, loaders):
+def test_layout_model_matches_reference(m, n, k, dtype, bm, splits, tiled, loaders, tile_n):
     rng = np.random.default_rng()
     packed, scale, _ = random_weight(rng, n, k, special=True)
     gs = np.float32(0.5)
     a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
-    y = _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled, loaders)
+    y = _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled, loaders, tile_n)
     ref = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16)
     assert np.isfinite(y).all()
     np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())

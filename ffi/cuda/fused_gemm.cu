@@ -104,23 +104,31 @@ constexpr bool IsTileM(long bm) {
   return bm == 16 || bm == 32 || bm == 64 || bm == 128 || bm == 256;
 }
 
-// BM = activation rows per CTA (the wgmma N): the smallest of 16 / 32 / 64 / 128 / 256 that covers
-// M wastes the least tensor work. BM <= 32 fits two CTAs per SM (<= 128 registers, <= 113 KB of
-// shared memory, fewer stages), so that one CTA's decode hides the other's waits. Up to BM = 128
-// a warpgroup owns two m64 weight tiles (256 weight rows per CTA); at BM = 256 one (128 rows: the
-// accumulators of two m64n256 tiles would not fit the registers), so each decoded weight
-// fragment feeds 256 activation rows.
-template <int BM>
+// Weight rows per CTA by default: up to BM = 128 a warpgroup owns two m64 weight tiles (256 rows
+// per CTA); at BM = 256 one (128 rows: the accumulators of two m64n256 tiles would not fit the
+// registers), so each decoded weight fragment feeds 256 activation rows.
+constexpr int DefaultTileN(int bm) { return bm == 256 ? 128 : 256; }
+
+// The CTA tile: BM = activation rows (the wgmma N), TN = weight rows. BM: the smallest of 16 / 32
+// / 64 / 128 / 256 that covers M wastes the least tensor work; BM <= 32 fits two CTAs per SM
+// (<= 128 registers, <= 113 KB of shared memory, fewer stages), so that one CTA's decode hides
+// the other's waits. TN = 128 at BM = 128 (JAX_FP4_FUSED_TILE_N, measurement only): twice the
+// CTAs, for grids that leave SMs idle (NOTES_fused.md, "Thirteenth session").
+template <int BM, int TN = DefaultTileN(BM)>
 struct FusedConfig {
   static_assert(IsTileM(BM), "BM is 16, 32, 64, 128 or 256");
-  static constexpr int kTilesPerWarpgroup = BM == 256 ? 1 : 2;  // m64 weight tiles
-  static constexpr int kTileN = 2 * 64 * kTilesPerWarpgroup;     // weight rows per CTA
-  static constexpr int kGroups = 2 * kTilesPerWarpgroup;         // wgmma groups per stage
+  static_assert(TN == DefaultTileN(BM) || (BM == 128 && TN == 128),
+                "TN is 256 up to BM = 64, 128 or 256 at BM = 128, 128 at BM = 256");
+  static constexpr int kBM = BM;
+  static constexpr int kTilesPerWarpgroup = TN / 128;         // m64 weight tiles
+  static constexpr int kTileN = TN;                           // weight rows per CTA
+  static constexpr int kGroups = 2 * kTilesPerWarpgroup;      // wgmma groups per stage
   static constexpr int kMinBlocks = BM <= 32 ? 2 : 1;
   // Stages: as many as the shared memory allows, except BM = 32, where a 4th stage (fitting two
   // CTAs per SM) measured ~15% slower on 17408x5120 and 28672x8192 at M = 32 (NOTES_fused.md).
   static constexpr int kStages =
-      BM == 16 ? 5 : (BM == 32 ? 3 : (BM == 64 ? 6 : (BM == 128 ? 4 : 3)));
+      BM == 16 ? 5
+               : (BM == 32 ? 3 : (BM == 64 ? 6 : (BM == 128 ? (TN == 128 ? 5 : 4) : 3)));
   static constexpr int kActBytes = BM * kStageK * 2;         // two [BM][64] swizzled tiles
   static constexpr int kActSubBytes = BM * 128;              // one [BM][64] tile
   static constexpr int kPackedBytes = kTileN * kStageK / 2;  // 16 / 8 KB
@@ -429,9 +437,8 @@ __device__ __forceinline__ void DecodeGroup(uint32_t (&out)[4][4], const GroupBy
 
 // Shared-memory map of a CTA: S pipeline slots of activations, packed weight and scale bytes,
 // reused after the main loop as the fp32 epilogue tile. `base` is the 1024-aligned start.
-template <int BM>
+template <typename Cfg>
 struct SmemMap {
-  using Cfg = FusedConfig<BM>;
   uint32_t act, pk, sc;
   __device__ explicit SmemMap(uint32_t base)
       : act(base),
@@ -449,9 +456,9 @@ struct SmemMap {
 // moves; the per-row index arithmetic was ~20% of BM = 256's instructions): the thread's rows
 // i < a_valid lie in M (the rest are zero-filled), its packed rows i < p_valid in N (the rest read
 // row N - 1, never stored).
-template <typename T, int BM, bool Tiled, int kLoaders>
+template <typename T, typename Cfg, bool Tiled, int kLoaders>
 struct StageLoader {
-  using Cfg = FusedConfig<BM>;
+  static constexpr int BM = Cfg::kBM;
   static constexpr int kActRows = kLoaders / 16;  // activation rows per pass
   static constexpr int kActPasses = BM / kActRows;
   static constexpr int kPkRows = kLoaders / 4;  // packed rows per pass
@@ -475,10 +482,10 @@ struct StageLoader {
   uint32_t p_dst0;
   const uint8_t* s_src[kScPasses];
   int s_rows;  // scale rows this thread copies
-  SmemMap<BM> map;
+  SmemMap<Cfg> map;
 
   __device__ StageLoader(int ltid, const T* a, const uint8_t* packed, const uint8_t* scale, int m,
-                         int n, int k, int m0, int n0, SmemMap<BM> smem)
+                         int n, int k, int m0, int n0, SmemMap<Cfg> smem)
       : a_any(a), map(smem) {
     const int a_ch = ltid & 15, a_r0 = ltid >> 4;
     a_dst0 = (a_ch >> 3) * Cfg::kActSubBytes + a_r0 * 128 + (((a_ch & 7) ^ (a_r0 & 7)) << 4);
@@ -553,10 +560,10 @@ struct StageLoader {
 
 // The decode and tensor-core side of one consumer thread (ctid of the 256 threads of two
 // warpgroups): warpgroup wg owns weight rows [TN / 2 wg, TN / 2 (wg + 1)) of the CTA tile.
-template <typename T, int BM, bool Tiled>
+template <typename T, typename Config, bool Tiled>
 struct StageDecoder {
-  using Cfg = FusedConfig<BM>;
-  static constexpr int kBM = BM;
+  using Cfg = Config;
+  static constexpr int BM = Cfg::kBM;
   static constexpr int TJ = Cfg::kTilesPerWarpgroup;
   static constexpr int kAcc = BM / 2;
 
@@ -665,7 +672,7 @@ __device__ __forceinline__ void StoreTile(const Decoder& decode,
                                           const float* global_scale, const T* bias, T* y,
                                           int vec_store) {
   using Cfg = typename Decoder::Cfg;
-  constexpr int BM = Decoder::kBM;
+  constexpr int BM = Cfg::kBM;
   using Tr = HalfTraits<T>;
   namespace cg = cooperative_groups;
   constexpr int ST = Cfg::kEpiStride;
@@ -735,25 +742,25 @@ __device__ __forceinline__ uint32_t AlignedSmemBase(uint8_t*& smem, uint8_t* sme
 
 // Multistage: all 256 threads copy (cp.async, S - 2 stages ahead) and all decode and multiply;
 // one CTA-wide barrier per stage. The default up to BM = 64 (WarpSpecializedByDefault).
-template <typename T, int BM, bool Tiled = false>
-__global__ void __launch_bounds__(kConsumerThreads, FusedConfig<BM>::kMinBlocks)
+template <typename T, typename Cfg, bool Tiled = false>
+__global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
     FusedGemmKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                     const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                     const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
                     int vec_store) {
 #if JAX_FP4_FUSED_SM90A
-  using Cfg = FusedConfig<BM>;
-  using Decoder = StageDecoder<T, BM, Tiled>;
+  constexpr int BM = Cfg::kBM;
+  using Decoder = StageDecoder<T, Cfg, Tiled>;
   constexpr int S = Cfg::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem;
-  const SmemMap<BM> map(AlignedSmemBase(smem, smem_raw));
+  const SmemMap<Cfg> map(AlignedSmemBase(smem, smem_raw));
   const int tid = threadIdx.x;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * Cfg::kTileN;
   const int2 range = StageRange(k);
   const int kc0 = range.x, nst = range.y;
-  const StageLoader<T, BM, Tiled, kConsumerThreads> load(tid, a, packed, scale, m, n, k, m0, n0,
-                                                         map);
+  const StageLoader<T, Cfg, Tiled, kConsumerThreads> load(tid, a, packed, scale, m, n, k, m0,
+                                                          n0, map);
   const Decoder decode(tid);
 
   float acc[Decoder::TJ][Decoder::kAcc];
@@ -793,20 +800,20 @@ __global__ void __launch_bounds__(kConsumerThreads, FusedConfig<BM>::kMinBlocks)
 // kProducerRegisters), warpgroups 1 and 2 only decode and multiply, each on its own schedule (no
 // CTA-wide barrier in the main loop): a consumer warp waits for `full`, and releases the slot on
 // `empty` once its wgmma groups that read it have retired.
-template <typename T, int BM, bool Tiled = false>
+template <typename T, typename Cfg, bool Tiled = false>
 __global__ void __launch_bounds__(kWsThreads, 1)
     FusedGemmWsKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                       const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                       const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
                       int vec_store) {
 #if JAX_FP4_FUSED_SM90A
-  using Cfg = FusedConfig<BM>;
-  using Decoder = StageDecoder<T, BM, Tiled>;
+  constexpr int BM = Cfg::kBM;
+  using Decoder = StageDecoder<T, Cfg, Tiled>;
   constexpr int S = Cfg::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * S];  // full[S], then empty[S]
   uint8_t* smem;
-  const SmemMap<BM> map(AlignedSmemBase(smem, smem_raw));
+  const SmemMap<Cfg> map(AlignedSmemBase(smem, smem_raw));
   const uint32_t full_bar = SmemAddr(bars), empty_bar = full_bar + 8 * S;
   const int tid = threadIdx.x;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * Cfg::kTileN;
@@ -824,8 +831,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   if (tid < kProducerThreads) {
     SetMaxRegisters<kProducerRegisters, false>();
-    const StageLoader<T, BM, Tiled, kProducerThreads> load(tid, a, packed, scale, m, n, k, m0, n0,
-                                                           map);
+    const StageLoader<T, Cfg, Tiled, kProducerThreads> load(tid, a, packed, scale, m, n, k, m0,
+                                                            n0, map);
     int slot = 0;
     uint32_t empty_parity = 0;  // parity of the slot's previous release
     for (int c = 0; c < nst; ++c) {
@@ -872,29 +879,29 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
 // ---- host side -------------------------------------------------------------------------------
 
-// The kernel for activation tile BM: warp-specialized (WS, BM >= 64) or multistage.
-template <typename T, int BM, bool Tiled, bool WS>
+// The kernel for CTA tile Cfg: warp-specialized (WS, BM >= 64) or multistage.
+template <typename T, typename Cfg, bool Tiled, bool WS>
 constexpr auto* FusedKernel() {
   if constexpr (WS) {
-    static_assert(BM >= 64, "BM <= 32 runs the multistage kernel only");
-    return FusedGemmWsKernel<T, BM, Tiled>;
+    static_assert(Cfg::kBM >= 64, "BM <= 32 runs the multistage kernel only");
+    return FusedGemmWsKernel<T, Cfg, Tiled>;
   } else {
-    return FusedGemmKernel<T, BM, Tiled>;
+    return FusedGemmKernel<T, Cfg, Tiled>;
   }
 }
-template <typename T, int BM, bool Tiled, bool WS>
-constexpr auto* kFusedKernel = FusedKernel<T, BM, Tiled, WS>();
+template <typename T, typename Cfg, bool Tiled, bool WS>
+constexpr auto* kFusedKernel = FusedKernel<T, Cfg, Tiled, WS>();
 template <bool WS>
 constexpr int kFusedThreads = WS ? kWsThreads : kConsumerThreads;
 
 // How many clusters of `split` CTAs with `smem` bytes of dynamic shared memory fit on the device at
 // once (cached per device, split and whether smem is the spread size). Asked of the spec-layout
 // kernel; the tiled one has the same launch bounds and shared memory.
-template <typename T, int BM, bool WS>
+template <typename T, typename Cfg, bool WS>
 int MaxActiveClusters(int device, int split, int smem) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices][kMaxSplit + 1][2];  // value + 1; 0 = not queried
-  const int spread = smem != FusedConfig<BM>::kSmemBytes ? 1 : 0;
+  const int spread = smem != Cfg::kSmemBytes ? 1 : 0;
   if (device >= 0 && device < kMaxDevices) {
     const int cached = cache[device][split][spread].load(std::memory_order_relaxed);
     if (cached > 0) return cached - 1;
@@ -911,7 +918,7 @@ int MaxActiveClusters(int device, int split, int smem) {
   config.attrs = attr;
   config.numAttrs = 1;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kFusedKernel<T, BM, false, WS>, &config) !=
+  if (cudaOccupancyMaxActiveClusters(&clusters, kFusedKernel<T, Cfg, false, WS>, &config) !=
       cudaSuccess) {
     (void)cudaGetLastError();  // clear: a refused size just is not used
     clusters = 0;
@@ -924,13 +931,13 @@ int MaxActiveClusters(int device, int split, int smem) {
 
 // Split-K factor: minimise waves * (stages per CTA + fixed cost) over the cluster sizes that
 // fit; ties go to the smaller split. Deterministic for a given device and shape.
-template <typename T, int BM, bool WS>
+template <typename T, typename Cfg, bool WS>
 int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
   int best = 1;
   int64_t best_cost = INT64_MAX;
   const int max_split = static_cast<int>(std::min<int64_t>(kMaxSplit, std::max<int64_t>(ks, 1)));
   for (int s = 1; s <= max_split; ++s) {
-    const int clusters = MaxActiveClusters<T, BM, WS>(device, s, smem);
+    const int clusters = MaxActiveClusters<T, Cfg, WS>(device, s, smem);
     if (clusters <= 0) continue;
     const int64_t capacity = static_cast<int64_t>(clusters) * s;
     const int64_t waves = CeilDiv(tiles * s, capacity);
@@ -947,6 +954,8 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
 // heuristic's choice (*forced left as it is):
 //   JAX_FP4_FUSED_SPLIT=<n>, n in 1..kMaxSplit: the split-K factor (clamped to the K stages);
 //   JAX_FP4_FUSED_TILE_M=<bm>, bm in {16, 32, 64, 128, 256} (IsTileM): activation rows per CTA;
+//   JAX_FP4_FUSED_TILE_N=128|256: weight rows per CTA (128 at 128-row activation tiles only, the
+//   default elsewhere);
 //   JAX_FP4_FUSED_WARP_SPECIALIZED=0|1: the multistage or the warp-specialized kernel for
 //   BM >= 64 (BM <= 32 always runs the multistage one).
 // Anything else is an error (returned as a message), not silently ignored.
@@ -976,12 +985,12 @@ int DefaultTileM(int64_t m) {
 // warp-specialized one 5% faster to 9% slower by shape). NOTES_fused.md, "Thirteenth session".
 constexpr bool WarpSpecializedByDefault(int tile_m) { return tile_m >= 128; }
 
-template <typename T, int BM, bool Tiled, bool WS>
+template <typename T, typename Cfg, bool Tiled, bool WS>
 cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
                         const uint8_t* packed, const uint8_t* scale, const float* gs,
                         const void* bias, void* y, int64_t m, int64_t n, int64_t k, bool vec_store,
                         int forced_split) {
-  using Cfg = FusedConfig<BM>;
+  constexpr int BM = Cfg::kBM;
   const int64_t tiles_n = CeilDiv(n, Cfg::kTileN);
   const int64_t tiles_m = CeilDiv(m, BM);
   const int64_t ks = k / kStageK;
@@ -991,14 +1000,14 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
   const int smem = Cfg::kMinBlocks > 1 && max_ctas < static_cast<int64_t>(Cfg::kMinBlocks) * sms
                        ? Cfg::kSpreadSmemBytes
                        : Cfg::kSmemBytes;
-  constexpr auto* kKernel = kFusedKernel<T, BM, Tiled, WS>;
+  constexpr auto* kKernel = kFusedKernel<T, Cfg, Tiled, WS>;
   cudaError_t err = AllowDynamicSmem<kKernel>(smem);
   // ChooseSplit's occupancy query asks the spec-layout kernel, which needs the same allowance.
-  if (err == cudaSuccess && Tiled) err = AllowDynamicSmem<kFusedKernel<T, BM, false, WS>>(smem);
+  if (err == cudaSuccess && Tiled) err = AllowDynamicSmem<kFusedKernel<T, Cfg, false, WS>>(smem);
   if (err != cudaSuccess) return err;
   const int split = forced_split > 0
                         ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(forced_split, ks)))
-                        : ChooseSplit<T, BM, WS>(device, tiles_n * tiles_m, ks, smem);
+                        : ChooseSplit<T, Cfg, WS>(device, tiles_n * tiles_m, ks, smem);
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
@@ -1030,30 +1039,46 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
   return err;
 }
 
+// The CTA tile and kernel of a call.
+struct TileChoice {
+  int m;    // activation rows (IsTileM)
+  int n;    // weight rows: DefaultTileN(m), or 128 at m = 128
+  bool ws;  // warp-specialized kernel (m >= 64)
+};
+
+template <typename T, bool Tiled, int BM, int TN = DefaultTileN(BM)>
+constexpr auto LaunchFor(bool ws) {
+  using Cfg = FusedConfig<BM, TN>;
+  if constexpr (BM >= 64) {
+    return ws ? LaunchFused<T, Cfg, Tiled, true> : LaunchFused<T, Cfg, Tiled, false>;
+  } else {
+    return LaunchFused<T, Cfg, Tiled, false>;  // the 16- and 32-row tiles: multistage only
+  }
+}
+
 template <typename T, bool Tiled>
-cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, int tile_m, bool ws,
+cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, TileChoice tile,
                                 const void* a, const uint8_t* packed, const uint8_t* scale,
                                 const float* gs, const void* bias, void* y, int64_t m, int64_t n,
                                 int64_t k, bool vec_store, int forced_split) {
-  // The 16- and 32-row tiles have the multistage kernel only.
   const auto launch =
-      tile_m == 16   ? LaunchFused<T, 16, Tiled, false>
-      : tile_m == 32 ? LaunchFused<T, 32, Tiled, false>
-      : tile_m == 64 ? (ws ? LaunchFused<T, 64, Tiled, true> : LaunchFused<T, 64, Tiled, false>)
-      : tile_m == 128
-          ? (ws ? LaunchFused<T, 128, Tiled, true> : LaunchFused<T, 128, Tiled, false>)
-          : (ws ? LaunchFused<T, 256, Tiled, true> : LaunchFused<T, 256, Tiled, false>);
+      tile.m == 16    ? LaunchFor<T, Tiled, 16>(tile.ws)
+      : tile.m == 32  ? LaunchFor<T, Tiled, 32>(tile.ws)
+      : tile.m == 64  ? LaunchFor<T, Tiled, 64>(tile.ws)
+      : tile.m == 128 ? (tile.n == 128 ? LaunchFor<T, Tiled, 128, 128>(tile.ws)
+                                       : LaunchFor<T, Tiled, 128>(tile.ws))
+                      : LaunchFor<T, Tiled, 256>(tile.ws);
   return launch(stream, device, sms, a, packed, scale, gs, bias, y, m, n, k, vec_store,
                 forced_split);
 }
 
 template <typename T>
-cudaError_t DispatchFused(cudaStream_t stream, bool tiled, int device, int sms, int tile_m, bool ws,
+cudaError_t DispatchFused(cudaStream_t stream, bool tiled, int device, int sms, TileChoice tile,
                           const void* a, const uint8_t* packed, const uint8_t* scale,
                           const float* gs, const void* bias, void* y, int64_t m, int64_t n,
                           int64_t k, bool vec_store, int forced_split) {
   const auto dispatch = tiled ? DispatchFusedLayout<T, true> : DispatchFusedLayout<T, false>;
-  return dispatch(stream, device, sms, tile_m, ws, a, packed, scale, gs, bias, y, m, n, k, vec_store,
+  return dispatch(stream, device, sms, tile, a, packed, scale, gs, bias, y, m, n, k, vec_store,
                   forced_split);
 }
 
@@ -1114,6 +1139,12 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
     bad_override = ReadOverride(
         "JAX_FP4_FUSED_TILE_M", IsTileM, "one of 16, 32, 64, 128, 256", &forced_tile);
   }
+  int forced_tile_n = 0;
+  if (bad_override.empty()) {
+    bad_override = ReadOverride(
+        "JAX_FP4_FUSED_TILE_N", [](long v) { return v == 128 || v == 256; }, "128 or 256",
+        &forced_tile_n);
+  }
   int warp_specialized = -1;  // unset: WarpSpecializedByDefault
   if (bad_override.empty()) {
     bad_override = ReadOverride(
@@ -1121,21 +1152,27 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
         &warp_specialized);
   }
   if (!bad_override.empty()) return invalid(bad_override);
-  const int tile_m = forced_tile > 0 ? forced_tile : DefaultTileM(m);
-  const bool ws = warp_specialized < 0 ? WarpSpecializedByDefault(tile_m) : warp_specialized == 1;
-  if (CeilDiv(m, tile_m) > fused::kMaxMTiles) {
-    return invalid("M too large for " + std::to_string(tile_m) + "-row tiles");
+  TileChoice tile;
+  tile.m = forced_tile > 0 ? forced_tile : DefaultTileM(m);
+  tile.n = forced_tile_n > 0 ? forced_tile_n : DefaultTileN(tile.m);
+  tile.ws = warp_specialized < 0 ? WarpSpecializedByDefault(tile.m) : warp_specialized == 1;
+  if (tile.n != DefaultTileN(tile.m) && tile.m != 128) {
+    return invalid("JAX_FP4_FUSED_TILE_N=" + std::to_string(tile.n) + " needs 128-row activation "
+                   "tiles (this call's are " + std::to_string(tile.m) + " rows)");
+  }
+  if (CeilDiv(m, tile.m) > fused::kMaxMTiles) {
+    return invalid("M too large for " + std::to_string(tile.m) + "-row tiles");
   }
 
   const void* bias_ptr = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   const bool vec_store = n % 4 == 0 && IsAligned(y->untyped_data(), 8);
   if (a.element_type() == ffi::DataType::F16) {
-    err = DispatchFused<__half>(stream, tiled, device, info.num_sms, tile_m, ws, a.untyped_data(),
+    err = DispatchFused<__half>(stream, tiled, device, info.num_sms, tile, a.untyped_data(),
                                 packed.typed_data(), scale.typed_data(),
                                 global_scale.typed_data(), bias_ptr, y->untyped_data(), m, n, k,
                                 vec_store, forced_split);
   } else {
-    err = DispatchFused<__nv_bfloat16>(stream, tiled, device, info.num_sms, tile_m, ws,
+    err = DispatchFused<__nv_bfloat16>(stream, tiled, device, info.num_sms, tile,
                                        a.untyped_data(), packed.typed_data(), scale.typed_data(),
                                        global_scale.typed_data(), bias_ptr, y->untyped_data(), m,
                                        n, k, vec_store, forced_split);
