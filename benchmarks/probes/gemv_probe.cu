@@ -249,9 +249,16 @@ float TimeUs(Launch launch, int copies, int rounds) {
   return 1000.0f * ms / static_cast<float>(rounds * copies);
 }
 
-// The operands of one shape: `copies` copies of the weights (rotated through so that every call
-// reads HBM), `rows` activation and output rows. Values are arbitrary (timing only).
+// Copies of an [N, K] weight (`weight_bytes`, packed + scales) to rotate through so that the
+// copies together exceed the 60 MB L2 several times: every call reads HBM.
+int RotatingCopies(int64_t weight_bytes) {
+  return static_cast<int>(std::max<int64_t>(2, (240LL << 20) / weight_bytes + 1));
+}
+
+// The operands of one shape: `copies` copies of the weights (call c reads copy c: weights(c),
+// scales(c)), `rows` activation and output rows. Values are arbitrary (timing only).
 struct ProbeBuffers {
+  int64_t packed_bytes, scale_bytes;  // one copy's
   uint8_t* packed = nullptr;
   uint8_t* scale = nullptr;
   T* a = nullptr;
@@ -259,8 +266,8 @@ struct ProbeBuffers {
   float* gs = nullptr;
   uint32_t* sink = nullptr;
 
-  ProbeBuffers(int64_t n, int64_t k, int copies, int rows) {
-    const int64_t packed_bytes = n * k / 2, scale_bytes = n * k / 16;
+  ProbeBuffers(int64_t n, int64_t k, int copies, int rows)
+      : packed_bytes(n * k / 2), scale_bytes(n * k / 16) {
     CHECK_CUDA(cudaMalloc(&packed, packed_bytes * copies));
     CHECK_CUDA(cudaMalloc(&scale, scale_bytes * copies));
     CHECK_CUDA(cudaMalloc(&a, sizeof(T) * k * rows));
@@ -282,21 +289,23 @@ struct ProbeBuffers {
   }
   ProbeBuffers(const ProbeBuffers&) = delete;
   ProbeBuffers& operator=(const ProbeBuffers&) = delete;
+
+  const uint8_t* weights(int c) const { return packed + packed_bytes * c; }
+  const uint8_t* scales(int c) const { return scale + scale_bytes * c; }
+  // The reference: a plain streaming read of copy c's bytes.
+  void LaunchStream(int c, int num_sms) const {
+    StreamKernel<<<num_sms * 16, 256>>>(weights(c), packed_bytes, scales(c), scale_bytes, sink);
+  }
 };
 
 void Probe(int64_t n, int64_t k, int num_sms, int major) {
-  const int64_t packed_bytes = n * k / 2, scale_bytes = n * k / 16;
-  const int64_t bytes = packed_bytes + scale_bytes;
+  const int64_t bytes = n * k / 2 + n * k / 16;
   // GEMV_PROBE_COPIES=1: one copy, which stays in the 60 MB L2 for shapes of up to ~40 MB: the
   // kernels' time without HBM (compute and L2 latency only).
   const char* copies_env = std::getenv("GEMV_PROBE_COPIES");
   const int copies_override = copies_env != nullptr ? std::atoi(copies_env) : 0;
-  const int copies = copies_override > 0
-                         ? copies_override
-                         : static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
+  const int copies = copies_override > 0 ? copies_override : RotatingCopies(bytes);
   const ProbeBuffers buffers(n, k, copies, 1);
-  uint8_t* const packed = buffers.packed;
-  uint8_t* const scale = buffers.scale;
   T* const a = buffers.a;
   T* const y = buffers.y;
   float* const gs = buffers.gs;
@@ -307,8 +316,6 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvTileCols)));
   const dim3 block(32 * k_split);
   const int rounds = 20;
-  const auto weights = [&](int c) { return packed + packed_bytes * c; };
-  const auto scales = [&](int c) { return scale + scale_bytes * c; };
 
   struct Row {
     std::string name;
@@ -329,12 +336,10 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   const auto add = [&](const std::string& name, const auto& launch, int blocks_per_sm = 0) {
     if (wanted(name)) rows.push_back({name, TimeUs(launch, copies, rounds), blocks_per_sm});
   };
-  rows.push_back({"stream", TimeUs([&](int c) {
-                    StreamKernel<<<num_sms * 16, 256>>>(weights(c), packed_bytes, scales(c),
-                                                        scale_bytes, sink);
-                  }, copies, rounds), 0});
+  rows.push_back(
+      {"stream", TimeUs([&](int c) { buffers.LaunchStream(c, num_sms); }, copies, rounds), 0});
   add("loads", [&](int c) {
-    LoadsKernel<false><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
+    LoadsKernel<false><<<grid, block>>>(a, buffers.weights(c), buffers.scales(c), sink, n, k);
   }, resident(LoadsKernel<false>, block.x, 0));
   // The same loads held to `blocks` resident blocks per SM (the GEMV's occupancy: 5 for one tile
   // at 96 registers, 4 for two at 128) by a shared-memory allocation they do not use: are the
@@ -349,15 +354,17 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     // 1 KB reserved per block; allocations come in 128-byte units.
     const size_t hold = static_cast<size_t>((smem_per_sm / blocks - 1024) & ~127);
     add("loads_occ" + std::to_string(blocks), [&](int c) {
-      LoadsKernel<false><<<grid, block, hold>>>(a, weights(c), scales(c), sink, n, k);
+      LoadsKernel<false><<<grid, block, hold>>>(a, buffers.weights(c), buffers.scales(c), sink, n,
+                                                k);
     }, resident(LoadsKernel<false>, block.x, hold));
   }
   add("loads_prepacked", [&](int c) {
-    LoadsKernel<true><<<grid, block>>>(a, weights(c), scales(c), sink, n, k);
+    LoadsKernel<true><<<grid, block>>>(a, buffers.weights(c), buffers.scales(c), sink, n, k);
   }, resident(LoadsKernel<true>, block.x, 0));
   if (major >= 9 && k % (2 * kBulkRowBytes) == 0) {
     const auto launch = [&](int c) {
-      BulkLoadsKernel<<<grid, 32, kBulkDepth * kBulkStageBytes>>>(weights(c), scales(c), sink, n, k);
+      BulkLoadsKernel<<<grid, 32, kBulkDepth * kBulkStageBytes>>>(
+          buffers.weights(c), buffers.scales(c), sink, n, k);
     };
     add("loads_bulk", launch);
   }
@@ -366,7 +373,8 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     const dim3 kernel_grid(static_cast<unsigned>(CeilDiv(n, col_tiles * kGemvTileCols)));
     const size_t smem = GemvMmaSmemBytes(col_tiles, split);
     add(name, [&](int c) {
-      kernel<<<kernel_grid, 32 * split, smem>>>(a, weights(c), scales(c), gs, nullptr, y, 1, n, k);
+      kernel<<<kernel_grid, 32 * split, smem>>>(a, buffers.weights(c), buffers.scales(c), gs,
+                                                nullptr, y, 1, n, k);
     }, resident(kernel, 32 * split, smem));
   };
   add_gemv("no_decode", GemvMmaKernel<T, 1, 1, DecodeNone>, 1, k_split);
@@ -421,21 +429,17 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
 template <int CT, int RT>
 float TimeTiledGemv(const ProbeBuffers& b, int64_t m, int64_t n, int64_t k, int k_split, int copies) {
   return TimeUs([&](int c) {
-    LaunchMmaLayout<T, CT, RT, true>(nullptr, b.a, b.packed + n * k / 2 * c, b.scale + n * k / 16 * c,
-                                     b.gs, nullptr, b.y, m, n, k, k_split);
+    LaunchMmaLayout<T, CT, RT, true>(nullptr, b.a, b.weights(c), b.scales(c), b.gs, nullptr, b.y,
+                                     m, n, k, k_split);
   }, copies, 20);
 }
 
 void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms) {
-  const int64_t packed_bytes = n * k / 2, scale_bytes = n * k / 16;
-  const int64_t bytes = packed_bytes + scale_bytes;
-  const int copies = static_cast<int>(std::max<int64_t>(2, (240LL << 20) / bytes + 1));
+  const int64_t bytes = n * k / 2 + n * k / 16;
+  const int copies = RotatingCopies(bytes);
   const int max_m = *std::max_element(ms.begin(), ms.end());
   const ProbeBuffers b(n, k, copies, max_m);
-  const float stream_us = TimeUs([&](int c) {
-    StreamKernel<<<num_sms * 16, 256>>>(b.packed + packed_bytes * c, packed_bytes,
-                                        b.scale + scale_bytes * c, scale_bytes, b.sink);
-  }, copies, 20);
+  const float stream_us = TimeUs([&](int c) { b.LaunchStream(c, num_sms); }, copies, 20);
   std::printf("%6lldx%-6lld stream %8.2f us %6.2f TB/s\n", static_cast<long long>(n),
               static_cast<long long>(k), stream_us, bytes / (stream_us * 1e-6) / 1e12);
   for (int m : ms) {
