@@ -15,7 +15,8 @@
 #   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
 #   bash benchmarks/device_run.sh build fused-tests fused-tiles   # fused GEMM tests, CTA row tiles
 #   bash benchmarks/device_run.sh build fused-crossovers   # the dispatch's crossovers, ~4 min
-#   bash benchmarks/device_run.sh build fused-tests fused-tile-n   # 128-row weight tiles at M = 65-128
+#   FUSED_TILE_N_SPLITS="auto 3 4" bash benchmarks/device_run.sh build fused-tests fused-tile-n   # 128-row weight tiles at M = 65-128
+#   bash benchmarks/device_run.sh build fused-tests stream-k   # stream-K against cluster split-K, ~6 min
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -144,8 +145,19 @@ for stage in "$@"; do
     fused-tile-n)
       # 128 against 256 weight rows per CTA at the 128-row activation tile (JAX_FP4_FUSED_TILE_N):
       # the M = 65-128 decomposition experiment of NOTES_fused.md, "Thirteenth session".
-      timeout 200 python benchmarks/fused_timing.py --variants bf16,fused,fused_tile_n128 --ms ${FUSED_TILE_N_MS:-80,128} \
-        --json "$OUT/fused_tile_n.json" 2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|" | tee "$OUT/fused_tile_n.log" ;;
+      # FUSED_TILE_N_SPLITS: split-K factors forced on both tiles (JAX_FP4_FUSED_SPLIT), auto = ChooseSplit.
+      for split in ${FUSED_TILE_N_SPLITS:-auto}; do
+        echo "== JAX_FP4_FUSED_SPLIT=$split"
+        [ "$split" = auto ] && split=""
+        JAX_FP4_FUSED_SPLIT=$split timeout 200 python benchmarks/fused_timing.py --variants bf16,fused,fused_tile_n128 \
+          --ms ${FUSED_TILE_N_MS:-80,128} --json "$OUT/fused_tile_n_split_${split:-auto}.json" 2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
+      done | tee "$OUT/fused_tile_n.log" ;;
+    stream-k)
+      # Stream-K against cluster split-K for the warp-specialized kernel (JAX_FP4_FUSED_STREAM_K),
+      # with the heuristic's pick (fused) and bf16 jnp.dot in the same run.
+      timeout 300 python benchmarks/fused_timing.py --variants bf16,fused,fused_cluster,fused_stream_k \
+        --ms ${STREAM_K_MS:-80,128,192,256,512,1024} --json "$OUT/stream_k.json" 2>&1 \
+        | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|" | tee "$OUT/stream_k.log" ;;
     fused-tests)
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;

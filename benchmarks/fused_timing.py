@@ -33,9 +33,12 @@ FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
 GEMV = "jax_fp4_gemv_cuda"
 # Variants that are `fused` run under an environment override (read by the kernel on each call):
-# the multistage kernel at every tile, and 128 weight rows per CTA at the 128-row tile (M = 65-128).
+# the multistage kernel at every tile, 128 weight rows per CTA at the 128-row tile (M = 65-128),
+# and cluster split-K or stream-K forced for the warp-specialized kernel (stream-K: M > 64 only).
 ENV_VARIANTS = {"fused_multistage": ("JAX_FP4_FUSED_WARP_SPECIALIZED", "0"),
-                "fused_tile_n128": ("JAX_FP4_FUSED_TILE_N", "128")}
+                "fused_tile_n128": ("JAX_FP4_FUSED_TILE_N", "128"),
+                "fused_cluster": ("JAX_FP4_FUSED_STREAM_K", "0"),
+                "fused_stream_k": ("JAX_FP4_FUSED_STREAM_K", "1")}
 VARIANTS = ("bf16", "dequant", "dequant16", "fused", *ENV_VARIANTS, "fused_own_a", "gemv")
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_MS = "16,32,64,128,256,512,1024,2048,4096"
@@ -53,9 +56,10 @@ def register_targets() -> str:
 
 
 def fused_call(a, packed, scale, gs):
-    m, n = a.shape[0], packed.shape[0]
+    (m, k), n = a.shape, packed.shape[0]
     call = jax.ffi.ffi_call(FUSED, (jax.ShapeDtypeStruct((m, n), a.dtype),
-                                    jax.ShapeDtypeStruct((0,), jnp.float32)))
+                                    jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),),
+                                                         jnp.float32)))
     y, _ = call(_fused.to_fragment_order(a), packed, scale, gs, jnp.zeros((0,), a.dtype),
                 block_size=np.int64(16), tiled=False)
     return y
@@ -127,7 +131,8 @@ def plot(json_path, png_path):
     shapes = sorted({(r["n"], r["k"]) for r in data["records"]})
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
     styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green",
-              "fused_multistage": "tab:olive", "fused_tile_n128": "tab:cyan", "gemv": "tab:purple"}
+              "fused_multistage": "tab:olive", "fused_tile_n128": "tab:cyan", "fused_cluster": "tab:brown",
+              "fused_stream_k": "tab:pink", "gemv": "tab:purple"}
     for col, (n, k) in enumerate(shapes):
         rows = sorted((r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
         ms = [r["m"] for r in rows]

@@ -46,14 +46,24 @@ def to_fragment_order(a, tiled: bool = False):
     return x.reshape(*lead, k)
 
 
+MAX_STREAM_K_CTAS = 132          # the most SMs of an sm_90 part
+STREAM_K_TILE_ELEMS = 128 * 256  # the largest CTA tile (activation rows x weight rows)
+
+
 def fused_workspace_elems(m: int, n: int, k: int) -> int:
     """f32 elements of the target's workspace result (mirror of fused::WorkspaceElems).
 
-    Always 0: split-K partial sums are reduced on chip (thread-block cluster, distributed shared
-    memory), so the workspace result is an empty f32[0] array.
+    For M > 64 (the warp-specialized kernel), the stream-K decomposition's two fp32 partial tiles
+    per CTA (at most one CTA per SM) and one int32 arrival counter per tile: a bound over the
+    128 x 256 and 256 x 128 tiles, at most ~35 MB. 0 up to M = 64 (split-K there is reduced on chip
+    inside a thread-block cluster).
     """
-    del m, n, k
-    return 0
+    if m <= 64:
+        return 0
+    m128, n128 = -(-m // 128), -(-n // 128)
+    tiles = max(m128 * -(-n // 256), -(-m // 256) * n128)
+    ctas = min(MAX_STREAM_K_CTAS, tiles * (k // K_MULTIPLE))
+    return 2 * ctas * STREAM_K_TILE_ELEMS + m128 * n128
 
 
 def fused_supported(m: int, n: int, k: int, block_size: int, dtype) -> str | None:

@@ -242,13 +242,14 @@ def test_forced_tile_matches_reference(tile_m, m, monkeypatch):
 def test_warp_specialized_equals_multistage(tile_m, tiled, dtype, monkeypatch):
     """From 64 activation rows per CTA two kernels serve (JAX_FP4_FUSED_WARP_SPECIALIZED): the
     warp-specialized one (a copying warpgroup, mbarrier stages) and the multistage one. Both
-    match the reference on ragged M and N with split-K, and each other bit for bit (the same
-    wgmma sequence per CTA and the same reduction order)."""
+    match the reference on ragged M and N with cluster split-K, and each other bit for bit (the
+    same wgmma sequence per CTA and the same reduction order)."""
     rng = np.random.default_rng()
     n, k = 528, 1152
     packed, scale, gs = random_weight(rng, n, k, special=True)
     bias = rng.standard_normal(n).astype(NP_DTYPES[dtype])
     monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", tile_m)
+    monkeypatch.setenv("JAX_FP4_FUSED_STREAM_K", "0")  # both kernels: cluster split-K
     for m, split in ((1, "1"), (70, "3"), (300, "")):
         a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
         monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", split)
@@ -268,7 +269,7 @@ def test_tile_n_128_equals_default_tile(warp_specialized, tiled, monkeypatch):
     CTAs of the default 256). Each output is the same wgmma sequence and, at a forced split, the
     same reduction: equal to the reference and bit-identical to the default tile."""
     rng = np.random.default_rng()
-    n, k = 536, 1152
+    n, k = 528, 1152  # ragged against both tiles; N % 16 == 0 for the tiled layout
     packed, scale, gs = random_weight(rng, n, k, special=True)
     bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
     monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", "128")
@@ -282,6 +283,57 @@ def test_tile_n_128_equals_default_tile(warp_specialized, tiled, monkeypatch):
         y_default = fused(a, packed, scale, gs, bias, tiled=tiled)
         check_close(y, a, packed, scale, gs, bias, "bfloat16")
         np.testing.assert_array_equal(y.view(np.uint16), y_default.view(np.uint16))
+
+
+# Stream-K (JAX_FP4_FUSED_STREAM_K=1): (M, N, K, activation tile, weight tile) where the CTAs'
+# runs are single K stages of tiles split 9 ways, mixes of whole and partial tiles (136 tiles of 2
+# stages over at most 132 CTAs), and runs crossing several tiles.
+STREAM_K_CASES = [(70, 528, 1152, "128", "256"), (200, 528, 1152, "128", "128"),
+                  (300, 528, 1152, "256", "128"), (1000, 4240, 256, "256", "128"),
+                  (129, 8208, 384, "128", "256"), (65, 144, 11008, "64", "256")]
+
+
+@needs_sm90
+@pytest.mark.parametrize("m, n, k, tile_m, tile_n", STREAM_K_CASES)
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stream_k_matches_reference(m, n, k, tile_m, tile_n, tiled, dtype, monkeypatch):
+    """Stream-K splits the tiles' K stages evenly over one CTA per SM; partial tiles meet in the
+    workspace and the last to arrive sums them in CTA order. Equal to the reference on ragged M
+    and N (bias, fp16 and bf16, both layouts), and bit-identical from run to run although the
+    order in which CTAs arrive is not."""
+    rng = np.random.default_rng()
+    packed, scale, gs = random_weight(rng, n, k, special=True)
+    bias = rng.standard_normal(n).astype(NP_DTYPES[dtype])
+    a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
+    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", tile_m)
+    monkeypatch.setenv("JAX_FP4_FUSED_WARP_SPECIALIZED", "1")
+    if tile_m == "128":
+        monkeypatch.setenv("JAX_FP4_FUSED_TILE_N", tile_n)
+    monkeypatch.setenv("JAX_FP4_FUSED_STREAM_K", "1")
+    y = fused(a, packed, scale, gs, bias, tiled=tiled)
+    check_close(y, a, packed, scale, gs, bias, dtype)
+    again = fused(a, packed, scale, gs, bias, tiled=tiled)
+    np.testing.assert_array_equal(y.view(np.uint16), again.view(np.uint16))
+    monkeypatch.setenv("JAX_FP4_FUSED_STREAM_K", "0")  # cluster split-K on the same problem
+    check_close(fused(a, packed, scale, gs, bias, tiled=tiled), a, packed, scale, gs, bias, dtype)
+
+
+@needs_sm90
+def test_stream_k_needs_its_workspace_and_kernel(monkeypatch):
+    """JAX_FP4_FUSED_STREAM_K=1 where stream-K cannot run is an error, not a silent fallback."""
+    rng = np.random.default_rng()
+    packed, scale, gs = random_weight(rng, 256, 256)
+    monkeypatch.setenv("JAX_FP4_FUSED_STREAM_K", "1")
+    for m, env in ((40, {}), (100, {"JAX_FP4_FUSED_SPLIT": "2"}),
+                   (100, {"JAX_FP4_FUSED_WARP_SPECIALIZED": "0"})):
+        a = rng.standard_normal((m, 256)).astype(np.float16)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(Exception, match="JAX_FP4_FUSED_STREAM_K=1 needs"):
+            fused(a, packed, scale, gs)
+        for name in env:
+            monkeypatch.delenv(name)
 
 
 @needs_sm90
@@ -300,6 +352,7 @@ _SPLIT_ERROR = "JAX_FP4_FUSED_SPLIT must be an integer in 1..8"
 _TILE_ERROR = "JAX_FP4_FUSED_TILE_M must be one of 16, 32, 64, 128, 256"
 _WS_ERROR = "JAX_FP4_FUSED_WARP_SPECIALIZED must be 0 or 1"
 _TILE_N_ERROR = "JAX_FP4_FUSED_TILE_N must be 128 or 256"
+_STREAM_K_ERROR = "JAX_FP4_FUSED_STREAM_K must be 0 or 1"
 
 
 @needs_sm90
@@ -308,6 +361,7 @@ _TILE_N_ERROR = "JAX_FP4_FUSED_TILE_N must be 128 or 256"
     *[("JAX_FP4_FUSED_TILE_M", v, _TILE_ERROR) for v in ("0", "8", "48", "512", "x", " ")],
     *[("JAX_FP4_FUSED_WARP_SPECIALIZED", v, _WS_ERROR) for v in ("2", "-1", "yes", " ")],
     *[("JAX_FP4_FUSED_TILE_N", v, _TILE_N_ERROR) for v in ("64", "512", "x")],
+    *[("JAX_FP4_FUSED_STREAM_K", v, _STREAM_K_ERROR) for v in ("2", "-1", "on")],
 ])
 def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
     """A malformed tuning override is an error naming the variable, not silently ignored."""
@@ -392,7 +446,12 @@ def test_tiled_fragment_order_is_the_spec_order_with_o_and_j0_swapped():
 
 
 def test_static_rules():
-    assert _fused.fused_workspace_elems(4096, 28672, 8192) == 0
+    # Stream-K from M = 65: 2 partial tiles of 128 x 256 per CTA (132 at most) + 1 counter per
+    # 128 x 128 tile; none up to M = 64.
+    assert _fused.fused_workspace_elems(64, 28672, 8192) == 0
+    assert _fused.fused_workspace_elems(128, 11008, 4096) == 2 * 132 * 32768 + 86
+    assert _fused.fused_workspace_elems(4096, 28672, 8192) == 2 * 132 * 32768 + 32 * 224
+    assert _fused.fused_workspace_elems(70, 528, 128) == 2 * 5 * 32768 + 5  # 5 tiles x 1 stage
     assert _fused.fused_supported(16, 11008, 4096, 16, np.float16) is None
     assert _fused.fused_supported(16, 11008, 4096, 16, ml_dtypes.bfloat16) is None
     assert "multiple of 128" in _fused.fused_supported(16, 11008, 4160, 16, np.float16)

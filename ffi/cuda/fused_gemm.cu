@@ -738,6 +738,216 @@ __device__ __forceinline__ uint32_t AlignedSmemBase(uint8_t*& smem, uint8_t* sme
   return raw_base + align_pad;
 }
 
+// ---- the warp-specialized pipeline -------------------------------------------------------------
+
+// Slot bookkeeping of the warp-specialized kernels' ring of S pipeline slots: per slot a `full`
+// mbarrier (kProducerThreads cp.async arrivals: the stage landed) and an `empty` one (one arrival
+// per consumer warp: the wgmma groups that read it retired). Copier and consumers each walk the
+// ring in the same stage order, over one or several tile segments.
+template <int S>
+struct PipelineRing {
+  uint32_t full_bar, empty_bar;  // S barriers each, 8 bytes apart
+  int slot = 0;
+  uint32_t parity = 0;  // copier: of the slot's previous release; consumer: of its next arrival
+  int stages = 0;       // stages walked so far
+
+  __device__ explicit PipelineRing(uint64_t (&bars)[2 * S])
+      : full_bar(SmemAddr(bars)), empty_bar(SmemAddr(bars) + 8 * S) {}
+
+  // Once per CTA by thread 0, then a CTA barrier.
+  __device__ void Init() const {
+    for (int s = 0; s < S; ++s) {
+      MbarInit(full_bar + 8 * s, kProducerThreads);        // one cp.async arrival per thread
+      MbarInit(empty_bar + 8 * s, kConsumerThreads / 32);  // one arrival per consumer warp
+    }
+    FenceMbarInit();
+  }
+
+  // Copier: K stage kc of the loader's tile into the next slot, once the slot is released.
+  template <typename Loader>
+  __device__ __forceinline__ void Copy(const Loader& load, int kc, int ltid) {
+    if (stages >= S) MbarWait(empty_bar + 8 * slot, parity);
+    load(kc, slot, ltid);
+    CpAsyncArriveNoinc(full_bar + 8 * slot);
+    Advance(stages >= S);
+  }
+
+  // Consumers: `nst` stages of one tile segment into acc (the first overwrites it); every slot
+  // is released once the wgmma groups that read it have retired (the last one after the drain).
+  template <typename Decoder>
+  __device__ __forceinline__ void Consume(const Decoder& decode,
+                                          float (&acc)[Decoder::TJ][Decoder::kAcc],
+                                          uint32_t (&afrag)[2][4][4],
+                                          const SmemMap<typename Decoder::Cfg>& map, int nst,
+                                          int lane) {
+    int prev_slot = 0;
+    for (int it = 0; it < nst; ++it) {
+      MbarWait(full_bar + 8 * slot, parity);
+      FenceProxyAsync();  // the copier's cp.async writes (generic proxy) -> wgmma (async proxy)
+      decode(acc, afrag, map.ActSlot(slot), map.PackedSlot(slot), map.ScaleSlot(slot), it == 0,
+             [&] {
+               if (it > 0 && lane == 0) MbarArrive(empty_bar + 8 * prev_slot);
+             });
+      prev_slot = slot;
+      Advance(true);
+    }
+    decode.Drain(acc);
+    if (lane == 0) MbarArrive(empty_bar + 8 * prev_slot);
+  }
+
+ private:
+  // Next slot; a wrap flips the parity if `flip` (the copier's first round waits for nothing).
+  __device__ __forceinline__ void Advance(bool flip) {
+    ++stages;
+    if (++slot == S) {
+      slot = 0;
+      if (flip) parity ^= 1;
+    }
+  }
+};
+
+// Stream-K decomposition (host-computed): the tiles in a row (N fastest), ks K stages each, as
+// units u = stage u % ks of tile u / ks; CTA c of `ctas` (one per SM) runs units
+// [Begin(c), Begin(c + 1)), tile segment by tile segment, with one continuous pipeline. A segment
+// that is a whole tile is stored from the accumulators; a partial one goes to a workspace slot,
+// and the tile's last contributor to arrive sums every contribution in CTA order (deterministic)
+// and stores the tile.
+struct StreamKPlan {
+  int64_t units;    // tiles * ks
+  int ctas;         // <= units
+  int ks;           // K stages per tile
+  int tiles_n;      // tiles along N
+  float* partials;  // [2 ctas][BM * TN] (PartialSlot)
+  int* arrivals;    // [tiles], zero at launch
+
+  __device__ int64_t Begin(int c) const { return static_cast<int64_t>(c) * units / ctas; }
+  // The CTA whose run holds unit u: the largest c with Begin(c) <= u.
+  __device__ int CtaOf(int64_t u) const {
+    return static_cast<int>(((u + 1) * ctas + units - 1) / units) - 1;
+  }
+  // CTA c's partial of `tile`: slot 2 c if c's run starts inside the tile, else 2 c + 1 (a run
+  // holds at most two partial segments, its first and its last).
+  __device__ float* PartialSlot(int c, int tile, int tile_elems) const {
+    const int last = Begin(c) >= static_cast<int64_t>(tile) * ks ? 0 : 1;
+    return partials + static_cast<int64_t>(2 * c + last) * tile_elems;
+  }
+};
+
+// The CTA's fp32 tile straight from the accumulators (no shared memory: the copier is already
+// filling the pipeline with the next segment): global scale, bias, 2-byte stores.
+template <typename Decoder, typename T>
+__device__ __forceinline__ void StoreAccumulators(const Decoder& decode,
+                                                  const float (&acc)[Decoder::TJ][Decoder::kAcc],
+                                                  int m0, int n0, int m, int n,
+                                                  const float* global_scale, const T* bias, T* y) {
+  using Tr = HalfTraits<T>;
+  const float alpha = __ldg(global_scale) * 128.0f;  // undo the 2^-7 of the folded scale
+#pragma unroll
+  for (int j = 0; j < Decoder::TJ; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the lane's low and high weight row (+ 8)
+      const int nn = n0 + decode.row_lo0 + 64 * j + 8 * h;
+      if (nn >= n) continue;
+      const float b = bias != nullptr ? Tr::to_float(bias[nn]) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < Decoder::kAcc / 4; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int mm = m0 + 8 * i + 2 * decode.t + e;
+          if (mm < m) y[static_cast<int64_t>(mm) * n + nn] = Tr::from_float(fmaf(acc[j][4 * i + 2 * h + e], alpha, b));
+        }
+      }
+    }
+  }
+}
+
+// A partial tile in the workspace, in accumulator order: float4 chunk v of consumer thread ctid
+// at float4 index 256 v + ctid (each warp's accesses contiguous). L2 only (.cg): other SMs read it.
+template <typename Decoder>
+__device__ __forceinline__ void WritePartial(float* slot, const float (&acc)[Decoder::TJ][Decoder::kAcc],
+                                             int ctid) {
+  float4* dst = reinterpret_cast<float4*>(slot) + ctid;
+#pragma unroll
+  for (int j = 0; j < Decoder::TJ; ++j) {
+#pragma unroll
+    for (int i = 0; i < Decoder::kAcc / 4; ++i) {
+      __stcg(dst + (j * Decoder::kAcc / 4 + i) * kConsumerThreads,
+             make_float4(acc[j][4 * i], acc[j][4 * i + 1], acc[j][4 * i + 2], acc[j][4 * i + 3]));
+    }
+  }
+}
+
+// acc = the sum of contributors first .. last's partials of `tile`, in that order. Loads in
+// groups of 8 float4 per thread: enough in flight for L2 bandwidth, few enough not to spill.
+template <typename Decoder>
+__device__ __forceinline__ void SumPartials(float (&acc)[Decoder::TJ][Decoder::kAcc],
+                                            const StreamKPlan& plan, int tile, int first,
+                                            int last, int ctid) {
+  constexpr int kAcc = Decoder::kAcc, kChunks = Decoder::TJ * kAcc / 4, kGroup = 8;
+  constexpr int kTileElems = Decoder::Cfg::kBM * Decoder::Cfg::kTileN;
+  static_assert(kChunks % kGroup == 0, "whole groups");
+  const float4* first_slot =
+      reinterpret_cast<const float4*>(plan.PartialSlot(first, tile, kTileElems)) + ctid;
+  // A later contributor c's run starts inside the tile: its slot is 2 c.
+  const float4* later_slots =
+      reinterpret_cast<const float4*>(plan.partials + 2 * static_cast<int64_t>(first + 1) *
+                                                          kTileElems) + ctid;
+  constexpr int64_t kSlotStride = 2 * kTileElems / 4;  // float4s from slot 2 c to 2 (c + 1)
+#pragma unroll
+  for (int g = 0; g < kChunks; g += kGroup) {
+#pragma unroll
+    for (int v = g; v < g + kGroup; ++v) {
+      const float4 x = __ldcg(first_slot + v * kConsumerThreads);
+      float* a = &acc[4 * v / kAcc][4 * v % kAcc];
+      a[0] = x.x;
+      a[1] = x.y;
+      a[2] = x.z;
+      a[3] = x.w;
+    }
+    for (int c = first + 1; c <= last; ++c) {
+      const float4* src = later_slots + (c - first - 1) * kSlotStride;
+#pragma unroll
+      for (int v = g; v < g + kGroup; ++v) {
+        const float4 x = __ldcg(src + v * kConsumerThreads);
+        float* a = &acc[4 * v / kAcc][4 * v % kAcc];
+        a[0] += x.x;
+        a[1] += x.y;
+        a[2] += x.z;
+        a[3] += x.w;
+      }
+    }
+  }
+}
+
+// Stream-K epilogue of one tile segment (the 256 consumer threads): a whole tile is stored; a
+// partial one is written to its slot, and the tile's last contributor to arrive sums every
+// contributor's slot in CTA order (its own read back too, so that the order, and the result, do
+// not depend on who arrives last) and stores the tile.
+template <typename Decoder, typename T>
+__device__ __forceinline__ void StreamKStore(const Decoder& decode,
+                                             float (&acc)[Decoder::TJ][Decoder::kAcc],
+                                             const StreamKPlan& plan, int tile, int ctid,
+                                             volatile int* last_flag, int m0, int n0, int m,
+                                             int n, const float* global_scale, const T* bias,
+                                             T* y) {
+  constexpr int kTileElems = Decoder::Cfg::kBM * Decoder::Cfg::kTileN;
+  const int64_t tile_u0 = static_cast<int64_t>(tile) * plan.ks;
+  const int first = plan.CtaOf(tile_u0), last = plan.CtaOf(tile_u0 + plan.ks - 1);
+  if (first != last) {
+    WritePartial<Decoder>(plan.PartialSlot(blockIdx.x, tile, kTileElems), acc, ctid);
+    __threadfence();  // this thread's partial visible GPU-wide before the arrival below
+    NamedBarrierSync(1, kConsumerThreads);
+    if (ctid == 0) {
+      *last_flag = atomicAdd(plan.arrivals + tile, 1) == last - first;
+      __threadfence();  // every earlier arrival's partial visible to this CTA's reads
+    }
+    NamedBarrierSync(1, kConsumerThreads);
+    if (!*last_flag) return;
+    SumPartials<Decoder>(acc, plan, tile, first, last, ctid);
+  }
+  StoreAccumulators(decode, acc, m0, n0, m, n, global_scale, bias, y);
+}
+
 // ---- the kernels -----------------------------------------------------------------------------
 
 // Multistage: all 256 threads copy (cp.async, S - 2 stages ahead) and all decode and multiply;
@@ -799,7 +1009,7 @@ __global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
 // each stage's completion arrives on the slot's `full` mbarrier, kStages stages in flight, within
 // kProducerRegisters), warpgroups 1 and 2 only decode and multiply, each on its own schedule (no
 // CTA-wide barrier in the main loop): a consumer warp waits for `full`, and releases the slot on
-// `empty` once its wgmma groups that read it have retired.
+// `empty` once its wgmma groups that read it have retired. Split-K across a cluster.
 template <typename T, typename Cfg, bool Tiled = false>
 __global__ void __launch_bounds__(kWsThreads, 1)
     FusedGemmWsKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
@@ -807,43 +1017,24 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                       const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
                       int vec_store) {
 #if JAX_FP4_FUSED_SM90A
-  constexpr int BM = Cfg::kBM;
   using Decoder = StageDecoder<T, Cfg, Tiled>;
-  constexpr int S = Cfg::kStages;
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t bars[2 * S];  // full[S], then empty[S]
+  __shared__ __align__(8) uint64_t bars[2 * Cfg::kStages];
   uint8_t* smem;
   const SmemMap<Cfg> map(AlignedSmemBase(smem, smem_raw));
-  const uint32_t full_bar = SmemAddr(bars), empty_bar = full_bar + 8 * S;
+  PipelineRing<Cfg::kStages> ring(bars);
   const int tid = threadIdx.x;
-  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * Cfg::kTileN;
+  const int m0 = blockIdx.y * Cfg::kBM, n0 = blockIdx.x * Cfg::kTileN;
   const int2 range = StageRange(k);
   const int kc0 = range.x, nst = range.y;
-
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      MbarInit(full_bar + 8 * s, kProducerThreads);        // one cp.async arrival per thread
-      MbarInit(empty_bar + 8 * s, kConsumerThreads / 32);  // one arrival per consumer warp
-    }
-    FenceMbarInit();
-  }
+  if (tid == 0) ring.Init();
   __syncthreads();
 
   if (tid < kProducerThreads) {
     SetMaxRegisters<kProducerRegisters, false>();
     const StageLoader<T, Cfg, Tiled, kProducerThreads> load(tid, a, packed, scale, m, n, k, m0,
                                                             n0, map);
-    int slot = 0;
-    uint32_t empty_parity = 0;  // parity of the slot's previous release
-    for (int c = 0; c < nst; ++c) {
-      if (c >= S) MbarWait(empty_bar + 8 * slot, empty_parity);
-      load(kc0 + c, slot, tid);
-      CpAsyncArriveNoinc(full_bar + 8 * slot);
-      if (++slot == S) {
-        slot = 0;
-        if (c >= S) empty_parity ^= 1;  // the next round waits for the following release
-      }
-    }
+    for (int c = 0; c < nst; ++c) ring.Copy(load, kc0 + c, tid);
     CpAsyncCommit();
     CpAsyncWait<0>();  // nothing in flight when this warpgroup exits
     return;            // exited threads are not waited for by the cluster barriers below
@@ -851,29 +1042,68 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   SetMaxRegisters<kConsumerRegisters, true>();
   const int ctid = tid - kProducerThreads;
-  const int lane = ctid & 31;
   const Decoder decode(ctid);
   float acc[Decoder::TJ][Decoder::kAcc];
   uint32_t afrag[2][4][4] = {};
-  int slot = 0, prev_slot = S - 1;
-  uint32_t full_parity = 0;
-  for (int it = 0; it < nst; ++it) {
-    MbarWait(full_bar + 8 * slot, full_parity);
-    FenceProxyAsync();  // the producer's cp.async writes (generic proxy) -> wgmma (async proxy)
-    decode(acc, afrag, map.ActSlot(slot), map.PackedSlot(slot), map.ScaleSlot(slot), it == 0,
-           [&] {
-             if (it > 0 && lane == 0) MbarArrive(empty_bar + 8 * prev_slot);
-           });
-    prev_slot = slot;
-    if (++slot == S) {
-      slot = 0;
-      full_parity ^= 1;
-    }
-  }
-  decode.Drain(acc);
+  ring.Consume(decode, acc, afrag, map, nst, ctid & 31);
   NamedBarrierSync(1, kConsumerThreads);  // both consumer warpgroups done with the pipeline smem
   StoreTile(decode, acc, reinterpret_cast<float*>(smem), ctid, m0, n0, m, n, global_scale, bias,
             y, vec_store);
+#endif  // JAX_FP4_FUSED_SM90A
+}
+
+// Stream-K (StreamKPlan): the warp-specialized pipeline over a run of tile segments, one CTA per
+// SM (grid = plan.ctas), no cluster; partial tiles reduced through the workspace.
+template <typename T, typename Cfg, bool Tiled = false>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    FusedGemmStreamKKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                           const uint8_t* __restrict__ scale,
+                           const float* __restrict__ global_scale, const T* __restrict__ bias,
+                           T* __restrict__ y, int m, int n, int k, StreamKPlan plan) {
+#if JAX_FP4_FUSED_SM90A
+  using Decoder = StageDecoder<T, Cfg, Tiled>;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * Cfg::kStages];
+  __shared__ int last_flag;
+  uint8_t* smem;
+  const SmemMap<Cfg> map(AlignedSmemBase(smem, smem_raw));
+  PipelineRing<Cfg::kStages> ring(bars);
+  const int tid = threadIdx.x;
+  const int64_t run_end = plan.Begin(blockIdx.x + 1);
+  if (tid == 0) ring.Init();
+  __syncthreads();
+  // Walks the CTA's run: f(tile, first K stage, stages, m0, n0) per tile segment.
+  auto for_each_segment = [&](auto&& f) {
+    for (int64_t u = plan.Begin(blockIdx.x); u < run_end;) {
+      const int tile = static_cast<int>(u / plan.ks);
+      const int kc = static_cast<int>(u - static_cast<int64_t>(tile) * plan.ks);
+      const int nst = static_cast<int>(min(run_end - u, static_cast<int64_t>(plan.ks - kc)));
+      f(tile, kc, nst, (tile / plan.tiles_n) * Cfg::kBM, (tile % plan.tiles_n) * Cfg::kTileN);
+      u += nst;
+    }
+  };
+
+  if (tid < kProducerThreads) {
+    SetMaxRegisters<kProducerRegisters, false>();
+    for_each_segment([&](int, int kc, int nst, int m0, int n0) {
+      const StageLoader<T, Cfg, Tiled, kProducerThreads> load(tid, a, packed, scale, m, n, k, m0,
+                                                              n0, map);
+      for (int c = 0; c < nst; ++c) ring.Copy(load, kc + c, tid);
+    });
+    CpAsyncCommit();
+    CpAsyncWait<0>();
+    return;
+  }
+
+  SetMaxRegisters<kConsumerRegisters, true>();
+  const int ctid = tid - kProducerThreads;
+  const Decoder decode(ctid);
+  float acc[Decoder::TJ][Decoder::kAcc];
+  uint32_t afrag[2][4][4] = {};
+  for_each_segment([&](int tile, int, int nst, int m0, int n0) {
+    ring.Consume(decode, acc, afrag, map, nst, ctid & 31);
+    StreamKStore(decode, acc, plan, tile, ctid, &last_flag, m0, n0, m, n, global_scale, bias, y);
+  });
 #endif  // JAX_FP4_FUSED_SM90A
 }
 
@@ -930,9 +1160,10 @@ int MaxActiveClusters(int device, int split, int smem) {
 }
 
 // Split-K factor: minimise waves * (stages per CTA + fixed cost) over the cluster sizes that
-// fit; ties go to the smaller split. Deterministic for a given device and shape.
+// fit; ties go to the smaller split. Deterministic for a given device and shape. *cost: the
+// chosen split's cost in stage units (compared with stream-K's, StreamKCost2).
 template <typename T, typename Cfg, bool WS>
-int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
+int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem, int64_t* cost = nullptr) {
   int best = 1;
   int64_t best_cost = INT64_MAX;
   const int max_split = static_cast<int>(std::min<int64_t>(kMaxSplit, std::max<int64_t>(ks, 1)));
@@ -941,13 +1172,48 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
     if (clusters <= 0) continue;
     const int64_t capacity = static_cast<int64_t>(clusters) * s;
     const int64_t waves = CeilDiv(tiles * s, capacity);
-    const int64_t cost = waves * (CeilDiv(ks, s) + kFillStages);
-    if (cost < best_cost) {
-      best_cost = cost;
+    const int64_t c = waves * (CeilDiv(ks, s) + kFillStages);
+    if (c < best_cost) {
+      best_cost = c;
       best = s;
     }
   }
+  if (cost != nullptr) *cost = best_cost;
   return best;
+}
+
+// The stream-K decomposition of a call (StreamKPlan without its pointers) on `sms` SMs with CTA
+// tile bm x tn, and the workspace it needs: two partial tiles per CTA, one counter per tile.
+struct StreamKShape {
+  int64_t tiles, tiles_n, ks, units;
+  int ctas;
+  int64_t workspace_elems;
+};
+
+StreamKShape PlanStreamK(int bm, int tn, int64_t m, int64_t n, int64_t k, int sms) {
+  StreamKShape p;
+  p.tiles_n = CeilDiv(n, tn);
+  p.tiles = p.tiles_n * CeilDiv(m, bm);
+  p.ks = k / kStageK;
+  p.units = p.tiles * p.ks;
+  p.ctas = static_cast<int>(std::min<int64_t>({sms, fused::kMaxStreamKCtas, p.units}));
+  p.workspace_elems = 2 * static_cast<int64_t>(p.ctas) * bm * tn + p.tiles;
+  return p;
+}
+
+// Stream-K's cost, in half stage-times (twice ChooseSplit's units): the longest run, the
+// pipeline fill, and the fixup, ~2 stage-times of segment epilogues (partials written and fenced,
+// the tile stored from registers while the pipeline waits) plus ~1.5 per contributor to a tile
+// (the last to arrive reads every contributor's 128 KB partial alone). Fitted to the 256-row
+// tile's measurements (it picks the faster of stream-K and cluster split-K at all 16 points
+// measured, M = 192-1024 on four shapes); at the 128-row tile (half the work per stage, the same
+// partials) stream-K lost or tied on every shape measured, so it is not chosen there by default.
+// NOTES_fused.md, "Fourteenth session".
+constexpr bool StreamKByDefault(int bm) { return bm == 256; }
+int64_t StreamKCost2(const StreamKShape& p) {
+  const int64_t run = CeilDiv(p.units, p.ctas);
+  const int64_t contributors = CeilDiv(p.ks, std::max<int64_t>(p.units / p.ctas, 1)) + 1;
+  return 2 * (run + kFillStages + 2) + 3 * contributors;
 }
 
 // Tuning overrides, read on each call, for measurements (not for use); unset or empty = the
@@ -957,7 +1223,9 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem) {
 //   JAX_FP4_FUSED_TILE_N=128|256: weight rows per CTA (128 at 128-row activation tiles only, the
 //   default elsewhere);
 //   JAX_FP4_FUSED_WARP_SPECIALIZED=0|1: the multistage or the warp-specialized kernel for
-//   BM >= 64 (BM <= 32 always runs the multistage one).
+//   BM >= 64 (BM <= 32 always runs the multistage one);
+//   JAX_FP4_FUSED_STREAM_K=0|1: cluster split-K or stream-K for the warp-specialized kernel
+//   (stream-K needs M > 64: the workspace; JAX_FP4_FUSED_SPLIT implies cluster split-K).
 // Anything else is an error (returned as a message), not silently ignored.
 std::string ReadOverride(const char* name, bool (*valid)(long), const std::string& expected,
                          int* forced) {
@@ -985,15 +1253,55 @@ int DefaultTileM(int64_t m) {
 // warp-specialized one 5% faster to 9% slower by shape). NOTES_fused.md, "Thirteenth session".
 constexpr bool WarpSpecializedByDefault(int tile_m) { return tile_m >= 128; }
 
+// One call's operands (device pointers), shape and workspace.
+struct FusedProblem {
+  const void* a;
+  const uint8_t* packed;
+  const uint8_t* scale;
+  const float* gs;
+  const void* bias;  // or nullptr
+  void* y;
+  int64_t m, n, k;
+  bool vec_store;  // y rows 8-byte aligned, N % 4 == 0
+  float* workspace;
+  int64_t workspace_elems;
+};
+
+// Measurement overrides (ReadOverride); 0 / -1 = the heuristic's choice.
+struct FusedOverrides {
+  int split = 0;
+  int stream_k = -1;
+};
+
+template <typename T, typename Cfg, bool Tiled>
+cudaError_t LaunchStreamK(cudaStream_t stream, const FusedProblem& p, const StreamKShape& sk) {
+  constexpr auto* kKernel = FusedGemmStreamKKernel<T, Cfg, Tiled>;
+  cudaError_t err = AllowDynamicSmem<kKernel>(Cfg::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  StreamKPlan plan;
+  plan.units = sk.units;
+  plan.ctas = sk.ctas;
+  plan.ks = static_cast<int>(sk.ks);
+  plan.tiles_n = static_cast<int>(sk.tiles_n);
+  plan.partials = p.workspace;
+  plan.arrivals = reinterpret_cast<int*>(p.workspace + 2 * static_cast<int64_t>(sk.ctas) *
+                                                           Cfg::kBM * Cfg::kTileN);
+  err = cudaMemsetAsync(plan.arrivals, 0, sk.tiles * sizeof(int), stream);
+  if (err != cudaSuccess) return err;
+  kKernel<<<sk.ctas, kWsThreads, Cfg::kSmemBytes, stream>>>(
+      static_cast<const T*>(p.a), p.packed, p.scale, p.gs, static_cast<const T*>(p.bias),
+      static_cast<T*>(p.y), static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k),
+      plan);
+  return cudaGetLastError();
+}
+
 template <typename T, typename Cfg, bool Tiled, bool WS>
-cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
-                        const uint8_t* packed, const uint8_t* scale, const float* gs,
-                        const void* bias, void* y, int64_t m, int64_t n, int64_t k, bool vec_store,
-                        int forced_split) {
+cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedProblem& p,
+                        const FusedOverrides& o) {
   constexpr int BM = Cfg::kBM;
-  const int64_t tiles_n = CeilDiv(n, Cfg::kTileN);
-  const int64_t tiles_m = CeilDiv(m, BM);
-  const int64_t ks = k / kStageK;
+  const int64_t tiles_n = CeilDiv(p.n, Cfg::kTileN);
+  const int64_t tiles_m = CeilDiv(p.m, BM);
+  const int64_t ks = p.k / kStageK;
   // Too few CTAs, even at the largest split, to give every SM kMinBlocks: one per SM (the
   // scheduler would otherwise pack the clusters two to an SM and leave the rest idle).
   const int64_t max_ctas = tiles_n * tiles_m * std::min<int64_t>(kMaxSplit, ks);
@@ -1005,9 +1313,20 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
   // ChooseSplit's occupancy query asks the spec-layout kernel, which needs the same allowance.
   if (err == cudaSuccess && Tiled) err = AllowDynamicSmem<kFusedKernel<T, Cfg, false, WS>>(smem);
   if (err != cudaSuccess) return err;
-  const int split = forced_split > 0
-                        ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(forced_split, ks)))
-                        : ChooseSplit<T, Cfg, WS>(device, tiles_n * tiles_m, ks, smem);
+  int64_t cluster_cost = 0;
+  const int split =
+      o.split > 0 ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(o.split, ks)))
+                  : ChooseSplit<T, Cfg, WS>(device, tiles_n * tiles_m, ks, smem, &cluster_cost);
+  if constexpr (WS) {
+    // Stream-K where its plan fits the workspace and (unless forced) its cost model wins.
+    static_assert(2 * Cfg::kSmemBytes > kSmemPerSm, "stream-K plans one CTA per SM");
+    const StreamKShape sk = PlanStreamK(BM, Cfg::kTileN, p.m, p.n, p.k, sms);
+    const bool by_cost = StreamKByDefault(BM) && StreamKCost2(sk) < 2 * cluster_cost;
+    if (o.split == 0 && o.stream_k != 0 && sk.workspace_elems <= p.workspace_elems &&
+        (o.stream_k == 1 || by_cost)) {
+      return LaunchStreamK<T, Cfg, Tiled>(stream, p, sk);
+    }
+  }
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
@@ -1022,19 +1341,19 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const void* a,
   attr[0].val.clusterDim.z = split;
   config.attrs = attr;
   config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, kKernel, static_cast<const T*>(a), packed,
-                           scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
-                           static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                           vec_store ? 1 : 0);
+  auto launch = [&] {
+    return cudaLaunchKernelEx(&config, kKernel, static_cast<const T*>(p.a), p.packed, p.scale,
+                              p.gs, static_cast<const T*>(p.bias), static_cast<T*>(p.y),
+                              static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k),
+                              p.vec_store ? 1 : 0);
+  };
+  err = launch();
   if (err != cudaSuccess && split > 1) {
     // A cluster launch the device refuses (configuration errors are not sticky): no split-K.
     (void)cudaGetLastError();
     config.gridDim.z = 1;
     attr[0].val.clusterDim.z = 1;
-    err = cudaLaunchKernelEx(&config, kKernel, static_cast<const T*>(a),
-                             packed, scale, gs, static_cast<const T*>(bias), static_cast<T*>(y),
-                             static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                             vec_store ? 1 : 0);
+    err = launch();
   }
   return err;
 }
@@ -1058,9 +1377,7 @@ constexpr auto LaunchFor(bool ws) {
 
 template <typename T, bool Tiled>
 cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, TileChoice tile,
-                                const void* a, const uint8_t* packed, const uint8_t* scale,
-                                const float* gs, const void* bias, void* y, int64_t m, int64_t n,
-                                int64_t k, bool vec_store, int forced_split) {
+                                const FusedProblem& p, const FusedOverrides& o) {
   const auto launch =
       tile.m == 16    ? LaunchFor<T, Tiled, 16>(tile.ws)
       : tile.m == 32  ? LaunchFor<T, Tiled, 32>(tile.ws)
@@ -1068,18 +1385,14 @@ cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, TileCh
       : tile.m == 128 ? (tile.n == 128 ? LaunchFor<T, Tiled, 128, 128>(tile.ws)
                                        : LaunchFor<T, Tiled, 128>(tile.ws))
                       : LaunchFor<T, Tiled, 256>(tile.ws);
-  return launch(stream, device, sms, a, packed, scale, gs, bias, y, m, n, k, vec_store,
-                forced_split);
+  return launch(stream, device, sms, p, o);
 }
 
 template <typename T>
 cudaError_t DispatchFused(cudaStream_t stream, bool tiled, int device, int sms, TileChoice tile,
-                          const void* a, const uint8_t* packed, const uint8_t* scale,
-                          const float* gs, const void* bias, void* y, int64_t m, int64_t n,
-                          int64_t k, bool vec_store, int forced_split) {
+                          const FusedProblem& p, const FusedOverrides& o) {
   const auto dispatch = tiled ? DispatchFusedLayout<T, true> : DispatchFusedLayout<T, false>;
-  return dispatch(stream, device, sms, tile, a, packed, scale, gs, bias, y, m, n, k, vec_store,
-                  forced_split);
+  return dispatch(stream, device, sms, tile, p, o);
 }
 
 ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
@@ -1110,7 +1423,8 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   }
   if (CeilDiv(m, fused::kTileMLarge) > fused::kMaxMTiles) return invalid("M too large");
   const int64_t ws_needed = fused::WorkspaceElems(m, n, k);
-  if (static_cast<int64_t>(workspace->element_count()) < ws_needed) {
+  const int64_t ws_elems = static_cast<int64_t>(workspace->element_count());
+  if (ws_elems < ws_needed) {
     return invalid("workspace must hold " + std::to_string(ws_needed) + " f32 elements");
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
@@ -1131,10 +1445,11 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   err = cudaGetDevice(&device);
   if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: cudaGetDevice", err);
 
-  int forced_split = 0, forced_tile = 0;
+  FusedOverrides overrides;
+  int forced_tile = 0;
   std::string bad_override = ReadOverride(
       "JAX_FP4_FUSED_SPLIT", [](long v) { return v >= 1 && v <= kMaxSplit; },
-      "an integer in 1.." + std::to_string(kMaxSplit), &forced_split);
+      "an integer in 1.." + std::to_string(kMaxSplit), &overrides.split);
   if (bad_override.empty()) {
     bad_override = ReadOverride(
         "JAX_FP4_FUSED_TILE_M", IsTileM, "one of 16, 32, 64, 128, 256", &forced_tile);
@@ -1151,6 +1466,11 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
         "JAX_FP4_FUSED_WARP_SPECIALIZED", [](long v) { return v == 0 || v == 1; }, "0 or 1",
         &warp_specialized);
   }
+  if (bad_override.empty()) {
+    bad_override = ReadOverride(
+        "JAX_FP4_FUSED_STREAM_K", [](long v) { return v == 0 || v == 1; }, "0 or 1",
+        &overrides.stream_k);
+  }
   if (!bad_override.empty()) return invalid(bad_override);
   TileChoice tile;
   tile.m = forced_tile > 0 ? forced_tile : DefaultTileM(m);
@@ -1163,20 +1483,30 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   if (CeilDiv(m, tile.m) > fused::kMaxMTiles) {
     return invalid("M too large for " + std::to_string(tile.m) + "-row tiles");
   }
-
-  const void* bias_ptr = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
-  const bool vec_store = n % 4 == 0 && IsAligned(y->untyped_data(), 8);
-  if (a.element_type() == ffi::DataType::F16) {
-    err = DispatchFused<__half>(stream, tiled, device, info.num_sms, tile, a.untyped_data(),
-                                packed.typed_data(), scale.typed_data(),
-                                global_scale.typed_data(), bias_ptr, y->untyped_data(), m, n, k,
-                                vec_store, forced_split);
-  } else {
-    err = DispatchFused<__nv_bfloat16>(stream, tiled, device, info.num_sms, tile,
-                                       a.untyped_data(), packed.typed_data(), scale.typed_data(),
-                                       global_scale.typed_data(), bias_ptr, y->untyped_data(), m,
-                                       n, k, vec_store, forced_split);
+  if (overrides.stream_k == 1) {
+    const int64_t needed = PlanStreamK(tile.m, tile.n, m, n, k, info.num_sms).workspace_elems;
+    if (!tile.ws || overrides.split > 0 || needed > ws_elems) {
+      return invalid("JAX_FP4_FUSED_STREAM_K=1 needs the warp-specialized kernel, no "
+                     "JAX_FP4_FUSED_SPLIT and M > 64 (the workspace)");
+    }
   }
+
+  FusedProblem operands;
+  operands.a = a.untyped_data();
+  operands.packed = packed.typed_data();
+  operands.scale = scale.typed_data();
+  operands.gs = global_scale.typed_data();
+  operands.bias = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
+  operands.y = y->untyped_data();
+  operands.m = m;
+  operands.n = n;
+  operands.k = k;
+  operands.vec_store = n % 4 == 0 && IsAligned(y->untyped_data(), 8);
+  operands.workspace = workspace->typed_data();
+  operands.workspace_elems = ws_elems;
+  const auto dispatch =
+      a.element_type() == ffi::DataType::F16 ? DispatchFused<__half> : DispatchFused<__nv_bfloat16>;
+  err = dispatch(stream, tiled, device, info.num_sms, tile, operands, overrides);
   if (err != cudaSuccess) return CudaError("jax_fp4_fused_cuda: kernel launch", err);
   return ffi::Error::Success();
 }

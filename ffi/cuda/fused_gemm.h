@@ -4,8 +4,9 @@
 //
 // Operands: a [M, K] f16/bf16; packed u8 [N, K/2]; scale u8 [N, K/16] (raw E4M3); global_scale
 // f32 [1] (device memory); bias [N] in a's dtype or [0]. Results: y [M, N] in a's dtype and an f32
-// workspace of WorkspaceElems(M, N, K) elements (currently always 0: split-K partial sums are
-// reduced on chip through distributed shared memory inside a thread-block cluster).
+// workspace of WorkspaceElems(M, N, K) elements: the stream-K decomposition's partial tiles and
+// per-tile arrival counters (M > 64); empty otherwise (split-K inside a thread-block cluster
+// reduces on chip through distributed shared memory).
 // Attribute: block_size (int64, must be 16).
 //
 // Constraints (the handler returns InvalidArgument otherwise; jax_fp4/_fused.py mirrors them):
@@ -15,6 +16,7 @@
 #ifndef JAX_FP4_CUDA_FUSED_GEMM_H_
 #define JAX_FP4_CUDA_FUSED_GEMM_H_
 
+#include <algorithm>
 #include <cstdint>
 
 #include "xla/ffi/api/ffi.h"
@@ -27,10 +29,20 @@ inline constexpr int64_t kKMultiple = 128;  // K per pipeline stage
 inline constexpr int64_t kMaxMTiles = 65535;
 inline constexpr int64_t kTileMLarge = 128;  // the smallest activation tile above M = 64 (bounds the M tiles)
 
-// f32 elements of the workspace result for an [M, K] x [N, K]^T problem. A pure function of the
-// shape, kept in sync with jax_fp4/_fused.py:fused_workspace_elems.
+inline constexpr int64_t kMaxStreamKCtas = 132;           // the most SMs of an sm_90 part
+inline constexpr int64_t kStreamKTileElems = 128 * 256;   // the largest CTA tile (BM x TN)
+
+// f32 elements of the workspace result for an [M, K] x [N, K]^T problem: for M > 64 (where the
+// warp-specialized kernel runs), two fp32 partial tiles per stream-K CTA and one int32 arrival
+// counter per tile; 0 up to M = 64. A bound over the tiles the kernel may use (128 x 256 and
+// 256 x 128); the launch checks the size it needs and keeps to cluster split-K if it does not fit.
+// A pure function of the shape, kept in sync with jax_fp4/_fused.py:fused_workspace_elems.
 inline constexpr int64_t WorkspaceElems(int64_t m, int64_t n, int64_t k) {
-  return (void)m, (void)n, (void)k, 0;
+  if (m <= 64) return 0;
+  const int64_t m128 = (m + 127) / 128, n128 = (n + 127) / 128;
+  const int64_t tiles = std::max(m128 * ((n + 255) / 256), ((m + 255) / 256) * n128);
+  const int64_t ctas = std::min(kMaxStreamKCtas, tiles * (k / kKMultiple));
+  return 2 * ctas * kStreamKTileElems + m128 * n128;
 }
 
 }  // namespace fused
