@@ -33,6 +33,8 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 # - 16 < M <= 512: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS; M = 512:
 #   from 4% slower (11008x4096) to 1.3-1.5x faster (4096x11008, 28672x8192)).
 # - larger M: dequantize + cuBLAS (M = 1024: the fused GEMM measured 1.0-1.25x slower).
+# Stream-K (fourteenth session) made the fused GEMM 1.0-1.18x faster at M = 256-512 on three of the
+# four shapes; the M = 1024 crossover has not been re-measured since.
 GEMV_MAX_M = 16
 FUSED_MIN_M_WIDE_N = 12
 WIDE_N = 8192

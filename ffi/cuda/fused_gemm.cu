@@ -828,8 +828,8 @@ struct StreamKPlan {
   // CTA c's partial of `tile`: slot 2 c if c's run starts inside the tile, else 2 c + 1 (a run
   // holds at most two partial segments, its first and its last).
   __device__ float* PartialSlot(int c, int tile, int tile_elems) const {
-    const int last = Begin(c) >= static_cast<int64_t>(tile) * ks ? 0 : 1;
-    return partials + static_cast<int64_t>(2 * c + last) * tile_elems;
+    const int ends_run = Begin(c) >= static_cast<int64_t>(tile) * ks ? 0 : 1;
+    return partials + static_cast<int64_t>(2 * c + ends_run) * tile_elems;
   }
 };
 
@@ -854,7 +854,10 @@ __device__ __forceinline__ void StoreAccumulators(const Decoder& decode,
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int mm = m0 + 8 * i + 2 * decode.t + e;
-          if (mm < m) y[static_cast<int64_t>(mm) * n + nn] = Tr::from_float(fmaf(acc[j][4 * i + 2 * h + e], alpha, b));
+          if (mm < m) {
+            y[static_cast<int64_t>(mm) * n + nn] =
+                Tr::from_float(fmaf(acc[j][4 * i + 2 * h + e], alpha, b));
+          }
         }
       }
     }
@@ -864,7 +867,8 @@ __device__ __forceinline__ void StoreAccumulators(const Decoder& decode,
 // A partial tile in the workspace, in accumulator order: float4 chunk v of consumer thread ctid
 // at float4 index 256 v + ctid (each warp's accesses contiguous). L2 only (.cg): other SMs read it.
 template <typename Decoder>
-__device__ __forceinline__ void WritePartial(float* slot, const float (&acc)[Decoder::TJ][Decoder::kAcc],
+__device__ __forceinline__ void WritePartial(float* slot,
+                                             const float (&acc)[Decoder::TJ][Decoder::kAcc],
                                              int ctid) {
   float4* dst = reinterpret_cast<float4*>(slot) + ctid;
 #pragma unroll
@@ -1323,7 +1327,7 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
     const StreamKShape sk = PlanStreamK(BM, Cfg::kTileN, p.m, p.n, p.k, sms);
     const bool by_cost = StreamKByDefault(BM) && StreamKCost2(sk) < 2 * cluster_cost;
     if (o.split == 0 && o.stream_k != 0 && sk.workspace_elems <= p.workspace_elems &&
-        (o.stream_k == 1 || by_cost)) {
+        sk.tiles <= INT_MAX && (o.stream_k == 1 || by_cost)) {
       return LaunchStreamK<T, Cfg, Tiled>(stream, p, sk);
     }
   }
@@ -1484,8 +1488,8 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
     return invalid("M too large for " + std::to_string(tile.m) + "-row tiles");
   }
   if (overrides.stream_k == 1) {
-    const int64_t needed = PlanStreamK(tile.m, tile.n, m, n, k, info.num_sms).workspace_elems;
-    if (!tile.ws || overrides.split > 0 || needed > ws_elems) {
+    const StreamKShape sk = PlanStreamK(tile.m, tile.n, m, n, k, info.num_sms);
+    if (!tile.ws || overrides.split > 0 || sk.workspace_elems > ws_elems || sk.tiles > INT_MAX) {
       return invalid("JAX_FP4_FUSED_STREAM_K=1 needs the warp-specialized kernel, no "
                      "JAX_FP4_FUSED_SPLIT and M > 64 (the workspace)");
     }
