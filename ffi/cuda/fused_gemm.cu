@@ -91,8 +91,9 @@ constexpr int kProducerThreads = 128;  // warp-specialized kernel: 1 warpgroup c
 constexpr int kWsThreads = kProducerThreads + kConsumerThreads;
 // Warp-specialized register split (setmaxnreg): 128 x 56 + 256 x 224 <= 64 K registers (40 for
 // the producer spilled its source pointers at 256-row CTA tiles, two scale rows per thread).
-constexpr int kProducerRegisters = 56;
-constexpr int kConsumerRegisters = 224;
+// (Used only in sm_90a device code: other compilation passes would warn that they are unused.)
+[[maybe_unused]] constexpr int kProducerRegisters = 56;
+[[maybe_unused]] constexpr int kConsumerRegisters = 224;
 constexpr int kStageK = 128;          // K per pipeline stage
 constexpr int kMaxSplit = 8;          // portable cluster size
 constexpr int kFillStages = 2;        // split heuristic: per-CTA fixed cost in stage units
