@@ -662,6 +662,12 @@ struct StageDecoder {
   }
 };
 
+// The epilogue's multiplier: the global scale, times 2^7 to undo the 2^-7 of the scale folded
+// into the decoded weight.
+__device__ __forceinline__ float EpilogueScale(const float* global_scale) {
+  return __ldg(global_scale) * 128.0f;
+}
+
 // The CTA's fp32 tile staged in `epi` (the drained pipeline's shared memory), then the split-K
 // reduction across the cluster (ranks = blockIdx.z), summed in rank order, global scale, bias and
 // the store; by the 256 consumer threads (ctid). Every live thread of the cluster calls it (the
@@ -682,7 +688,7 @@ __device__ __forceinline__ void StoreTile(const Decoder& decode,
   cluster.sync();
   const int splits = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const float alpha = __ldg(global_scale) * 128.0f;  // undo the 2^-7 of the folded scale
+  const float alpha = EpilogueScale(global_scale);
   constexpr int kColThreads = Cfg::kTileN / 4;  // threads per staged row, 4 columns each
   const int c4 = ctid % kColThreads;
   const int nn = n0 + 4 * c4;
@@ -842,7 +848,7 @@ __device__ __forceinline__ void StoreAccumulators(const Decoder& decode,
                                                   int m0, int n0, int m, int n,
                                                   const float* global_scale, const T* bias, T* y) {
   using Tr = HalfTraits<T>;
-  const float alpha = __ldg(global_scale) * 128.0f;  // undo the 2^-7 of the folded scale
+  const float alpha = EpilogueScale(global_scale);
 #pragma unroll
   for (int j = 0; j < Decoder::TJ; ++j) {
 #pragma unroll
@@ -1192,7 +1198,13 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem, int64_t* cost =
 struct StreamKShape {
   int64_t tiles, tiles_n, ks, units;
   int ctas;
-  int64_t workspace_elems;
+  int64_t partial_elems;    // the partial tiles' floats; the counters follow them
+  int64_t workspace_elems;  // partial_elems + tiles
+
+  // Whether the call's workspace holds the plan and its tile index fits the kernel's int.
+  bool Fits(int64_t available_elems) const {
+    return workspace_elems <= available_elems && tiles <= INT_MAX;
+  }
 };
 
 StreamKShape PlanStreamK(int bm, int tn, int64_t m, int64_t n, int64_t k, int sms) {
@@ -1202,7 +1214,8 @@ StreamKShape PlanStreamK(int bm, int tn, int64_t m, int64_t n, int64_t k, int sm
   p.ks = k / kStageK;
   p.units = p.tiles * p.ks;
   p.ctas = static_cast<int>(std::min<int64_t>({sms, fused::kMaxStreamKCtas, p.units}));
-  p.workspace_elems = 2 * static_cast<int64_t>(p.ctas) * bm * tn + p.tiles;
+  p.partial_elems = 2 * static_cast<int64_t>(p.ctas) * bm * tn;
+  p.workspace_elems = p.partial_elems + p.tiles;
   return p;
 }
 
@@ -1289,8 +1302,7 @@ cudaError_t LaunchStreamK(cudaStream_t stream, const FusedProblem& p, const Stre
   plan.ks = static_cast<int>(sk.ks);
   plan.tiles_n = static_cast<int>(sk.tiles_n);
   plan.partials = p.workspace;
-  plan.arrivals = reinterpret_cast<int*>(p.workspace + 2 * static_cast<int64_t>(sk.ctas) *
-                                                           Cfg::kBM * Cfg::kTileN);
+  plan.arrivals = reinterpret_cast<int*>(p.workspace + sk.partial_elems);
   err = cudaMemsetAsync(plan.arrivals, 0, sk.tiles * sizeof(int), stream);
   if (err != cudaSuccess) return err;
   kKernel<<<sk.ctas, kWsThreads, Cfg::kSmemBytes, stream>>>(
@@ -1327,8 +1339,8 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
     static_assert(2 * Cfg::kSmemBytes > kSmemPerSm, "stream-K plans one CTA per SM");
     const StreamKShape sk = PlanStreamK(BM, Cfg::kTileN, p.m, p.n, p.k, sms);
     const bool by_cost = StreamKByDefault(BM) && StreamKCost2(sk) < 2 * cluster_cost;
-    if (o.split == 0 && o.stream_k != 0 && sk.workspace_elems <= p.workspace_elems &&
-        sk.tiles <= INT_MAX && (o.stream_k == 1 || by_cost)) {
+    if (o.split == 0 && o.stream_k != 0 && sk.Fits(p.workspace_elems) &&
+        (o.stream_k == 1 || by_cost)) {
       return LaunchStreamK<T, Cfg, Tiled>(stream, p, sk);
     }
   }
@@ -1490,7 +1502,7 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   }
   if (overrides.stream_k == 1) {
     const StreamKShape sk = PlanStreamK(tile.m, tile.n, m, n, k, info.num_sms);
-    if (!tile.ws || overrides.split > 0 || sk.workspace_elems > ws_elems || sk.tiles > INT_MAX) {
+    if (!tile.ws || overrides.split > 0 || !sk.Fits(ws_elems)) {
       return invalid("JAX_FP4_FUSED_STREAM_K=1 needs the warp-specialized kernel, no "
                      "JAX_FP4_FUSED_SPLIT and M > 64 (the workspace)");
     }
