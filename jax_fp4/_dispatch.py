@@ -30,15 +30,14 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 # - 9 <= M <= 16: the GEMV, except from M = 12 on wide weights (N >= 8192), where the fused GEMM
 #   has enough 256-row weight tiles to fill the SMs and wins (M = 16: 6-16% on 11008x4096,
 #   17408x5120, 28672x8192; it loses 10% at N = 4096).
-# - 16 < M <= 512: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS; M = 512:
-#   from 4% slower (11008x4096) to 1.3-1.5x faster (4096x11008, 28672x8192)).
-# - larger M: dequantize + cuBLAS (M = 1024: the fused GEMM measured 1.0-1.25x slower).
-# Stream-K (fourteenth session) made the fused GEMM 1.0-1.18x faster at M = 256-512 on three of the
-# four shapes; the M = 1024 crossover has not been re-measured since.
+# - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
+#   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
+#   1.00-1.11x (benchmarks/results/sweeps/crossover_{fused,dequant}_session15_h200.json).
+# - larger M: dequantize + cuBLAS (M = 2048: the fused GEMM measured 1.02-1.15x slower).
 GEMV_MAX_M = 16
 FUSED_MIN_M_WIDE_N = 12
 WIDE_N = 8192
-FUSED_MAX_M = 512
+FUSED_MAX_M = 1024
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 _TRUE = ("1", "true", "yes", "on")

@@ -53,9 +53,9 @@ STREAM_K_TILE_ELEMS = 128 * 256  # the largest CTA tile (activation rows x weigh
 def fused_workspace_elems(m: int, n: int, k: int) -> int:
     """f32 elements of the target's workspace result (mirror of fused::WorkspaceElems).
 
-    For M > 64 (the warp-specialized kernel), the stream-K decomposition's two fp32 partial tiles
+    For M > 64 (the warp-specialized kernel), the stream-K decomposition's fp32 partial tile
     per CTA (at most one CTA per SM) and one int32 arrival counter per tile: a bound over the
-    128 x 256 and 256 x 128 tiles, at most ~35 MB. 0 up to M = 64 (split-K there is reduced on chip
+    128 x 256 and 256 x 128 tiles, at most ~17 MB. 0 up to M = 64 (split-K there is reduced on chip
     inside a thread-block cluster).
     """
     if m <= 64:
@@ -63,7 +63,7 @@ def fused_workspace_elems(m: int, n: int, k: int) -> int:
     m128, n128 = -(-m // 128), -(-n // 128)
     tiles = max(m128 * -(-n // 256), -(-m // 256) * n128)
     ctas = min(MAX_STREAM_K_CTAS, tiles * (k // K_MULTIPLE))
-    return 2 * ctas * STREAM_K_TILE_ELEMS + m128 * n128
+    return ctas * STREAM_K_TILE_ELEMS + m128 * n128
 
 
 def fused_supported(m: int, n: int, k: int, block_size: int, dtype) -> str | None:

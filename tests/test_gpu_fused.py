@@ -299,9 +299,9 @@ STREAM_K_CASES = [(70, 528, 1152, "128", "256"), (200, 528, 1152, "128", "128"),
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stream_k_matches_reference(m, n, k, tile_m, tile_n, tiled, dtype, monkeypatch):
     """Stream-K splits the tiles' K stages evenly over one CTA per SM; partial tiles meet in the
-    workspace and the last to arrive sums them in CTA order. Equal to the reference on ragged M
-    and N (bias, fp16 and bf16, both layouts), and bit-identical from run to run although the
-    order in which CTAs arrive is not."""
+    workspace, where each tile's owner (the run holding its K stage 0) adds them to its own in CTA
+    order. Equal to the reference on ragged M and N (bias, fp16 and bf16, both layouts), and
+    bit-identical from run to run although the order in which CTAs arrive is not."""
     rng = np.random.default_rng()
     packed, scale, gs = random_weight(rng, n, k, special=True)
     bias = rng.standard_normal(n).astype(NP_DTYPES[dtype])
@@ -446,12 +446,12 @@ def test_tiled_fragment_order_is_the_spec_order_with_o_and_j0_swapped():
 
 
 def test_static_rules():
-    # Stream-K from M = 65: 2 partial tiles of 128 x 256 per CTA (132 at most) + 1 counter per
+    # Stream-K from M = 65: a partial tile of 128 x 256 per CTA (132 at most) + 1 counter per
     # 128 x 128 tile; none up to M = 64.
     assert _fused.fused_workspace_elems(64, 28672, 8192) == 0
-    assert _fused.fused_workspace_elems(128, 11008, 4096) == 2 * 132 * 32768 + 86
-    assert _fused.fused_workspace_elems(4096, 28672, 8192) == 2 * 132 * 32768 + 32 * 224
-    assert _fused.fused_workspace_elems(70, 528, 128) == 2 * 5 * 32768 + 5  # 5 tiles x 1 stage
+    assert _fused.fused_workspace_elems(128, 11008, 4096) == 132 * 32768 + 86
+    assert _fused.fused_workspace_elems(4096, 28672, 8192) == 132 * 32768 + 32 * 224
+    assert _fused.fused_workspace_elems(70, 528, 128) == 5 * 32768 + 5  # 5 tiles x 1 stage
     assert _fused.fused_supported(16, 11008, 4096, 16, np.float16) is None
     assert _fused.fused_supported(16, 11008, 4096, 16, ml_dtypes.bfloat16) is None
     assert "multiple of 128" in _fused.fused_supported(16, 11008, 4160, 16, np.float16)

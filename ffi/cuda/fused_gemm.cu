@@ -668,43 +668,25 @@ __device__ __forceinline__ float EpilogueScale(const float* global_scale) {
   return __ldg(global_scale) * 128.0f;
 }
 
-// The CTA's fp32 tile staged in `epi` (the drained pipeline's shared memory), then the split-K
-// reduction across the cluster (ranks = blockIdx.z), summed in rank order, global scale, bias and
-// the store; by the 256 consumer threads (ctid). Every live thread of the cluster calls it (the
-// cluster barriers; the warp-specialized kernel's copier has exited).
-template <typename Decoder, typename T>
-__device__ __forceinline__ void StoreTile(const Decoder& decode,
-                                          const float (&acc)[Decoder::TJ][Decoder::kAcc],
-                                          float* epi, int ctid, int m0, int n0, int m, int n,
-                                          const float* global_scale, const T* bias, T* y,
-                                          int vec_store) {
+// Rows rank, rank + splits, ... of a staged fp32 tile (Decoder::Stage's layout) to y, 4 columns
+// per consumer thread (ctid): sum(ml, col) gives the float4 at staged row ml, column col; then
+// global scale, bias and an 8-byte store where y allows it (vec_store).
+template <typename Decoder, typename T, typename SumStaged>
+__device__ __forceinline__ void StoreStagedRows(const SumStaged& sum_staged, int rank, int splits,
+                                                int ctid, int m0, int n0, int m, int n,
+                                                const float* global_scale, const T* bias, T* y,
+                                                int vec_store) {
   using Cfg = typename Decoder::Cfg;
-  constexpr int BM = Cfg::kBM;
   using Tr = HalfTraits<T>;
-  namespace cg = cooperative_groups;
-  constexpr int ST = Cfg::kEpiStride;
-  cg::cluster_group cluster = cg::this_cluster();
-  decode.Stage(epi, acc);
-  cluster.sync();
-  const int splits = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
   const float alpha = EpilogueScale(global_scale);
   constexpr int kColThreads = Cfg::kTileN / 4;  // threads per staged row, 4 columns each
   const int c4 = ctid % kColThreads;
   const int nn = n0 + 4 * c4;
-  for (int ml = rank + splits * (ctid / kColThreads); ml < BM;
+  for (int ml = rank + splits * (ctid / kColThreads); ml < Cfg::kBM;
        ml += splits * (kConsumerThreads / kColThreads)) {
     const int mm = m0 + ml;
     if (mm >= m || nn >= n) break;
-    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q = 0; q < splits; ++q) {
-      const float* remote = cluster.map_shared_rank(epi, q);
-      const float4 v = *reinterpret_cast<const float4*>(remote + ml * ST + 4 * c4);
-      sum.x += v.x;
-      sum.y += v.y;
-      sum.z += v.z;
-      sum.w += v.w;
-    }
+    const float4 sum = sum_staged(ml, 4 * c4);
     const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
     T out[4];
 #pragma unroll
@@ -726,6 +708,38 @@ __device__ __forceinline__ void StoreTile(const Decoder& decode,
       }
     }
   }
+}
+
+// The CTA's fp32 tile staged in `epi` (the drained pipeline's shared memory), then the split-K
+// reduction across the cluster (ranks = blockIdx.z), summed in rank order, global scale, bias and
+// the store; by the 256 consumer threads (ctid). Every live thread of the cluster calls it (the
+// cluster barriers; the warp-specialized kernel's copier has exited).
+template <typename Decoder, typename T>
+__device__ __forceinline__ void StoreTile(const Decoder& decode,
+                                          const float (&acc)[Decoder::TJ][Decoder::kAcc],
+                                          float* epi, int ctid, int m0, int n0, int m, int n,
+                                          const float* global_scale, const T* bias, T* y,
+                                          int vec_store) {
+  namespace cg = cooperative_groups;
+  constexpr int ST = Decoder::Cfg::kEpiStride;
+  cg::cluster_group cluster = cg::this_cluster();
+  decode.Stage(epi, acc);
+  cluster.sync();
+  const int splits = static_cast<int>(cluster.num_blocks());
+  auto sum_ranks = [&](int ml, int col) {
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q = 0; q < splits; ++q) {
+      const float* remote = cluster.map_shared_rank(epi, q);
+      const float4 v = *reinterpret_cast<const float4*>(remote + ml * ST + col);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    return sum;
+  };
+  StoreStagedRows<Decoder>(sum_ranks, static_cast<int>(cluster.block_rank()), splits, ctid, m0,
+                           n0, m, n, global_scale, bias, y, vec_store);
   cluster.sync();  // keep this CTA's shared memory alive until every rank has read it
 }
 
@@ -816,15 +830,17 @@ struct PipelineRing {
 // Stream-K decomposition (host-computed): the tiles in a row (N fastest), ks K stages each, as
 // units u = stage u % ks of tile u / ks; CTA c of `ctas` (one per SM) runs units
 // [Begin(c), Begin(c + 1)), tile segment by tile segment, with one continuous pipeline. A segment
-// that is a whole tile is stored from the accumulators; a partial one goes to a workspace slot,
-// and the tile's last contributor to arrive sums every contribution in CTA order (deterministic)
-// and stores the tile.
+// that is a whole tile is stored from the accumulators. A tile split over several runs is owned
+// by its first contributor (the run holding its K stage 0, which reaches it at the run's end):
+// the later ones (each at its run's start, or a run inside the tile) write their partials to the
+// workspace and arrive on the tile's counter; the owner waits for them, adds their partials to its
+// accumulators in CTA order (deterministic) and stores the tile.
 struct StreamKPlan {
   int64_t units;    // tiles * ks
   int ctas;         // <= units
   int ks;           // K stages per tile
   int tiles_n;      // tiles along N
-  float* partials;  // [2 ctas][BM * TN] (PartialSlot)
+  float* partials;  // [ctas][BM * TN] (PartialSlot)
   int* arrivals;    // [tiles], zero at launch
 
   __device__ int64_t Begin(int c) const { return static_cast<int64_t>(c) * units / ctas; }
@@ -832,11 +848,10 @@ struct StreamKPlan {
   __device__ int CtaOf(int64_t u) const {
     return static_cast<int>(((u + 1) * ctas + units - 1) / units) - 1;
   }
-  // CTA c's partial of `tile`: slot 2 c if c's run starts inside the tile, else 2 c + 1 (a run
-  // holds at most two partial segments, its first and its last).
-  __device__ float* PartialSlot(int c, int tile, int tile_elems) const {
-    const int ends_run = Begin(c) >= static_cast<int64_t>(tile) * ks ? 0 : 1;
-    return partials + static_cast<int64_t>(2 * c + ends_run) * tile_elems;
+  // CTA c's partial tile. A run hands at most one partial to an owner (its first segment:
+  // a run's last segment, if partial, holds its tile's stage 0, so the run owns that tile).
+  __device__ float* PartialSlot(int c, int tile_elems) const {
+    return partials + static_cast<int64_t>(c) * tile_elems;
   }
 };
 
@@ -888,35 +903,23 @@ __device__ __forceinline__ void WritePartial(float* slot,
   }
 }
 
-// acc = the sum of contributors first .. last's partials of `tile`, in that order. Loads in
-// groups of 8 float4 per thread: enough in flight for L2 bandwidth, few enough not to spill.
+// acc += the partials of `tile`'s later contributors first + 1 .. last, in that order (their
+// slots are consecutive). Loads in groups of 8 float4 per thread: enough in flight for L2
+// bandwidth, few enough not to spill.
 template <typename Decoder>
-__device__ __forceinline__ void SumPartials(float (&acc)[Decoder::TJ][Decoder::kAcc],
-                                            const StreamKPlan& plan, int tile, int first,
-                                            int last, int ctid) {
+__device__ __forceinline__ void AddPartials(float (&acc)[Decoder::TJ][Decoder::kAcc],
+                                            const StreamKPlan& plan, int first, int last,
+                                            int ctid) {
   constexpr int kAcc = Decoder::kAcc, kChunks = Decoder::TJ * kAcc / 4, kGroup = 8;
   constexpr int kTileElems = Decoder::Cfg::kBM * Decoder::Cfg::kTileN;
   static_assert(kChunks % kGroup == 0, "whole groups");
-  const float4* first_slot =
-      reinterpret_cast<const float4*>(plan.PartialSlot(first, tile, kTileElems)) + ctid;
-  // A later contributor c's run starts inside the tile: its slot is 2 c.
-  const float4* later_slots =
-      reinterpret_cast<const float4*>(plan.partials + 2 * static_cast<int64_t>(first + 1) *
-                                                          kTileElems) + ctid;
-  constexpr int64_t kSlotStride = 2 * kTileElems / 4;  // float4s from slot 2 c to 2 (c + 1)
+  const float4* slots = reinterpret_cast<const float4*>(plan.PartialSlot(first + 1, kTileElems));
+  constexpr int64_t kSlotStride = kTileElems / 4;  // float4s from one CTA's slot to the next
 #pragma unroll
   for (int g = 0; g < kChunks; g += kGroup) {
-#pragma unroll
-    for (int v = g; v < g + kGroup; ++v) {
-      const float4 x = __ldcg(first_slot + v * kConsumerThreads);
-      float* a = &acc[4 * v / kAcc][4 * v % kAcc];
-      a[0] = x.x;
-      a[1] = x.y;
-      a[2] = x.z;
-      a[3] = x.w;
-    }
-    for (int c = first + 1; c <= last; ++c) {
-      const float4* src = later_slots + (c - first - 1) * kSlotStride;
+#pragma unroll 2
+    for (int c = 0; c < last - first; ++c) {
+      const float4* src = slots + c * kSlotStride + ctid;
 #pragma unroll
       for (int v = g; v < g + kGroup; ++v) {
         const float4 x = __ldcg(src + v * kConsumerThreads);
@@ -930,33 +933,48 @@ __device__ __forceinline__ void SumPartials(float (&acc)[Decoder::TJ][Decoder::k
   }
 }
 
-// Stream-K epilogue of one tile segment (the 256 consumer threads): a whole tile is stored; a
-// partial one is written to its slot, and the tile's last contributor to arrive sums every
-// contributor's slot in CTA order (its own read back too, so that the order, and the result, do
-// not depend on who arrives last) and stores the tile.
+// Stream-K epilogue of one tile segment (the 256 consumer threads). A whole tile is stored. Of a
+// split tile, a later contributor writes its partial and arrives; the owner (`first`) waits for
+// all of them (they never wait before arriving: no cycle, and each has its SM), adds their
+// partials and stores the tile. The owner's own partial never leaves its registers. The store
+// goes through shared memory (`epi`, 8-byte row stores) in the run's last segment, where the
+// pipeline has nothing left to copy, and straight from the accumulators (epi = nullptr) before.
 template <typename Decoder, typename T>
 __device__ __forceinline__ void StreamKStore(const Decoder& decode,
                                              float (&acc)[Decoder::TJ][Decoder::kAcc],
                                              const StreamKPlan& plan, int tile, int ctid,
-                                             volatile int* last_flag, int m0, int n0, int m,
-                                             int n, const float* global_scale, const T* bias,
-                                             T* y) {
+                                             float* epi, int m0, int n0, int m, int n,
+                                             const float* global_scale, const T* bias, T* y,
+                                             int vec_store) {
   constexpr int kTileElems = Decoder::Cfg::kBM * Decoder::Cfg::kTileN;
+  constexpr int ST = Decoder::Cfg::kEpiStride;
   const int64_t tile_u0 = static_cast<int64_t>(tile) * plan.ks;
   const int first = plan.CtaOf(tile_u0), last = plan.CtaOf(tile_u0 + plan.ks - 1);
   if (first != last) {
-    WritePartial<Decoder>(plan.PartialSlot(blockIdx.x, tile, kTileElems), acc, ctid);
-    __threadfence();  // this thread's partial visible GPU-wide before the arrival below
-    NamedBarrierSync(1, kConsumerThreads);
-    if (ctid == 0) {
-      *last_flag = atomicAdd(plan.arrivals + tile, 1) == last - first;
-      __threadfence();  // every earlier arrival's partial visible to this CTA's reads
+    if (static_cast<int>(blockIdx.x) != first) {
+      WritePartial<Decoder>(plan.PartialSlot(blockIdx.x, kTileElems), acc, ctid);
+      __threadfence();  // this thread's partial visible GPU-wide before the arrival below
+      NamedBarrierSync(1, kConsumerThreads);
+      if (ctid == 0) atomicAdd(plan.arrivals + tile, 1);
+      return;
     }
-    NamedBarrierSync(1, kConsumerThreads);
-    if (!*last_flag) return;
-    SumPartials<Decoder>(acc, plan, tile, first, last, ctid);
+    if (ctid == 0) {
+      while (LoadAcquireGpu(plan.arrivals + tile) < last - first) __nanosleep(64);
+    }
+    NamedBarrierSync(1, kConsumerThreads);  // every later partial now visible to the CTA
+    AddPartials<Decoder>(acc, plan, first, last, ctid);
   }
-  StoreAccumulators(decode, acc, m0, n0, m, n, global_scale, bias, y);
+  if (epi == nullptr) {
+    StoreAccumulators(decode, acc, m0, n0, m, n, global_scale, bias, y);
+    return;
+  }
+  NamedBarrierSync(1, kConsumerThreads);  // both consumer warpgroups done with the pipeline
+  decode.Stage(epi, acc);
+  NamedBarrierSync(1, kConsumerThreads);
+  auto staged = [&](int ml, int col) {
+    return *reinterpret_cast<const float4*>(epi + ml * ST + col);
+  };
+  StoreStagedRows<Decoder>(staged, 0, 1, ctid, m0, n0, m, n, global_scale, bias, y, vec_store);
 }
 
 // ---- the kernels -----------------------------------------------------------------------------
@@ -1070,12 +1088,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     FusedGemmStreamKKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                            const uint8_t* __restrict__ scale,
                            const float* __restrict__ global_scale, const T* __restrict__ bias,
-                           T* __restrict__ y, int m, int n, int k, StreamKPlan plan) {
+                           T* __restrict__ y, int m, int n, int k, int vec_store,
+                           StreamKPlan plan) {
 #if JAX_FP4_FUSED_SM90A
   using Decoder = StageDecoder<T, Cfg, Tiled>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * Cfg::kStages];
-  __shared__ int last_flag;
   uint8_t* smem;
   const SmemMap<Cfg> map(AlignedSmemBase(smem, smem_raw));
   PipelineRing<Cfg::kStages> ring(bars);
@@ -1083,20 +1101,22 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int64_t run_end = plan.Begin(blockIdx.x + 1);
   if (tid == 0) ring.Init();
   __syncthreads();
-  // Walks the CTA's run: f(tile, first K stage, stages, m0, n0) per tile segment.
+  // Walks the CTA's run: f(tile, first K stage, stages, m0, n0, whether the run's last) per
+  // tile segment.
   auto for_each_segment = [&](auto&& f) {
     for (int64_t u = plan.Begin(blockIdx.x); u < run_end;) {
       const int tile = static_cast<int>(u / plan.ks);
       const int kc = static_cast<int>(u - static_cast<int64_t>(tile) * plan.ks);
       const int nst = static_cast<int>(min(run_end - u, static_cast<int64_t>(plan.ks - kc)));
-      f(tile, kc, nst, (tile / plan.tiles_n) * Cfg::kBM, (tile % plan.tiles_n) * Cfg::kTileN);
       u += nst;
+      f(tile, kc, nst, (tile / plan.tiles_n) * Cfg::kBM, (tile % plan.tiles_n) * Cfg::kTileN,
+        u == run_end);
     }
   };
 
   if (tid < kProducerThreads) {
     SetMaxRegisters<kProducerRegisters, false>();
-    for_each_segment([&](int, int kc, int nst, int m0, int n0) {
+    for_each_segment([&](int, int kc, int nst, int m0, int n0, bool) {
       const StageLoader<T, Cfg, Tiled, kProducerThreads> load(tid, a, packed, scale, m, n, k, m0,
                                                               n0, map);
       for (int c = 0; c < nst; ++c) ring.Copy(load, kc + c, tid);
@@ -1111,9 +1131,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const Decoder decode(ctid);
   float acc[Decoder::TJ][Decoder::kAcc];
   uint32_t afrag[2][4][4] = {};
-  for_each_segment([&](int tile, int, int nst, int m0, int n0) {
+  for_each_segment([&](int tile, int, int nst, int m0, int n0, bool run_ends) {
     ring.Consume(decode, acc, afrag, map, nst, ctid & 31);
-    StreamKStore(decode, acc, plan, tile, ctid, &last_flag, m0, n0, m, n, global_scale, bias, y);
+    float* epi = run_ends ? reinterpret_cast<float*>(smem) : nullptr;
+    StreamKStore(decode, acc, plan, tile, ctid, epi, m0, n0, m, n, global_scale, bias, y,
+                 vec_store);
   });
 #endif  // JAX_FP4_FUSED_SM90A
 }
@@ -1194,7 +1216,7 @@ int ChooseSplit(int device, int64_t tiles, int64_t ks, int smem, int64_t* cost =
 }
 
 // The stream-K decomposition of a call (StreamKPlan without its pointers) on `sms` SMs with CTA
-// tile bm x tn, and the workspace it needs: two partial tiles per CTA, one counter per tile.
+// tile bm x tn, and the workspace it needs: a partial tile per CTA, one counter per tile.
 struct StreamKShape {
   int64_t tiles, tiles_n, ks, units;
   int ctas;
@@ -1214,20 +1236,19 @@ StreamKShape PlanStreamK(int bm, int tn, int64_t m, int64_t n, int64_t k, int sm
   p.ks = k / kStageK;
   p.units = p.tiles * p.ks;
   p.ctas = static_cast<int>(std::min<int64_t>({sms, fused::kMaxStreamKCtas, p.units}));
-  p.partial_elems = 2 * static_cast<int64_t>(p.ctas) * bm * tn;
+  p.partial_elems = static_cast<int64_t>(p.ctas) * bm * tn;
   p.workspace_elems = p.partial_elems + p.tiles;
   return p;
 }
 
 // Stream-K's cost, in half stage-times (twice ChooseSplit's units): the longest run, the
-// pipeline fill, and the fixup, ~2 stage-times of segment epilogues (partials written and fenced,
-// the tile stored from registers while the pipeline waits) plus ~1.5 per contributor to a tile
-// (the last to arrive reads every contributor's 128 KB partial alone). Fitted to the 256-row
-// tile's measurements (it picks the faster of stream-K and cluster split-K at all 16 points
-// measured, M = 192-1024 on four shapes); at the 128-row tile (half the work per stage, the same
-// partials) stream-K lost or tied on every shape measured, so it is not chosen there by default.
-// NOTES_fused.md, "Fourteenth session".
-constexpr bool StreamKByDefault(int bm) { return bm == 256; }
+// pipeline fill, and the fixup, ~2 stage-times of segment epilogues plus ~1.5 per contributor to
+// a tile. Fitted to the 256-row tile's measurements when the last contributor to arrive wrote and
+// read back every partial (fourteenth session); with the owner reducing in registers and the
+// run's last tile stored through shared memory (fifteenth session) the same rule picks the faster
+// of stream-K and cluster split-K within 2% at every point measured at the 128- and 256-row tiles
+// (M = 80-1024, four shapes), so it now serves both. NOTES_fused.md, "Fifteenth session".
+constexpr bool StreamKByDefault(int bm) { return bm >= 128; }
 int64_t StreamKCost2(const StreamKShape& p) {
   const int64_t run = CeilDiv(p.units, p.ctas);
   const int64_t contributors = CeilDiv(p.ks, std::max<int64_t>(p.units / p.ctas, 1)) + 1;
@@ -1308,7 +1329,7 @@ cudaError_t LaunchStreamK(cudaStream_t stream, const FusedProblem& p, const Stre
   kKernel<<<sk.ctas, kWsThreads, Cfg::kSmemBytes, stream>>>(
       static_cast<const T*>(p.a), p.packed, p.scale, p.gs, static_cast<const T*>(p.bias),
       static_cast<T*>(p.y), static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k),
-      plan);
+      p.vec_store ? 1 : 0, plan);
   return cudaGetLastError();
 }
 

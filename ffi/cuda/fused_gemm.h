@@ -33,7 +33,7 @@ inline constexpr int64_t kMaxStreamKCtas = 132;           // the most SMs of an 
 inline constexpr int64_t kStreamKTileElems = 128 * 256;   // the largest CTA tile (BM x TN)
 
 // f32 elements of the workspace result for an [M, K] x [N, K]^T problem: for M > 64 (where the
-// warp-specialized kernel runs), two fp32 partial tiles per stream-K CTA and one int32 arrival
+// warp-specialized kernel runs), one fp32 partial tile per stream-K CTA and one int32 arrival
 // counter per tile; 0 up to M = 64. A bound over the tiles the kernel may use (128 x 256 and
 // 256 x 128); the launch checks the size it needs and keeps to cluster split-K if it does not fit.
 // A pure function of the shape, kept in sync with jax_fp4/_fused.py:fused_workspace_elems.
@@ -42,7 +42,7 @@ inline constexpr int64_t WorkspaceElems(int64_t m, int64_t n, int64_t k) {
   const int64_t m128 = (m + 127) / 128, n128 = (n + 127) / 128;
   const int64_t tiles = std::max(m128 * ((n + 255) / 256), ((m + 255) / 256) * n128);
   const int64_t ctas = std::min(kMaxStreamKCtas, tiles * (k / kKMultiple));
-  return 2 * ctas * kStreamKTileElems + m128 * n128;
+  return ctas * kStreamKTileElems + m128 * n128;
 }
 
 }  // namespace fused

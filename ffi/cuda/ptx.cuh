@@ -90,6 +90,13 @@ __device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) 
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// A GPU-scope acquire load (pairs with a release: here, a writer's __threadfence + atomicAdd).
+__device__ __forceinline__ int LoadAcquireGpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // TMA bulk copy global -> shared of `bytes` (a multiple of 16, both addresses 16-byte aligned),
 // completing on barrier `bar`. Bypasses the L1 miss path that ld.global and cp.async share.
 __device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
