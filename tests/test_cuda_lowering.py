@@ -46,8 +46,8 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     assert _targets(matmul, *_case(1)) == ["jax_fp4_gemv_cuda"]
     assert _targets(matmul, *_case(16)) == ["jax_fp4_gemv_cuda"]
     assert _targets(matmul, *_case(17)) == ["jax_fp4_fused_cuda"]
-    assert _targets(matmul, *_case(512)) == ["jax_fp4_fused_cuda"]
-    assert _targets(matmul, *_case(513)) == ["jax_fp4_dequant_cuda"]
+    assert _targets(matmul, *_case(1024)) == ["jax_fp4_fused_cuda"]
+    assert _targets(matmul, *_case(1025)) == ["jax_fp4_dequant_cuda"]
     assert _targets(matmul, *_case(11, n=8192)) == ["jax_fp4_gemv_cuda"]
     assert _targets(matmul, *_case(12, n=8192)) == ["jax_fp4_fused_cuda"]  # wide weight
     assert _targets(matmul, *_case(64, k=160)) == ["jax_fp4_dequant_cuda"]  # K % 128 != 0
@@ -114,4 +114,4 @@ def test_tiled_weights_reach_the_tensor_core_gemv_as_they_are(cuda_device, monke
     cuda_device((9, 0))
     # the other paths read the spec layout (transformed back inside the program)
     assert _targets(matmul, *(_case(64)[0], p)) == ["jax_fp4_fused_cuda"]
-    assert _targets(matmul, *(_case(600)[0], p)) == ["jax_fp4_dequant_cuda"]
+    assert _targets(matmul, *(_case(1100)[0], p)) == ["jax_fp4_dequant_cuda"]
