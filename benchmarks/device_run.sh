@@ -17,6 +17,7 @@
 #   bash benchmarks/device_run.sh build fused-crossovers   # the dispatch's crossovers, ~4 min
 #   FUSED_TILE_N_SPLITS="auto 3 4" bash benchmarks/device_run.sh build fused-tests fused-tile-n   # 128-row weight tiles at M = 65-128
 #   bash benchmarks/device_run.sh build fused-tests stream-k   # stream-K against cluster split-K, ~6 min
+#   FUSED_LAYOUT=tiled STREAM_K_MS=80,128,256 bash benchmarks/device_run.sh build stream-k   # on prepacked weights
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -154,8 +155,9 @@ for stage in "$@"; do
       done | tee "$OUT/fused_tile_n.log" ;;
     stream-k)
       # Stream-K against cluster split-K for the warp-specialized kernel (JAX_FP4_FUSED_STREAM_K),
-      # with the heuristic's pick (fused) and bf16 jnp.dot in the same run.
-      timeout 300 python benchmarks/fused_timing.py --variants bf16,fused,fused_cluster,fused_stream_k \
+      # with the heuristic's pick (fused) and bf16 jnp.dot in the same run; FUSED_LAYOUT=tiled times
+      # prepacked weights (the layout the default sweep uses).
+      timeout 300 python benchmarks/fused_timing.py --layout "${FUSED_LAYOUT:-spec}" --variants bf16,fused,fused_cluster,fused_stream_k \
         --ms ${STREAM_K_MS:-80,128,192,256,512,1024} --json "$OUT/stream_k.json" 2>&1 \
         | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|" | tee "$OUT/stream_k.log" ;;
     fused-tests)

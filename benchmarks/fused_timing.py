@@ -8,6 +8,7 @@ batch of back-to-back calls, divided by the number of matmuls.
 
     python benchmarks/fused_timing.py [--shapes 11008x4096,4096x11008] [--ms 16,64,256] [--json PATH]
     python benchmarks/fused_timing.py --variants bf16,fused,gemv --ms 16,32,64,128
+    python benchmarks/fused_timing.py --layout tiled ...   # prepacked weights (jax_fp4.prepack)
     python benchmarks/fused_timing.py --plot-from results/fused_h200.json --png plots/fused.png
 
 Needs jax_fp4 built with its CUDA module (both targets registered) and an sm_90 device.
@@ -27,7 +28,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_fp4 import _fused
+from jax_fp4 import _fused, _layout
 
 FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
@@ -43,6 +44,7 @@ VARIANTS = ("bf16", "dequant", "dequant16", "fused", *ENV_VARIANTS, "fused_own_a
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_MS = "16,32,64,128,256,512,1024,2048,4096"
 CHAIN_BYTES = 200e6  # each chain's fp4 weights exceed the 60 MB L2 about 3x
+TILED = False  # --layout tiled: the weights prepacked, every kernel told so (set once by main)
 
 
 def register_targets() -> str:
@@ -60,21 +62,21 @@ def fused_call(a, packed, scale, gs):
     call = jax.ffi.ffi_call(FUSED, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                     jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),),
                                                          jnp.float32)))
-    y, _ = call(_fused.to_fragment_order(a), packed, scale, gs, jnp.zeros((0,), a.dtype),
-                block_size=np.int64(16), tiled=False)
+    y, _ = call(_fused.to_fragment_order(a, TILED), packed, scale, gs, jnp.zeros((0,), a.dtype),
+                block_size=np.int64(16), tiled=TILED)
     return y
 
 
 def gemv_call(a, packed, scale, gs):
     call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype))
     return call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16),
-                use_mma=True, tiled=False, row_tiling=True)
+                use_mma=True, tiled=TILED, row_tiling=True)
 
 
 def dequantize(a, packed, scale, gs):
     """The dequant kernel's [N, K] weight in a's dtype."""
     call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((packed.shape[0], a.shape[-1]), a.dtype))
-    return call(packed, scale, gs, block_size=np.int64(16), tiled=False)
+    return call(packed, scale, gs, block_size=np.int64(16), tiled=TILED)
 
 
 def dequant_call(a, packed, scale, gs):
@@ -115,6 +117,7 @@ def write_json(path, dev, dtype, records):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"device": dev.device_kind, "dtype": dtype.name, "jax": jax.__version__,
+                   "layout": "tiled" if TILED else "spec",
                    "method": "jitted chain of distinct weights, median of 5 batches, per matmul",
                    "records": records}, f, indent=1)
 
@@ -166,19 +169,24 @@ def main():
     ap.add_argument("--ms", default=DEFAULT_MS)
     ap.add_argument("--variants", default="bf16,dequant,fused", help=",".join(VARIANTS))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layout", choices=("spec", "tiled"), default="spec",
+                    help="weights in the spec's layout or prepacked (tiled: N %% 16 == 0, K %% 128 == 0)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fused_timing.json"))
     args = ap.parse_args()
     if args.plot_from:
         plot(args.plot_from, args.png)
         return
     source = register_targets()
+    global TILED
+    TILED = args.layout == "tiled"
     dtype = jnp.dtype(args.dtype)
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {','.join(VARIANTS)}")
     dev = jax.devices()[0]
-    print(f"device {dev.device_kind}, targets from {source}, dtype {dtype.name}", flush=True)
+    print(f"device {dev.device_kind}, targets from {source}, dtype {dtype.name}, "
+          f"layout {args.layout}", flush=True)
 
     records = []
     key = jax.random.PRNGKey(0)
@@ -191,6 +199,8 @@ def main():
         for i in range(n_mm):
             packed = jax.random.randint(keys[3 * i], (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
             scale = jax.random.randint(keys[3 * i + 1], (n, k // 16), 0x28, 0x48, jnp.int32).astype(jnp.uint8)
+            if TILED:
+                packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
             weights.append((packed, scale, jnp.full((1,), 2.0**-6, jnp.float32)))
         w16 = [None] * n_mm
         if "bf16" in variants:

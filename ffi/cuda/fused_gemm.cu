@@ -904,8 +904,8 @@ __device__ __forceinline__ void WritePartial(float* slot,
 }
 
 // acc += the partials of `tile`'s later contributors first + 1 .. last, in that order (their
-// slots are consecutive). Loads in groups of 8 float4 per thread: enough in flight for L2
-// bandwidth, few enough not to spill.
+// slots are consecutive). Loads in groups of 8 float4 per thread, two contributors' groups at a
+// time (unroll 2: up to 16 loads in flight); the few bytes this spills are outside the main loop.
 template <typename Decoder>
 __device__ __forceinline__ void AddPartials(float (&acc)[Decoder::TJ][Decoder::kAcc],
                                             const StreamKPlan& plan, int first, int last,
@@ -1246,8 +1246,9 @@ StreamKShape PlanStreamK(int bm, int tn, int64_t m, int64_t n, int64_t k, int sm
 // a tile. Fitted to the 256-row tile's measurements when the last contributor to arrive wrote and
 // read back every partial (fourteenth session); with the owner reducing in registers and the
 // run's last tile stored through shared memory (fifteenth session) the same rule picks the faster
-// of stream-K and cluster split-K within 2% at every point measured at the 128- and 256-row tiles
-// (M = 80-1024, four shapes), so it now serves both. NOTES_fused.md, "Fifteenth session".
+// of stream-K and cluster split-K, or one within 1% of it, at all 24 points measured at the 128-
+// and 256-row tiles (M = 80-1024, four shapes; spec layout, kernel-only), so it now serves both.
+// NOTES_fused.md, "Fifteenth session".
 constexpr bool StreamKByDefault(int bm) { return bm >= 128; }
 int64_t StreamKCost2(const StreamKShape& p) {
   const int64_t run = CeilDiv(p.units, p.ctas);
