@@ -21,7 +21,9 @@ layers, take the same argument lists (the shorter one leaves the last L2 - L1 la
 jit(keep_unused=True)), so host dispatch cost is identical; the time per matmul is
 (t(L2) - t(L1)) / (L2 - L1): fixed costs cancel. Each t is the median of --repeats calls (more for
 cheap rows, see --min-time) timed with time.perf_counter around a block_until_ready'ed call of the
-compiled chain, after --warmup calls; L1 and L2 calls alternate.
+compiled chain, after --warmup calls; L1 and L2 calls alternate. With --passes P > 1 each row is
+timed P times (all three variants per pass, the passes one after another) and reports the median
+pass, with every pass's jax_fp4 time in `us_passes`: rows that move between passes show it.
 Inputs are fresh normal random numbers (seeded from --seed, or from the OS when not given).
 
 Bytes per matmul (for TB/s and floors): packed N*K/2 + scales N*ceil(K/16) + global scale 4 +
@@ -315,6 +317,7 @@ class Row:
     noisy: bool
     layout: str = "spec"  # the jax_fp4 weights' layout ("tiled": jax_fp4.prepack)
     us_iqr: float = 0.0   # jax_fp4's ChainTiming.iqr_us: the spread of its single-pair estimates
+    us_passes: tuple[float, ...] = ()  # jax_fp4's time in each pass (--passes > 1), in pass order
 
 
 @dataclasses.dataclass
@@ -337,8 +340,17 @@ def tflops(flops: int, us: float) -> float:
     return flops / (us * 1e-6) / 1e12
 
 
+def median_pass(passes: Sequence[ChainTiming]) -> ChainTiming:
+    """One timing from several passes over the same chains: the median pass by per-layer time (the
+    lower middle one for an even count), noisy if any pass was."""
+    ranked = sorted(passes, key=lambda t: t.us)
+    chosen = ranked[(len(ranked) - 1) // 2]
+    return dataclasses.replace(chosen, noisy=any(t.noisy for t in passes))
+
+
 def make_row(path: str, m: int, shape: Shape, dtype_name: str, fp4: ChainTiming, dense: ChainTiming,
-             naive: ChainTiming, read: ReadBandwidth, layout: str = "spec") -> Row:
+             naive: ChainTiming, read: ReadBandwidth, layout: str = "spec",
+             us_passes: tuple[float, ...] = ()) -> Row:
     itemsize = np.dtype(DTYPES[dtype_name]).itemsize
     n, k = shape.n, shape.k
     nbytes = nvfp4_weight_bytes(n, k) + io_bytes(m, n, k, itemsize)
@@ -356,7 +368,7 @@ def make_row(path: str, m: int, shape: Shape, dtype_name: str, fp4: ChainTiming,
         bf16_tbps=tbps(dense_bytes, dense.us), bf16_tflops=tflops(flops, dense.us),
         naive_tbps=tbps(nbytes, naive.us), naive_tflops=tflops(flops, naive.us),
         layers=(fp4.l1, fp4.l2), noisy=fp4.noisy or dense.noisy or naive.noisy or read.noisy,
-        layout=layout, us_iqr=fp4.iqr_us,
+        layout=layout, us_iqr=fp4.iqr_us, us_passes=us_passes,
     )
 
 
@@ -370,6 +382,7 @@ class Settings:
     repeats: int = 10
     warmup: int = 2
     min_time_s: float = 0.2   # time at least this long per chain pair (more repeats, up to 10x)
+    passes: int = 1           # times each row is measured (median_pass)
     read_kernels: tuple[str, ...] = tuple(READ_KERNELS)
     budget: Budget = Budget()
 
@@ -433,11 +446,17 @@ class Bench:
             started = time.perf_counter()
             acts = make_activations(self._next_key(), m, shape.k, l2, s.dtype)
             path = jax_fp4.dispatch_path(acts[0], run_ws[0], backend=s.backend)
-            fp4 = self._time(chain_of(fp4_layer(s.backend)), (acts, run_ws), l1, l2)
-            dense = self._time(chain_of(dense_layer), (acts, dense_ws), l1, l2)
-            naive = self._time(chain_of(naive_layer), (acts, fp4_ws), l1, l2)
-            row = make_row(path, m, shape, s.dtype_name, fp4, dense, naive, read, run_ws[0].layout)
-            self.log(f"{format_row(row)}   [{time.perf_counter() - started:.1f} s]")
+            passes = []
+            for _ in range(s.passes):
+                passes.append((self._time(chain_of(fp4_layer(s.backend)), (acts, run_ws), l1, l2),
+                               self._time(chain_of(dense_layer), (acts, dense_ws), l1, l2),
+                               self._time(chain_of(naive_layer), (acts, fp4_ws), l1, l2)))
+            fp4, dense, naive = (median_pass(variant) for variant in zip(*passes))
+            us_passes = tuple(p[0].us for p in passes) if s.passes > 1 else ()
+            row = make_row(path, m, shape, s.dtype_name, fp4, dense, naive, read, run_ws[0].layout,
+                           us_passes)
+            passes_note = f" passes {'/'.join(f'{us:.2f}' for us in us_passes)}" if us_passes else ""
+            self.log(f"{format_row(row)}   [{time.perf_counter() - started:.1f} s]{passes_note}")
             rows.append(row)
             del acts
         return rows
@@ -687,6 +706,7 @@ def results_json(rows: Sequence[Row], reads: Sequence[ReadBandwidth], decode: De
         "backend": settings.backend or "auto",
         "layout": settings.layout,
         "repeats": settings.repeats,
+        "passes": settings.passes,
         "warmup": settings.warmup,
         "seed": seed,
         "read_bw_tbps": max((r.tbps for r in reads), default=None),
@@ -733,6 +753,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None,
                    help="timed calls per chain (median; default 10, quick 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per chain after compiling (>= 1)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="measure each row this many times and keep the median pass; every pass's "
+                        "jax_fp4 time goes to the JSON's us_passes (default 1)")
     p.add_argument("--min-time", type=float, default=None,
                    help="seconds of timed calls per chain pair at least: cheap rows repeat more, up "
                         "to 10x --repeats (default 0.2; 0 with --quick)")
@@ -764,13 +787,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.repeats is not None and args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.passes < 1:
+        raise SystemExit(f"--passes must be >= 1, got {args.passes}")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     cache = args.cache_mb * MB if args.cache_mb is not None else (
         QUICK_CACHE_BYTES if args.quick else DEFAULT_CACHE_BYTES)
     settings = Settings(
         dtype_name=args.dtype, backend=args.backend, layout=args.layout,
         repeats=args.repeats if args.repeats is not None else (5 if args.quick else 10),
-        warmup=args.warmup,
+        warmup=args.warmup, passes=args.passes,
         min_time_s=args.min_time if args.min_time is not None else (0.0 if args.quick else 0.2),
         budget=Budget(cache_bytes=int(cache), dense_cap_bytes=int(args.dense_cap_gb * GB),
                       max_layers=QUICK_MAX_LAYERS if args.quick else Budget.max_layers),
@@ -781,6 +806,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _log(f"jax_fp4 bench on {device_description()}, jax {jax.__version__}, dtype {args.dtype}, "
          f"backend {args.backend or 'auto'}, layout {args.layout}, {settings.repeats} repeats, "
+         f"{settings.passes} pass{'es' if settings.passes > 1 else ''}, "
          f"seed {seed}")
     bench = Bench(settings, jax.random.key(seed), log=_log)
     started = time.perf_counter()

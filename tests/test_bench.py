@@ -53,6 +53,28 @@ def test_bench_quick_run_writes_json(tmp_path, capsys):
     assert "96x128" in table and "decode step" in table
 
 
+def test_passes_keep_the_median_pass_and_report_each(tmp_path):
+    out = tmp_path / "results.json"
+    rc = bench.main(["--quick", "--shapes", "96x128", "--m", "2", "--repeats", "1", "--warmup", "0",
+                     "--passes", "3", "--seed", "2", "--json", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    (row,) = results["rows"]
+    assert results["passes"] == 3
+    assert len(row["us_passes"]) == 3 and all(_positive_finite(us) for us in row["us_passes"])
+    assert row["us"] == sorted(row["us_passes"])[1]
+    with pytest.raises(SystemExit, match="--passes must be >= 1, got 0"):
+        bench.main(["--quick", "--passes", "0"])
+
+
+def test_median_pass():
+    timings = [bench.ChainTiming(us, 1, 2, 1.0, 2.0, noisy=us == 5.0) for us in (3.0, 1.0, 5.0, 2.0)]
+    chosen = bench.median_pass(timings)
+    assert chosen.us == 2.0 and chosen.noisy  # the lower middle of four; one pass was noisy
+    assert bench.median_pass(timings[:1]) == timings[0]
+    assert bench.median_pass(timings[:3]).us == 3.0 and not bench.median_pass(timings[:2]).noisy
+
+
 def test_pair_estimates_iqr():
     # Pairs (t1, t2) in seconds over 10 layers: per-layer estimates 1, 2, ..., 9 us.
     t1 = [0.001] * 9
