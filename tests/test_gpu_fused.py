@@ -445,6 +445,53 @@ def test_tiled_fragment_order_is_the_spec_order_with_o_and_j0_swapped():
         assert got[k_log] == 64 * b + 16 * t + 8 * sb + 4 * j0 + 2 * j1 + o
 
 
+def _stream_k_runs(units: int, ctas: int, ks: int) -> list[list[tuple[int, int, int]]]:
+    """A model of StreamKPlan (ffi/cuda/fused_gemm.cu): each CTA's run as (tile, first K stage,
+    stages) segments, from the kernel's Begin and CtaOf formulas (CtaOf checked against Begin)."""
+    begin = lambda c: c * units // ctas  # noqa: E731
+    cta_of = lambda u: ((u + 1) * ctas + units - 1) // units - 1  # noqa: E731
+    runs = []
+    for c in range(ctas):
+        run, u = [], begin(c)
+        while u < begin(c + 1):
+            assert cta_of(u) == c
+            tile, kc = divmod(u, ks)
+            nst = min(begin(c + 1) - u, ks - kc)
+            run.append((tile, kc, nst))
+            u += nst
+        runs.append(run)
+    return runs
+
+
+@pytest.mark.parametrize("tiles, ks, ctas", [(43, 32, 132), (16, 86, 132), (86, 32, 132), (68, 40, 132),
+                                             (5, 9, 45), (136, 2, 132), (224, 64, 132), (1, 3, 3),
+                                             (7, 1, 7), (200, 7, 131)])
+def test_stream_k_plan_lets_owners_reduce(tiles, ks, ctas):
+    """What the owner-reduced fixup relies on, on the kernel's plan: a split tile's contributors are
+    consecutive CTAs; its owner (the CTA holding K stage 0) reaches it in its run's last segment and
+    is the only one that waits, on higher-numbered CTAs only; every other contributor reaches it in
+    its run's first segment, so it hands on at most one partial (one workspace slot per CTA)."""
+    runs = _stream_k_runs(tiles * ks, ctas, ks)
+    contributors: dict[int, list[int]] = {}
+    for c, run in enumerate(runs):
+        for tile, _, _ in run:
+            contributors.setdefault(tile, []).append(c)
+    assert sorted(contributors) == list(range(tiles))
+    handed_on = [0] * ctas
+    for tile, cs in contributors.items():
+        assert cs == list(range(cs[0], cs[-1] + 1))  # consecutive: AddPartials reads slots first + 1 ..
+        segments = {c: next(seg for seg in runs[c] if seg[0] == tile) for c in cs}
+        assert sum(seg[2] for seg in segments.values()) == ks
+        owner = cs[0]
+        assert segments[owner][1] == 0  # the owner holds K stage 0 ...
+        if len(cs) > 1:
+            assert runs[owner][-1][0] == tile  # ... in its run's last segment
+            for c in cs[1:]:
+                assert c > owner and runs[c][0][0] == tile and segments[c][1] > 0
+                handed_on[c] += 1
+    assert max(handed_on) <= 1
+
+
 def test_static_rules():
     # Stream-K from M = 65: a partial tile of 128 x 256 per CTA (132 at most) + 1 counter per
     # 128 x 128 tile; none up to M = 64.
