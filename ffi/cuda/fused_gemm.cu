@@ -856,14 +856,47 @@ struct StreamKPlan {
 };
 
 // The CTA's fp32 tile straight from the accumulators (no shared memory: the copier is already
-// filling the pipeline with the next segment): global scale, bias, 2-byte stores.
+// filling the pipeline with the next segment): global scale, bias, stores. A lane holds weight row
+// (output column) nn for activation rows r and r + 1; where y allows (vec_store: N % 4 == 0, y
+// aligned) it trades one of them with the lane of column nn ^ 1 (lane ^ 4), so that each lane
+// stores two adjacent columns of one row: half the store instructions, each 4 bytes.
 template <typename Decoder, typename T>
 __device__ __forceinline__ void StoreAccumulators(const Decoder& decode,
                                                   const float (&acc)[Decoder::TJ][Decoder::kAcc],
                                                   int m0, int n0, int m, int n,
-                                                  const float* global_scale, const T* bias, T* y) {
+                                                  const float* global_scale, const T* bias, T* y,
+                                                  int vec_store) {
   using Tr = HalfTraits<T>;
   const float alpha = EpilogueScale(global_scale);
+  if (vec_store) {
+    // The lane's column parity (that of g = lane / 4, as row_lo0's; from threadIdx, which spills
+    // less): even lanes keep row r for columns nn, nn + 1 (own low half, then the partner's), odd
+    // lanes row r + 1 for nn - 1, nn (the partner's high half, then their own).
+    const int odd = (threadIdx.x >> 2) & 1;
+    const uint32_t select = odd ? 0x3276u : 0x5410u;  // __byte_perm(own, partner, select)
+#pragma unroll
+    for (int j = 0; j < Decoder::TJ; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int nn = n0 + decode.row_lo0 + 64 * j + 8 * h;
+        const int col0 = nn - odd;  // even, so col0 < n (N % 4 == 0) covers col0 + 1 too
+        const float b = bias != nullptr ? Tr::to_float(bias[min(nn, n - 1)]) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < Decoder::kAcc / 4; ++i) {
+          const uint32_t own = Tr::pair_from_floats(fmaf(acc[j][4 * i + 2 * h], alpha, b),
+                                                    fmaf(acc[j][4 * i + 2 * h + 1], alpha, b));
+          // The whole warp trades, before the bounds checks.
+          const uint32_t partner = __shfl_xor_sync(0xffffffffu, own, 4);
+          const int mm = m0 + 8 * i + 2 * decode.t + odd;
+          if (mm < m && col0 < n) {
+            *reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(mm) * n + col0) =
+                __byte_perm(own, partner, select);
+          }
+        }
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < Decoder::TJ; ++j) {
 #pragma unroll
@@ -953,9 +986,8 @@ __device__ __forceinline__ void StreamKStore(const Decoder& decode,
   if (first != last) {
     if (static_cast<int>(blockIdx.x) != first) {
       WritePartial<Decoder>(plan.PartialSlot(blockIdx.x, kTileElems), acc, ctid);
-      __threadfence();  // this thread's partial visible GPU-wide before the arrival below
-      NamedBarrierSync(1, kConsumerThreads);
-      if (ctid == 0) atomicAdd(plan.arrivals + tile, 1);
+      NamedBarrierSync(1, kConsumerThreads);  // every thread's partial written ...
+      if (ctid == 0) RedReleaseGpu(plan.arrivals + tile, 1);  // ... and published by one fence
       return;
     }
     if (ctid == 0) {
@@ -965,7 +997,7 @@ __device__ __forceinline__ void StreamKStore(const Decoder& decode,
     AddPartials<Decoder>(acc, plan, first, last, ctid);
   }
   if (epi == nullptr) {
-    StoreAccumulators(decode, acc, m0, n0, m, n, global_scale, bias, y);
+    StoreAccumulators(decode, acc, m0, n0, m, n, global_scale, bias, y, vec_store);
     return;
   }
   NamedBarrierSync(1, kConsumerThreads);  // both consumer warpgroups done with the pipeline

@@ -90,11 +90,22 @@ __device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) 
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// A GPU-scope acquire load (pairs with a release: here, a writer's __threadfence + atomicAdd).
+// A GPU-scope acquire load (pairs with RedReleaseGpu).
 __device__ __forceinline__ int LoadAcquireGpu(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+
+// *p += v as a GPU-scope release: the fence is cumulative, so by one thread right after a barrier
+// it publishes the stores of every thread that took part in the barrier (one fence per CTA
+// instead of one per thread).
+__device__ __forceinline__ void RedReleaseGpu(int* p, int v) {
+  asm volatile(
+      "fence.acq_rel.gpu;\n"
+      "red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(p),
+      "r"(v)
+      : "memory");
 }
 
 // TMA bulk copy global -> shared of `bytes` (a multiple of 16, both addresses 16-byte aligned),
