@@ -287,13 +287,14 @@ def test_tile_n_128_equals_default_tile(warp_specialized, tiled, monkeypatch):
 
 # Stream-K (JAX_FP4_FUSED_STREAM_K=1): (M, N, K, activation tile, weight tile) where the CTAs'
 # runs are single K stages of tiles split 9 ways, mixes of whole and partial tiles (136 tiles of 2
-# stages over at most 132 CTAs: runs of 3 stages store a whole tile mid-run, from registers), the
-# same with N % 4 != 0 (2-byte stores; spec layout only, the tiled one needs N % 16 == 0), and
-# runs crossing several tiles.
+# stages over at most 132 CTAs: runs of 3 stages store a whole tile mid-run, from registers: paired
+# 4-byte stores with one 64-row weight tile per warpgroup, 2-byte ones with two), the same with
+# N % 4 != 0 (2-byte stores; spec layout only, the tiled one needs N % 16 == 0), and runs crossing
+# several tiles.
 STREAM_K_CASES = [(70, 528, 1152, "128", "256"), (200, 528, 1152, "128", "128"),
                   (300, 528, 1152, "256", "128"), (1000, 4240, 256, "256", "128"),
-                  (1000, 4234, 256, "256", "128"), (129, 8208, 384, "128", "256"),
-                  (65, 144, 11008, "64", "256")]
+                  (1000, 4240, 256, "128", "256"), (1000, 4234, 256, "256", "128"),
+                  (129, 8208, 384, "128", "256"), (65, 144, 11008, "64", "256")]
 
 
 @needs_sm90

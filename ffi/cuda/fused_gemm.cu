@@ -859,7 +859,10 @@ struct StreamKPlan {
 // filling the pipeline with the next segment): global scale, bias, stores. A lane holds weight row
 // (output column) nn for activation rows r and r + 1; where y allows (vec_store: N % 4 == 0, y
 // aligned) it trades one of them with the lane of column nn ^ 1 (lane ^ 4), so that each lane
-// stores two adjacent columns of one row: half the store instructions, each 4 bytes.
+// stores two adjacent columns of one row: half the store instructions, each 4 bytes. Only with
+// one 64-row weight tile per warpgroup (TJ = 1, as in the 256-row activation tile's config, whose
+// runs hold whole tiles from M ~ 512): at TJ = 2 the trade's registers cost the main loop three
+// more spill reloads per stage (SASS), and its runs seldom hold a whole tile.
 template <typename Decoder, typename T>
 __device__ __forceinline__ void StoreAccumulators(const Decoder& decode,
                                                   const float (&acc)[Decoder::TJ][Decoder::kAcc],
@@ -868,7 +871,7 @@ __device__ __forceinline__ void StoreAccumulators(const Decoder& decode,
                                                   int vec_store) {
   using Tr = HalfTraits<T>;
   const float alpha = EpilogueScale(global_scale);
-  if (vec_store) {
+  if (Decoder::TJ == 1 && vec_store) {
     // The lane's column parity (that of g = lane / 4, as row_lo0's; from threadIdx, which spills
     // less): even lanes keep row r for columns nn, nn + 1 (own low half, then the partner's), odd
     // lanes row r + 1 for nn - 1, nn (the partner's high half, then their own).
