@@ -201,189 +201,99 @@ __device__ __forceinline__ uint64_t MakeDesc(uint32_t smem_addr) {
          (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
 
-// ---- wgmma m64nNk16, A from registers, B K-major from shared memory (generated) -------------
+// ---- wgmma m64nNk16, A from registers, B K-major from shared memory --------------------------
+// One macro per N (= BM; N / 2 fp32 accumulators per thread, 8 per JAX_FP4_ACC8); TYPE is "f16"
+// or "bf16". They name WgmmaRS's operands d, a0..a3, desc and scale_d; scale_d == 0: D = A * B.
 #if JAX_FP4_FUSED_SM90A
-__device__ __forceinline__ void WgmmaM64N64F16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint64_t desc, uint32_t scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-__device__ __forceinline__ void WgmmaM64N64Bf16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint64_t desc, uint32_t scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-__device__ __forceinline__ void WgmmaM64N128F16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint64_t desc, uint32_t scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-__device__ __forceinline__ void WgmmaM64N128Bf16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
-                                           uint32_t a3, uint64_t desc, uint32_t scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-// m64n256k16 (BM = 256): TYPE is "f16" or "bf16".
-#define JAX_FP4_WGMMA_M64N256(TYPE)                                                           \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                 \
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"             \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "  \
-               "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
-               "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "  \
-               "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "  \
-               "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"  \
-               "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"                      \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
-                 "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
-                 "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
-                 "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
-                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
-                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),  \
-                 "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),  \
-                 "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),  \
-                 "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),  \
-                 "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),  \
-                 "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),  \
-                 "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),  \
-                 "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),  \
-                 "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
+#define JAX_FP4_ACC8(I)                                                                       \
+  "+f"(d[I]), "+f"(d[I + 1]), "+f"(d[I + 2]), "+f"(d[I + 3]), "+f"(d[I + 4]), "+f"(d[I + 5]), \
+      "+f"(d[I + 6]), "+f"(d[I + 7])
+#define JAX_FP4_WGMMA_M64N16(TYPE)                                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                     \
+               "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE " {" \
+               "%0, %1, %2, %3, %4, %5, %6, %7"                                 \
+               "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"                   \
+               : JAX_FP4_ACC8(0)                                                \
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
-
-template <typename T>
-__device__ __forceinline__ void WgmmaM64N256(float (&d)[128], uint32_t a0, uint32_t a1, uint32_t a2,
-                                             uint32_t a3, uint64_t desc, uint32_t scale_d) {
-  if constexpr (std::is_same_v<T, __half>) {
-    JAX_FP4_WGMMA_M64N256("f16");
-  } else {
-    JAX_FP4_WGMMA_M64N256("bf16");
-  }
-}
-#undef JAX_FP4_WGMMA_M64N256
-
-// m64n16k16 / m64n32k16 (BM = 16 / 32): TYPE is "f16" or "bf16".
-#define JAX_FP4_WGMMA_M64N16(TYPE)                                                            \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                  \
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE                   \
-               " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n" \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),       \
-                 "+f"(d[6]), "+f"(d[7])                                                       \
+#define JAX_FP4_WGMMA_M64N32(TYPE)                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                           \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {"       \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+               "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                       \
+               : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8)                                     \
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
-#define JAX_FP4_WGMMA_M64N32(TYPE)                                                            \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                  \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                   \
-               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"    \
-               " {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                 \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),       \
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),     \
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                           \
+#define JAX_FP4_WGMMA_M64N64(TYPE)                                                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                     \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                 \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+               "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                 \
+               : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8), JAX_FP4_ACC8(16), JAX_FP4_ACC8(24)           \
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
-
-// m64nNk16 for N = 16 / 32: d holds N / 2 accumulators per thread.
-template <typename T, int N>
-__device__ __forceinline__ void WgmmaM64SmallN(float (&d)[N / 2], uint32_t a0, uint32_t a1,
-                                               uint32_t a2, uint32_t a3, uint64_t desc,
-                                               uint32_t scale_d) {
-  constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 16) {
-    if constexpr (kHalf) {
-      JAX_FP4_WGMMA_M64N16("f16");
-    } else {
-      JAX_FP4_WGMMA_M64N16("bf16");
-    }
-  } else {
-    static_assert(N == 32, "N is 16 or 32");
-    if constexpr (kHalf) {
-      JAX_FP4_WGMMA_M64N32("f16");
-    } else {
-      JAX_FP4_WGMMA_M64N32("bf16");
-    }
-  }
-}
-#undef JAX_FP4_WGMMA_M64N16
-#undef JAX_FP4_WGMMA_M64N32
+#define JAX_FP4_WGMMA_M64N128(TYPE)                                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                       \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                  \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"   \
+               "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                   \
+               : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8), JAX_FP4_ACC8(16), JAX_FP4_ACC8(24),            \
+                 JAX_FP4_ACC8(32), JAX_FP4_ACC8(40), JAX_FP4_ACC8(48), JAX_FP4_ACC8(56)           \
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
+#define JAX_FP4_WGMMA_M64N256(TYPE)                                                                             \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                    \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                                \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                         \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "               \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "               \
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "               \
+               "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "               \
+               "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "               \
+               "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "   \
+               "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" \
+               "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"                                            \
+               : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8), JAX_FP4_ACC8(16), JAX_FP4_ACC8(24),                          \
+                 JAX_FP4_ACC8(32), JAX_FP4_ACC8(40), JAX_FP4_ACC8(48), JAX_FP4_ACC8(56),                        \
+                 JAX_FP4_ACC8(64), JAX_FP4_ACC8(72), JAX_FP4_ACC8(80), JAX_FP4_ACC8(88),                        \
+                 JAX_FP4_ACC8(96), JAX_FP4_ACC8(104), JAX_FP4_ACC8(112), JAX_FP4_ACC8(120)                      \
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
 #endif  // JAX_FP4_FUSED_SM90A
 
 template <typename T, int BM>
 __device__ __forceinline__ void WgmmaRS(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t desc,
                                         uint32_t scale_d) {
 #if JAX_FP4_FUSED_SM90A
-  if constexpr (BM == 16 || BM == 32) {
-    WgmmaM64SmallN<T, BM>(d, a[0], a[1], a[2], a[3], desc, scale_d);
+  const uint32_t a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+#define JAX_FP4_WGMMA_TYPED(WGMMA)           \
+  if constexpr (std::is_same_v<T, __half>) { \
+    WGMMA("f16");                            \
+  } else {                                   \
+    WGMMA("bf16");                           \
+  }
+  if constexpr (BM == 16) {
+    JAX_FP4_WGMMA_TYPED(JAX_FP4_WGMMA_M64N16)
+  } else if constexpr (BM == 32) {
+    JAX_FP4_WGMMA_TYPED(JAX_FP4_WGMMA_M64N32)
   } else if constexpr (BM == 64) {
-    if constexpr (std::is_same_v<T, __half>) {
-      WgmmaM64N64F16(d, a[0], a[1], a[2], a[3], desc, scale_d);
-    } else {
-      WgmmaM64N64Bf16(d, a[0], a[1], a[2], a[3], desc, scale_d);
-    }
+    JAX_FP4_WGMMA_TYPED(JAX_FP4_WGMMA_M64N64)
   } else if constexpr (BM == 128) {
-    if constexpr (std::is_same_v<T, __half>) {
-      WgmmaM64N128F16(d, a[0], a[1], a[2], a[3], desc, scale_d);
-    } else {
-      WgmmaM64N128Bf16(d, a[0], a[1], a[2], a[3], desc, scale_d);
-    }
+    JAX_FP4_WGMMA_TYPED(JAX_FP4_WGMMA_M64N128)
   } else {
     static_assert(BM == 256, "BM must be 16, 32, 64, 128 or 256");
-    WgmmaM64N256<T>(d, a[0], a[1], a[2], a[3], desc, scale_d);
+    JAX_FP4_WGMMA_TYPED(JAX_FP4_WGMMA_M64N256)
   }
+#undef JAX_FP4_WGMMA_TYPED
 #endif
 }
+#if JAX_FP4_FUSED_SM90A
+#undef JAX_FP4_ACC8
+#undef JAX_FP4_WGMMA_M64N16
+#undef JAX_FP4_WGMMA_M64N32
+#undef JAX_FP4_WGMMA_M64N64
+#undef JAX_FP4_WGMMA_M64N128
+#undef JAX_FP4_WGMMA_M64N256
+#endif
 
 // ---- decode helpers --------------------------------------------------------------------------
 
