@@ -340,6 +340,21 @@ def tflops(flops: int, us: float) -> float:
     return flops / (us * 1e-6) / 1e12
 
 
+# A row whose passes (--passes > 1) differ by more than this ratio is marked '~' in the tables:
+# it moved within the run, so its time is less certain than the method's usual spread.
+UNSTEADY_PASS_RATIO = 1.10
+
+
+def unsteady(us_passes: Sequence[float]) -> bool:
+    """Whether a row's per-pass times (Row.us_passes; empty with one pass) spread too far."""
+    return len(us_passes) > 1 and max(us_passes) > UNSTEADY_PASS_RATIO * min(us_passes)
+
+
+def row_mark(noisy: bool, us_passes: Sequence[float]) -> str:
+    """'?' for a noisy row (its chain difference was not positive), '~' for an unsteady one."""
+    return "?" if noisy else ("~" if unsteady(us_passes) else "")
+
+
 def median_pass(passes: Sequence[ChainTiming]) -> ChainTiming:
     """One timing from several passes over the same chains: the median pass by per-layer time (the
     lower middle one for an even count), noisy if any pass was."""
@@ -621,7 +636,7 @@ _COLUMNS = (
     ("naive_us", 9, lambda r: f"{r.naive_us:.2f}"),
     ("x_bf16", 7, lambda r: f"{r.speedup_vs_bf16:.2f}"),
     ("x_naive", 7, lambda r: f"{r.speedup_vs_naive:.2f}"),
-    ("", 1, lambda r: "?" if r.noisy else ""),
+    ("", 1, lambda r: row_mark(r.noisy, r.us_passes)),
 )
 
 
@@ -652,7 +667,7 @@ _MD_COMMON = (
     ("N x K", lambda r: f"{r['n']}x{r['k']}"),
     ("M", lambda r: f"{r['m']}"),
     ("path", lambda r: r["path"]),
-    ("us", lambda r: f"{r['us']:.1f}" + ("?" if r.get("noisy") else "")),
+    ("us", lambda r: f"{r['us']:.1f}" + row_mark(r.get("noisy", False), r.get("us_passes", ()))),
 )
 _MD_TAIL = (
     ("bf16 us", lambda r: f"{r['bf16_us']:.1f}"),
@@ -679,7 +694,7 @@ def _markdown_table(columns, rows) -> list[str]:
 
 def markdown_tables(results: dict) -> str:
     """The rows of a `--json` results dict as two Markdown tables (M <= 8, then M > 8), in the
-    order of the JSON; '?' after the time marks a noisy row."""
+    order of the JSON; '?' after the time marks a noisy row, '~' an unsteady one (row_mark)."""
     rows = results["rows"]
     decode = [r for r in rows if r["m"] <= MARKDOWN_DECODE_MAX_M]
     prefill = [r for r in rows if r["m"] > MARKDOWN_DECODE_MAX_M]
@@ -829,7 +844,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     read_bw = results["read_bw_tbps"]
     print(f"device {results['device']}, jax {results['jax_version']}, read bandwidth "
           f"{'-' if read_bw is None else f'{read_bw:.3g}'} TB/s; times in us per matmul "
-          f"('?' marks a noisy row)")
+          f"('?' marks a noisy row, '~' one whose passes differ by more than "
+          f"{100 * (UNSTEADY_PASS_RATIO - 1):.0f}%)")
     if rows:
         print(format_table(rows))
     if decode is not None:

@@ -108,16 +108,24 @@ def test_parse_shape_rejects_bad_shapes(text):
         bench.parse_shape(text)
 
 
-def _result_row(m: int, n: int, us: float, noisy: bool = False) -> dict:
+def _result_row(m: int, n: int, us: float, noisy: bool = False, us_passes=()) -> dict:
     return {"path": "gemv" if m <= 8 else "fused", "m": m, "n": n, "k": 256, "dtype": "bf16",
             "us": us, "tbps": 1.234, "tflops": 56.7, "speedup_vs_bf16": 1.5,
             "speedup_vs_naive": 4.25, "bf16_us": 2 * us, "naive_us": 4 * us,
-            "read_bw_tbps": 3.0, "fraction_of_read_bw": 0.411, "floor_us": 0.75, "noisy": noisy}
+            "read_bw_tbps": 3.0, "fraction_of_read_bw": 0.411, "floor_us": 0.75, "noisy": noisy,
+            "us_passes": list(us_passes)}
+
+
+def test_row_marks_noisy_and_unsteady_rows():
+    assert bench.row_mark(False, ()) == "" and bench.row_mark(False, (5.0,)) == ""
+    assert bench.row_mark(False, (5.0, 5.5)) == ""  # 10% apart: steady
+    assert bench.row_mark(False, (5.6, 5.0)) == "~"  # 12%, in either order
+    assert bench.row_mark(True, (5.6, 5.0)) == "?"  # noisy says more
 
 
 def test_markdown_tables_split_decode_and_prefill_rows(tmp_path, capsys):
     results = {"rows": [_result_row(1, 96, 3.21), _result_row(64, 96, 12.34, noisy=True),
-                        _result_row(8, 128, 5.0)]}
+                        _result_row(8, 128, 5.0, us_passes=(5.0, 6.0))]}
     decode, prefill = bench.markdown_tables(results).split("\n\n")
     decode_lines, prefill_lines = decode.splitlines(), prefill.splitlines()
     assert decode_lines[0].startswith("| N x K | M | path | us | TB/s | % of read BW |")
@@ -125,7 +133,7 @@ def test_markdown_tables_split_decode_and_prefill_rows(tmp_path, capsys):
     # M <= 8 rows in JSON order, with bandwidth; the M = 64 row only in the second table.
     assert decode_lines[2:] == [
         "| 96x256 | 1 | gemv | 3.2 | 1.23 | 41% | 0.8 | 6.4 | 12.8 | 1.50 | 4.25 |",
-        "| 128x256 | 8 | gemv | 5.0 | 1.23 | 41% | 0.8 | 10.0 | 20.0 | 1.50 | 4.25 |",
+        "| 128x256 | 8 | gemv | 5.0~ | 1.23 | 41% | 0.8 | 10.0 | 20.0 | 1.50 | 4.25 |",
     ]
     assert "TFLOP/s" in prefill_lines[0] and "TB/s" not in prefill_lines[0]
     assert prefill_lines[2:] == ["| 96x256 | 64 | fused | 12.3? | 57 | 24.7 | 49.4 | 1.50 | 4.25 |"]
