@@ -5,9 +5,9 @@
 #   bash benchmarks/device_run.sh build tests          # ~3 min
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
-#   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~4 min
+#   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6 min
 #   (bench and gemv-sweep time prepacked weights; BENCH_LAYOUT=spec for the spec layout;
-#   BENCH_PASSES=2 times every bench row twice, ~2x the time)
+#   every bench row is timed in two passes, BENCH_PASSES=1 for one: ~4 min)
 #   bash benchmarks/device_run.sh build probe          # GEMV limiter probe, ~1 min
 #   bash benchmarks/device_run.sh build kernel-tests probe gemv-sweep   # ~5 min
 #   bash benchmarks/device_run.sh build gemv-configs   # every GEMV launch config at M = 1-16, ~1 min
@@ -50,7 +50,7 @@ for stage in "$@"; do
       python benchmarks/fused_timing.py --json "$OUT/fused_h200.json" > "$OUT/fused_timing.log" 2>&1 || status=1
       tail -25 "$OUT/fused_timing.log" ;;
     bench)
-      python -m jax_fp4.bench --layout "${BENCH_LAYOUT:-tiled}" --passes "${BENCH_PASSES:-1}" --decode-step --json "$OUT/h200.json" > "$OUT/bench.log" 2>&1 || status=1
+      python -m jax_fp4.bench --layout "${BENCH_LAYOUT:-tiled}" --passes "${BENCH_PASSES:-2}" --decode-step --json "$OUT/h200.json" > "$OUT/bench.log" 2>&1 || status=1
       tail -50 "$OUT/bench.log" ;;
     profile)
       # --replay-mode application: kernel replay backs up device memory and crawls on big weights.
