@@ -16,10 +16,11 @@
 // layout, the decode and the epilogue:
 //   FusedGemmKernel (multistage, BM <= 64 by default): the same 256 threads also issue the copies,
 //     S - 2 stages ahead, with one CTA-wide barrier per stage;
-//   FusedGemmWsKernel (warp-specialized, BM >= 128 by default): a third warpgroup only copies,
-//     S stages ahead, each stage's completion on an mbarrier, and the two decoding warpgroups
-//     run on their own schedules (no CTA-wide barrier in the main loop; setmaxnreg gives them
-//     224 registers, the copier 56).
+//   FusedGemmWsKernel (warp-specialized, BM >= 128 by default): a third warpgroup only copies
+//     (the weight by cp.async, the activation tile by TMA from one thread), S stages ahead, each
+//     stage's completion on an mbarrier, and the two decoding warpgroups run on their own
+//     schedules (no CTA-wide barrier in the main loop; setmaxnreg gives them 224 registers, the
+//     copier 56).
 // Pipeline stage = 128 K elements:
 //   act    [BM][128] f16/bf16 as two [BM][64] K-major 128B-swizzled wgmma B tiles (1024-aligned)
 //   packed [TN][64 B]  (16-byte quarter q of row r stored at quarter q ^ (2 ((r >> 1) & 1)))
@@ -54,9 +55,11 @@
 // A[q & 1] while the previous group runs, with the next group's shared-memory loads already
 // issued; wgmma.wait_group 1 after each commit retires the group that last read A[(q & 1) ^ 1].
 #include <cooperative_groups.h>
+#include <cuda.h>  // CUtensorMap (the map is encoded through the runtime's driver entry point)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <algorithm>
 #include <atomic>
@@ -367,7 +370,7 @@ struct SmemMap {
 // moves; the per-row index arithmetic was ~20% of BM = 256's instructions): the thread's rows
 // i < a_valid lie in M (the rest are zero-filled), its packed rows i < p_valid in N (the rest read
 // row N - 1, never stored).
-template <typename T, typename Cfg, bool Tiled, int kLoaders>
+template <typename T, typename Cfg, bool Tiled, int kLoaders, bool kActTma = false>
 struct StageLoader {
   static constexpr int BM = Cfg::kBM;
   static constexpr int kActRows = kLoaders / 16;  // activation rows per pass
@@ -381,6 +384,8 @@ struct StageLoader {
   // only if the compiler cannot hoist every pass's address out of the stage loop (it spilled).
   static constexpr bool kOpaquePasses = kLoaders == kProducerThreads;
 
+  const CUtensorMap* act_map = nullptr;  // kActTma: the activation's tensor map
+  int act_m0 = 0;                        // kActTma: the tile's first activation row
   const T* a_any;  // a valid address for the zero-byte copies of rows past M
   const T* a_src0;
   int64_t a_step;
@@ -432,8 +437,37 @@ struct StageLoader {
     }
   }
 
-  // Issues the copies of K stage c into pipeline slot `slot` (ltid: as constructed).
-  __device__ __forceinline__ void operator()(int c, int slot, int ltid) const {
+  // kActTma: the activation tile comes as two TMA boxes ([BM][64] each, 128-byte swizzle: the
+  // layout the cp.async copies build) issued by thread 0, whose arrival on `full_bar` also
+  // expects their bytes; one instruction per box instead of BM / 8 cp.async per thread, which
+  // left the copier warpgroup issue-bound at the 256-row tile (NOTES_fused.md, seventeenth
+  // session). Rows past M are zero-filled by the TMA unit.
+  __device__ void UseActivationTma(const CUtensorMap* m, int m0) {
+    act_map = m;
+    act_m0 = m0;
+  }
+
+  // Issues the copies of K stage c into pipeline slot `slot` (ltid: as constructed); with
+  // kActTma, `full_bar` is the slot's barrier.
+  __device__ __forceinline__ void operator()(int c, int slot, int ltid,
+                                             uint32_t full_bar = 0) const {
+    if constexpr (kActTma) {
+      if (ltid == 0) {
+        MbarExpectTx(full_bar, Cfg::kActBytes);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          TmaLoad2d(map.ActSlot(slot) + h * Cfg::kActSubBytes, act_map, c * kStageK + 64 * h,
+                    act_m0, full_bar);
+        }
+      }
+    } else {
+      CopyActivations(c, slot);
+    }
+    CopyWeights(c, slot, ltid);
+  }
+
+ private:
+  __device__ __forceinline__ void CopyActivations(int c, int slot) const {
     const uint32_t act_dst = map.ActSlot(slot) + a_dst0;
     const T* a_src = a_src0 + static_cast<int64_t>(c) * kStageK;
     if (a_valid == kActPasses) {  // all rows in M (every M tile but a ragged last one)
@@ -450,6 +484,9 @@ struct StageLoader {
         CpAsync16(act_dst + i * kActRows * 128, in_m ? a_src : a_any, in_m ? 16u : 0u);
       }
     }
+  }
+
+  __device__ __forceinline__ void CopyWeights(int c, int slot, int ltid) const {
     // Per stage: the next 1 KB run of the row's tile (tiled), or the row's next 64 bytes (spec).
     constexpr int64_t kPkStage = Tiled ? 1024 : 64;
     const uint32_t pk_dst = map.PackedSlot(slot) + p_dst0;
@@ -672,9 +709,10 @@ __device__ __forceinline__ uint32_t AlignedSmemBase(uint8_t*& smem, uint8_t* sme
 // ---- the warp-specialized pipeline -------------------------------------------------------------
 
 // Slot bookkeeping of the warp-specialized kernels' ring of S pipeline slots: per slot a `full`
-// mbarrier (kProducerThreads cp.async arrivals: the stage landed) and an `empty` one (one arrival
-// per consumer warp: the wgmma groups that read it retired). Copier and consumers each walk the
-// ring in the same stage order, over one or several tile segments.
+// mbarrier (kProducerThreads cp.async arrivals and the activation tile's TMA bytes: the stage
+// landed) and an `empty` one (one arrival per consumer warp: the wgmma groups that read it
+// retired). Copier and consumers each walk the ring in the same stage order, over one or several
+// tile segments.
 template <int S>
 struct PipelineRing {
   uint32_t full_bar, empty_bar;  // S barriers each, 8 bytes apart
@@ -688,7 +726,8 @@ struct PipelineRing {
   // Once per CTA by thread 0, then a CTA barrier.
   __device__ void Init() const {
     for (int s = 0; s < S; ++s) {
-      MbarInit(full_bar + 8 * s, kProducerThreads);        // one cp.async arrival per thread
+      // One cp.async arrival per thread and thread 0's arrival that expects the TMA bytes.
+      MbarInit(full_bar + 8 * s, kProducerThreads + 1);
       MbarInit(empty_bar + 8 * s, kConsumerThreads / 32);  // one arrival per consumer warp
     }
     FenceMbarInit();
@@ -698,7 +737,7 @@ struct PipelineRing {
   template <typename Loader>
   __device__ __forceinline__ void Copy(const Loader& load, int kc, int ltid) {
     if (stages >= S) MbarWait(empty_bar + 8 * slot, parity);
-    load(kc, slot, ltid);
+    load(kc, slot, ltid, full_bar + 8 * slot);
     CpAsyncArriveNoinc(full_bar + 8 * slot);
     Advance(stages >= S);
   }
@@ -714,7 +753,9 @@ struct PipelineRing {
     int prev_slot = 0;
     for (int it = 0; it < nst; ++it) {
       MbarWait(full_bar + 8 * slot, parity);
-      FenceProxyAsync();  // the copier's cp.async writes (generic proxy) -> wgmma (async proxy)
+      // Ordered cp.async activation writes (generic proxy) before wgmma reads (async proxy); the
+      // TMA writes are async-proxy already, so it may now go (not yet measured on a GPU).
+      FenceProxyAsync();
       decode(acc, afrag, map.ActSlot(slot), map.PackedSlot(slot), map.ScaleSlot(slot), it == 0,
              [&] {
                if (it > 0 && lane == 0) MbarArrive(empty_bar + 8 * prev_slot);
@@ -989,7 +1030,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     FusedGemmWsKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                       const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                       const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
-                      int vec_store) {
+                      int vec_store, const __grid_constant__ CUtensorMap act_map) {
 #if JAX_FP4_FUSED_SM90A
   using Decoder = StageDecoder<T, Cfg, Tiled>;
   extern __shared__ uint8_t smem_raw[];
@@ -1006,8 +1047,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   if (tid < kProducerThreads) {
     SetMaxRegisters<kProducerRegisters, false>();
-    const StageLoader<T, Cfg, Tiled, kProducerThreads> load(tid, a, packed, scale, m, n, k, m0,
-                                                            n0, map);
+    StageLoader<T, Cfg, Tiled, kProducerThreads, true> load(tid, a, packed, scale, m, n, k, m0, n0,
+                                                            map);
+    load.UseActivationTma(&act_map, m0);
     for (int c = 0; c < nst; ++c) ring.Copy(load, kc0 + c, tid);
     CpAsyncCommit();
     CpAsyncWait<0>();  // nothing in flight when this warpgroup exits
@@ -1034,7 +1076,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                            const uint8_t* __restrict__ scale,
                            const float* __restrict__ global_scale, const T* __restrict__ bias,
                            T* __restrict__ y, int m, int n, int k, int vec_store,
-                           StreamKPlan plan) {
+                           StreamKPlan plan, const __grid_constant__ CUtensorMap act_map) {
 #if JAX_FP4_FUSED_SM90A
   using Decoder = StageDecoder<T, Cfg, Tiled>;
   extern __shared__ uint8_t smem_raw[];
@@ -1062,8 +1104,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (tid < kProducerThreads) {
     SetMaxRegisters<kProducerRegisters, false>();
     for_each_segment([&](int, int kc, int nst, int m0, int n0, bool) {
-      const StageLoader<T, Cfg, Tiled, kProducerThreads> load(tid, a, packed, scale, m, n, k, m0,
+      StageLoader<T, Cfg, Tiled, kProducerThreads, true> load(tid, a, packed, scale, m, n, k, m0,
                                                               n0, map);
+      load.UseActivationTma(&act_map, m0);
       for (int c = 0; c < nst; ++c) ring.Copy(load, kc + c, tid);
     });
     CpAsyncCommit();
@@ -1258,6 +1301,36 @@ struct FusedOverrides {
   int stream_k = -1;
 };
 
+// The warp-specialized kernels' activation tensor map: a [M, K] row-major, boxes of 64 K x BM rows
+// with the 128-byte swizzle of the wgmma B tiles; rows past M read as zeros. Encoded per call
+// (host only, ~1 us) through the runtime's driver entry point, so nothing links libcuda.
+template <typename T>
+cudaError_t EncodeActivationMap(CUtensorMap* out, const void* a, int64_t m, int64_t k,
+                                int box_rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(m)};
+  const cuuint64_t row_stride[1] = {static_cast<cuuint64_t>(k) * sizeof(T)};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t unit[2] = {1, 1};
+  const CUresult r = encode(
+      out, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+      2, const_cast<void*>(a), dims, row_stride, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 template <typename T, typename Cfg, bool Tiled>
 cudaError_t LaunchStreamK(cudaStream_t stream, const FusedProblem& p, const StreamKShape& sk) {
   constexpr auto* kKernel = FusedGemmStreamKKernel<T, Cfg, Tiled>;
@@ -1270,12 +1343,15 @@ cudaError_t LaunchStreamK(cudaStream_t stream, const FusedProblem& p, const Stre
   plan.tiles_n = static_cast<int>(sk.tiles_n);
   plan.partials = p.workspace;
   plan.arrivals = reinterpret_cast<int*>(p.workspace + sk.partial_elems);
+  CUtensorMap act_map;
+  err = EncodeActivationMap<T>(&act_map, p.a, p.m, p.k, Cfg::kBM);
+  if (err != cudaSuccess) return err;
   err = cudaMemsetAsync(plan.arrivals, 0, sk.tiles * sizeof(int), stream);
   if (err != cudaSuccess) return err;
   kKernel<<<sk.ctas, kWsThreads, Cfg::kSmemBytes, stream>>>(
       static_cast<const T*>(p.a), p.packed, p.scale, p.gs, static_cast<const T*>(p.bias),
       static_cast<T*>(p.y), static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k),
-      p.vec_store ? 1 : 0, plan);
+      p.vec_store ? 1 : 0, plan, act_map);
   return cudaGetLastError();
 }
 
@@ -1325,11 +1401,22 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
   attr[0].val.clusterDim.z = split;
   config.attrs = attr;
   config.numAttrs = 1;
+  CUtensorMap act_map;  // the warp-specialized kernel's activation copies
+  if constexpr (WS) {
+    err = EncodeActivationMap<T>(&act_map, p.a, p.m, p.k, BM);
+    if (err != cudaSuccess) return err;
+  }
   auto launch = [&] {
-    return cudaLaunchKernelEx(&config, kKernel, static_cast<const T*>(p.a), p.packed, p.scale,
-                              p.gs, static_cast<const T*>(p.bias), static_cast<T*>(p.y),
-                              static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k),
-                              p.vec_store ? 1 : 0);
+    const auto a = static_cast<const T*>(p.a);
+    const auto bias = static_cast<const T*>(p.bias);
+    const auto m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+    if constexpr (WS) {
+      return cudaLaunchKernelEx(&config, kKernel, a, p.packed, p.scale, p.gs, bias,
+                                static_cast<T*>(p.y), m, n, k, p.vec_store ? 1 : 0, act_map);
+    } else {
+      return cudaLaunchKernelEx(&config, kKernel, a, p.packed, p.scale, p.gs, bias,
+                                static_cast<T*>(p.y), m, n, k, p.vec_store ? 1 : 0);
+    }
   };
   err = launch();
   if (err != cudaSuccess && split > 1) {

@@ -118,6 +118,18 @@ __device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t
       : "memory");
 }
 
+// TMA tiled copy of the box at element coordinates (x innermost, y) of the 2D tensor map at
+// `map` (the generic address of a __grid_constant__ kernel parameter) into shared memory at
+// `dst`, completing on barrier `bar`.
+__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const void* map, int x, int y,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
 }  // namespace cuda
 }  // namespace jax_fp4
 
