@@ -19,6 +19,8 @@
 #   FUSED_TILE_N_SPLITS="auto 3 4" bash benchmarks/device_run.sh build fused-tests fused-tile-n   # 128-row weight tiles at M = 65-128
 #   bash benchmarks/device_run.sh build fused-tests stream-k   # stream-K against cluster split-K, ~6 min
 #   FUSED_LAYOUT=tiled STREAM_K_MS=80,128,256 bash benchmarks/device_run.sh build stream-k   # on prepacked weights
+#   git show main:ffi/cuda/fused_gemm.cu > ab_base_fused_gemm.cu   # (here: the file travels untracked)
+#   FUSED_AB_BASE=ab_base_fused_gemm.cu bash benchmarks/device_run.sh fused-ab fused-tests   # ~7 min
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -27,12 +29,33 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 status=0
 
+build() {
+  JAX_FP4_CUDA=ON CMAKE_ARGS="-DJAX_FP4_CUDA_ARCHITECTURES=90a-real" \
+    python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+}
+
 for stage in "$@"; do
   case "$stage" in
     build)
-      JAX_FP4_CUDA=ON CMAKE_ARGS="-DJAX_FP4_CUDA_ARCHITECTURES=90a-real" \
-        python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; exit 1; }
+      build
       python -m jax_fp4 info | tee -a "$OUT/build.log" ;;
+    fused-ab)
+      # Kernel-only A/B of two versions of ffi/cuda/fused_gemm.cu in one call: FUSED_AB_BASE (a
+      # copy of the other version) is built and timed first, then the working tree's, which is
+      # put back afterwards (also if a build fails). FUSED_AB_MS / FUSED_AB_LAYOUT: fused_timing.py's.
+      base=${FUSED_AB_BASE:?set FUSED_AB_BASE to a copy of the base version of ffi/cuda/fused_gemm.cu}
+      cp ffi/cuda/fused_gemm.cu /tmp/ab_new_fused_gemm.cu
+      trap 'cp /tmp/ab_new_fused_gemm.cu ffi/cuda/fused_gemm.cu' EXIT
+      : > "$OUT/fused_ab.log"
+      for side in base new; do
+        if [ "$side" = base ]; then cp "$base" ffi/cuda/fused_gemm.cu; else cp /tmp/ab_new_fused_gemm.cu ffi/cuda/fused_gemm.cu; fi
+        build
+        echo "== $side" | tee -a "$OUT/fused_ab.log"
+        timeout 120 python benchmarks/fused_timing.py --layout "${FUSED_AB_LAYOUT:-tiled}" --variants bf16,fused \
+          --ms "${FUSED_AB_MS:-128,256,512,1024}" --json "$OUT/fused_ab_$side.json" 2>&1 \
+          | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|" | tee -a "$OUT/fused_ab.log" || status=1
+      done
+      trap - EXIT ;;
     tests)
       # Outer timeouts: a hung kernel must not eat the whole device call.
       timeout 420 python -m pytest -q -m gpu tests > "$OUT/gpu_tests.log" 2>&1 || status=1
@@ -142,7 +165,9 @@ for stage in "$@"; do
           python benchmarks/profile_kernels.py --cases "$case" > "$OUT/$name.log" 2>&1 || status=1
         ncu -i "$OUT/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/${name}_sass.csv" 2>&1 || true
         rm -f "$OUT/$name.ncu-rep"
+        python benchmarks/ncu_sass_summary.py "$OUT/${name}_sass.csv" > "$OUT/${name}_sass_summary.txt" 2>&1 || true
         grep -E "Duration|Registers Per|Achieved Active Warps|Issued Warp|No Eligible|Executed Ipc|Stall|Warp Cycles Per Issued|Grid Size|Cluster Size" "$OUT/$name.log" | cut -c1-150 | head -30
+        head -8 "$OUT/${name}_sass_summary.txt"
       done ;;
     fused-tile-n)
       # 128 against 256 weight rows per CTA at the 128-row activation tile (JAX_FP4_FUSED_TILE_N):
@@ -165,7 +190,7 @@ for stage in "$@"; do
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, kernel-tests, gemv-configs, fused-tests, sanitizer, fused, bench, profile, fused-profile, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles, fused-crossovers, fused-tile-n)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, tests, kernel-tests, gemv-configs, fused-tests, sanitizer, fused, bench, profile, fused-profile, fused-ab, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles, fused-crossovers, fused-tile-n, stream-k)" >&2; exit 2 ;;
   esac
 done
 exit $status
