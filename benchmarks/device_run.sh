@@ -156,13 +156,14 @@ for stage in "$@"; do
     fused-profile)
       # Stall reasons per SASS instruction of the fused GEMM, one launch per case (kernel replay;
       # no preallocated pool, so that ncu saves and restores only the live buffers).
+      # PROFILE_LAYOUT=tiled profiles prepacked weights (the default sweep's layout).
       for case in ${FUSED_PROFILE_CASES:-fused:16:11008x4096 fused:64:11008x4096}; do
         name=ncu_$(echo "$case" | tr ':' '_')
         XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 ncu --clock-control none -k regex:FusedGemm \
           --launch-skip 2 -c 1 --section WarpStateStats --section SchedulerStats --section InstructionStats \
           --section Occupancy --section LaunchStats --section SpeedOfLight --section SourceCounters \
           --section MemoryWorkloadAnalysis --page details --print-details all -o "$OUT/$name" \
-          python benchmarks/profile_kernels.py --cases "$case" > "$OUT/$name.log" 2>&1 || status=1
+          python benchmarks/profile_kernels.py --cases "$case" --layout "${PROFILE_LAYOUT:-spec}" > "$OUT/$name.log" 2>&1 || status=1
         ncu -i "$OUT/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/${name}_sass.csv" 2>&1 || true
         rm -f "$OUT/$name.ncu-rep"
         python benchmarks/ncu_sass_summary.py "$OUT/${name}_sass.csv" > "$OUT/${name}_sass_summary.txt" 2>&1 || true

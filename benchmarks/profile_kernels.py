@@ -5,7 +5,8 @@ with a cold L2, launch shape, stall reasons). Run on the H200 under ncu, e.g.
         --section Occupancy --section WarpStateStats python benchmarks/profile_kernels.py
 
 Cases are "backend:M:NxK" (default: the decode GEMV and the fused GEMM at the shapes NOTES.md
-discusses). Every case runs twice (compile + warm) before the profiled third call.
+discusses). Every case runs twice (compile + warm) before the profiled third call. `--layout
+tiled` prepacks the weights (jax_fp4.prepack), as the default bench sweep times them.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import jax_fp4
 DEFAULT_CASES = "gemv:1:11008x4096,gemv:4:248320x2048,fused:16:11008x4096,fused:128:11008x4096"
 
 
-def run_case(backend: str, m: int, n: int, k: int) -> None:
+def run_case(backend: str, m: int, n: int, k: int, tiled: bool = False) -> None:
     rng = np.random.default_rng(0)
     w = jax_fp4.quantize(jnp.asarray(rng.standard_normal((n, k), np.float32)))
+    if tiled:
+        w = jax_fp4.prepack(w)
     a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     f = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend=backend))
     for _ in range(3):
@@ -33,11 +36,14 @@ def run_case(backend: str, m: int, n: int, k: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=DEFAULT_CASES, help="backend:M:NxK,...")
-    for case in ap.parse_args().cases.split(","):
+    ap.add_argument("--layout", choices=("spec", "tiled"), default="spec",
+                    help="weights in the spec's layout or prepacked (N % 16 == 0, K % 128 == 0)")
+    args = ap.parse_args()
+    for case in args.cases.split(","):
         backend, m, shape = case.split(":")
         n, k = (int(x) for x in shape.split("x"))
-        print(f"case {backend} M={m} N={n} K={k}", flush=True)
-        run_case(backend, int(m), n, k)
+        print(f"case {backend} M={m} N={n} K={k} layout {args.layout}", flush=True)
+        run_case(backend, int(m), n, k, tiled=args.layout == "tiled")
 
 
 if __name__ == "__main__":
