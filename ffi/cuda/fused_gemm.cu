@@ -17,13 +17,15 @@
 //   FusedGemmKernel (multistage, BM <= 64 by default): the same 256 threads also issue the copies,
 //     S - 2 stages ahead, with one CTA-wide barrier per stage;
 //   FusedGemmWsKernel (warp-specialized, BM >= 128 by default): a third warpgroup only copies
-//     (the weight by cp.async, the activation tile by TMA from one thread), S stages ahead, each
+//     (the activation tile by TMA from one thread; the weight by cp.async, or on prepacked
+//     weights at BM = 256 by bulk copies from one warp), S stages ahead, each
 //     stage's completion on an mbarrier, and the two decoding warpgroups run on their own
 //     schedules (no CTA-wide barrier in the main loop; setmaxnreg gives them 224 registers, the
 //     copier 56).
 // Pipeline stage = 128 K elements:
 //   act    [BM][128] f16/bf16 as two [BM][64] K-major 128B-swizzled wgmma B tiles (1024-aligned)
-//   packed [TN][64 B]  (16-byte quarter q of row r stored at quarter q ^ (2 ((r >> 1) & 1)))
+//   packed [TN][64 B]  (16-byte quarter q of row r stored at quarter q ^ (2 ((r >> 1) & 1)),
+//                       but unswizzled where bulk copies land whole tiled runs: kPlainRows)
 //   scale  [TN][8 B]   raw E4M3
 // Each lane converts the scale bytes it needs itself (its two rows' bytes of a group with one
 // cvt.rn.f16x2.e4m3x2 per group) into 16-bit pairs {s, s} * 2^7 (fp16) / 2^119 (bf16), inside
@@ -383,9 +385,26 @@ struct StageLoader {
   // The warp-specialized producer's register budget (kProducerRegisters) holds the pass pointers
   // only if the compiler cannot hoist every pass's address out of the stage loop (it spilled).
   static constexpr bool kOpaquePasses = kLoaders == kProducerThreads;
+  // The warp-specialized kernels on prepacked weights: a 16-row tile's bytes of one K stage are
+  // one 1 KB packed run ([16 rows][64 B], nvfp4.h tiled_packed_offset) and one 128-byte scale run,
+  // each brought by one bulk copy from lane `tile` of the copier's warp 0 (the packed rows then
+  // land without the quarter swizzle: StageDecoder kPlainRows). No cp.async at all: the slot's
+  // `full` barrier expects lane 0's expect_tx arrival only. BM = 256 only: there it measured up to
+  // 5% faster; at BM = 128 (TN = 256) 17-30% slower, likely the lost swizzle (twice the shared-
+  // memory wavefronts per packed load) weighing on a decode that feeds half as many activation
+  // rows (NOTES_fused.md, "Eighteenth session").
+  static constexpr bool kWeightBulk = kActTma && Tiled && Cfg::kBM == 256;
+  static constexpr int kTiles = Cfg::kTileN / 16;
+  static constexpr int kPackedRun = 16 * kStageK / 2, kScaleRun = 16 * kStageK / 16;  // bytes
+  static_assert(!kWeightBulk || kTiles <= 32, "one lane of warp 0 per 16-row tile");
+  static constexpr int kCopyThreads = kWeightBulk ? 32 : kLoaders;  // threads that walk the ring
+  static constexpr int kFullArrivals = kWeightBulk ? 1 : kLoaders + (kActTma ? 1 : 0);
 
   const CUtensorMap* act_map = nullptr;  // kActTma: the activation's tensor map
   int act_m0 = 0;                        // kActTma: the tile's first activation row
+  const uint8_t* pk_run = nullptr;  // kWeightBulk: this lane's tile's stage-0 runs (tiles in N)
+  const uint8_t* sc_run = nullptr;
+  uint32_t weight_bytes = 0;  // kWeightBulk: packed + scale bytes of the CTA tile's rows in N
   const T* a_any;  // a valid address for the zero-byte copies of rows past M
   const T* a_src0;
   int64_t a_step;
@@ -435,6 +454,15 @@ struct StageLoader {
       s_src[i] = Tiled ? scale + tile * windows * 128 + (r % 16) * 8
                        : scale + static_cast<int64_t>(min(n0 + r, n - 1)) * (k / 16);
     }
+    if constexpr (kWeightBulk) {
+      const int tiles_in_n = min(kTiles, n / 16 - n0 / 16);  // prepacked: N % 16 == 0
+      weight_bytes = static_cast<uint32_t>(tiles_in_n) * (kPackedRun + kScaleRun);
+      if (ltid < tiles_in_n) {
+        const int64_t tile = n0 / 16 + ltid;
+        pk_run = packed + tile * windows * kPackedRun;
+        sc_run = scale + tile * windows * kScaleRun;
+      }
+    }
   }
 
   // kActTma: the activation tile comes as two TMA boxes ([BM][64] each, 128-byte swizzle: the
@@ -453,7 +481,8 @@ struct StageLoader {
                                              uint32_t full_bar = 0) const {
     if constexpr (kActTma) {
       if (ltid == 0) {
-        MbarExpectTx(full_bar, Cfg::kActBytes);
+        // One arrival that expects every byte the stage's TMA and bulk copies bring.
+        MbarExpectTx(full_bar, Cfg::kActBytes + (kWeightBulk ? weight_bytes : 0u));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           TmaLoad2d(map.ActSlot(slot) + h * Cfg::kActSubBytes, act_map, c * kStageK + 64 * h,
@@ -463,7 +492,17 @@ struct StageLoader {
     } else {
       CopyActivations(c, slot);
     }
-    CopyWeights(c, slot, ltid);
+    if constexpr (kWeightBulk) {
+      __syncwarp();  // the expect_tx before any of the warp's copies can complete
+      if (pk_run != nullptr) {
+        BulkCopy(map.PackedSlot(slot) + ltid * kPackedRun, pk_run + c * kPackedRun, kPackedRun,
+                 full_bar);
+        BulkCopy(map.ScaleSlot(slot) + ltid * kScaleRun, sc_run + c * kScaleRun, kScaleRun,
+                 full_bar);
+      }
+    } else {
+      CopyWeights(c, slot, ltid);
+    }
   }
 
  private:
@@ -508,7 +547,9 @@ struct StageLoader {
 
 // The decode and tensor-core side of one consumer thread (ctid of the 256 threads of two
 // warpgroups): warpgroup wg owns weight rows [TN / 2 wg, TN / 2 (wg + 1)) of the CTA tile.
-template <typename T, typename Config, bool Tiled>
+// kPlainRows: the packed stage rows without the quarter swizzle (the warp-specialized kernels on
+// prepacked weights, whose packed tile arrives as whole 16-row runs by bulk copy).
+template <typename T, typename Config, bool Tiled, bool kPlainRows = false>
 struct StageDecoder {
   using Cfg = Config;
   static constexpr int BM = Cfg::kBM;
@@ -529,7 +570,7 @@ struct StageDecoder {
     const int g = lane >> 2;
     t = lane & 3;
     row_lo0 = wg * 64 * TJ + wq * 16 + g;
-    const uint32_t pswz = ((g >> 1) & 1) << 1;
+    const uint32_t pswz = kPlainRows ? 0u : ((g >> 1) & 1) << 1;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       pk_off[h] = (((2u * h + (t >> 1)) ^ pswz) << 4) | ((t & 1u) << 3);
@@ -723,11 +764,10 @@ struct PipelineRing {
   __device__ explicit PipelineRing(uint64_t (&bars)[2 * S])
       : full_bar(SmemAddr(bars)), empty_bar(SmemAddr(bars) + 8 * S) {}
 
-  // Once per CTA by thread 0, then a CTA barrier.
-  __device__ void Init() const {
+  // Once per CTA by thread 0, then a CTA barrier. full_arrivals: the loader's kFullArrivals.
+  __device__ void Init(int full_arrivals) const {
     for (int s = 0; s < S; ++s) {
-      // One cp.async arrival per thread and thread 0's arrival that expects the TMA bytes.
-      MbarInit(full_bar + 8 * s, kProducerThreads + 1);
+      MbarInit(full_bar + 8 * s, full_arrivals);
       MbarInit(empty_bar + 8 * s, kConsumerThreads / 32);  // one arrival per consumer warp
     }
     FenceMbarInit();
@@ -738,7 +778,7 @@ struct PipelineRing {
   __device__ __forceinline__ void Copy(const Loader& load, int kc, int ltid) {
     if (stages >= S) MbarWait(empty_bar + 8 * slot, parity);
     load(kc, slot, ltid, full_bar + 8 * slot);
-    CpAsyncArriveNoinc(full_bar + 8 * slot);
+    if constexpr (!Loader::kWeightBulk) CpAsyncArriveNoinc(full_bar + 8 * slot);
     Advance(stages >= S);
   }
 
@@ -1020,7 +1060,8 @@ __global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
 #endif  // JAX_FP4_FUSED_SM90A
 }
 
-// Warp-specialized (BM >= 64; the default from BM = 128): warpgroup 0 only copies (cp.async;
+// Warp-specialized (BM >= 64; the default from BM = 128): warpgroup 0 only copies (TMA and
+// cp.async, or TMA and bulk copies from its warp 0: StageLoader::kWeightBulk;
 // each stage's completion arrives on the slot's `full` mbarrier, kStages stages in flight, within
 // kProducerRegisters), warpgroups 1 and 2 only decode and multiply, each on its own schedule (no
 // CTA-wide barrier in the main loop): a consumer warp waits for `full`, and releases the slot on
@@ -1032,7 +1073,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                       const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
                       int vec_store, const __grid_constant__ CUtensorMap act_map) {
 #if JAX_FP4_FUSED_SM90A
-  using Decoder = StageDecoder<T, Cfg, Tiled>;
+  using Loader = StageLoader<T, Cfg, Tiled, kProducerThreads, /*kActTma=*/true>;
+  using Decoder = StageDecoder<T, Cfg, Tiled, /*kPlainRows=*/Loader::kWeightBulk>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * Cfg::kStages];
   uint8_t* smem;
@@ -1042,15 +1084,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int m0 = blockIdx.y * Cfg::kBM, n0 = blockIdx.x * Cfg::kTileN;
   const int2 range = StageRange(k);
   const int kc0 = range.x, nst = range.y;
-  if (tid == 0) ring.Init();
+  if (tid == 0) ring.Init(Loader::kFullArrivals);
   __syncthreads();
 
   if (tid < kProducerThreads) {
     SetMaxRegisters<kProducerRegisters, false>();
-    StageLoader<T, Cfg, Tiled, kProducerThreads, true> load(tid, a, packed, scale, m, n, k, m0, n0,
-                                                            map);
-    load.UseActivationTma(&act_map, m0);
-    for (int c = 0; c < nst; ++c) ring.Copy(load, kc0 + c, tid);
+    if (tid < Loader::kCopyThreads) {
+      Loader load(tid, a, packed, scale, m, n, k, m0, n0, map);
+      load.UseActivationTma(&act_map, m0);
+      for (int c = 0; c < nst; ++c) ring.Copy(load, kc0 + c, tid);
+    }
     CpAsyncCommit();
     CpAsyncWait<0>();  // nothing in flight when this warpgroup exits
     return;            // exited threads are not waited for by the cluster barriers below
@@ -1078,7 +1121,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                            T* __restrict__ y, int m, int n, int k, int vec_store,
                            StreamKPlan plan, const __grid_constant__ CUtensorMap act_map) {
 #if JAX_FP4_FUSED_SM90A
-  using Decoder = StageDecoder<T, Cfg, Tiled>;
+  using Loader = StageLoader<T, Cfg, Tiled, kProducerThreads, /*kActTma=*/true>;
+  using Decoder = StageDecoder<T, Cfg, Tiled, /*kPlainRows=*/Loader::kWeightBulk>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * Cfg::kStages];
   uint8_t* smem;
@@ -1086,7 +1130,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   PipelineRing<Cfg::kStages> ring(bars);
   const int tid = threadIdx.x;
   const int64_t run_end = plan.Begin(blockIdx.x + 1);
-  if (tid == 0) ring.Init();
+  if (tid == 0) ring.Init(Loader::kFullArrivals);
   __syncthreads();
   // Walks the CTA's run: f(tile, first K stage, stages, m0, n0, whether the run's last) per
   // tile segment.
@@ -1103,12 +1147,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   if (tid < kProducerThreads) {
     SetMaxRegisters<kProducerRegisters, false>();
-    for_each_segment([&](int, int kc, int nst, int m0, int n0, bool) {
-      StageLoader<T, Cfg, Tiled, kProducerThreads, true> load(tid, a, packed, scale, m, n, k, m0,
-                                                              n0, map);
-      load.UseActivationTma(&act_map, m0);
-      for (int c = 0; c < nst; ++c) ring.Copy(load, kc + c, tid);
-    });
+    if (tid < Loader::kCopyThreads) {
+      for_each_segment([&](int, int kc, int nst, int m0, int n0, bool) {
+        Loader load(tid, a, packed, scale, m, n, k, m0, n0, map);
+        load.UseActivationTma(&act_map, m0);
+        for (int c = 0; c < nst; ++c) ring.Copy(load, kc + c, tid);
+      });
+    }
     CpAsyncCommit();
     CpAsyncWait<0>();
     return;
@@ -1499,9 +1544,11 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
     return invalid("workspace must hold " + std::to_string(ws_needed) + " f32 elements");
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
+  // Prepacked scales come by bulk copy (16-byte aligned runs), spec-layout ones 8 bytes a row.
   if (!IsAligned(a.untyped_data(), 16) || !IsAligned(packed.typed_data(), 16) ||
-      !IsAligned(scale.typed_data(), 8)) {
-    return invalid("a and packed must be 16-byte aligned, scale 8-byte aligned");
+      !IsAligned(scale.typed_data(), tiled ? 16 : 8)) {
+    return invalid(std::string("a and packed must be 16-byte aligned, scale ") +
+                   (tiled ? "16" : "8") + "-byte aligned");
   }
 
   DeviceInfo info;
