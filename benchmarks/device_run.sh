@@ -20,7 +20,7 @@
 #   bash benchmarks/device_run.sh build fused-tests stream-k   # stream-K against cluster split-K, ~6 min
 #   FUSED_LAYOUT=tiled STREAM_K_MS=80,128,256 bash benchmarks/device_run.sh build stream-k   # on prepacked weights
 #   git show main:ffi/cuda/fused_gemm.cu > ab_base_fused_gemm.cu   # (here: the file travels untracked)
-#   FUSED_AB_BASE=ab_base_fused_gemm.cu bash benchmarks/device_run.sh fused-ab fused-tests   # ~7 min
+#   FUSED_AB_BASE=ab_base_fused_gemm.cu bash benchmarks/device_run.sh fused-ab fused-tests   # ~8 min
 #
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
@@ -41,21 +41,33 @@ for stage in "$@"; do
       python -m jax_fp4 info | tee -a "$OUT/build.log" ;;
     fused-ab)
       # Kernel-only A/B of two versions of ffi/cuda/fused_gemm.cu in one call: FUSED_AB_BASE (a
-      # copy of the other version) is built and timed first, then the working tree's, which is
-      # put back afterwards (also if a build fails). FUSED_AB_MS / FUSED_AB_LAYOUT: fused_timing.py's.
+      # copy of the other version) and the working tree's, built and timed in the order
+      # FUSED_AB_SIDES (default "base new base": in the eighteenth session identical code timed up
+      # to 13% apart between two calls, so a base on both sides shows the drift within one);
+      # the working tree's file is put back afterwards (also if a build fails).
+      # FUSED_AB_MS / FUSED_AB_LAYOUT: fused_timing.py's. JSON per side: fused_ab_<i>_<side>.json.
       base=${FUSED_AB_BASE:?set FUSED_AB_BASE to a copy of the base version of ffi/cuda/fused_gemm.cu}
       cp ffi/cuda/fused_gemm.cu /tmp/ab_new_fused_gemm.cu
       trap 'cp /tmp/ab_new_fused_gemm.cu ffi/cuda/fused_gemm.cu' EXIT
       : > "$OUT/fused_ab.log"
-      for side in base new; do
-        if [ "$side" = base ]; then cp "$base" ffi/cuda/fused_gemm.cu; else cp /tmp/ab_new_fused_gemm.cu ffi/cuda/fused_gemm.cu; fi
+      i=0
+      for side in ${FUSED_AB_SIDES:-base new base}; do
+        i=$((i + 1))
+        case "$side" in
+          base) cp "$base" ffi/cuda/fused_gemm.cu ;;
+          new) cp /tmp/ab_new_fused_gemm.cu ffi/cuda/fused_gemm.cu ;;
+          *) echo "FUSED_AB_SIDES: base or new, got $side" >&2; exit 2 ;;
+        esac
         build
-        echo "== $side" | tee -a "$OUT/fused_ab.log"
+        echo "== $i $side" | tee -a "$OUT/fused_ab.log"
         timeout 120 python benchmarks/fused_timing.py --layout "${FUSED_AB_LAYOUT:-tiled}" --variants bf16,fused \
-          --ms "${FUSED_AB_MS:-128,256,512,1024}" --json "$OUT/fused_ab_$side.json" 2>&1 \
+          --ms "${FUSED_AB_MS:-128,256,512,1024}" --json "$OUT/fused_ab_${i}_$side.json" 2>&1 \
           | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|" | tee -a "$OUT/fused_ab.log" || status=1
       done
-      trap - EXIT ;;
+      python benchmarks/ab_compare.py "$OUT"/fused_ab_*_*.json | tee -a "$OUT/fused_ab.log" || status=1
+      cp /tmp/ab_new_fused_gemm.cu ffi/cuda/fused_gemm.cu  # the working tree's version, built
+      trap - EXIT
+      [ "$side" = new ] || build ;;  # later stages run the working tree's build
     tests)
       # Outer timeouts: a hung kernel must not eat the whole device call.
       timeout 420 python -m pytest -q -m gpu tests > "$OUT/gpu_tests.log" 2>&1 || status=1
