@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import numpy as np
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ab_compare.py"
+from tests.repo_scripts import load_repo_script
+
 SHAPES = [(11008, 4096, 128), (4096, 11008, 256), (28672, 8192, 1024)]
 
 
 @pytest.fixture(scope="module")
 def ab():
-    spec = importlib.util.spec_from_file_location("ab_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("benchmarks/ab_compare.py")
 
 
 def _write(path, fused_us, shapes=SHAPES):

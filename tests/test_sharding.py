@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_fp4
 from jax_fp4 import _sharding
 from tests import reference
+from tests.repo_scripts import load_repo_script
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8 or jax.devices()[0].platform != "cpu",
@@ -462,12 +463,7 @@ def test_pmap_runs_the_kernel_per_device():
 
 
 def test_sharded_inference_example():
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sharded_inference.py"
-    spec = importlib.util.spec_from_file_location("examples_sharded_inference", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_repo_script("examples/sharded_inference.py")
     facts = example.main(verbose=False)
     assert facts["mesh"] == {"data": 2, "model": 4}
     for name in ("jit + NamedSharding", "shard_map"):

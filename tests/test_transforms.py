@@ -12,6 +12,7 @@ import pytest
 
 import jax_fp4
 from tests import reference
+from tests.repo_scripts import load_repo_script
 
 TOL = reference.TOLERANCE
 
@@ -293,18 +294,8 @@ def test_eager_transforms():
     _close(da, _f64(ct) @ w64, "float16")
 
 
-def _load_example(name):
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_lora_example_loss_goes_down():
-    lora = _load_example("lora_finetune")
+    lora = load_repo_script("examples/lora_finetune.py")
     losses = lora.main(steps=15, seed=int(np.random.default_rng().integers(1000)), verbose=False)
     assert all(np.isfinite(losses))
     assert losses[5] < losses[0] and losses[10] < losses[5] and losses[15] < losses[10]
