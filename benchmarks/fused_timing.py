@@ -34,9 +34,10 @@ FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
 GEMV = "jax_fp4_gemv_cuda"
 # Variants that are `fused` run under an environment override (read by the kernel on each call):
-# the multistage kernel at every tile, 128 weight rows per CTA at the 128-row tile (M = 65-128),
+# the multistage or the warp-specialized kernel at every tile, 128 weight rows per CTA at the 128-row tile (M = 65-128),
 # and cluster split-K or stream-K forced for the warp-specialized kernel (stream-K: M > 64 only).
 ENV_VARIANTS = {"fused_multistage": ("JAX_FP4_FUSED_WARP_SPECIALIZED", "0"),
+                "fused_ws": ("JAX_FP4_FUSED_WARP_SPECIALIZED", "1"),
                 "fused_tile_n128": ("JAX_FP4_FUSED_TILE_N", "128"),
                 "fused_cluster": ("JAX_FP4_FUSED_STREAM_K", "0"),
                 "fused_stream_k": ("JAX_FP4_FUSED_STREAM_K", "1")}
@@ -134,7 +135,7 @@ def plot(json_path, png_path):
     shapes = sorted({(r["n"], r["k"]) for r in data["records"]})
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
     styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green",
-              "fused_multistage": "tab:olive", "fused_tile_n128": "tab:cyan", "fused_cluster": "tab:brown",
+              "fused_multistage": "tab:olive", "fused_ws": "tab:gray", "fused_tile_n128": "tab:cyan", "fused_cluster": "tab:brown",
               "fused_stream_k": "tab:pink", "gemv": "tab:purple"}
     for col, (n, k) in enumerate(shapes):
         rows = sorted((r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])

@@ -14,9 +14,9 @@
 // warpgroups; warpgroup wg owns weight rows [TN / 2 wg, TN / 2 (wg + 1)) as TJ m64 tiles j
 // (TJ = 2, TN = 256 up to BM = 128; TJ = 1, TN = 128 at BM = 256). Two kernels share the stage
 // layout, the decode and the epilogue:
-//   FusedGemmKernel (multistage, BM <= 64 by default): the same 256 threads also issue the copies,
+//   FusedGemmKernel (multistage, BM <= 32 by default): the same 256 threads also issue the copies,
 //     S - 2 stages ahead, with one CTA-wide barrier per stage;
-//   FusedGemmWsKernel (warp-specialized, BM >= 128 by default): a third warpgroup only copies
+//   FusedGemmWsKernel (warp-specialized, BM >= 64 by default): a third warpgroup only copies
 //     (the activation tile by TMA from one thread; the weight by cp.async, or on prepacked
 //     weights at BM = 256 by bulk copies from one warp), S stages ahead, each
 //     stage's completion on an mbarrier, and the two decoding warpgroups run on their own
@@ -1006,7 +1006,7 @@ __device__ __forceinline__ void StreamKStore(const Decoder& decode,
 // ---- the kernels -----------------------------------------------------------------------------
 
 // Multistage: all 256 threads copy (cp.async, S - 2 stages ahead) and all decode and multiply;
-// one CTA-wide barrier per stage. The default up to BM = 64 (WarpSpecializedByDefault).
+// one CTA-wide barrier per stage. The default up to BM = 32 (WarpSpecializedByDefault).
 template <typename T, typename Cfg, bool Tiled = false>
 __global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
     FusedGemmKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
@@ -1321,10 +1321,13 @@ int DefaultTileM(int64_t m) {
   return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : (m <= 128 ? 128 : 256)));
 }
 
-// Which kernel serves a tile by default: the warp-specialized one from 128 rows (M = 128 - 1024:
-// 3-12% faster than the multistage one); the multistage one up to 64 rows (M = 64: the
-// warp-specialized one 5% faster to 9% slower by shape). NOTES_fused.md, "Thirteenth session".
-constexpr bool WarpSpecializedByDefault(int tile_m) { return tile_m >= 128; }
+// Which kernel serves a tile by default: the warp-specialized one from 64 rows (M = 128 - 1024:
+// 3-12% faster than the multistage one, thirteenth session; M = 48 and 64, since its activation
+// tile comes by TMA: 2-20% faster on all four prefill shapes, nineteenth session); the multistage
+// one up to 32 rows (where a warp-specialized variant, one or two CTAs per SM, measured 0-10%
+// slower: its two decoding warpgroups cannot hide the decode's latency, the multistage kernel's
+// two CTAs' four can). NOTES_fused.md.
+constexpr bool WarpSpecializedByDefault(int tile_m) { return tile_m >= 64; }
 
 // One call's operands (device pointers), shape and workspace.
 struct FusedProblem {
