@@ -34,8 +34,9 @@ FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
 GEMV = "jax_fp4_gemv_cuda"
 # Variants that are `fused` run under an environment override (read by the kernel on each call):
-# the multistage or the warp-specialized kernel at every tile, 128 weight rows per CTA at the 128-row tile (M = 65-128),
-# and cluster split-K or stream-K forced for the warp-specialized kernel (stream-K: M > 64 only).
+# the multistage kernel at every tile or the warp-specialized one (64-row tiles and up: M > 32),
+# 128 weight rows per CTA at the 128-row tile (M = 65-128), and cluster split-K or stream-K forced
+# for the warp-specialized kernel (stream-K: M > 64 only).
 ENV_VARIANTS = {"fused_multistage": ("JAX_FP4_FUSED_WARP_SPECIALIZED", "0"),
                 "fused_ws": ("JAX_FP4_FUSED_WARP_SPECIALIZED", "1"),
                 "fused_tile_n128": ("JAX_FP4_FUSED_TILE_N", "128"),

@@ -342,6 +342,20 @@ def test_stream_k_needs_its_workspace_and_kernel(monkeypatch):
 
 
 @needs_sm90
+def test_warp_specialized_needs_the_64_row_tile(monkeypatch):
+    """The 16- and 32-row tiles have the multistage kernel only: asking for the other is an error."""
+    rng = np.random.default_rng()
+    packed, scale, gs = random_weight(rng, 256, 256)
+    monkeypatch.setenv("JAX_FP4_FUSED_WARP_SPECIALIZED", "1")
+    for m in (16, 20):  # the 16- and 32-row tiles
+        a = rng.standard_normal((m, 256)).astype(np.float16)
+        with pytest.raises(Exception, match="JAX_FP4_FUSED_WARP_SPECIALIZED=1 needs 64-row"):
+            fused(a, packed, scale, gs)
+    a = rng.standard_normal((40, 256)).astype(np.float16)  # the 64-row tile serves it
+    check_close(fused(a, packed, scale, gs), a, packed, scale, gs, None, "float16")
+
+
+@needs_sm90
 def test_tile_n_128_needs_the_128_row_tile(monkeypatch):
     rng = np.random.default_rng()
     packed, scale, gs = random_weight(rng, 256, 256)

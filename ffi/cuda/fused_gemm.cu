@@ -1296,7 +1296,7 @@ int64_t StreamKCost2(const StreamKShape& p) {
 //   JAX_FP4_FUSED_TILE_N=128|256: weight rows per CTA (128 at 128-row activation tiles only, the
 //   default elsewhere);
 //   JAX_FP4_FUSED_WARP_SPECIALIZED=0|1: the multistage or the warp-specialized kernel for
-//   BM >= 64 (BM <= 32 always runs the multistage one);
+//   BM >= 64 (BM <= 32 has the multistage one only: 1 is an error there);
 //   JAX_FP4_FUSED_STREAM_K=0|1: cluster split-K or stream-K for the warp-specialized kernel
 //   (stream-K needs M > 64: the workspace; JAX_FP4_FUSED_SPLIT implies cluster split-K).
 // Anything else is an error (returned as a message), not silently ignored.
@@ -1600,6 +1600,10 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   if (tile.n != DefaultTileN(tile.m) && tile.m != 128) {
     return invalid("JAX_FP4_FUSED_TILE_N=" + std::to_string(tile.n) + " needs 128-row activation "
                    "tiles (this call's are " + std::to_string(tile.m) + " rows)");
+  }
+  if (tile.ws && tile.m < 64) {  // the 16- and 32-row tiles have the multistage kernel only
+    return invalid("JAX_FP4_FUSED_WARP_SPECIALIZED=1 needs 64-row or larger activation tiles (this "
+                   "call's are " + std::to_string(tile.m) + " rows)");
   }
   if (CeilDiv(m, tile.m) > fused::kMaxMTiles) {
     return invalid("M too large for " + std::to_string(tile.m) + "-row tiles");
