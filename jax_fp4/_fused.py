@@ -53,10 +53,10 @@ STREAM_K_TILE_ELEMS = 128 * 256  # the largest CTA tile (activation rows x weigh
 def fused_workspace_elems(m: int, n: int, k: int) -> int:
     """f32 elements of the target's workspace result (mirror of fused::WorkspaceElems).
 
-    For M > 64 (the warp-specialized kernel), the stream-K decomposition's fp32 partial tile
-    per CTA (at most one CTA per SM) and one int32 arrival counter per tile: a bound over the
-    128 x 256 and 256 x 128 tiles, at most ~17 MB. 0 up to M = 64 (split-K there is reduced on chip
-    inside a thread-block cluster).
+    For M > 64 (the 128- and 256-row tiles, where the warp-specialized kernel may run stream-K),
+    the stream-K decomposition's fp32 partial tile per CTA (at most one CTA per SM) and one int32
+    arrival counter per tile: a bound over the 128 x 256 and 256 x 128 tiles, at most ~17 MB. 0 up
+    to M = 64 (split-K there is reduced on chip inside a thread-block cluster).
     """
     if m <= 64:
         return 0

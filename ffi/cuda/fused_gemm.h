@@ -32,10 +32,11 @@ inline constexpr int64_t kTileMLarge = 128;  // the smallest activation tile abo
 inline constexpr int64_t kMaxStreamKCtas = 132;           // the most SMs of an sm_90 part
 inline constexpr int64_t kStreamKTileElems = 128 * 256;   // the largest CTA tile (BM x TN)
 
-// f32 elements of the workspace result for an [M, K] x [N, K]^T problem: for M > 64 (where the
-// warp-specialized kernel runs), one fp32 partial tile per stream-K CTA and one int32 arrival
-// counter per tile; 0 up to M = 64. A bound over the tiles the kernel may use (128 x 256 and
-// 256 x 128); the launch checks the size it needs and keeps to cluster split-K if it does not fit.
+// f32 elements of the workspace result for an [M, K] x [N, K]^T problem: for M > 64 (the 128-
+// and 256-row tiles, where the warp-specialized kernel may run stream-K), one fp32 partial tile
+// per stream-K CTA and one int32 arrival counter per tile; 0 up to M = 64. A bound over the tiles
+// the kernel may use (128 x 256 and 256 x 128); the launch checks the size it needs and keeps to
+// cluster split-K if it does not fit.
 // A pure function of the shape, kept in sync with jax_fp4/_fused.py:fused_workspace_elems.
 inline constexpr int64_t WorkspaceElems(int64_t m, int64_t n, int64_t k) {
   if (m <= 64) return 0;
