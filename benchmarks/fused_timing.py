@@ -136,8 +136,8 @@ def plot(json_path, png_path):
     shapes = sorted({(r["n"], r["k"]) for r in data["records"]})
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
     styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green",
-              "fused_multistage": "tab:olive", "fused_ws": "tab:gray", "fused_tile_n128": "tab:cyan", "fused_cluster": "tab:brown",
-              "fused_stream_k": "tab:pink", "gemv": "tab:purple"}
+              "fused_multistage": "tab:olive", "fused_ws": "tab:gray", "fused_tile_n128": "tab:cyan",
+              "fused_cluster": "tab:brown", "fused_stream_k": "tab:pink", "gemv": "tab:purple"}
     for col, (n, k) in enumerate(shapes):
         rows = sorted((r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
         ms = [r["m"] for r in rows]
