@@ -110,6 +110,10 @@ constexpr bool IsTileM(long bm) {
   return bm == 16 || bm == 32 || bm == 64 || bm == 128 || bm == 256;
 }
 
+// The tiles the warp-specialized kernel is built for; the 16- and 32-row tiles have the
+// multistage kernel only.
+constexpr bool HasWarpSpecialized(int bm) { return bm >= 64; }
+
 // Weight rows per CTA by default: up to BM = 128 a warpgroup owns two m64 weight tiles (256 rows
 // per CTA); at BM = 256 one (128 rows: the accumulators of two m64n256 tiles would not fit the
 // registers), so each decoded weight fragment feeds 256 activation rows.
@@ -1060,8 +1064,8 @@ __global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
 #endif  // JAX_FP4_FUSED_SM90A
 }
 
-// Warp-specialized (BM >= 64; the default from BM = 128): warpgroup 0 only copies (TMA and
-// cp.async, or TMA and bulk copies from its warp 0: StageLoader::kWeightBulk;
+// Warp-specialized (BM >= 64: HasWarpSpecialized, and the default there): warpgroup 0 only
+// copies (TMA and cp.async, or TMA and bulk copies from its warp 0: StageLoader::kWeightBulk;
 // each stage's completion arrives on the slot's `full` mbarrier, kStages stages in flight, within
 // kProducerRegisters), warpgroups 1 and 2 only decode and multiply, each on its own schedule (no
 // CTA-wide barrier in the main loop): a consumer warp waits for `full`, and releases the slot on
@@ -1179,7 +1183,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 template <typename T, typename Cfg, bool Tiled, bool WS>
 constexpr auto* FusedKernel() {
   if constexpr (WS) {
-    static_assert(Cfg::kBM >= 64, "BM <= 32 runs the multistage kernel only");
+    static_assert(HasWarpSpecialized(Cfg::kBM), "BM <= 32 runs the multistage kernel only");
     return FusedGemmWsKernel<T, Cfg, Tiled>;
   } else {
     return FusedGemmKernel<T, Cfg, Tiled>;
@@ -1327,7 +1331,7 @@ int DefaultTileM(int64_t m) {
 // one up to 32 rows (where a warp-specialized variant, one or two CTAs per SM, measured 0-10%
 // slower: its two decoding warpgroups cannot hide the decode's latency, the multistage kernel's
 // two CTAs' four can). NOTES_fused.md.
-constexpr bool WarpSpecializedByDefault(int tile_m) { return tile_m >= 64; }
+constexpr bool WarpSpecializedByDefault(int tile_m) { return HasWarpSpecialized(tile_m); }
 
 // One call's operands (device pointers), shape and workspace.
 struct FusedProblem {
@@ -1481,16 +1485,16 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
 struct TileChoice {
   int m;    // activation rows (IsTileM)
   int n;    // weight rows: DefaultTileN(m), or 128 at m = 128
-  bool ws;  // warp-specialized kernel (m >= 64)
+  bool ws;  // warp-specialized kernel (HasWarpSpecialized(m))
 };
 
 template <typename T, bool Tiled, int BM, int TN = DefaultTileN(BM)>
 constexpr auto LaunchFor(bool ws) {
   using Cfg = FusedConfig<BM, TN>;
-  if constexpr (BM >= 64) {
+  if constexpr (HasWarpSpecialized(BM)) {
     return ws ? LaunchFused<T, Cfg, Tiled, true> : LaunchFused<T, Cfg, Tiled, false>;
   } else {
-    return LaunchFused<T, Cfg, Tiled, false>;  // the 16- and 32-row tiles: multistage only
+    return LaunchFused<T, Cfg, Tiled, false>;  // the handler rejects ws here
   }
 }
 
@@ -1601,7 +1605,7 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
     return invalid("JAX_FP4_FUSED_TILE_N=" + std::to_string(tile.n) + " needs 128-row activation "
                    "tiles (this call's are " + std::to_string(tile.m) + " rows)");
   }
-  if (tile.ws && tile.m < 64) {  // the 16- and 32-row tiles have the multistage kernel only
+  if (tile.ws && !HasWarpSpecialized(tile.m)) {
     return invalid("JAX_FP4_FUSED_WARP_SPECIALIZED=1 needs 64-row or larger activation tiles (this "
                    "call's are " + std::to_string(tile.m) + " rows)");
   }
