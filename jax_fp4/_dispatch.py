@@ -27,16 +27,17 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 # "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json and
 # fused_load_hoist_h200.json; re-measure with `bash benchmarks/device_run.sh build fused-crossovers`):
 # - M <= 8: the decode GEMV.
-# - 9 <= M <= 16: the GEMV, except from M = 12 on wide weights (N >= 8192), where the fused GEMM
-#   has enough 256-row weight tiles to fill the SMs and wins (M = 16: 6-16% on 11008x4096,
-#   17408x5120, 28672x8192; it loses 10% at N = 4096).
+# - 9 <= M <= 16: the GEMV (two column and two row tiles per warp since the twentieth session),
+#   except on wide weights with long rows (N >= 8192 and K >= 5120), where the fused GEMM is
+#   14-23% faster (17408x5120, 28672x8192); on 11008x4096 and 24576x4096 the GEMV is 2-10%
+#   faster (benchmarks/NOTES.md, "Twentieth session"; results/sweeps/crossover_small_m_session20_h200.json).
 # - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
 #   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
 #   1.00-1.11x (benchmarks/results/sweeps/crossover_{fused,dequant}_session15_h200.json).
 # - larger M: dequantize + cuBLAS (M = 2048: the fused GEMM measured 1.02-1.15x slower).
 GEMV_MAX_M = 16
-FUSED_MIN_M_WIDE_N = 12
 WIDE_N = 8192
+LONG_K = 5120
 FUSED_MAX_M = 1024
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
@@ -94,7 +95,7 @@ def auto_prefers_fused(p: Problem) -> bool:
     """Whether "auto" takes the fused GEMM over the GEMV / dequant for this shape (where it can
     run at all): the measured crossovers above."""
     if p.m <= GEMV_MAX_M:
-        return p.m >= FUSED_MIN_M_WIDE_N and p.n >= WIDE_N
+        return p.m > 8 and p.n >= WIDE_N and p.k >= LONG_K
     return p.m <= FUSED_MAX_M
 
 

@@ -2,10 +2,10 @@
 
 The expected path is restated here from the rules in README/spec: empty first, then a forced
 backend (or a clear ValueError), else on CUDA: the fused Hopper GEMM on compute capability 9.x
-(block 16, K % 128 == 0) for 12 <= M <= 16 when N >= 8192 and for 16 < M <= 1024; otherwise gemv
-for M <= 16 (block 16, K % 32 == 0, fp16/bf16),
-native only when enabled on compute capability 12.x past the GEMV (block 16, K and N % 32 == 0),
-dequant for fp16/bf16, reference otherwise; on CPU the fused C++ kernel.
+(block 16, K % 128 == 0) for 9 <= M <= 16 when N >= 8192 and K >= 5120 and for 16 < M <= 1024;
+otherwise gemv for M <= 16 (block 16, K % 32 == 0, fp16/bf16), native only when enabled on
+compute capability 12.x past the GEMV (block 16, K and N % 32 == 0), dequant for fp16/bf16,
+reference otherwise; on CPU the fused C++ kernel.
 """
 
 import itertools
@@ -19,8 +19,8 @@ from jax_fp4._dispatch import Problem, select_path
 
 CAPABILITIES = [None, (7, 5), (8, 0), (9, 0), (10, 0), (12, 0)]
 DTYPES = [np.dtype("float16"), np.dtype(ml_dtypes.bfloat16), np.dtype("float32")]
-MS = [0, 1, 8, 11, 12, 16, 17, 64, 256, 257, 512, 1024, 1025, 4096]
-NS, KS, BLOCKS = [0, 33, 8192], [0, 48, 64, 4096], [16, 32, 7]
+MS = [0, 1, 8, 9, 11, 12, 16, 17, 64, 256, 257, 512, 1024, 1025, 4096]
+NS, KS, BLOCKS = [0, 33, 8192], [0, 48, 64, 4096, 5120], [16, 32, 7]
 
 
 def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype):
@@ -44,7 +44,7 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype):
     if platform == "cpu":
         return "cpu"
     if platform == "cuda" and has_cuda:
-        if fused_ok and (12 <= m <= 16 and n >= 8192 or 16 < m <= 1024):
+        if fused_ok and (9 <= m <= 16 and n >= 8192 and k >= 5120 or 16 < m <= 1024):
             return "fused"
         if gemv_ok and m <= 16:
             return "gemv"

@@ -17,6 +17,7 @@ H200_SMS = 132
 MAX_WARPS_PER_BLOCK = 16
 SPLITS = (1, 2, 3, 4, 6, 8)
 TWO_TILE_BLOCKS_PER_SM = 4
+BLOCK_OVERHEAD_WINDOWS = 5
 
 M_VALUES = [1, 2, 3, 4, 5, 7, 8, 9, 16, 64, 1000]
 N_VALUES = [1, 7, 16, 100, 1000, 1056, 4096, 5120, 8448, 11008, 16896, 17408, 24576, 28672, 248320]
@@ -25,8 +26,15 @@ SMS = [1, 2, 46, 108, 132, 170]
 
 
 def resident_warps(col_tiles, row_tiles):
-    """Warps per SM of the mma kernel at its register count (96, or 121-128 with two tiles)."""
+    """Warps per SM of the mma kernel at its register count (96; 121-128 with two column or two
+    row tiles; 168 with both)."""
+    if col_tiles == 2 and row_tiles == 2:
+        return 12
     return 20 if col_tiles == 1 and row_tiles == 1 else 16
+
+
+def max_split(col_tiles, row_tiles):
+    return 4 if col_tiles == 2 and row_tiles == 2 else MAX_WARPS_PER_BLOCK // col_tiles
 
 
 def grid_blocks(c, m, n):
@@ -38,9 +46,18 @@ def fits_one_wave(c, m, n, k_split, num_sms):
 
 
 def allowed_split(c, m, n, k, k_split, num_sms):
-    """k_split within the block's warp budget, two windows per warp, the grid in one wave."""
-    return (c["col_tiles"] * k_split <= MAX_WARPS_PER_BLOCK and 2 * k_split <= k // 128
+    """k_split within the block's warp budget, two windows per warp, the grid in one wave (the
+    column-tile rule's test of whether one tile splits K)."""
+    return (k_split <= max_split(c["col_tiles"], c["row_tiles"]) and 2 * k_split <= k // 128
             and fits_one_wave(c, m, n, k_split, num_sms))
+
+
+def modelled_time(c, m, n, k, k_split, num_sms):
+    """The heuristic's cost of a k_split, waves of resident blocks x (windows per warp + 5), then
+    the waves (the tie-break)."""
+    per_sm = resident_warps(c["col_tiles"], c["row_tiles"]) // k_split
+    rounds = math.ceil(grid_blocks(c, m, n) / (num_sms * per_sm))
+    return rounds * (math.ceil(k // 128 / k_split) + BLOCK_OVERHEAD_WINDOWS), rounds
 
 
 @pytest.mark.parametrize("num_sms", SMS)
@@ -50,19 +67,19 @@ def test_invariants(num_sms):
         ct, ks, rows = c["col_tiles"], c["k_split"], c["rows_per_block"]
         where = f"m={m} n={n} k={k} sms={num_sms}: {c}"
         assert ct in (1, 2), where
-        # Two 8-row tiles per warp exactly when M > 8, and then one column tile (registers).
+        # Two 8-row tiles per warp exactly when M > 8.
         assert c["row_tiles"] == (2 if m > 8 else 1), where
-        if c["row_tiles"] == 2:
-            assert ct == 1, where
-        assert ks in SPLITS and ct * ks <= MAX_WARPS_PER_BLOCK, where
+        assert ks in SPLITS and ks <= max_split(ct, c["row_tiles"]), where
         assert rows in (1, 2, 4), where
         windows = k // 128
         if ks > 1:
             assert windows >= 2 * ks, f"every split warp keeps >= 2 windows: {where}"
-            assert allowed_split(c, m, n, k, ks, num_sms), f"the grid is resident at once: {where}"
-        # The largest such k_split.
-        for bigger in (s for s in SPLITS if s > ks):
-            assert not allowed_split(c, m, n, k, bigger, num_sms), f"k_split {bigger} allowed: {where}"
+        # The split of least modelled time (fewer waves on a tie).
+        candidates = [s for s in SPLITS if s == 1 or (s <= max_split(ct, c["row_tiles"])
+                                                      and 2 * s <= windows)]
+        assert ks in candidates, where
+        assert modelled_time(c, m, n, k, ks, num_sms) == min(
+            modelled_time(c, m, n, k, s, num_sms) for s in candidates), where
         # Two column tiles only when their grid still has two waves of blocks; not at M <= 4 when
         # it is just over one wave of k_split-4 blocks (by less than half a wave), unless one tile
         # would not split K there.
@@ -73,7 +90,7 @@ def test_invariants(num_sms):
         if ct == 2:
             assert blocks2 >= 2 * num_sms, where
             assert not (thin and one_tile_splits), where
-        elif m <= 8 and blocks2 >= 2 * num_sms:
+        elif blocks2 >= 2 * num_sms:
             assert thin and one_tile_splits and ks > 1, where
         if m == 1:
             assert rows == 1, where
@@ -103,8 +120,16 @@ def test_h200_shapes():
     assert cfg(4, 11008, 4096) == (2, 4, 4)      # speculative decode, 4 rows (scalar row tiling 4)
     assert cfg(8, 2048, 2048) == (1, 8, 4)       # small MLP: split K for parallelism (2 windows each)
     assert cfg(1, 100, 128) == (1, 1, 1)         # one window: nothing to split
-    assert cfg(16, 11008, 4096)[:2] == (1, 2)    # M = 16: one pass, two row tiles per warp
-    assert config(16, 11008, 4096, H200_SMS)["row_tiles"] == 2
+    for m in (9, 12, 16):  # one pass over the weight for up to 16 rows: two row tiles per warp
+        assert config(m, 11008, 4096, H200_SMS)["row_tiles"] == 2
+        assert cfg(m, 11008, 4096)[:2] == (2, 4)
+        assert cfg(m, 28672, 8192)[:2] == (2, 3)   # 1.7 waves beat the one-wave k_split 1
+        assert cfg(m, 17408, 5120)[:2] == (2, 2)
+        assert cfg(m, 24576, 4096)[:2] == (2, 2)
+        assert cfg(m, 4096, 11008)[:2] == (1, 8)   # too few two-tile blocks
+        assert cfg(m, 6144, 4096)[:2] == (1, 4)
+    assert cfg(1, 24576, 8192)[:2] == (2, 2)     # k_split 8 in three waves measured 6% slower
+    assert cfg(1, 151936, 4096)[:2] == (2, 2)    # lm_head of the decode step: 97.6 us, 1: 100.0
 
 
 def test_monotone_in_sms():

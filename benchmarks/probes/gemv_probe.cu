@@ -423,8 +423,8 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
 
 // GEMV_PROBE_SWEEP_M=1,2,4,8,16: instead of the probe rows, the production kernel on prepacked
 // weights (GemvMmaKernel<bf16, CT, RT, DecodeTiled, 1, L2, true>, what jax_fp4.prepack's weights
-// run) at each M and every launch config (M <= 8: col_tiles 1 and 2; M > 8: two row tiles, one
-// column tile; k_split 1..16 within the warp budget, non-powers of two included), the
+// run) at each M and every launch config (col_tiles 1 and 2, with two row tiles at M > 8;
+// k_split 1..16 within the warp budget, non-powers of two included), the
 // heuristic's pick starred: the table gemv_launch_config rests on.
 template <int CT, int RT>
 float TimeTiledGemv(const ProbeBuffers& b, int64_t m, int64_t n, int64_t k, int k_split, int copies) {
@@ -447,11 +447,11 @@ void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms)
     float best = 1e30f;
     std::string line;
     for (int ct : {1, 2}) {
-      if (m > 8 && ct > 1) continue;  // two row tiles: one column tile
       for (int ks : {1, 2, 3, 4, 6, 8, 12, 16}) {
-        if (ks * ct > kGemvMaxWarpsPerBlock) continue;
+        if (ks > GemvMaxSplit(ct, m > 8 ? 2 : 1)) continue;
         const float us =
-            m > 8 ? TimeTiledGemv<1, 2>(b, m, n, k, ks, copies)
+            m > 8 ? (ct == 1 ? TimeTiledGemv<1, 2>(b, m, n, k, ks, copies)
+                             : TimeTiledGemv<2, 2>(b, m, n, k, ks, copies))
             : ct == 1 ? TimeTiledGemv<1, 1>(b, m, n, k, ks, copies)
                       : TimeTiledGemv<2, 1>(b, m, n, k, ks, copies);
         const bool picked = ct == pick.col_tiles && ks == pick.k_split;

@@ -169,8 +169,8 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
 
 // Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block]" (read on each
 // call; empty or unset = the heuristic): col_tiles 1 or 2, rows_per_block 1, 2 or 4; k_split >= 1,
-// clamped into the block's warp budget (16 / col_tiles); row_tiles stays the heuristic's with one
-// column tile and becomes 1 with two. Anything else is an error.
+// clamped into the block's warp budget (GemvMaxSplit); row_tiles stays the heuristic's.
+// Anything else is an error.
 std::string ApplyConfigOverride(GemvLaunchConfig* cfg) {
   const char* env = std::getenv("JAX_FP4_GEMV_CONFIG");
   if (env == nullptr || *env == '\0') return "";
@@ -183,8 +183,7 @@ std::string ApplyConfigOverride(GemvLaunchConfig* cfg) {
            env + "'";
   }
   cfg->col_tiles = ct;
-  if (ct > 1) cfg->row_tiles = 1;
-  cfg->k_split = std::min(ks, kGemvMaxWarpsPerBlock / ct);
+  cfg->k_split = std::min(ks, GemvMaxSplit(ct, cfg->row_tiles));
   cfg->rows_per_block = rows;
   return "";
 }
@@ -199,8 +198,10 @@ cudaError_t LaunchGemv(cudaStream_t stream, const DeviceInfo& info, const void* 
   T* yt = static_cast<T*>(y);
   if (tiled || (use_mma && k > 0 && k % kGemvWindow == 0 && info.sm >= 80)) {
     const int ks = cfg.k_split;
-    if (row_tiling && cfg.row_tiles == 2 && cfg.col_tiles == 1) {
-      return LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
+    if (row_tiling && cfg.row_tiles == 2) {
+      return cfg.col_tiles == 2
+                 ? LaunchMma<T, 2, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks)
+                 : LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
     }
     return cfg.col_tiles == 2
                ? LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks)

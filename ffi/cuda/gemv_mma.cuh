@@ -305,7 +305,9 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 
 // Two-tile warps are held to 128 registers (2 blocks of the largest size per SM: 4 blocks of
 // k_split 4 instead of 3 at the 137 they would take; no spills, ptxas -v).
-// RT (row tiles of 8 activation rows per warp) is 1, or 2 with one column tile (M > 8).
+// RT (row tiles of 8 activation rows per warp) is 1, or 2 (M > 8). Two row tiles with two column
+// tiles (activations read once per 32 output columns instead of 16) take 176-185 registers
+// unbounded; blocks of at most 4 warps, 3 per SM, hold them to 168 (GemvMaxSplit).
 // L2PrefetchBytes (0 or 256): the L2 prefetch size of the weight loads. 256 pays when k_split > 1,
 // where the block's other warps read the neighbouring windows of the same rows at the same time
 // (1-4% at M = 1 on the H200); a lone warp walking its row gained nothing from it
@@ -313,7 +315,7 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // Tiled: the weight is in the tiled layout (MmaLoad; N % 16 == 0), decoded by DecodeTiled.
 template <typename T, int CT, int RT = 1, typename Decode = DecodeE2M1, int Chains = 1,
           int L2PrefetchBytes = 0, bool Tiled = false>
-__global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 : 1)
+__global__ void __launch_bounds__(32 * GemvMaxSplit(CT, RT), GemvMinBlocksPerSm(CT, RT))
     GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                   const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                   const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
@@ -353,7 +355,7 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock / CT, CT == 2 ? 2 :
   }
 
   static_assert(CT == 1 || CT == 2, "one or two column tiles (four: 198-244 registers)");
-  static_assert(RT == 1 || (RT == 2 && CT == 1), "two row tiles only with one column tile");
+  static_assert(RT == 1 || RT == 2, "one or two row tiles of 8 activation rows");
   const int64_t m_chunks = CeilDiv(m, 8 * RT);
   for (int64_t chunk = blockIdx.y; chunk < m_chunks; chunk += gridDim.y) {
     const int64_t m0 = chunk * 8 * RT;

@@ -14,7 +14,7 @@ namespace jax_fp4 {
 
 struct GemvLaunchConfig {
   int col_tiles;       // mma path: 16-column tiles per warp (1 or 2), one activation fragment
-  int row_tiles;       // mma path: 8-row activation tiles per warp (1, or 2 with one column tile)
+  int row_tiles;       // mma path: 8-row activation tiles per warp (1, or 2 when M > 8)
   int k_split;         // mma path: warps per block splitting K (1..8, not only powers of two)
   int rows_per_block;  // scalar path: rows of M per warp (1, 2 or 4)
 };
@@ -25,9 +25,20 @@ constexpr int kGemvMaxWarpsPerBlock = 16;   // k_split * col_tiles <= this (laun
 constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) per block
 // Warps of the mma kernel resident per SM, from its registers (ptxas -v, sm_90a, bf16 and fp16):
 // one tile 93-96 -> 5 warps per scheduler, 20 per SM; two column tiles (121-126) or two row tiles
-// (128) -> 16.
+// (128) -> 16; two of each (176-185 uncapped, held to 168 by the launch bounds) -> 12.
 constexpr int GemvResidentWarpsPerSm(int col_tiles, int row_tiles) {
+  if (col_tiles == 2 && row_tiles == 2) return 12;
   return col_tiles == 1 && row_tiles == 1 ? 20 : 16;
+}
+// The largest k_split (warps per block) of a config: the block's warp budget, except that two
+// column tiles with two row tiles take blocks of at most 4 warps, so that three of them (168
+// registers a thread) share an SM.
+constexpr int GemvMaxSplit(int col_tiles, int row_tiles) {
+  return col_tiles == 2 && row_tiles == 2 ? 4 : kGemvMaxWarpsPerBlock / col_tiles;
+}
+// The kernel's minimum resident blocks (its __launch_bounds__): what caps its registers.
+constexpr int GemvMinBlocksPerSm(int col_tiles, int row_tiles) {
+  return col_tiles == 2 ? (row_tiles == 2 ? 3 : 2) : 1;
 }
 // The k_split values the heuristic tries, largest first. 16 never measured faster than 8, nor 12
 // than 8 or 6 (benchmarks/results/sweeps/gemv_configs_h200.log).
@@ -43,7 +54,7 @@ constexpr int GemvOneWaveSplit(int64_t blocks, int col_tiles, int row_tiles, int
                                int64_t sms) {
   const int resident_warps = GemvResidentWarpsPerSm(col_tiles, row_tiles);
   for (const int split : kGemvSplits) {
-    if (split * col_tiles <= kGemvMaxWarpsPerBlock && 2 * split <= windows &&
+    if (split <= GemvMaxSplit(col_tiles, row_tiles) && 2 * split <= windows &&
         blocks <= sms * (resident_warps / split)) {
       return split;
     }
@@ -51,16 +62,45 @@ constexpr int GemvOneWaveSplit(int64_t blocks, int col_tiles, int row_tiles, int
   return 1;
 }
 
+// A block's fixed cost in windows of one warp's work: the first load's unhidden latency, the
+// k_split reduction and the stores. Fitted: 3 put 24576x8192 at M = 1-8 on k_split 8 in three
+// waves, 6% slower than the one-wave 2 (benchmarks/NOTES.md, twentieth session).
+constexpr int64_t kGemvBlockOverheadWindows = 5;
+
+// The k_split of kGemvSplits (at least two windows per warp, within the block's warp budget) that
+// minimises the modelled time rounds x (windows per warp + kGemvBlockOverheadWindows), where
+// rounds = the waves of resident blocks the grid needs; ties go to fewer rounds. On the H200's
+// config sweeps (12 shapes, M = 1-16; benchmarks/NOTES.md, twelfth and twentieth sessions) its pick
+// is the fastest split or within 2.5%: up to M = 8 mostly the largest whose grid fits one wave
+// (5120x17408 6, not 8: 18.0 against 23.7 us); lm_head's many waves take 1 (75.6 against 82.6 us
+// at 2); with two column and two row tiles (12 resident warps, M = 9-16) a split of 1.7 waves
+// wins on 28672x8192 (3: 59.7 us, 4: 63.3, the one-wave 1: 67.9, 2 at 1.1 waves: 79.1).
+constexpr int GemvSplit(int64_t blocks, int col_tiles, int row_tiles, int64_t windows,
+                        int64_t sms) {
+  const int resident_warps = GemvResidentWarpsPerSm(col_tiles, row_tiles);
+  int best = 1;
+  int64_t best_rounds = 0, best_cost = 0;
+  for (const int split : kGemvSplits) {
+    const bool allowed =
+        split == 1 || (split <= GemvMaxSplit(col_tiles, row_tiles) && 2 * split <= windows);
+    if (!allowed) continue;
+    const int64_t rounds = GemvCeilDiv(blocks, sms * (resident_warps / split));
+    const int64_t cost = rounds * (GemvCeilDiv(windows, split) + kGemvBlockOverheadWindows);
+    if (best_cost == 0 || cost < best_cost || (cost == best_cost && rounds < best_rounds)) {
+      best = split, best_rounds = rounds, best_cost = cost;
+    }
+  }
+  return best;
+}
+
 // m, n, k: the matmul (K % 32 == 0 for any path; the mma fields matter only when K % 128 == 0).
 // num_sms: the device's multiprocessor count (132 on an H200).
 //
-// Measured on the H200 with prepacked weights, every config at M = 1, 2, 4, 8 on seven shapes
-// (`bash benchmarks/device_run.sh build gemv-configs`, benchmarks/NOTES.md, twelfth session): the
-// best k_split is the largest that still fits the whole grid in ONE wave of resident blocks
-// (5120x17408: 6 -> 18.0 us, 8 -> 23.7, whose 320 blocks of 8 warps need 1.2 waves; 17408x5120:
-// 2 -> 17.0, 4 -> 18.4; 28672x8192 two tiles: 2 -> 36.1, 4 -> 38.5); grids that need several
-// waves even at k_split 1 take 1 (lm_head: 75.6 us at 1, 82.6 at 2). Four column tiles per warp
-// (198-244 registers, 8 warps per SM) were never best: 94 against 77 us on lm_head at M = 4.
+// Measured on the H200 with prepacked weights, every config at M = 1-16 on twelve shapes
+// (`bash benchmarks/device_run.sh build gemv-configs`, benchmarks/NOTES.md, twelfth and twentieth
+// sessions): k_split by GemvSplit above, whose pick is the fastest config or within 2.5% on all
+// of them. Four column tiles per warp (198-244 registers, 8 warps per SM) were never best: 94
+// against 77 us on lm_head at M = 4.
 constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, int64_t num_sms) {
   const int64_t sms = num_sms > 0 ? num_sms : 1;
   const int64_t tiles = GemvCeilDiv(n > 0 ? n : 1, kGemvTileCols);
@@ -68,16 +108,18 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   const int64_t m_chunks = GemvCeilDiv(m > 0 ? m : 1, 8);  // 8-row tiles of M
 
   // M > 8: each decoded weight fragment feeds two 8-row tiles (one pass over the weight for 16
-  // rows instead of two; their registers leave room for one column tile only).
-  // M <= 8: two column tiles share each activation fragment where their grid still gives two
-  // waves of blocks (11008x4096: 10.4 against 10.6 us; 28672x8192: 36.1 against 38.9), except
+  // rows instead of two).
+  // Two column tiles share each activation fragment where their grid still gives two waves of
+  // blocks (M <= 8: 11008x4096 10.4 against 10.6 us, 28672x8192 36.1 against 38.9; M = 16, where
+  // a warp reads 4 KB of activations per KB of weight with one tile: 11008x4096 15.7 against
+  // 19.5, 28672x8192 63.7 against 76.5, 24576x4096 27.5 against 34.4), except
   // where it is just over one wave of k_split-4 blocks at M <= 4 and one tile still splits K
   // (17408x5120: one tile at k_split 2 17.0-17.3 us, two 17.7; at M = 8, where the shared
   // activations weigh more, two tiles win, 17.8 to 19.2). One tile at k_split 1 would leave too
   // few warps in flight (17408x5120 (1, 1): 22.0 us).
   const int row_tiles = m > 8 ? 2 : 1;
   int col_tiles = 1;
-  if (row_tiles == 1 && GemvCeilDiv(tiles, 2) >= 2 * sms) {
+  if (GemvCeilDiv(tiles, 2) >= 2 * sms) {
     const int64_t two_tile_blocks = GemvCeilDiv(tiles, 2);
     const int64_t wave = kGemvTwoTileBlocksPerSm * sms;
     const bool thin_second_wave = two_tile_blocks > wave && 2 * two_tile_blocks < 3 * wave;
@@ -85,7 +127,7 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
     col_tiles = m <= 4 && thin_second_wave && one_tile_splits ? 1 : 2;
   }
   const int64_t blocks = GemvCeilDiv(tiles, col_tiles) * GemvCeilDiv(m_chunks, row_tiles);
-  const int k_split = GemvOneWaveSplit(blocks, col_tiles, row_tiles, windows, sms);
+  const int k_split = GemvSplit(blocks, col_tiles, row_tiles, windows, sms);
 
   // Scalar path: row tiling trades grid parallelism (M leaves gridDim.y) for weight reuse, so
   // only when the column grid ceil(N / 8) covers a wave of SMs on its own.
@@ -108,7 +150,11 @@ static_assert(gemv_launch_config(4, 248320, 2048, 132).col_tiles == 2, "");
 static_assert(gemv_launch_config(4, 248320, 2048, 132).k_split == 1, "");
 static_assert(gemv_launch_config(4, 11008, 4096, 132).rows_per_block == 4, "");
 static_assert(gemv_launch_config(16, 11008, 4096, 132).row_tiles == 2, "");
-static_assert(gemv_launch_config(16, 11008, 4096, 132).col_tiles == 1, "");
+static_assert(gemv_launch_config(16, 11008, 4096, 132).col_tiles == 2, "");
+static_assert(gemv_launch_config(16, 11008, 4096, 132).k_split == 4, "");
+static_assert(gemv_launch_config(16, 28672, 8192, 132).k_split == 3, "");
+static_assert(gemv_launch_config(16, 17408, 5120, 132).k_split == 2, "");
+static_assert(gemv_launch_config(16, 4096, 11008, 132).col_tiles == 1, "");
 static_assert(gemv_launch_config(4, 1000, 4096, 132).rows_per_block == 1, "");
 static_assert(gemv_launch_config(8, 2048, 2048, 132).k_split == 8, "");
 // 24576x4096 (a fused gate/up projection): one tile would need k_split 1 to fit a wave.
