@@ -29,12 +29,14 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 # - M <= 8: the decode GEMV.
 # - 9 <= M <= 16: the GEMV (two column and two row tiles per warp since the twentieth session),
 #   except on wide weights with long rows (N >= 8192 and K >= 5120), where the fused GEMM is
-#   14-23% faster (17408x5120, 28672x8192); on 11008x4096 and 24576x4096 the GEMV is 2-10%
-#   faster (benchmarks/NOTES.md, "Twentieth session"; results/sweeps/crossover_small_m_session20_h200.json).
+#   6-29% faster (17408x5120, 28672x8192); with K = 4096 (11008x4096, 24576x4096, 6144x4096) the
+#   GEMV is faster or within 5% (benchmarks/NOTES.md, "Twentieth session";
+#   benchmarks/results/sweeps/crossover_small_m_session20_h200.json).
 # - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
 #   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
 #   1.00-1.11x (benchmarks/results/sweeps/crossover_{fused,dequant}_session15_h200.json).
 # - larger M: dequantize + cuBLAS (M = 2048: the fused GEMM measured 1.02-1.15x slower).
+DECODE_MAX_M = 8
 GEMV_MAX_M = 16
 WIDE_N = 8192
 LONG_K = 5120
@@ -95,7 +97,7 @@ def auto_prefers_fused(p: Problem) -> bool:
     """Whether "auto" takes the fused GEMM over the GEMV / dequant for this shape (where it can
     run at all): the measured crossovers above."""
     if p.m <= GEMV_MAX_M:
-        return p.m > 8 and p.n >= WIDE_N and p.k >= LONG_K
+        return p.m > DECODE_MAX_M and p.n >= WIDE_N and p.k >= LONG_K
     return p.m <= FUSED_MAX_M
 
 
