@@ -48,13 +48,19 @@ constexpr int kGemvTwoTileBlocksPerSm = GemvResidentWarpsPerSm(2, 1) / 4;
 
 constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The largest k_split of kGemvSplits (at least two windows per warp, within the block's warp
-// budget) whose grid of `blocks` is resident all at once; 1 where none is.
+// Whether k_split `split` may run: 1 always; more only within the block's warp budget and with
+// at least two windows per warp.
+constexpr bool GemvSplitAllowed(int split, int col_tiles, int row_tiles, int64_t windows) {
+  return split == 1 || (split <= GemvMaxSplit(col_tiles, row_tiles) && 2 * split <= windows);
+}
+
+// The largest allowed k_split of kGemvSplits whose grid of `blocks` is resident all at once; 1
+// where none is.
 constexpr int GemvOneWaveSplit(int64_t blocks, int col_tiles, int row_tiles, int64_t windows,
                                int64_t sms) {
   const int resident_warps = GemvResidentWarpsPerSm(col_tiles, row_tiles);
   for (const int split : kGemvSplits) {
-    if (split <= GemvMaxSplit(col_tiles, row_tiles) && 2 * split <= windows &&
+    if (GemvSplitAllowed(split, col_tiles, row_tiles, windows) &&
         blocks <= sms * (resident_warps / split)) {
       return split;
     }
@@ -67,11 +73,11 @@ constexpr int GemvOneWaveSplit(int64_t blocks, int col_tiles, int row_tiles, int
 // waves, 6% slower than the one-wave 2 (benchmarks/NOTES.md, twentieth session).
 constexpr int64_t kGemvBlockOverheadWindows = 5;
 
-// The k_split of kGemvSplits (at least two windows per warp, within the block's warp budget) that
-// minimises the modelled time rounds x (windows per warp + kGemvBlockOverheadWindows), where
-// rounds = the waves of resident blocks the grid needs; ties go to fewer rounds. On the H200's
-// config sweeps (12 shapes, M = 1-16; benchmarks/NOTES.md, twelfth and twentieth sessions) its pick
-// is the fastest split or within 2.5%: up to M = 8 mostly the largest whose grid fits one wave
+// The allowed k_split of kGemvSplits that minimises the modelled time rounds x (windows per warp
+// + kGemvBlockOverheadWindows), where rounds = the waves of resident blocks the grid needs; ties
+// go to fewer rounds. On the H200's config sweeps (12 shapes, M = 1-16; benchmarks/NOTES.md,
+// twelfth and twentieth sessions) its pick is the fastest split or within 2.5%: up to M = 8
+// mostly the largest whose grid fits one wave
 // (5120x17408 6, not 8: 18.0 against 23.7 us); lm_head's many waves take 1 (75.6 against 82.6 us
 // at 2); with two column and two row tiles (12 resident warps, M = 9-16) a split of 1.7 waves
 // wins on 28672x8192 (3: 59.7 us, 4: 63.3, the one-wave 1: 67.9, 2 at 1.1 waves: 79.1).
@@ -81,9 +87,7 @@ constexpr int GemvSplit(int64_t blocks, int col_tiles, int row_tiles, int64_t wi
   int best = 1;
   int64_t best_rounds = 0, best_cost = 0;
   for (const int split : kGemvSplits) {
-    const bool allowed =
-        split == 1 || (split <= GemvMaxSplit(col_tiles, row_tiles) && 2 * split <= windows);
-    if (!allowed) continue;
+    if (!GemvSplitAllowed(split, col_tiles, row_tiles, windows)) continue;
     const int64_t rounds = GemvCeilDiv(blocks, sms * (resident_warps / split));
     const int64_t cost = rounds * (GemvCeilDiv(windows, split) + kGemvBlockOverheadWindows);
     if (best_cost == 0 || cost < best_cost || (cost == best_cost && rounds < best_rounds)) {
