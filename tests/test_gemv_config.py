@@ -45,11 +45,16 @@ def fits_one_wave(c, m, n, k_split, num_sms):
     return grid_blocks(c, m, n) <= num_sms * (resident_warps(c["col_tiles"], c["row_tiles"]) // k_split)
 
 
+def split_allowed(c, k, k_split):
+    """1 always; more only within the block's warp budget and with two windows per warp."""
+    return k_split == 1 or (k_split <= max_split(c["col_tiles"], c["row_tiles"])
+                            and 2 * k_split <= k // 128)
+
+
 def allowed_split(c, m, n, k, k_split, num_sms):
-    """k_split within the block's warp budget, two windows per warp, the grid in one wave (the
-    column-tile rule's test of whether one tile splits K)."""
-    return (k_split <= max_split(c["col_tiles"], c["row_tiles"]) and 2 * k_split <= k // 128
-            and fits_one_wave(c, m, n, k_split, num_sms))
+    """An allowed k_split whose grid fits one wave (the column-tile rule asks it of k_split > 1:
+    whether one tile splits K)."""
+    return split_allowed(c, k, k_split) and fits_one_wave(c, m, n, k_split, num_sms)
 
 
 def modelled_time(c, m, n, k, k_split, num_sms):
@@ -75,8 +80,7 @@ def test_invariants(num_sms):
         if ks > 1:
             assert windows >= 2 * ks, f"every split warp keeps >= 2 windows: {where}"
         # The split of least modelled time (fewer waves on a tie).
-        candidates = [s for s in SPLITS if s == 1 or (s <= max_split(ct, c["row_tiles"])
-                                                      and 2 * s <= windows)]
+        candidates = [s for s in SPLITS if split_allowed(c, k, s)]
         assert ks in candidates, where
         assert modelled_time(c, m, n, k, ks, num_sms) == min(
             modelled_time(c, m, n, k, s, num_sms) for s in candidates), where
