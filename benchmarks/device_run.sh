@@ -168,10 +168,11 @@ for stage in "$@"; do
     fused-profile)
       # Stall reasons per SASS instruction of the fused GEMM, one launch per case (kernel replay;
       # no preallocated pool, so that ncu saves and restores only the live buffers).
-      # PROFILE_LAYOUT=tiled profiles prepacked weights (the default sweep's layout).
+      # PROFILE_LAYOUT=tiled profiles prepacked weights (the default sweep's layout);
+      # PROFILE_KERNEL=GemvMma with gemv:M:NxK cases profiles the GEMV the same way.
       for case in ${FUSED_PROFILE_CASES:-fused:16:11008x4096 fused:64:11008x4096}; do
         name=ncu_$(echo "$case" | tr ':' '_')
-        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 ncu --clock-control none -k regex:FusedGemm \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 ncu --clock-control none -k "regex:${PROFILE_KERNEL:-FusedGemm}" \
           --launch-skip 2 -c 1 --section WarpStateStats --section SchedulerStats --section InstructionStats \
           --section Occupancy --section LaunchStats --section SpeedOfLight --section SourceCounters \
           --section MemoryWorkloadAnalysis --page details --print-details all -o "$OUT/$name" \
