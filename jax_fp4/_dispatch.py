@@ -27,10 +27,13 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 # "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json and
 # fused_load_hoist_h200.json; re-measure with `bash benchmarks/device_run.sh build fused-crossovers`):
 # - M <= 8: the decode GEMV.
-# - 9 <= M <= 16: the GEMV (two column and two row tiles per warp since the twentieth session),
-#   except on wide weights with long rows (N >= 8192 and K >= 5120), where the fused GEMM is
-#   6-29% faster (17408x5120, 28672x8192); with K = 4096 (11008x4096, 24576x4096, 6144x4096) the
-#   GEMV is faster or within 5% (benchmarks/NOTES.md, "Twentieth session";
+# - 9 <= M <= 16: the GEMV (two column and two row tiles per warp). Prepacked (layout "tiled"),
+#   where that kernel loads its activations just in time and runs 16 warps per SM, it is 2-12%
+#   faster than the fused GEMM on 17408x5120 and 28672x8192 and 7-30% on K = 4096 (6144x4096 at
+#   M = 9 aside, a row out of line with its M = 12 and 16; benchmarks/NOTES.md, "Twenty-first
+#   session"; benchmarks/results/sweeps/crossover_small_m_session21_h200.json). On the spec
+#   layout the fused GEMM still wins on wide weights with long rows (N >= 8192 and K >= 5120:
+#   6-29% on 17408x5120, 28672x8192; "Twentieth session",
 #   benchmarks/results/sweeps/crossover_small_m_session20_h200.json).
 # - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
 #   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
@@ -56,6 +59,7 @@ class Problem:
     k: int
     block_size: int
     dtype: np.dtype
+    tiled: bool = False  # the weight is prepacked (layout "tiled")
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -97,7 +101,7 @@ def auto_prefers_fused(p: Problem) -> bool:
     """Whether "auto" takes the fused GEMM over the GEMV / dequant for this shape (where it can
     run at all): the measured crossovers above."""
     if p.m <= GEMV_MAX_M:
-        return p.m > DECODE_MAX_M and p.n >= WIDE_N and p.k >= LONG_K
+        return p.m > DECODE_MAX_M and not p.tiled and p.n >= WIDE_N and p.k >= LONG_K
     return p.m <= FUSED_MAX_M
 
 

@@ -87,4 +87,4 @@ def dispatch_path(a, w: NVFP4Weight, *, backend: str | None = None, platform: st
         platform = jax.devices()[0].platform
     platform = {"gpu": "cuda"}.get(platform, platform)
     return _primitive.path_for(platform, a.shape, a.dtype, w.packed.shape, w.block_size,
-                               _resolve_backend(backend))
+                               _resolve_backend(backend), w.layout)

@@ -192,15 +192,16 @@ def _impl_for(path: str, layout: str, platform: str):
     return _TILED_PATHS[path]
 
 
-def problem_of(a_shape, a_dtype, packed_shape, block_size) -> _dispatch.Problem:
+def problem_of(a_shape, a_dtype, packed_shape, block_size, layout="spec") -> _dispatch.Problem:
     return _dispatch.Problem(m=math.prod(a_shape[:-1]), n=packed_shape[0], k=2 * packed_shape[1],
-                             block_size=block_size, dtype=np.dtype(a_dtype))
+                             block_size=block_size, dtype=np.dtype(a_dtype),
+                             tiled=layout == "tiled")
 
 
-def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend) -> str:
+def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout) -> str:
     on_cuda = platform == "cuda"
     return _dispatch.select_path(platform, backend,
-                                 problem_of(a_shape, a_dtype, packed_shape, block_size),
+                                 problem_of(a_shape, a_dtype, packed_shape, block_size, layout),
                                  has_cuda_kernels=_ffi.has_cuda_kernels(),
                                  capability=_native.device_capability() if on_cuda else None,
                                  native_enabled=on_cuda and _dispatch.env_flag(_native.NATIVE_ENV, False))
@@ -208,7 +209,8 @@ def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend) -> s
 
 def _lowering(ctx, *operands, block_size, backend, layout, has_bias, has_swizzled, platform):
     a_aval, packed_aval = ctx.avals_in[0], ctx.avals_in[1]
-    path = path_for(platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend)
+    path = path_for(platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend,
+                    layout)
     impl = _sharding.wrap_impl(ctx, path, _impl_for(path, layout, platform), block_size=block_size,
                                has_bias=has_bias, tiled=layout == "tiled")
 

@@ -50,6 +50,8 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     assert _targets(matmul, *_case(1025)) == ["jax_fp4_dequant_cuda"]
     assert _targets(matmul, *_case(8, n=8192, k=5120)) == ["jax_fp4_gemv_cuda"]
     assert _targets(matmul, *_case(9, n=8192, k=5120)) == ["jax_fp4_fused_cuda"]  # wide, long K
+    a, w = _case(9, n=8192, k=5120)
+    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_gemv_cuda"]  # prepacked: the GEMV
     assert _targets(matmul, *_case(16, n=8192, k=4096)) == ["jax_fp4_gemv_cuda"]  # K too short
     assert _targets(matmul, *_case(16, n=8064, k=5120)) == ["jax_fp4_gemv_cuda"]  # N too narrow
     assert _targets(matmul, *_case(64, k=160)) == ["jax_fp4_dequant_cuda"]  # K % 128 != 0

@@ -2,7 +2,8 @@
 
 The expected path is restated here from the rules in README/spec: empty first, then a forced
 backend (or a clear ValueError), else on CUDA: the fused Hopper GEMM on compute capability 9.x
-(block 16, K % 128 == 0) for 9 <= M <= 16 when N >= 8192 and K >= 5120 and for 16 < M <= 1024;
+(block 16, K % 128 == 0) for 9 <= M <= 16 when N >= 8192 and K >= 5120 on spec-layout weights
+(not prepacked ones) and for 16 < M <= 1024;
 otherwise gemv for M <= 16 (block 16, K % 32 == 0, fp16/bf16), native only when enabled on
 compute capability 12.x past the GEMV (block 16, K and N % 32 == 0), dequant for fp16/bf16,
 reference otherwise; on CPU the fused C++ kernel.
@@ -23,7 +24,7 @@ MS = [0, 1, 8, 9, 11, 12, 16, 17, 64, 256, 257, 512, 1024, 1025, 4096]
 NS, KS, BLOCKS = [0, 33, 8192], [0, 48, 64, 4096, 5120], [16, 32, 7]
 
 
-def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype):
+def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, tiled):
     half = dtype.name in ("float16", "bfloat16")
     gemv_ok = half and bs == 16 and k % 32 == 0
     native_ok = cap is not None and cap[0] == 12 and bs == 16 and k % 32 == 0 and n % 32 == 0 and half
@@ -44,7 +45,7 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype):
     if platform == "cpu":
         return "cpu"
     if platform == "cuda" and has_cuda:
-        if fused_ok and (9 <= m <= 16 and n >= 8192 and k >= 5120 or 16 < m <= 1024):
+        if fused_ok and (9 <= m <= 16 and not tiled and n >= 8192 and k >= 5120 or 16 < m <= 1024):
             return "fused"
         if gemv_ok and m <= 16:
             return "gemv"
@@ -57,20 +58,20 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype):
 
 def test_every_combination():
     count = 0
-    for platform, backend, cap, env, has_cuda, m, n, k, bs, dtype in itertools.product(
+    for platform, backend, cap, env, has_cuda, m, n, k, bs, dtype, tiled in itertools.product(
             ("cpu", "cuda", "rocm"), _dispatch.BACKENDS, CAPABILITIES, (False, True), (False, True),
-            MS, NS, KS, BLOCKS, DTYPES):
+            MS, NS, KS, BLOCKS, DTYPES, (False, True)):
         if platform != "cuda" and (cap is not None or env):
             continue  # capability and the native switch only exist on CUDA
-        problem = Problem(m=m, n=n, k=k, block_size=bs, dtype=dtype)
-        want = _expected(platform, backend, cap, env, has_cuda, m, n, k, bs, dtype)
+        problem = Problem(m=m, n=n, k=k, block_size=bs, dtype=dtype, tiled=tiled)
+        want = _expected(platform, backend, cap, env, has_cuda, m, n, k, bs, dtype, tiled)
         kwargs = dict(has_cuda_kernels=has_cuda, capability=cap, native_enabled=env)
         if want is ValueError:
             with pytest.raises(ValueError, match=f"backend={backend!r}"):
                 select_path(platform, backend, problem, **kwargs)
         else:
             assert select_path(platform, backend, problem, **kwargs) == want, (
-                platform, backend, cap, env, has_cuda, m, n, k, bs, dtype)
+                platform, backend, cap, env, has_cuda, m, n, k, bs, dtype, tiled)
         count += 1
     assert count > 100_000
 

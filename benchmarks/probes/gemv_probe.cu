@@ -311,7 +311,7 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   float* const gs = buffers.gs;
   uint32_t* const sink = buffers.sink;
 
-  const GemvLaunchConfig cfg = gemv_launch_config(1, n, k, num_sms);
+  const GemvLaunchConfig cfg = gemv_launch_config(1, n, k, num_sms, /*tiled=*/false);
   const int k_split = cfg.k_split;
   const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvTileCols)));
   const dim3 block(32 * k_split);
@@ -443,12 +443,12 @@ void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms)
   std::printf("%6lldx%-6lld stream %8.2f us %6.2f TB/s\n", static_cast<long long>(n),
               static_cast<long long>(k), stream_us, bytes / (stream_us * 1e-6) / 1e12);
   for (int m : ms) {
-    const GemvLaunchConfig pick = gemv_launch_config(m, n, k, num_sms);
+    const GemvLaunchConfig pick = gemv_launch_config(m, n, k, num_sms, /*tiled=*/true);
     float best = 1e30f;
     std::string line;
     for (int ct : {1, 2}) {
       for (int ks : {1, 2, 3, 4, 6, 8, 12, 16}) {
-        if (ks > GemvMaxSplit(ct, m > 8 ? 2 : 1)) continue;
+        if (ks > GemvMmaShape{ct, m > 8 ? 2 : 1, true}.max_split()) continue;
         const float us =
             m > 8 ? (ct == 1 ? TimeTiledGemv<1, 2>(b, m, n, k, ks, copies)
                              : TimeTiledGemv<2, 2>(b, m, n, k, ks, copies))

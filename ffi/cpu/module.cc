@@ -16,8 +16,9 @@ NB_MODULE(_jax_fp4_cpu, m) {
   // The CUDA decode GEMV's launch heuristic (pure; exposed so CPU tests can check it).
   m.def(
       "gemv_launch_config",
-      [](int64_t m, int64_t n, int64_t k, int64_t num_sms) {
-        const jax_fp4::GemvLaunchConfig cfg = jax_fp4::gemv_launch_config(m, n, k, num_sms);
+      [](int64_t m, int64_t n, int64_t k, int64_t num_sms, bool tiled) {
+        const jax_fp4::GemvLaunchConfig cfg =
+            jax_fp4::gemv_launch_config(m, n, k, num_sms, tiled);
         nb::dict out;
         out["col_tiles"] = cfg.col_tiles;
         out["row_tiles"] = cfg.row_tiles;
@@ -25,5 +26,6 @@ NB_MODULE(_jax_fp4_cpu, m) {
         out["rows_per_block"] = cfg.rows_per_block;
         return out;
       },
-      nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("num_sms") = 132);
+      nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("num_sms") = 132, nb::kw_only(),
+      nb::arg("tiled"));
 }

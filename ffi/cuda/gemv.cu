@@ -169,9 +169,9 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
 
 // Debug / tuning override: JAX_FP4_GEMV_CONFIG="col_tiles,k_split[,rows_per_block]" (read on each
 // call; empty or unset = the heuristic): col_tiles 1 or 2, rows_per_block 1, 2 or 4; k_split >= 1,
-// clamped into the block's warp budget (GemvMaxSplit); row_tiles stays the heuristic's.
+// clamped into the block's warp budget (GemvMmaShape::max_split); row_tiles stays the heuristic's.
 // Anything else is an error.
-std::string ApplyConfigOverride(GemvLaunchConfig* cfg) {
+std::string ApplyConfigOverride(GemvLaunchConfig* cfg, bool tiled) {
   const char* env = std::getenv("JAX_FP4_GEMV_CONFIG");
   if (env == nullptr || *env == '\0') return "";
   int ct = 0, ks = 0, rows = 1, used = 0;
@@ -183,7 +183,7 @@ std::string ApplyConfigOverride(GemvLaunchConfig* cfg) {
            env + "'";
   }
   cfg->col_tiles = ct;
-  cfg->k_split = std::min(ks, GemvMaxSplit(ct, cfg->row_tiles));
+  cfg->k_split = std::min(ks, GemvMmaShape{ct, cfg->row_tiles, tiled}.max_split());
   cfg->rows_per_block = rows;
   return "";
 }
@@ -255,8 +255,8 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         "jax_fp4_gemv_cuda: the tiled layout needs the tensor-core kernel (sm_80+), this device "
         "is sm_" + std::to_string(info.sm));
   }
-  GemvLaunchConfig cfg = gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms);
-  const std::string bad_override = ApplyConfigOverride(&cfg);
+  GemvLaunchConfig cfg = gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms, tiled);
+  const std::string bad_override = ApplyConfigOverride(&cfg, tiled);
   if (!bad_override.empty()) return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + bad_override);
 
   if (a.element_type() == ffi::DataType::F16) {

@@ -106,7 +106,7 @@ __device__ __forceinline__ void LoadActivation(uint4 (&dst)[4], const T* ap) {
 // Tiled: the weight in the tiled layout (jax_fp4/_layout.py), [16-row tile][window][h][lane][16 B]
 // and scales [tile][window][lane][rows g, g + 8: 2 x 2 B], so a warp's window is one 1 KB run and
 // one 128 B run (only wp[ct][0] / sp[ct][0] are used).
-template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled = false>
+template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled = false, bool LoadAct = true>
 __device__ __forceinline__ void MmaLoad(MmaFragments<CT, RT>& f, const uint8_t* (&wp)[CT][2],
                                         const uint8_t* (&sp)[CT][2], const T* (&ap)[RT],
                                         int64_t step) {
@@ -130,10 +130,12 @@ __device__ __forceinline__ void MmaLoad(MmaFragments<CT, RT>& f, const uint8_t* 
       }
     }
   }
+  if constexpr (LoadAct) {
 #pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    LoadActivation(f.a[r], ap[r]);
-    ap[r] += step * kGemvWindow;
+    for (int r = 0; r < RT; ++r) {
+      LoadActivation(f.a[r], ap[r]);
+      ap[r] += step * kGemvWindow;
+    }
   }
 }
 
@@ -306,8 +308,10 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // Two-tile warps are held to 128 registers (2 blocks of the largest size per SM: 4 blocks of
 // k_split 4 instead of 3 at the 137 they would take; no spills, ptxas -v).
 // RT (row tiles of 8 activation rows per warp) is 1, or 2 (M > 8). Two row tiles with two column
-// tiles (activations read once per 32 output columns instead of 16) take 176-185 registers
-// unbounded; blocks of at most 4 warps, 3 per SM, hold them to 168 (GemvMaxSplit).
+// tiles (activations read once per 32 output columns instead of 16) take 176-185 registers with
+// both register buffers; on the tiled layout they load the activations just in time (below) to
+// fit 128, on the spec layout blocks of at most 4 warps, 3 per SM, hold them to 168
+// (GemvMmaShape).
 // L2PrefetchBytes (0 or 256): the L2 prefetch size of the weight loads. 256 pays when k_split > 1,
 // where the block's other warps read the neighbouring windows of the same rows at the same time
 // (1-4% at M = 1 on the H200); a lone warp walking its row gained nothing from it
@@ -315,7 +319,8 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // Tiled: the weight is in the tiled layout (MmaLoad; N % 16 == 0), decoded by DecodeTiled.
 template <typename T, int CT, int RT = 1, typename Decode = DecodeE2M1, int Chains = 1,
           int L2PrefetchBytes = 0, bool Tiled = false>
-__global__ void __launch_bounds__(32 * GemvMaxSplit(CT, RT), GemvMinBlocksPerSm(CT, RT))
+__global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
+                                  GemvMmaShape{CT, RT, Tiled}.min_blocks_per_sm())
     GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                   const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                   const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
@@ -391,19 +396,36 @@ __global__ void __launch_bounds__(32 * GemvMaxSplit(CT, RT), GemvMinBlocksPerSm(
 
     // Two register buffers: the loads of the next window are in flight during this one's math.
     // (A third, loads two windows ahead, measured slower: benchmarks/NOTES.md, sixth session.)
+    // Except that two column and two row tiles on the tiled layout load a window's activations
+    // right before its math (L1/L2 hits, shared by every column tile): one activation buffer's
+    // 32 registers instead of two holds the warp to 128 registers and 16 warps per SM instead of
+    // 168 and 12 (GemvMmaShape; M = 9-16 10-24% faster, benchmarks/NOTES.md, twenty-first
+    // session). The weight still comes one window ahead.
+    constexpr bool kActJit = GemvMmaShape{CT, RT, Tiled}.activations_just_in_time();
+    auto act_jit = [&](MmaFragments<CT, RT>& f) {
+      if constexpr (kActJit) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          LoadActivation(f.a[r], ap[r]);
+          ap[r] += static_cast<int64_t>(k_split) * kGemvWindow;
+        }
+      }
+    };
     MmaFragments<CT, RT> f0, f1;
     int64_t w = warp;
-    if (w < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f0, wp, sp, ap, k_split);
+    if (w < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled, !kActJit>(f0, wp, sp, ap, k_split);
     while (w < windows) {
       if (w + k_split < windows) {
-        MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f1, wp, sp, ap, k_split);
+        MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled, !kActJit>(f1, wp, sp, ap, k_split);
       }
+      act_jit(f0);
       MmaCompute<T, CT, RT, Decode, Chains>(acc, f0);
       w += k_split;
       if (w >= windows) break;
       if (w + k_split < windows) {
-        MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled>(f0, wp, sp, ap, k_split);
+        MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled, !kActJit>(f0, wp, sp, ap, k_split);
       }
+      act_jit(f1);
       MmaCompute<T, CT, RT, Decode, Chains>(acc, f1);
       w += k_split;
     }

@@ -23,45 +23,58 @@ constexpr int kGemvWindow = 128;            // K elements per mma window (8 k-st
 constexpr int kGemvTileCols = 16;           // output columns per mma tile
 constexpr int kGemvMaxWarpsPerBlock = 16;   // k_split * col_tiles <= this (launch bounds)
 constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) per block
-// Warps of the mma kernel resident per SM, from its registers (ptxas -v, sm_90a, bf16 and fp16):
-// one tile 93-96 -> 5 warps per scheduler, 20 per SM; two column tiles (121-126) or two row tiles
-// (128) -> 16; two of each (176-185 uncapped, held to 168 by the launch bounds) -> 12.
-constexpr int GemvResidentWarpsPerSm(int col_tiles, int row_tiles) {
-  if (col_tiles == 2 && row_tiles == 2) return 12;
-  return col_tiles == 1 && row_tiles == 1 ? 20 : 16;
-}
-// The largest k_split (warps per block) of a config: the block's warp budget, except that two
-// column tiles with two row tiles take blocks of at most 4 warps, so that three of them (168
-// registers a thread) share an SM.
-constexpr int GemvMaxSplit(int col_tiles, int row_tiles) {
-  return col_tiles == 2 && row_tiles == 2 ? 4 : kGemvMaxWarpsPerBlock / col_tiles;
-}
-// The kernel's minimum resident blocks (its __launch_bounds__): what caps its registers.
-constexpr int GemvMinBlocksPerSm(int col_tiles, int row_tiles) {
-  return col_tiles == 2 ? (row_tiles == 2 ? 3 : 2) : 1;
-}
+// One mma kernel instance: tiles per warp and the weight's layout (tiled: jax_fp4.prepack's).
+struct GemvMmaShape {
+  int col_tiles;
+  int row_tiles;
+  bool tiled;
+
+  // Two column with two row tiles on the tiled layout load each window's activations just in
+  // time instead of one window ahead (GemvMmaKernel), which fits them in 128 registers like the
+  // other two-tile configs (24 bytes of spill, ptxas sm_90a). On the spec layout (two row
+  // pointers per tile, the activation permutes) that spilled ~250 bytes, so there they keep both
+  // register buffers at 161-168 registers, in blocks of at most 4 warps, 3 per SM.
+  constexpr bool activations_just_in_time() const {
+    return col_tiles == 2 && row_tiles == 2 && tiled;
+  }
+  constexpr bool spec_two_by_two() const { return col_tiles == 2 && row_tiles == 2 && !tiled; }
+  // Warps resident per SM, from the registers (ptxas -v, sm_90a, bf16 and fp16): one tile 93-96
+  // -> 5 warps per scheduler, 20 per SM; two column tiles (121-126), two row tiles (128) or both
+  // on the tiled layout (128) -> 16; both on the spec layout (161-168) -> 12.
+  constexpr int resident_warps() const {
+    if (spec_two_by_two()) return 12;
+    return col_tiles == 1 && row_tiles == 1 ? 20 : 16;
+  }
+  // The largest k_split (warps per block): the block's warp budget.
+  constexpr int max_split() const {
+    return spec_two_by_two() ? 4 : kGemvMaxWarpsPerBlock / col_tiles;
+  }
+  // The kernel's minimum resident blocks (its __launch_bounds__): what caps its registers.
+  constexpr int min_blocks_per_sm() const {
+    return spec_two_by_two() ? 3 : (col_tiles == 2 ? 2 : 1);
+  }
+};
 // The k_split values the heuristic tries, largest first. 16 never measured faster than 8, nor 12
 // than 8 or 6 (benchmarks/results/sweeps/gemv_configs_h200.log).
 constexpr int kGemvSplits[] = {8, 6, 4, 3, 2, 1};
 // Two-tile blocks resident per SM at k_split 4: the unit of the "thin second wave" band below.
-constexpr int kGemvTwoTileBlocksPerSm = GemvResidentWarpsPerSm(2, 1) / 4;
+constexpr int kGemvTwoTileBlocksPerSm = GemvMmaShape{2, 1, false}.resident_warps() / 4;
 
 constexpr int64_t GemvCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Whether k_split `split` may run: 1 always; more only within the block's warp budget and with
 // at least two windows per warp.
-constexpr bool GemvSplitAllowed(int split, int col_tiles, int row_tiles, int64_t windows) {
-  return split == 1 || (split <= GemvMaxSplit(col_tiles, row_tiles) && 2 * split <= windows);
+constexpr bool GemvSplitAllowed(int split, GemvMmaShape shape, int64_t windows) {
+  return split == 1 || (split <= shape.max_split() && 2 * split <= windows);
 }
 
 // The largest allowed k_split of kGemvSplits whose grid of `blocks` is resident all at once; 1
 // where none is.
-constexpr int GemvOneWaveSplit(int64_t blocks, int col_tiles, int row_tiles, int64_t windows,
+constexpr int GemvOneWaveSplit(int64_t blocks, GemvMmaShape shape, int64_t windows,
                                int64_t sms) {
-  const int resident_warps = GemvResidentWarpsPerSm(col_tiles, row_tiles);
   for (const int split : kGemvSplits) {
-    if (GemvSplitAllowed(split, col_tiles, row_tiles, windows) &&
-        blocks <= sms * (resident_warps / split)) {
+    if (GemvSplitAllowed(split, shape, windows) &&
+        blocks <= sms * (shape.resident_warps() / split)) {
       return split;
     }
   }
@@ -79,16 +92,16 @@ constexpr int64_t kGemvBlockOverheadWindows = 5;
 // twelfth and twentieth sessions) its pick is the fastest split or within 2.5%: up to M = 8
 // mostly the largest whose grid fits one wave
 // (5120x17408 6, not 8: 18.0 against 23.7 us); lm_head's many waves take 1 (75.6 against 82.6 us
-// at 2); with two column and two row tiles (12 resident warps, M = 9-16) a split of 1.7 waves
-// wins on 28672x8192 (3: 59.7 us, 4: 63.3, the one-wave 1: 67.9, 2 at 1.1 waves: 79.1).
-constexpr int GemvSplit(int64_t blocks, int col_tiles, int row_tiles, int64_t windows,
-                        int64_t sms) {
-  const int resident_warps = GemvResidentWarpsPerSm(col_tiles, row_tiles);
+// at 2); with two column and two row tiles on the spec layout (12 resident warps, M = 9-16) a
+// split of 1.7 waves wins on 28672x8192 (3: 59.7 us, 4: 63.3, the one-wave 1: 67.9, 2 at 1.1
+// waves: 79.1); prepacked (16 resident warps) its pick is the fastest on all eight shapes of the
+// twenty-first session's M = 9-16 sweep.
+constexpr int GemvSplit(int64_t blocks, GemvMmaShape shape, int64_t windows, int64_t sms) {
   int best = 1;
   int64_t best_rounds = 0, best_cost = 0;
   for (const int split : kGemvSplits) {
-    if (!GemvSplitAllowed(split, col_tiles, row_tiles, windows)) continue;
-    const int64_t rounds = GemvCeilDiv(blocks, sms * (resident_warps / split));
+    if (!GemvSplitAllowed(split, shape, windows)) continue;
+    const int64_t rounds = GemvCeilDiv(blocks, sms * (shape.resident_warps() / split));
     const int64_t cost = rounds * (GemvCeilDiv(windows, split) + kGemvBlockOverheadWindows);
     if (best_cost == 0 || cost < best_cost || (cost == best_cost && rounds < best_rounds)) {
       best = split, best_rounds = rounds, best_cost = cost;
@@ -98,40 +111,50 @@ constexpr int GemvSplit(int64_t blocks, int col_tiles, int row_tiles, int64_t wi
 }
 
 // m, n, k: the matmul (K % 32 == 0 for any path; the mma fields matter only when K % 128 == 0).
-// num_sms: the device's multiprocessor count (132 on an H200).
+// num_sms: the device's multiprocessor count (132 on an H200). tiled: the weight is prepacked
+// (jax_fp4.prepack), which changes what two column with two row tiles cost (GemvMmaShape).
 //
 // Measured on the H200 with prepacked weights, every config at M = 1-16 on twelve shapes
-// (`bash benchmarks/device_run.sh build gemv-configs`, benchmarks/NOTES.md, twelfth and twentieth
-// sessions): k_split by GemvSplit above, whose pick is the fastest config or within 2.5% on all
+// (`bash benchmarks/device_run.sh build gemv-configs`, benchmarks/NOTES.md, twelfth, twentieth and
+// twenty-first sessions): k_split by GemvSplit above, whose pick is the fastest config or within 2.5% on all
 // of them. Four column tiles per warp (198-244 registers, 8 warps per SM) were never best: 94
 // against 77 us on lm_head at M = 4.
-constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, int64_t num_sms) {
+constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, int64_t num_sms,
+                                              bool tiled) {
   const int64_t sms = num_sms > 0 ? num_sms : 1;
   const int64_t tiles = GemvCeilDiv(n > 0 ? n : 1, kGemvTileCols);
   const int64_t windows = k > 0 ? k / kGemvWindow : 0;
   const int64_t m_chunks = GemvCeilDiv(m > 0 ? m : 1, 8);  // 8-row tiles of M
 
   // M > 8: each decoded weight fragment feeds two 8-row tiles (one pass over the weight for 16
-  // rows instead of two).
-  // Two column tiles share each activation fragment where their grid still gives two waves of
-  // blocks (M <= 8: 11008x4096 10.4 against 10.6 us, 28672x8192 36.1 against 38.9; M = 16, where
-  // a warp reads 4 KB of activations per KB of weight with one tile: 11008x4096 15.7 against
-  // 19.5, 28672x8192 63.7 against 76.5, 24576x4096 27.5 against 34.4), except
-  // where it is just over one wave of k_split-4 blocks at M <= 4 and one tile still splits K
-  // (17408x5120: one tile at k_split 2 17.0-17.3 us, two 17.7; at M = 8, where the shared
-  // activations weigh more, two tiles win, 17.8 to 19.2). One tile at k_split 1 would leave too
-  // few warps in flight (17408x5120 (1, 1): 22.0 us).
+  // rows instead of two), and two column tiles share each activation fragment (a warp reads 2 KB
+  // of activations per KB of weight instead of 4). Prepacked, with the activations loaded just
+  // in time, they run 16 warps per SM like one tile: two tiles wherever their grid has a block
+  // for every other SM (M = 9 / 16: 4096x11008 13.9 / 14.7 us against one tile's 15.3 / 17.3,
+  // 4096x4096 7.8 / 7.8 against 8.1 / 8.8; benchmarks/NOTES.md, twenty-first session). On the
+  // spec layout (12 warps per SM) the rule of M <= 8 below (M = 16: 11008x4096 15.7 against
+  // 19.5, 28672x8192 63.7 against 76.5, 24576x4096 27.5 against 34.4, twentieth session).
+  // M <= 8: two column tiles where their grid still gives two waves of blocks (11008x4096 10.4
+  // against 10.6 us, 28672x8192 36.1 against 38.9), except where it is just over one wave of
+  // k_split-4 blocks at M <= 4 and one tile still splits K (17408x5120: one tile at k_split 2
+  // 17.0-17.3 us, two 17.7; at M = 8, where the shared activations weigh more, two tiles win,
+  // 17.8 to 19.2). One tile at k_split 1 would leave too few warps in flight (17408x5120
+  // (1, 1): 22.0 us).
   const int row_tiles = m > 8 ? 2 : 1;
   int col_tiles = 1;
-  if (GemvCeilDiv(tiles, 2) >= 2 * sms) {
+  if (m > 8 && tiled) {
+    col_tiles = 2 * GemvCeilDiv(tiles, 2) >= sms ? 2 : 1;
+  } else if (GemvCeilDiv(tiles, 2) >= 2 * sms) {
     const int64_t two_tile_blocks = GemvCeilDiv(tiles, 2);
     const int64_t wave = kGemvTwoTileBlocksPerSm * sms;
     const bool thin_second_wave = two_tile_blocks > wave && 2 * two_tile_blocks < 3 * wave;
-    const bool one_tile_splits = GemvOneWaveSplit(tiles * m_chunks, 1, 1, windows, sms) > 1;
+    const bool one_tile_splits =
+        GemvOneWaveSplit(tiles * m_chunks, GemvMmaShape{1, 1, tiled}, windows, sms) > 1;
     col_tiles = m <= 4 && thin_second_wave && one_tile_splits ? 1 : 2;
   }
   const int64_t blocks = GemvCeilDiv(tiles, col_tiles) * GemvCeilDiv(m_chunks, row_tiles);
-  const int k_split = GemvSplit(blocks, col_tiles, row_tiles, windows, sms);
+  const int k_split =
+      GemvSplit(blocks, GemvMmaShape{col_tiles, row_tiles, tiled}, windows, sms);
 
   // Scalar path: row tiling trades grid parallelism (M leaves gridDim.y) for weight reuse, so
   // only when the column grid ceil(N / 8) covers a wave of SMs on its own.
@@ -143,27 +166,32 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
 }
 
 // Compile-time checks of the H200 (132 SMs) picks quoted above.
-static_assert(gemv_launch_config(1, 11008, 4096, 132).col_tiles == 2, "");
-static_assert(gemv_launch_config(1, 11008, 4096, 132).k_split == 4, "");
-static_assert(gemv_launch_config(1, 17408, 5120, 132).col_tiles == 1, "");
-static_assert(gemv_launch_config(1, 17408, 5120, 132).k_split == 2, "");
-static_assert(gemv_launch_config(8, 17408, 5120, 132).col_tiles == 2, "");
-static_assert(gemv_launch_config(1, 5120, 17408, 132).k_split == 6, "");
-static_assert(gemv_launch_config(4, 28672, 8192, 132).k_split == 2, "");
-static_assert(gemv_launch_config(4, 248320, 2048, 132).col_tiles == 2, "");
-static_assert(gemv_launch_config(4, 248320, 2048, 132).k_split == 1, "");
-static_assert(gemv_launch_config(4, 11008, 4096, 132).rows_per_block == 4, "");
-static_assert(gemv_launch_config(16, 11008, 4096, 132).row_tiles == 2, "");
-static_assert(gemv_launch_config(16, 11008, 4096, 132).col_tiles == 2, "");
-static_assert(gemv_launch_config(16, 11008, 4096, 132).k_split == 4, "");
-static_assert(gemv_launch_config(16, 28672, 8192, 132).k_split == 3, "");
-static_assert(gemv_launch_config(16, 17408, 5120, 132).k_split == 2, "");
-static_assert(gemv_launch_config(16, 4096, 11008, 132).col_tiles == 1, "");
-static_assert(gemv_launch_config(4, 1000, 4096, 132).rows_per_block == 1, "");
-static_assert(gemv_launch_config(8, 2048, 2048, 132).k_split == 8, "");
+static_assert(gemv_launch_config(1, 11008, 4096, 132, true).col_tiles == 2, "");
+static_assert(gemv_launch_config(1, 11008, 4096, 132, true).k_split == 4, "");
+static_assert(gemv_launch_config(1, 17408, 5120, 132, true).col_tiles == 1, "");
+static_assert(gemv_launch_config(1, 17408, 5120, 132, true).k_split == 2, "");
+static_assert(gemv_launch_config(8, 17408, 5120, 132, true).col_tiles == 2, "");
+static_assert(gemv_launch_config(1, 5120, 17408, 132, true).k_split == 6, "");
+static_assert(gemv_launch_config(4, 28672, 8192, 132, true).k_split == 2, "");
+static_assert(gemv_launch_config(4, 248320, 2048, 132, true).col_tiles == 2, "");
+static_assert(gemv_launch_config(4, 248320, 2048, 132, true).k_split == 1, "");
+static_assert(gemv_launch_config(4, 11008, 4096, 132, true).rows_per_block == 4, "");
+static_assert(gemv_launch_config(16, 11008, 4096, 132, true).row_tiles == 2, "");
+static_assert(gemv_launch_config(16, 11008, 4096, 132, true).col_tiles == 2, "");
+static_assert(gemv_launch_config(16, 11008, 4096, 132, true).k_split == 4, "");
+static_assert(gemv_launch_config(16, 4096, 11008, 132, true).col_tiles == 2, "");
+static_assert(gemv_launch_config(16, 4096, 11008, 132, true).k_split == 8, "");
+static_assert(gemv_launch_config(16, 28672, 8192, 132, true).k_split == 2, "");
+static_assert(gemv_launch_config(16, 17408, 5120, 132, true).k_split == 3, "");
+// The spec layout's two-by-two config: 12 warps per SM, blocks of at most 4 warps.
+static_assert(gemv_launch_config(16, 28672, 8192, 132, false).k_split == 3, "");
+static_assert(gemv_launch_config(16, 17408, 5120, 132, false).k_split == 2, "");
+static_assert(gemv_launch_config(16, 4096, 11008, 132, false).col_tiles == 1, "");
+static_assert(gemv_launch_config(4, 1000, 4096, 132, true).rows_per_block == 1, "");
+static_assert(gemv_launch_config(8, 2048, 2048, 132, true).k_split == 8, "");
 // 24576x4096 (a fused gate/up projection): one tile would need k_split 1 to fit a wave.
-static_assert(gemv_launch_config(1, 24576, 4096, 132).col_tiles == 2, "");
-static_assert(gemv_launch_config(1, 24576, 4096, 132).k_split == 2, "");
+static_assert(gemv_launch_config(1, 24576, 4096, 132, true).col_tiles == 2, "");
+static_assert(gemv_launch_config(1, 24576, 4096, 132, true).k_split == 2, "");
 
 }  // namespace jax_fp4
 
