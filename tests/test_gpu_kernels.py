@@ -240,7 +240,8 @@ def test_gemv_every_launch_config(config, dtype, monkeypatch):
     """Every kernel variant (col_tiles, k_split, rows_per_block), forced through the debug
     override JAX_FP4_GEMV_CONFIG, on exact inputs: all must match the reference bit for bit.
     ("2,16": k_split is clamped into the block's 16-warp budget; at M = 9 and 17 the "2,..."
-    configs run two column tiles with two row tiles, whose budget is 4 warps.)"""
+    configs run two column tiles with two row tiles, whose budget on this, the spec, layout is
+    4 warps; test_gemv_tiled_every_launch_config runs them prepacked, where it is 8.)"""
     rng = np.random.default_rng()
     monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)
     for m, n, k in ((3, 70, 1024), (9, 37, 512), (1, 5, 128), (17, 45, 2816)):

@@ -102,7 +102,19 @@ __device__ __forceinline__ void LoadActivation(uint4 (&dst)[4], const T* ap) {
   for (int i = 0; i < 4; ++i) dst[i] = ld_u4(ap + 8 * i);
 }
 
-// Loads one window's fragments at the current pointers, then advances them by `step` windows.
+// The activation fragments of every row tile at `ap`, which then advance by `step` windows.
+template <typename T, int RT>
+__device__ __forceinline__ void LoadActivations(uint4 (&dst)[RT][4], const T* (&ap)[RT],
+                                                int64_t step) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    LoadActivation(dst[r], ap[r]);
+    ap[r] += step * kGemvWindow;
+  }
+}
+
+// Loads one window's fragments at the current pointers, then advances them by `step` windows
+// (the activations only if LoadAct).
 // Tiled: the weight in the tiled layout (jax_fp4/_layout.py), [16-row tile][window][h][lane][16 B]
 // and scales [tile][window][lane][rows g, g + 8: 2 x 2 B], so a warp's window is one 1 KB run and
 // one 128 B run (only wp[ct][0] / sp[ct][0] are used).
@@ -130,13 +142,7 @@ __device__ __forceinline__ void MmaLoad(MmaFragments<CT, RT>& f, const uint8_t* 
       }
     }
   }
-  if constexpr (LoadAct) {
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      LoadActivation(f.a[r], ap[r]);
-      ap[r] += step * kGemvWindow;
-    }
-  }
+  if constexpr (LoadAct) LoadActivations<T, RT>(f.a, ap, step);
 }
 
 // How a k-step gets its mma operands: the decode of the lane's packed word and the matching
@@ -403,13 +409,7 @@ __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
     // session). The weight still comes one window ahead.
     constexpr bool kActJit = GemvMmaShape{CT, RT, Tiled}.activations_just_in_time();
     auto act_jit = [&](MmaFragments<CT, RT>& f) {
-      if constexpr (kActJit) {
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-          LoadActivation(f.a[r], ap[r]);
-          ap[r] += static_cast<int64_t>(k_split) * kGemvWindow;
-        }
-      }
+      if constexpr (kActJit) LoadActivations<T, RT>(f.a, ap, k_split);
     };
     MmaFragments<CT, RT> f0, f1;
     int64_t w = warp;
