@@ -21,7 +21,7 @@ from jax_fp4._dispatch import Problem, select_path
 CAPABILITIES = [None, (7, 5), (8, 0), (9, 0), (10, 0), (12, 0)]
 DTYPES = [np.dtype("float16"), np.dtype(ml_dtypes.bfloat16), np.dtype("float32")]
 MS = [0, 1, 8, 9, 11, 12, 16, 17, 64, 256, 257, 512, 1024, 1025, 4096]
-NS, KS, BLOCKS = [0, 33, 8192], [0, 48, 64, 4096, 5120], [16, 32, 7]
+NS, KS, BLOCKS = [0, 33, 8192], [0, 48, 64, 4096, 5120, 8192], [16, 32, 7]
 
 
 def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, tiled):
@@ -45,7 +45,7 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, 
     if platform == "cpu":
         return "cpu"
     if platform == "cuda" and has_cuda:
-        if fused_ok and (9 <= m <= 16 and not tiled and n >= 8192 and k >= 5120 or 16 < m <= 1024):
+        if fused_ok and (9 <= m <= 16 and n >= 8192 and k >= (8192 if tiled else 5120) or 16 < m <= 1024):
             return "fused"
         if gemv_ok and m <= 16:
             return "gemv"
