@@ -27,14 +27,14 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 # "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json and
 # fused_load_hoist_h200.json; re-measure with `bash benchmarks/device_run.sh build fused-crossovers`):
 # - M <= 8: the decode GEMV.
-# - 9 <= M <= 16: the GEMV (two column and two row tiles per warp), except on wide weights with
-#   long rows, where the fused GEMM wins. Spec layout: N >= 8192 and K >= 5120 (6-29% on
-#   17408x5120, 28672x8192; "Twentieth session", results/sweeps/crossover_small_m_session20_h200.json).
-#   Prepacked (layout "tiled"), where the GEMV loads its activations just in time and runs 16 warps
-#   per SM: N >= 8192 and K >= 8192. `python -m jax_fp4.bench` with both backends forced in one
-#   call timed the fused GEMM 6-19% faster on 28672x8192 and the GEMV 0-7% faster on 17408x5120
-#   ("Twenty-second session", results/sweeps/bench_m9_16_session22_h200.log); kernel-only chains
-#   (fused_timing.py) had the GEMV ahead on both, and on K = 4096 by 7-30% ("Twenty-first session").
+# - 9 <= M <= 16: the GEMV (two column and two row tiles per warp), except on prepacked (layout
+#   "tiled") wide weights with long rows, N >= 8192 and K >= 8192, where the fused GEMM wins.
+#   `python -m jax_fp4.bench` with both backends forced in one call ("Twenty-second session",
+#   results/sweeps/bench_m9_16_session22_h200.log): prepacked, the fused GEMM 6-19% faster on
+#   28672x8192 and the GEMV 0-7% on 17408x5120 (kernel-only chains, fused_timing.py, had the GEMV
+#   ahead on both, and on K = 4096 by 7-30%: "Twenty-first session"); on the spec layout, whose
+#   fused GEMM runs these M 1.6-1.8x slower than prepacked, the GEMV 16-33% faster on both
+#   (bench_spec_m9_16_session22_h200.log).
 # - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
 #   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
 #   1.00-1.11x (benchmarks/results/sweeps/crossover_{fused,dequant}_session15_h200.json).
@@ -42,8 +42,7 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 DECODE_MAX_M = 8
 GEMV_MAX_M = 16
 WIDE_N = 8192
-LONG_K = 5120
-LONG_K_PREPACKED = 8192
+LONG_K = 8192
 FUSED_MAX_M = 1024
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
@@ -102,8 +101,7 @@ def auto_prefers_fused(p: Problem) -> bool:
     """Whether "auto" takes the fused GEMM over the GEMV / dequant for this shape (where it can
     run at all): the measured crossovers above."""
     if p.m <= GEMV_MAX_M:
-        long_k = LONG_K_PREPACKED if p.tiled else LONG_K
-        return p.m > DECODE_MAX_M and p.n >= WIDE_N and p.k >= long_k
+        return p.m > DECODE_MAX_M and p.tiled and p.n >= WIDE_N and p.k >= LONG_K
     return p.m <= FUSED_MAX_M
 
 

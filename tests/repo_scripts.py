@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 from types import ModuleType
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -16,5 +17,6 @@ def load_repo_script(relative_path: str) -> ModuleType:
     name = "repo_" + relative_path.removesuffix(".py").replace("/", "_")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module

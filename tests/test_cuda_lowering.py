@@ -48,12 +48,16 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     assert _targets(matmul, *_case(17)) == ["jax_fp4_fused_cuda"]
     assert _targets(matmul, *_case(1024)) == ["jax_fp4_fused_cuda"]
     assert _targets(matmul, *_case(1025)) == ["jax_fp4_dequant_cuda"]
-    assert _targets(matmul, *_case(8, n=8192, k=5120)) == ["jax_fp4_gemv_cuda"]
-    assert _targets(matmul, *_case(9, n=8192, k=5120)) == ["jax_fp4_fused_cuda"]  # wide, long K
-    a, w = _case(9, n=8192, k=5120)
-    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_gemv_cuda"]  # prepacked: the GEMV
-    assert _targets(matmul, *_case(16, n=8192, k=4096)) == ["jax_fp4_gemv_cuda"]  # K too short
-    assert _targets(matmul, *_case(16, n=8064, k=5120)) == ["jax_fp4_gemv_cuda"]  # N too narrow
+    # M = 9-16: the fused GEMM only on prepacked weights with N >= 8192 and K >= 8192.
+    a, w = _case(9, n=8192, k=8192)
+    assert _targets(matmul, a, w) == ["jax_fp4_gemv_cuda"]  # spec layout: the GEMV
+    tiled = jax_fp4.prepack(w)
+    assert _targets(matmul, a, tiled) == ["jax_fp4_fused_cuda"]  # prepacked, wide, long K
+    assert _targets(matmul, a[:8], tiled) == ["jax_fp4_gemv_cuda"]  # decode
+    a, w = _case(16, n=8192, k=5120)
+    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_gemv_cuda"]  # K too short
+    a, w = _case(16, n=8064, k=8192)
+    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_gemv_cuda"]  # N too narrow
     assert _targets(matmul, *_case(64, k=160)) == ["jax_fp4_dequant_cuda"]  # K % 128 != 0
     assert _targets(matmul, *_case(17, dtype=jnp.float32)) == []  # float32 -> reference (pure JAX)
     assert _targets(lambda a, w: jax_fp4.matmul(a, w, backend="fused"), *_case(64)) == [

@@ -2,8 +2,8 @@
 
 The expected path is restated here from the rules in README/spec: empty first, then a forced
 backend (or a clear ValueError), else on CUDA: the fused Hopper GEMM on compute capability 9.x
-(block 16, K % 128 == 0) for 9 <= M <= 16 when N >= 8192 and K >= 5120 on spec-layout weights
-(not prepacked ones) and for 16 < M <= 1024;
+(block 16, K % 128 == 0) for 9 <= M <= 16 when N >= 8192 and K >= 8192 on prepacked weights
+(not spec-layout ones) and for 16 < M <= 1024;
 otherwise gemv for M <= 16 (block 16, K % 32 == 0, fp16/bf16), native only when enabled on
 compute capability 12.x past the GEMV (block 16, K and N % 32 == 0), dequant for fp16/bf16,
 reference otherwise; on CPU the fused C++ kernel.
@@ -45,7 +45,7 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, 
     if platform == "cpu":
         return "cpu"
     if platform == "cuda" and has_cuda:
-        if fused_ok and (9 <= m <= 16 and n >= 8192 and k >= (8192 if tiled else 5120) or 16 < m <= 1024):
+        if fused_ok and (9 <= m <= 16 and tiled and n >= 8192 and k >= 8192 or 16 < m <= 1024):
             return "fused"
         if gemv_ok and m <= 16:
             return "gemv"
