@@ -5,7 +5,8 @@
 #   bash benchmarks/device_run.sh build tests          # ~3 min
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
-#   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6 min
+#   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
+#   DISPATCH_M=9,16,32 bash benchmarks/device_run.sh build dispatch-check   # auto against every backend
 #   (bench and gemv-sweep time prepacked weights; BENCH_LAYOUT=spec for the spec layout;
 #   every bench row is timed in two passes, BENCH_PASSES=1 for one: ~4 min)
 #   bash benchmarks/device_run.sh build probe          # GEMV limiter probe, ~1 min
@@ -86,7 +87,16 @@ for stage in "$@"; do
       tail -25 "$OUT/fused_timing.log" ;;
     bench)
       python -m jax_fp4.bench --layout "${BENCH_LAYOUT:-tiled}" --passes "${BENCH_PASSES:-2}" --decode-step --json "$OUT/h200.json" > "$OUT/bench.log" 2>&1 || status=1
-      tail -50 "$OUT/bench.log" ;;
+      tail -50 "$OUT/bench.log"
+      python benchmarks/targets.py "$OUT/h200.json" > "$OUT/targets.md" && tail -1 "$OUT/targets.md" ;;
+    dispatch-check)
+      # Issue 7's dispatch target by the bench's method: per row every backend forced and auto's
+      # pick, the verdict within 5% (benchmarks/dispatch_check.py). DISPATCH_LAYOUT (default tiled),
+      # DISPATCH_SHAPES / DISPATCH_M (the script's defaults: the four prefill shapes, M = 1-4096).
+      timeout "${DISPATCH_TIMEOUT:-540}" python benchmarks/dispatch_check.py --layout "${DISPATCH_LAYOUT:-tiled}" \
+        ${DISPATCH_SHAPES:+--shapes "$DISPATCH_SHAPES"} ${DISPATCH_M:+--m "$DISPATCH_M"} \
+        --json "$OUT/dispatch_check.json" > "$OUT/dispatch_check.md" 2> "$OUT/dispatch_check.log" || status=1
+      tail -1 "$OUT/dispatch_check.md" ;;
     profile)
       # --replay-mode application: kernel replay backs up device memory and crawls on big weights.
       timeout 150 ncu --clock-control none --replay-mode application -k regex:Fused -c 2 \

@@ -1,0 +1,201 @@
+"""Does `auto` pick the fastest jax_fp4 backend? Issue 7's dispatch target (the default within 5%
+of the fastest of gemv / fused / dequant at every M), measured with the bench's method.
+
+    python benchmarks/dispatch_check.py --layout tiled --m 9,16,32,1024,2048 --json dispatch.json
+
+Each row (shape, M) times every backend of --backends that can serve it (one that the dispatch
+refuses at trace time, e.g. gemv past M = 16, is left out) and auto's own pick, all on the same
+weights and activations: `jax_fp4.bench`'s chains of distinct weights rotating beyond the cache,
+per-matmul time by chain differencing. With --passes P the backends take turns P times and each
+keeps its median. The verdict: auto's time over the fastest backend's, within --tolerance or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp4
+from jax_fp4 import bench
+from jax_fp4._layout import tiled_layout_unsupported
+
+DEFAULT_BACKENDS = ("gemv", "fused", "dequant")
+DEFAULT_TOLERANCE = 1.05  # issue 7: "the fastest ... within 5%"
+DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
+DEFAULT_M = "1,8,9,12,16,17,32,64,128,256,512,1024,2048,4096"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    n: int
+    k: int
+    m: int
+    layout: str
+    us: dict[str, float]            # backend -> median per-matmul time over the passes
+    us_passes: dict[str, list[float]]
+    noisy: list[str]                # backends with a noisy pass (chain difference not positive)
+    auto: str                       # the backend `auto` picks
+    fastest: str
+    auto_over_fastest: float
+    within: bool
+
+
+def judge(us: dict[str, float], auto: str, tolerance: float) -> tuple[str, float, bool]:
+    """(fastest backend, auto's time / the fastest's, whether that is within `tolerance`)."""
+    fastest = min(us, key=us.get)
+    ratio = us[auto] / us[fastest]
+    return fastest, ratio, ratio <= tolerance
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _make_weight(key, n: int, k: int) -> jax_fp4.NVFP4Weight:
+    return jax_fp4.quantize(jax.random.normal(key, (n, k), jnp.float32) / math.sqrt(k))
+
+
+_prepack = jax.jit(jax_fp4.prepack)
+
+
+def servable(backends: Sequence[str], a, w) -> list[str]:
+    """The backends of `backends` that the dispatch accepts for (a, w) on the default device."""
+    found = []
+    for backend in backends:
+        try:
+            jax_fp4.dispatch_path(a, w, backend=backend)
+        except ValueError:
+            continue
+        found.append(backend)
+    return found
+
+
+def check_shape(shape: bench.Shape, ms: Sequence[int], backends: Sequence[str], *, layout: str,
+                dtype, passes: int, repeats: int, warmup: int, min_time_s: float,
+                budget: bench.Budget, tolerance: float, key,
+                log: Callable[[str], None]) -> list[Verdict]:
+    itemsize = np.dtype(dtype).itemsize
+    l1, l2 = bench.chain_lengths(bench.nvfp4_weight_bytes(shape.n, shape.k),
+                                 shape.n * shape.k * itemsize, budget)  # the bench's chains
+    weight_key, act_key = jax.random.split(key)
+    weights = [_make_weight(k, shape.n, shape.k) for k in jax.random.split(weight_key, l2)]
+    if layout == "tiled" and tiled_layout_unsupported(shape.n, shape.k, weights[0].block_size) is None:
+        weights = [_prepack(w) for w in weights]  # as the bench: spec where the shape cannot
+    verdicts = []
+    for m, m_key in zip(ms, jax.random.split(act_key, len(ms))):
+        acts = bench.make_activations(m_key, m, shape.k, l2, dtype)
+        auto = jax_fp4.dispatch_path(acts[0], weights[0])
+        timed = servable(list(dict.fromkeys([*backends, auto])), acts[0], weights[0])
+        runs = {b: [] for b in timed}
+        for _ in range(passes):
+            for b in timed:
+                runs[b].append(bench.time_chain(bench.chain_of(bench.fp4_layer(b)), (acts, weights),
+                                                l1, l2, repeats, warmup, min_time_s))
+        us = {b: statistics.median(t.us for t in runs[b]) for b in timed}
+        fastest, ratio, within = judge(us, auto, tolerance)
+        v = Verdict(shape.n, shape.k, m, weights[0].layout, us,
+                    {b: [t.us for t in runs[b]] for b in timed},
+                    [b for b in timed if any(t.noisy for t in runs[b])], auto, fastest, ratio, within)
+        log(format_verdict(v))
+        verdicts.append(v)
+        del acts
+    return verdicts
+
+
+def format_verdict(v: Verdict) -> str:
+    times = "  ".join(f"{b} {us:8.2f}{'?' if b in v.noisy else ''}" for b, us in v.us.items())
+    return (f"{v.n:>6}x{v.k:<6} {v.m:5}  {times}  | fastest {v.fastest}, auto {v.auto} "
+            f"x{v.auto_over_fastest:.2f} {'ok' if v.within else 'MISS'}")
+
+
+def markdown(verdicts: Sequence[Verdict], backends: Sequence[str]) -> str:
+    columns = list(dict.fromkeys([*backends, *(b for v in verdicts for b in v.us)]))
+    lines = ["| N x K | M | " + " | ".join(f"{b} us" for b in columns)
+             + " | fastest | auto | auto / fastest | within |",
+             "|---|---:|" + "---:|" * len(columns) + "---|---|---:|---|"]
+    for v in verdicts:
+        cells = [f"{v.us[b]:.1f}{'?' if b in v.noisy else ''}" if b in v.us else "-" for b in columns]
+        lines.append(f"| {v.n}x{v.k} | {v.m} | " + " | ".join(cells)
+                     + f" | {v.fastest} | {v.auto} | {v.auto_over_fastest:.2f} | "
+                     + ("yes" if v.within else "**no**") + " |")
+    return "\n".join(lines)
+
+
+def summary(verdicts: Sequence[Verdict], tolerance: float) -> str:
+    within = sum(v.within for v in verdicts)
+    return (f"auto within {100 * (tolerance - 1):.0f}% of the fastest backend on {within} of "
+            f"{len(verdicts)} rows")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"NxK list (default {DEFAULT_SHAPES})")
+    p.add_argument("--m", default=DEFAULT_M, help=f"M list (default {DEFAULT_M})")
+    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
+                   help="backends to time besides auto's pick (default gemv,fused,dequant)")
+    p.add_argument("--layout", choices=("spec", "tiled"), default="tiled")
+    p.add_argument("--dtype", choices=sorted(bench.DTYPES), default="bf16")
+    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--min-time", type=float, default=0.2)
+    p.add_argument("--cache-mb", type=float, default=bench.DEFAULT_CACHE_BYTES / bench.MB,
+                   help="the cache the chains must exceed (default: the H200's L2)")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", metavar="PATH")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("passes", "repeats", "warmup"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.tolerance < 1:
+        raise SystemExit(f"--tolerance is a ratio >= 1 (1.05: within 5%), got {args.tolerance}")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in jax_fp4.BACKENDS or b == "auto"]
+    if unknown:
+        raise SystemExit(f"--backends: unknown {unknown}; choose from "
+                         f"{[b for b in jax_fp4.BACKENDS if b != 'auto']}")
+    shapes = [bench.parse_shape(s) for s in args.shapes.split(",")]
+    ms = [int(m) for m in args.m.split(",")]
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    budget = bench.Budget(cache_bytes=int(args.cache_mb * bench.MB))
+    log = functools.partial(print, file=sys.stderr, flush=True)
+    log(f"dispatch check on {bench.device_description()}, layout {args.layout}, dtype {args.dtype}, "
+        f"backends {backends} + auto, {args.passes} passes, seed {seed}")
+    started = time.perf_counter()
+    verdicts = []
+    for shape, key in zip(shapes, jax.random.split(jax.random.key(seed), len(shapes))):
+        verdicts += check_shape(shape, ms, backends, layout=args.layout, dtype=bench.DTYPES[args.dtype],
+                                passes=args.passes, repeats=args.repeats, warmup=args.warmup,
+                                min_time_s=args.min_time, budget=budget, tolerance=args.tolerance,
+                                key=key, log=log)
+    log(f"done in {time.perf_counter() - started:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": bench.device_description(), "jax_version": jax.__version__,
+                       "command": "python benchmarks/dispatch_check.py " + " ".join(
+                           argv if argv is not None else sys.argv[1:]),
+                       "layout": args.layout, "dtype": args.dtype, "tolerance": args.tolerance,
+                       "passes": args.passes, "seed": seed,
+                       "rows": [dataclasses.asdict(v) for v in verdicts]}, f, indent=1)
+    print(markdown(verdicts, backends))
+    print()
+    print(summary(verdicts, args.tolerance))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""benchmarks/dispatch_check.py: the verdict logic on synthetic times, and a CPU smoke run of the
+whole measurement (the CUDA backends are timed on the H200 only)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.repo_scripts import load_repo_script
+
+
+@pytest.fixture(scope="module")
+def dc():
+    return load_repo_script("benchmarks/dispatch_check.py")
+
+
+def test_judge_finds_the_fastest_and_the_ratio(dc):
+    rng = np.random.default_rng()
+    for _ in range(200):
+        names = ["gemv", "fused", "dequant"][: rng.integers(1, 4)]
+        us = {b: float(rng.uniform(5, 500)) for b in names}
+        auto = str(rng.choice(names))
+        tolerance = float(rng.uniform(1.0, 1.2))
+        fastest, ratio, within = dc.judge(us, auto, tolerance)
+        best = min(us.values())
+        assert us[fastest] == best
+        assert ratio == pytest.approx(us[auto] / best)
+        assert within == (us[auto] <= tolerance * best * (1 + 1e-12))
+
+
+def test_judge_at_the_tolerance_edge(dc):
+    assert dc.judge({"gemv": 10.0, "fused": 10.4}, "fused", 1.05) == ("gemv", pytest.approx(1.04), True)
+    assert dc.judge({"gemv": 10.0, "fused": 10.6}, "fused", 1.05)[2] is False
+    assert dc.judge({"gemv": 10.0, "fused": 10.6}, "gemv", 1.05) == ("gemv", 1.0, True)
+
+
+def test_markdown_marks_misses_and_missing_backends(dc):
+    rows = [dc.Verdict(4096, 4096, 16, "tiled", {"gemv": 7.0, "fused": 9.0}, {}, ["fused"], "fused",
+                       "gemv", 9.0 / 7.0, False),
+            dc.Verdict(4096, 4096, 64, "tiled", {"fused": 15.0, "dequant": 30.0}, {}, [], "fused",
+                       "fused", 1.0, True)]
+    text = dc.markdown(rows, ["gemv", "fused", "dequant"])
+    lines = text.splitlines()
+    assert lines[0] == ("| N x K | M | gemv us | fused us | dequant us | fastest | auto | "
+                        "auto / fastest | within |")
+    assert lines[2] == "| 4096x4096 | 16 | 7.0 | 9.0? | - | gemv | fused | 1.29 | **no** |"
+    assert lines[3] == "| 4096x4096 | 64 | - | 15.0 | 30.0 | fused | fused | 1.00 | yes |"
+    assert dc.summary(rows, 1.05) == "auto within 5% of the fastest backend on 1 of 2 rows"
+
+
+def test_cpu_smoke_run(dc, tmp_path, capsys):
+    out = tmp_path / "dispatch.json"
+    assert dc.main(["--shapes", "128x256", "--m", "1,5", "--backends", "reference,gemv",
+                    "--layout", "tiled", "--passes", "1", "--repeats", "2", "--warmup", "1",
+                    "--min-time", "0", "--cache-mb", "0.03", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [r["m"] for r in results["rows"]] == [1, 5]
+    for r in results["rows"]:
+        assert (r["n"], r["k"], r["layout"], r["auto"]) == (128, 256, "tiled", "cpu")
+        assert set(r["us"]) == {"reference", "cpu"}  # gemv cannot run on CPU; auto's pick is timed
+        assert all(us > 0 for us in r["us"].values())
+        fastest, ratio, within = dc.judge(r["us"], r["auto"], 1.05)
+        assert (r["fastest"], r["within"]) == (fastest, within)
+        assert r["auto_over_fastest"] == pytest.approx(ratio)
+    assert capsys.readouterr().out.strip().endswith(
+        f"on {sum(r['within'] for r in results['rows'])} of 2 rows")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backends", "gemv,bogus"], "unknown"),
+    (["--backends", "auto"], "unknown"),
+    (["--tolerance", "0.9"], "tolerance"),
+    (["--passes", "0"], "passes"),
+])
+def test_bad_arguments(dc, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        dc.main(argv)
