@@ -268,6 +268,58 @@ def test_gemv_config_override_rejects_malformed_values(config, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiled", [False, True], ids=["spec", "tiled"])
+@pytest.mark.parametrize("m", [1, 9])
+def test_gemv_programmatic_launch_chain(m, tiled, dtype, monkeypatch):
+    """JAX_FP4_PDL=1 (sm_90+): each GEMV of a jitted chain, whose activations are the previous
+    GEMV's output, may be scheduled while that one still runs and must wait for it. The chain
+    starts with a large layer, so the next one is in flight long before its input is ready. Same
+    bits as plain launches; every layer matches the float64 reference on the input it was given."""
+    rng = np.random.default_rng()
+    dims = [4096, 8192, 384, 1024, 160]  # the first layer's K, then each layer's N
+    weights = []
+    for k, n in zip(dims[:-1], dims[1:]):
+        packed, scale, _ = reference.random_weight(rng, n, k)
+        weights.append((packed, scale, np.float32(0.5 / math.sqrt(k))))  # outputs stay O(1)
+    a = as_dtype(rng.standard_normal((m, dims[0])), dtype)
+
+    def run(flag):
+        monkeypatch.setenv("JAX_FP4_PDL", flag)
+        ws = [jax_fp4.NVFP4Weight(jnp.asarray(p), jnp.asarray(s), jnp.asarray(g)) for p, s, g in weights]
+        if tiled:
+            ws = [jax_fp4.prepack(w) for w in ws]
+
+        @jax.jit
+        def chain(x, ws):
+            outs = []
+            for w in ws:
+                x = jax_fp4.matmul(x, w, backend="gemv")
+                outs.append(x)
+            return outs
+
+        return [np.asarray(y) for y in chain(jnp.asarray(a), ws)]
+
+    plain, programmatic = run("0"), run("1")
+    x = a
+    for i, (w, y, y_pdl) in enumerate(zip(weights, plain, programmatic)):
+        np.testing.assert_array_equal(y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}")
+        check_close(y, reference_gemv(x, *w, None), dtype, f"layer {i}")
+        x = y
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "on", " 1"])
+def test_gemv_programmatic_launch_override_rejects_other_values(value, monkeypatch):
+    rng = np.random.default_rng()
+    a, packed, scale, gs, _ = random_problem(rng, 2, 48, 256, "bfloat16", with_bias=False)
+    monkeypatch.setenv("JAX_FP4_PDL", "1")
+    check_close(gemv(a, packed, scale, gs, None), reference_gemv(a, packed, scale, gs, None),
+                "bfloat16", "JAX_FP4_PDL=1")
+    monkeypatch.setenv("JAX_FP4_PDL", value)
+    with pytest.raises(Exception, match="JAX_FP4_PDL must be 0 or 1"):
+        gemv(a, packed, scale, gs, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("use_mma", [True, False])
 def test_gemv_lane_ownership_probe(dtype, use_mma):
     """One-hot activations (row r picks a single k) against weights whose values encode the

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -86,6 +87,40 @@ inline bool IsAligned(const void* p, uintptr_t bytes) {
 }
 
 constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch
+// (cudaLaunchAttributeProgrammaticStreamSerialization) when `programmatic`: the kernel must then
+// call WaitForPrerequisiteGrids (ptx.cuh) before its first global memory access.
+template <typename... Params, typename... Args>
+cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                         cudaStream_t stream, bool programmatic, Args... args) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+// Measurement override JAX_FP4_PDL (read on each call): "1" asks for programmatic dependent
+// launches where a kernel supports them, "0" or unset for plain ones. Anything else: an error
+// message (returned; `*on` untouched).
+inline std::string ProgrammaticLaunchOverride(bool* on) {
+  const char* env = std::getenv("JAX_FP4_PDL");
+  if (env == nullptr || *env == '\0' || std::string(env) == "0") {
+    *on = false;
+  } else if (std::string(env) == "1") {
+    *on = true;
+  } else {
+    return std::string("JAX_FP4_PDL must be 0 or 1, got '") + env + "'";
+  }
+  return "";
+}
 
 }  // namespace cuda
 }  // namespace jax_fp4

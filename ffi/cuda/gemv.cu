@@ -149,11 +149,11 @@ __global__ void __launch_bounds__(32 * kGemvScalarColsPerBlock)
 template <typename T, int CT, int RT = 1>
 cudaError_t LaunchMma(cudaStream_t stream, bool tiled, const T* a, const uint8_t* packed,
                       const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
-                      int64_t n, int64_t k, int k_split) {
+                      int64_t n, int64_t k, int k_split, bool programmatic) {
   return tiled ? LaunchMmaLayout<T, CT, RT, true>(stream, a, packed, scale, gs, bias, y, m, n, k,
-                                                  k_split)
+                                                  k_split, programmatic)
                : LaunchMmaLayout<T, CT, RT, false>(stream, a, packed, scale, gs, bias, y, m, n, k,
-                                                   k_split);
+                                                   k_split, programmatic);
 }
 
 template <typename T, int R>
@@ -192,20 +192,22 @@ template <typename T>
 cudaError_t LaunchGemv(cudaStream_t stream, const DeviceInfo& info, const void* a,
                        const uint8_t* packed, const uint8_t* scale, const float* gs,
                        const void* bias, void* y, int64_t m, int64_t n, int64_t k, bool use_mma,
-                       bool tiled, bool row_tiling, const GemvLaunchConfig& cfg) {
+                       bool tiled, bool row_tiling, const GemvLaunchConfig& cfg,
+                       bool programmatic) {
   const T* at = static_cast<const T*>(a);
   const T* bt = static_cast<const T*>(bias);
   T* yt = static_cast<T*>(y);
   if (tiled || (use_mma && k > 0 && k % kGemvWindow == 0 && info.sm >= 80)) {
     const int ks = cfg.k_split;
+    const bool pdl = programmatic && info.sm >= 90;
     if (row_tiling && cfg.row_tiles == 2) {
       return cfg.col_tiles == 2
-                 ? LaunchMma<T, 2, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks)
-                 : LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
+                 ? LaunchMma<T, 2, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl)
+                 : LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl);
     }
     return cfg.col_tiles == 2
-               ? LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks)
-               : LaunchMma<T, 1>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks);
+               ? LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl)
+               : LaunchMma<T, 1>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl);
   }
   const int rows = row_tiling ? cfg.rows_per_block : 1;
   switch (rows) {
@@ -258,17 +260,20 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   GemvLaunchConfig cfg = gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms, tiled);
   const std::string bad_override = ApplyConfigOverride(&cfg, tiled);
   if (!bad_override.empty()) return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + bad_override);
+  bool programmatic = false;  // the tensor-core kernel on sm_90+ only (LaunchGemv)
+  const std::string bad_pdl = ProgrammaticLaunchOverride(&programmatic);
+  if (!bad_pdl.empty()) return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + bad_pdl);
 
   if (a.element_type() == ffi::DataType::F16) {
     err = LaunchGemv<__half>(stream, info, a.untyped_data(), packed.typed_data(),
                              scale.typed_data(), global_scale.typed_data(), bias_data,
                              y->untyped_data(), shape.m, shape.n, shape.k, use_mma, tiled,
-                             row_tiling, cfg);
+                             row_tiling, cfg, programmatic);
   } else {
     err = LaunchGemv<__nv_bfloat16>(stream, info, a.untyped_data(), packed.typed_data(),
                                     scale.typed_data(), global_scale.typed_data(), bias_data,
                                     y->untyped_data(), shape.m, shape.n, shape.k, use_mma,
-                                    tiled, row_tiling, cfg);
+                                    tiled, row_tiling, cfg, programmatic);
   }
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: kernel launch", err);
   return ffi::Error::Success();

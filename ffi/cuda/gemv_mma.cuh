@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/ptx.cuh"
 #include "jax_fp4/gemv_config.h"
 #include "jax_fp4/nvfp4_cuda.cuh"
 
@@ -331,6 +332,10 @@ __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
                   const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                   const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // Under a programmatic dependent launch (JAX_FP4_PDL): every operand may come from the previous
+  // kernel, so nothing is loaded before it has finished; the next kernel may be scheduled now.
+  WaitForPrerequisiteGrids();
+  AllowDependentLaunch();
   extern __shared__ float reduce_buf[];  // [k_split][CT * 4][32], only when k_split > 1
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -445,25 +450,22 @@ constexpr int64_t kMaxGridY = 65535;  // grid.y limit: M chunks beyond it are st
 
 // The production launch of GemvMmaKernel for a weight in the spec or (Tiled) the tiled layout: CT
 // column tiles and RT row tiles per warp, k_split warps per block (the 256-byte L2 prefetch only
-// when k_split > 1, see above). Shared by gemv.cu's handler and the probe's config sweep.
+// when k_split > 1, see above); `programmatic`: a programmatic dependent launch (sm_90+).
+// Shared by gemv.cu's handler and the probe's config sweep.
 template <typename T, int CT, int RT, bool Tiled>
 cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* packed,
                             const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
-                            int64_t n, int64_t k, int k_split) {
+                            int64_t n, int64_t k, int k_split, bool programmatic = false) {
   using Decode = std::conditional_t<Tiled, DecodeTiled, DecodeE2M1>;
   const int64_t tiles = CeilDiv(n, kGemvTileCols);
   const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = GemvMmaSmemBytes(CT, k_split);
-  if (k_split > 1) {
-    GemvMmaKernel<T, CT, RT, Decode, 1, 256, Tiled>
-        <<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
-  } else {
-    GemvMmaKernel<T, CT, RT, Decode, 1, 0, Tiled>
-        <<<grid, block, smem, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
-  }
-  return cudaGetLastError();
+  auto* kernel = k_split > 1 ? GemvMmaKernel<T, CT, RT, Decode, 1, 256, Tiled>
+                             : GemvMmaKernel<T, CT, RT, Decode, 1, 0, Tiled>;
+  return LaunchKernel(kernel, grid, block, smem, stream, programmatic, a, packed, scale, gs, bias,
+                      y, m, n, k);
 }
 
 }  // namespace cuda

@@ -1,6 +1,6 @@
 // Small PTX wrappers shared by the CUDA kernels (fused_gemm.cu, benchmarks/probes/gemv_probe.cu):
 // cp.async into shared memory, shared-memory vector loads, named barriers, and (sm_90+) mbarriers
-// (their cp.async completion too) and TMA bulk copies. Device-only.
+// (their cp.async completion too), TMA bulk copies and programmatic dependent launch. Device-only.
 #ifndef JAX_FP4_CUDA_PTX_CUH_
 #define JAX_FP4_CUDA_PTX_CUH_
 
@@ -128,6 +128,23 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const void* map, int x, 
       " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(map), "r"(x), "r"(y), "r"(bar)
       : "memory");
+}
+
+// Programmatic dependent launch (sm_90+; both are no-ops in a kernel launched without it, and
+// compile to nothing below sm_90). A kernel launched with it may start while the previous kernel
+// of its stream still runs: it must not read or write global memory before
+// WaitForPrerequisiteGrids, which returns once that kernel has finished and its writes are visible.
+// AllowDependentLaunch lets the next such kernel be scheduled before this one finishes.
+__device__ __forceinline__ void WaitForPrerequisiteGrids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 }  // namespace cuda
