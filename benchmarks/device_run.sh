@@ -94,7 +94,7 @@ for stage in "$@"; do
       # The GEMV as a programmatic dependent launch (JAX_FP4_PDL=1) against plain launches: its GPU
       # tests, then the bench's decode rows (PDL_M, PDL_SHAPES) and decode step with the flag
       # 0, 1, 0 (the two plain runs show the drift within the call). JSON per run: pdl_ab_<i>_<flag>.json.
-      timeout 120 python -m pytest -q -m gpu tests/test_gpu_kernels.py -k programmatic 2>&1 | tail -3 | tee "$OUT/pdl_ab.log"
+      timeout 120 python -m pytest -q -m gpu tests/test_gpu_kernels.py -k "programmatic or PDL" 2>&1 | tail -3 | tee "$OUT/pdl_ab.log"
       i=0
       for flag in 0 1 0; do
         i=$((i + 1))

@@ -253,17 +253,23 @@ def test_gemv_every_launch_config(config, dtype, monkeypatch):
                                           err_msg=f"config={config} M={m} N={n} K={k} mma={use_mma}")
 
 
-@pytest.mark.parametrize("config", ["3,1", "4,1", "1", "1,0", "1,4,3", "1,4,1,1", "1,4,", "x"])
-def test_gemv_config_override_rejects_malformed_values(config, monkeypatch):
+MALFORMED_OVERRIDES = (
+    [("JAX_FP4_GEMV_CONFIG", "2,8,4", value, "JAX_FP4_GEMV_CONFIG must be col_tiles,k_split")
+     for value in ["3,1", "4,1", "1", "1,0", "1,4,3", "1,4,1,1", "1,4,", "x"]]
+    + [("JAX_FP4_PDL", "1", value, "JAX_FP4_PDL must be 0 or 1") for value in ["2", "yes", " 1"]])
+
+
+@pytest.mark.parametrize("variable, valid, value, message", MALFORMED_OVERRIDES)
+def test_gemv_override_rejects_malformed_values(variable, valid, value, message, monkeypatch):
     """A malformed override is an error, not silently ignored (which also shows that the handler
-    reads it on every call, so the launch-config tests above do run the configs they name)."""
+    reads it on every call, so the tests that set it do run what they name)."""
     rng = np.random.default_rng()
     a, packed, scale, gs, _ = random_problem(rng, 2, 40, 256, "bfloat16", with_bias=False)
-    monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", "2,8,4")
+    monkeypatch.setenv(variable, valid)
     check_close(gemv(a, packed, scale, gs, None), reference_gemv(a, packed, scale, gs, None),
-                "bfloat16", "valid override")
-    monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)
-    with pytest.raises(Exception, match="JAX_FP4_GEMV_CONFIG must be col_tiles,k_split"):
+                "bfloat16", f"{variable}={valid}")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(Exception, match=message):
         gemv(a, packed, scale, gs, None)
 
 
@@ -305,18 +311,6 @@ def test_gemv_programmatic_launch_chain(m, tiled, dtype, monkeypatch):
         np.testing.assert_array_equal(y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}")
         check_close(y, reference_gemv(x, *w, None), dtype, f"layer {i}")
         x = y
-
-
-@pytest.mark.parametrize("value", ["2", "yes", "on", " 1"])
-def test_gemv_programmatic_launch_override_rejects_other_values(value, monkeypatch):
-    rng = np.random.default_rng()
-    a, packed, scale, gs, _ = random_problem(rng, 2, 48, 256, "bfloat16", with_bias=False)
-    monkeypatch.setenv("JAX_FP4_PDL", "1")
-    check_close(gemv(a, packed, scale, gs, None), reference_gemv(a, packed, scale, gs, None),
-                "bfloat16", "JAX_FP4_PDL=1")
-    monkeypatch.setenv("JAX_FP4_PDL", value)
-    with pytest.raises(Exception, match="JAX_FP4_PDL must be 0 or 1"):
-        gemv(a, packed, scale, gs, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
