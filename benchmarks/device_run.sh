@@ -7,7 +7,7 @@
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
 #   DISPATCH_M=9,16,32 bash benchmarks/device_run.sh build dispatch-check   # auto against every backend
-#   bash benchmarks/device_run.sh build pdl-ab        # GEMV programmatic dependent launch A/B, ~6 min (estimate)
+#   bash benchmarks/device_run.sh build pdl-ab        # programmatic dependent launch A/B, ~7 min (estimate)
 #   (bench and gemv-sweep time prepacked weights; BENCH_LAYOUT=spec for the spec layout;
 #   every bench row is timed in two passes, BENCH_PASSES=1 for one: ~4 min)
 #   bash benchmarks/device_run.sh build probe          # GEMV limiter probe, ~1 min
@@ -91,16 +91,18 @@ for stage in "$@"; do
       tail -50 "$OUT/bench.log"
       python benchmarks/targets.py "$OUT/h200.json" > "$OUT/targets.md" && tail -1 "$OUT/targets.md" ;;
     pdl-ab)
-      # The GEMV as a programmatic dependent launch (JAX_FP4_PDL=1) against plain launches: its GPU
-      # tests, then the bench's decode rows (PDL_M, PDL_SHAPES) and decode step with the flag
-      # 0, 1, 0 (the two plain runs show the drift within the call). JSON per run: pdl_ab_<i>_<flag>.json.
-      timeout 120 python -m pytest -q -m gpu tests/test_gpu_kernels.py -k "programmatic or PDL" 2>&1 | tail -3 | tee "$OUT/pdl_ab.log"
+      # The GEMV and the fused GEMM as programmatic dependent launches (JAX_FP4_PDL=1) against plain
+      # launches: their GPU tests, then the bench's rows (PDL_M, PDL_SHAPES) and decode step with
+      # the flag 0, 1, 0 (the two plain runs show the drift within the call). JSON per run:
+      # pdl_ab_<i>_<flag>.json.
+      timeout 150 python -m pytest -q -m gpu tests/test_gpu_kernels.py tests/test_gpu_fused.py \
+        -k "programmatic or PDL" 2>&1 | tail -3 | tee "$OUT/pdl_ab.log"
       i=0
       for flag in 0 1 0; do
         i=$((i + 1))
         echo "== $i JAX_FP4_PDL=$flag" | tee -a "$OUT/pdl_ab.log"
-        JAX_FP4_PDL=$flag timeout 200 python -m jax_fp4.bench --layout tiled --m "${PDL_M:-1,8}" \
-          --shapes "${PDL_SHAPES:-11008x4096,4096x11008,17408x5120,4096x4096}" --decode-step \
+        JAX_FP4_PDL=$flag timeout 200 python -m jax_fp4.bench --layout tiled --m "${PDL_M:-1,8,32,64}" \
+          --shapes "${PDL_SHAPES:-11008x4096,4096x11008,17408x5120}" --decode-step \
           --json "$OUT/pdl_ab_${i}_$flag.json" 2>&1 | grep -E "^ +[0-9]+x|jax_fp4 \(|bf16 jnp" \
           | tee -a "$OUT/pdl_ab.log" || status=1
       done ;;

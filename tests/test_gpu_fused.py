@@ -21,6 +21,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+import jax_fp4
 from jax_fp4 import _ffi, _fused, _layout
 from tests import reference
 
@@ -381,6 +382,7 @@ _STREAM_K_ERROR = "JAX_FP4_FUSED_STREAM_K must be 0 or 1"
     *[("JAX_FP4_FUSED_WARP_SPECIALIZED", v, _WS_ERROR) for v in ("2", "-1", "yes", " ")],
     *[("JAX_FP4_FUSED_TILE_N", v, _TILE_N_ERROR) for v in ("64", "512", "x")],
     *[("JAX_FP4_FUSED_STREAM_K", v, _STREAM_K_ERROR) for v in ("2", "-1", "on")],
+    *[("JAX_FP4_PDL", v, "JAX_FP4_PDL must be 0 or 1") for v in ("2", "yes")],
 ])
 def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
     """A malformed tuning override is an error naming the variable, not silently ignored."""
@@ -390,6 +392,48 @@ def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
     monkeypatch.setenv(variable, value)
     with pytest.raises(Exception, match=message):
         fused(a, packed, scale, gs)
+
+
+@needs_sm90
+@pytest.mark.parametrize("m", [32, 80, 300])
+@pytest.mark.parametrize("tiled", [False, True], ids=["spec", "tiled"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_programmatic_launch_chain(m, tiled, dtype, monkeypatch):
+    """JAX_FP4_PDL=1: each fused GEMM of a jitted chain, whose activations are the previous one's
+    output, may be scheduled while that one still runs and must wait for it (multistage,
+    warp-specialized with cluster split-K, stream-K: whatever the defaults pick at these M). The
+    chain starts with a large layer. Same bits as plain launches; every layer within the
+    element-wise bound of the float64 reference on the input it was given."""
+    rng = np.random.default_rng()
+    dims = [4096, 8192, 1024, 384, 512]  # the first layer's K, then each layer's N
+    weights = []
+    for k, n in zip(dims[:-1], dims[1:]):
+        packed, scale, _ = random_weight(rng, n, k)
+        weights.append((packed, scale, np.float32(0.5 / math.sqrt(k))))  # outputs stay O(1)
+    a = rng.standard_normal((m, dims[0])).astype(NP_DTYPES[dtype])
+
+    def run(flag):
+        monkeypatch.setenv("JAX_FP4_PDL", flag)
+        ws = [jax_fp4.NVFP4Weight(jnp.asarray(p), jnp.asarray(s), jnp.asarray(g)) for p, s, g in weights]
+        if tiled:
+            ws = [jax_fp4.prepack(w) for w in ws]
+
+        @jax.jit
+        def chain(x, ws):
+            outs = []
+            for w in ws:
+                x = jax_fp4.matmul(x, w, backend="fused")
+                outs.append(x)
+            return outs
+
+        return [np.asarray(y) for y in chain(jnp.asarray(a), ws)]
+
+    plain, programmatic = run("0"), run("1")
+    x = a
+    for i, ((packed, scale, gs), y, y_pdl) in enumerate(zip(weights, plain, programmatic)):
+        np.testing.assert_array_equal(y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}")
+        check_close(y, x, packed, scale, gs, None, dtype)
+        x = y
 
 
 # Weights in the tiled layout (jax_fp4.prepack): N % 16 == 0, ragged against the 128 / 256-row

@@ -1018,6 +1018,8 @@ __global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
                     const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
                     int vec_store) {
 #if JAX_FP4_FUSED_SM90A
+  WaitForPrerequisiteGrids();  // JAX_FP4_PDL: see FusedOverrides::programmatic
+  AllowDependentLaunch();
   constexpr int BM = Cfg::kBM;
   using Decoder = StageDecoder<T, Cfg, Tiled>;
   constexpr int S = Cfg::kStages;
@@ -1077,6 +1079,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                       const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
                       int vec_store, const __grid_constant__ CUtensorMap act_map) {
 #if JAX_FP4_FUSED_SM90A
+  WaitForPrerequisiteGrids();  // JAX_FP4_PDL: see FusedOverrides::programmatic
+  AllowDependentLaunch();
   using Loader = StageLoader<T, Cfg, Tiled, kProducerThreads, /*kActTma=*/true>;
   using Decoder = StageDecoder<T, Cfg, Tiled, /*kPlainRows=*/Loader::kWeightBulk>;
   extern __shared__ uint8_t smem_raw[];
@@ -1125,6 +1129,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                            T* __restrict__ y, int m, int n, int k, int vec_store,
                            StreamKPlan plan, const __grid_constant__ CUtensorMap act_map) {
 #if JAX_FP4_FUSED_SM90A
+  WaitForPrerequisiteGrids();  // JAX_FP4_PDL: see FusedOverrides::programmatic
+  AllowDependentLaunch();
   using Loader = StageLoader<T, Cfg, Tiled, kProducerThreads, /*kActTma=*/true>;
   using Decoder = StageDecoder<T, Cfg, Tiled, /*kPlainRows=*/Loader::kWeightBulk>;
   extern __shared__ uint8_t smem_raw[];
@@ -1351,6 +1357,9 @@ struct FusedProblem {
 struct FusedOverrides {
   int split = 0;
   int stream_k = -1;
+  // JAX_FP4_PDL=1: programmatic dependent launches (LaunchKernel, common.cuh); every kernel waits
+  // for the previous one before its first memory access.
+  bool programmatic = false;
 };
 
 // The warp-specialized kernels' activation tensor map: a [M, K] row-major, boxes of 64 K x BM rows
@@ -1384,7 +1393,8 @@ cudaError_t EncodeActivationMap(CUtensorMap* out, const void* a, int64_t m, int6
 }
 
 template <typename T, typename Cfg, bool Tiled>
-cudaError_t LaunchStreamK(cudaStream_t stream, const FusedProblem& p, const StreamKShape& sk) {
+cudaError_t LaunchStreamK(cudaStream_t stream, const FusedProblem& p, const StreamKShape& sk,
+                          bool programmatic) {
   constexpr auto* kKernel = FusedGemmStreamKKernel<T, Cfg, Tiled>;
   cudaError_t err = AllowDynamicSmem<kKernel>(Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -1400,11 +1410,11 @@ cudaError_t LaunchStreamK(cudaStream_t stream, const FusedProblem& p, const Stre
   if (err != cudaSuccess) return err;
   err = cudaMemsetAsync(plan.arrivals, 0, sk.tiles * sizeof(int), stream);
   if (err != cudaSuccess) return err;
-  kKernel<<<sk.ctas, kWsThreads, Cfg::kSmemBytes, stream>>>(
-      static_cast<const T*>(p.a), p.packed, p.scale, p.gs, static_cast<const T*>(p.bias),
-      static_cast<T*>(p.y), static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k),
-      p.vec_store ? 1 : 0, plan, act_map);
-  return cudaGetLastError();
+  return LaunchKernel(kKernel, dim3(sk.ctas), dim3(kWsThreads), Cfg::kSmemBytes, stream,
+                      programmatic, static_cast<const T*>(p.a), p.packed, p.scale, p.gs,
+                      static_cast<const T*>(p.bias), static_cast<T*>(p.y), static_cast<int>(p.m),
+                      static_cast<int>(p.n), static_cast<int>(p.k), p.vec_store ? 1 : 0, plan,
+                      act_map);
 }
 
 template <typename T, typename Cfg, bool Tiled, bool WS>
@@ -1436,7 +1446,7 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
     const bool by_cost = StreamKByDefault(BM) && StreamKCost2(sk) < 2 * cluster_cost;
     if (o.split == 0 && o.stream_k != 0 && sk.Fits(p.workspace_elems) &&
         (o.stream_k == 1 || by_cost)) {
-      return LaunchStreamK<T, Cfg, Tiled>(stream, p, sk);
+      return LaunchStreamK<T, Cfg, Tiled>(stream, p, sk, o.programmatic);
     }
   }
 
@@ -1446,13 +1456,15 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
   config.blockDim = dim3(kFusedThreads<WS>, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = 1;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = split;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = o.programmatic ? 2 : 1;
   CUtensorMap act_map;  // the warp-specialized kernel's activation copies
   if constexpr (WS) {
     err = EncodeActivationMap<T>(&act_map, p.a, p.m, p.k, BM);
@@ -1596,6 +1608,7 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
         "JAX_FP4_FUSED_STREAM_K", [](long v) { return v == 0 || v == 1; }, "0 or 1",
         &overrides.stream_k);
   }
+  if (bad_override.empty()) bad_override = ProgrammaticLaunchOverride(&overrides.programmatic);
   if (!bad_override.empty()) return invalid(bad_override);
   TileChoice tile;
   tile.m = forced_tile > 0 ? forced_tile : DefaultTileM(m);
