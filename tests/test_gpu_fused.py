@@ -21,9 +21,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-import jax_fp4
 from jax_fp4 import _ffi, _fused, _layout
-from tests import reference
+from tests import chains, reference
 
 TARGET = "jax_fp4_fused_cuda"
 QUICK = os.environ.get("JAX_FP4_GPU_TEST_QUICK", "") not in ("", "0")
@@ -402,33 +401,13 @@ def test_programmatic_launch_chain(m, tiled, dtype, monkeypatch):
     """JAX_FP4_PDL=1: each fused GEMM of a jitted chain, whose activations are the previous one's
     output, may be scheduled while that one still runs and must wait for it (multistage,
     warp-specialized with cluster split-K, stream-K: whatever the defaults pick at these M). The
-    chain starts with a large layer. Same bits as plain launches; every layer within the
+    chain (tests/chains.py) starts with a large layer. Same bits as plain launches; every layer within the
     element-wise bound of the float64 reference on the input it was given."""
     rng = np.random.default_rng()
-    dims = [4096, 8192, 1024, 384, 512]  # the first layer's K, then each layer's N
-    weights = []
-    for k, n in zip(dims[:-1], dims[1:]):
-        packed, scale, _ = random_weight(rng, n, k)
-        weights.append((packed, scale, np.float32(0.5 / math.sqrt(k))))  # outputs stay O(1)
-    a = rng.standard_normal((m, dims[0])).astype(NP_DTYPES[dtype])
-
-    def run(flag):
-        monkeypatch.setenv("JAX_FP4_PDL", flag)
-        ws = [jax_fp4.NVFP4Weight(jnp.asarray(p), jnp.asarray(s), jnp.asarray(g)) for p, s, g in weights]
-        if tiled:
-            ws = [jax_fp4.prepack(w) for w in ws]
-
-        @jax.jit
-        def chain(x, ws):
-            outs = []
-            for w in ws:
-                x = jax_fp4.matmul(x, w, backend="fused")
-                outs.append(x)
-            return outs
-
-        return [np.asarray(y) for y in chain(jnp.asarray(a), ws)]
-
-    plain, programmatic = run("0"), run("1")
+    weights = chains.chain_weights(lambda n, k: random_weight(rng, n, k))
+    a = rng.standard_normal((m, chains.CHAIN_DIMS[0])).astype(NP_DTYPES[dtype])
+    plain, programmatic = chains.plain_and_programmatic(monkeypatch, a, weights, backend="fused",
+                                                        tiled=tiled)
     x = a
     for i, ((packed, scale, gs), y, y_pdl) in enumerate(zip(weights, plain, programmatic)):
         np.testing.assert_array_equal(y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}")

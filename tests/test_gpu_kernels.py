@@ -21,7 +21,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from tests import reference
+from tests import chains, reference
 
 
 def _has_cuda() -> bool:
@@ -279,33 +279,14 @@ def test_gemv_override_rejects_malformed_values(variable, valid, value, message,
 def test_gemv_programmatic_launch_chain(m, tiled, dtype, monkeypatch):
     """JAX_FP4_PDL=1 (sm_90+): each GEMV of a jitted chain, whose activations are the previous
     GEMV's output, may be scheduled while that one still runs and must wait for it. The chain
-    starts with a large layer, so the next one is in flight long before its input is ready. Same
-    bits as plain launches; every layer matches the float64 reference on the input it was given."""
+    (tests/chains.py) starts with a large layer, so the next one is in flight long before its
+    input is ready. Same bits as plain launches; every layer matches the float64 reference on the
+    input it was given."""
     rng = np.random.default_rng()
-    dims = [4096, 8192, 384, 1024, 160]  # the first layer's K, then each layer's N
-    weights = []
-    for k, n in zip(dims[:-1], dims[1:]):
-        packed, scale, _ = reference.random_weight(rng, n, k)
-        weights.append((packed, scale, np.float32(0.5 / math.sqrt(k))))  # outputs stay O(1)
-    a = as_dtype(rng.standard_normal((m, dims[0])), dtype)
-
-    def run(flag):
-        monkeypatch.setenv("JAX_FP4_PDL", flag)
-        ws = [jax_fp4.NVFP4Weight(jnp.asarray(p), jnp.asarray(s), jnp.asarray(g)) for p, s, g in weights]
-        if tiled:
-            ws = [jax_fp4.prepack(w) for w in ws]
-
-        @jax.jit
-        def chain(x, ws):
-            outs = []
-            for w in ws:
-                x = jax_fp4.matmul(x, w, backend="gemv")
-                outs.append(x)
-            return outs
-
-        return [np.asarray(y) for y in chain(jnp.asarray(a), ws)]
-
-    plain, programmatic = run("0"), run("1")
+    weights = chains.chain_weights(lambda n, k: reference.random_weight(rng, n, k))
+    a = as_dtype(rng.standard_normal((m, chains.CHAIN_DIMS[0])), dtype)
+    plain, programmatic = chains.plain_and_programmatic(monkeypatch, a, weights, backend="gemv",
+                                                        tiled=tiled)
     x = a
     for i, (w, y, y_pdl) in enumerate(zip(weights, plain, programmatic)):
         np.testing.assert_array_equal(y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}")
