@@ -5,9 +5,12 @@ GEMV) and issue 7 (fused prefill GEMM): one Markdown row per target and measured
 
 Columns: the measured value, the goal, whether it is met, and for the speedup targets the bound
 (`speedup_bound`: bf16 time / the least time jax_fp4 could take, reading its bytes at the run's
-streaming-read bandwidth or running its FLOPs at the tensor cores' dense bf16 peak). A row the run did not
-measure shows as "not measured". The dispatch target of issue 7 (the fastest backend within 5%)
-needs every backend timed and is not in a default sweep: benchmarks/README.md, "crossovers".
+streaming-read bandwidth or running its FLOPs at the tensor cores' dense bf16 peak). A row the run
+did not measure shows as "not measured". The dispatch target of issue 7 (auto within 5% of the
+fastest backend) needs every backend timed, which a default sweep does not do: --dispatch adds the
+rows of a `benchmarks/dispatch_check.py --json` run.
+
+    python benchmarks/targets.py benchmarks/results/h200.json --dispatch dispatch.json
 """
 
 from __future__ import annotations
@@ -124,6 +127,14 @@ def checks(results: dict) -> list[Check]:
     return out
 
 
+def dispatch_checks(dispatch: dict) -> list[Check]:
+    """Issue 7's dispatch target from a dispatch_check.py JSON: a row per (shape, M)."""
+    return [Check(7, "auto within 5% of the fastest", f"{_shape(r['n'], r['k'])}, M = {r['m']}",
+                  f"{r['auto_over_fastest']:.2f} (auto {r['auto']}, fastest {r['fastest']})",
+                  f"<= {dispatch['tolerance']:g}", bool(r["within"]))
+            for r in dispatch["rows"]]
+
+
 def markdown(found: list[Check]) -> str:
     lines = ["| issue | target | row | measured | goal | met | bound |",
              "|---:|---|---|---|---|---|---|"]
@@ -143,8 +154,11 @@ def summary(found: list[Check]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a `python -m jax_fp4.bench --json` file")
+    parser.add_argument("--dispatch", metavar="JSON", help="a benchmarks/dispatch_check.py --json file")
     args = parser.parse_args(argv)
     found = checks(json.loads(pathlib.Path(args.results).read_text()))
+    if args.dispatch:
+        found += dispatch_checks(json.loads(pathlib.Path(args.dispatch).read_text()))
     print(markdown(found))
     print()
     print(summary(found))

@@ -117,3 +117,24 @@ def test_main_prints_the_table_and_summary(targets, tmp_path, capsys):
     met4 = sum(c.met for c in found if c.issue == 4)
     met7 = sum(c.met for c in found if c.issue == 7)
     assert out.strip().endswith(f"issue 4: {met4} of 32 met; issue 7: {met7} of 32 met")
+
+
+def test_dispatch_rows_from_a_dispatch_check_run(targets, tmp_path, capsys):
+    rng = np.random.default_rng()
+    rows = []
+    for m in (9, 16, 64, 2048):
+        ratio = float(rng.uniform(1.0, 1.2))
+        rows.append({"n": 11008, "k": 4096, "m": m, "auto": "fused", "fastest": "gemv",
+                     "auto_over_fastest": ratio, "within": ratio <= 1.05})
+    results = _results(rng)
+    bench_path, dispatch_path = tmp_path / "h200.json", tmp_path / "dispatch.json"
+    bench_path.write_text(json.dumps(results))
+    dispatch_path.write_text(json.dumps({"tolerance": 1.05, "rows": rows}))
+    found = targets.dispatch_checks(json.loads(dispatch_path.read_text()))
+    assert [(c.issue, c.row, c.met) for c in found] == [
+        (7, f"11008x4096, M = {r['m']}", r["within"]) for r in rows]
+    assert targets.main([str(bench_path), "--dispatch", str(dispatch_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| auto within 5% of the fastest |") == len(rows)
+    met7 = sum(c.met for c in targets.checks(results) if c.issue == 7) + sum(r["within"] for r in rows)
+    assert out.strip().splitlines()[-1].endswith(f"issue 7: {met7} of {32 + len(rows)} met")
