@@ -1,6 +1,7 @@
-"""Compares the sides of a `device_run.sh fused-ab` call (fused_timing.py JSON, one file per side, in
-the order they ran): each shape's time per side, how far the base sides drifted apart, and a
-verdict for the new side that counts only what lies outside that drift.
+"""Compares the sides of an A/B call (`device_run.sh fused-ab`: fused_timing.py JSON; `pdl-ab`:
+`python -m jax_fp4.bench --json`; one file per side, in the order they ran): each shape's time per
+side, how far the base sides drifted apart, and a verdict for the new side that counts only what
+lies outside that drift.
 
     python benchmarks/ab_compare.py fused_ab_1_base.json fused_ab_2_new.json fused_ab_3_base.json
 
@@ -21,8 +22,12 @@ import sys
 
 
 def load_side(path: str, variant: str) -> dict[tuple[int, int, int], float]:
-    """(n, k, m) -> microseconds of `variant` in one fused_timing.py JSON."""
-    records = json.loads(pathlib.Path(path).read_text())["records"]
+    """(n, k, m) -> microseconds of `variant` in one fused_timing.py JSON, or of jax_fp4 in one
+    `python -m jax_fp4.bench --json` file (its "rows"; `variant` does not apply)."""
+    results = json.loads(pathlib.Path(path).read_text())
+    if "rows" in results:
+        return {(r["n"], r["k"], r["m"]): float(r["us"]) for r in results["rows"]}
+    records = results["records"]
     key = f"{variant}_us"
     times = {}
     for r in records:
@@ -85,7 +90,8 @@ def markdown(rows: list[dict], n_bases: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("files", nargs="+", help="fused_timing.py JSON per side, in run order")
+    parser.add_argument("files", nargs="+",
+                        help="fused_timing.py (or jax_fp4.bench) JSON per side, in run order")
     parser.add_argument("--sides", help="comma-separated base/new per file (default: from names)")
     parser.add_argument("--variant", default="fused", help="the timed variant (default fused)")
     args = parser.parse_args(argv)

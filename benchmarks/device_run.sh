@@ -93,19 +93,21 @@ for stage in "$@"; do
     pdl-ab)
       # The GEMV and the fused GEMM as programmatic dependent launches (JAX_FP4_PDL=1) against plain
       # launches: their GPU tests, then the bench's rows (PDL_M, PDL_SHAPES) and decode step with
-      # the flag 0, 1, 0 (the two plain runs show the drift within the call). JSON per run:
-      # pdl_ab_<i>_<flag>.json.
+      # the flag 0, 1, 0 (the two plain runs show the drift within the call), compared by
+      # ab_compare.py. JSON per run: pdl_ab_<i>_base.json (flag 0) / pdl_ab_<i>_new.json (flag 1).
       timeout 150 python -m pytest -q -m gpu tests/test_gpu_kernels.py tests/test_gpu_fused.py \
         -k "programmatic or PDL" 2>&1 | tail -3 | tee "$OUT/pdl_ab.log"
       i=0
       for flag in 0 1 0; do
         i=$((i + 1))
+        side=$([ "$flag" = 1 ] && echo new || echo base)
         echo "== $i JAX_FP4_PDL=$flag" | tee -a "$OUT/pdl_ab.log"
         JAX_FP4_PDL=$flag timeout 200 python -m jax_fp4.bench --layout tiled --m "${PDL_M:-1,8,32,64}" \
           --shapes "${PDL_SHAPES:-11008x4096,4096x11008,17408x5120}" --decode-step \
-          --json "$OUT/pdl_ab_${i}_$flag.json" 2>&1 | grep -E "^ +[0-9]+x|jax_fp4 \(|bf16 jnp" \
+          --json "$OUT/pdl_ab_${i}_$side.json" 2>&1 | grep -E "^ +[0-9]+x|jax_fp4 \(|bf16 jnp" \
           | tee -a "$OUT/pdl_ab.log" || status=1
-      done ;;
+      done
+      python benchmarks/ab_compare.py "$OUT"/pdl_ab_*_*.json | tee -a "$OUT/pdl_ab.log" || status=1 ;;
     dispatch-check)
       # Issue 7's dispatch target by the bench's method: per row every backend forced and auto's
       # pick, the verdict within 5% (benchmarks/dispatch_check.py). DISPATCH_LAYOUT (default tiled),

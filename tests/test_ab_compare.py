@@ -76,3 +76,23 @@ def test_sides_from_flag_and_bad_input(ab, tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
     assert ab.main([a, b, "--sides", "base,new", "--variant", "dequant"]) == 2
     assert "no 'dequant_us'" in capsys.readouterr().err
+
+
+def test_bench_json_sides(ab, tmp_path, capsys):
+    """`python -m jax_fp4.bench --json` files (the pdl-ab stage): jax_fp4's `us` per row."""
+    rng = np.random.default_rng()
+    times = rng.uniform(5, 500, (3, len(SHAPES)))
+    paths = []
+    for i, (side, us) in enumerate(zip(("base", "new", "base"), times)):
+        rows = [{"n": n, "k": k, "m": m, "us": float(t), "bf16_us": 1.0}
+                for (n, k, m), t in zip(SHAPES, us)]
+        path = tmp_path / f"pdl_ab_{i + 1}_{side}.json"
+        path.write_text(json.dumps({"rows": rows, "decode_step": None}))
+        paths.append(str(path))
+    assert ab.load_side(paths[1], "ignored") == {s: pytest.approx(t) for s, t in zip(SHAPES, times[1])}
+    assert ab.main(paths) == 0
+    table = capsys.readouterr().out.splitlines()[2:2 + len(SHAPES)]
+    for line, b1, t, b2 in zip(table, *times):
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        lo, hi = min(b1, b2), max(b1, b2)
+        assert cells[-1] == ("faster" if t < lo else "slower" if t > hi else "within drift")
