@@ -29,7 +29,6 @@ import numpy as np
 
 import jax_fp4
 from jax_fp4 import bench
-from jax_fp4._layout import tiled_layout_unsupported
 
 DEFAULT_BACKENDS = ("gemv", "fused", "dequant")
 DEFAULT_TOLERANCE = 1.05  # issue 7: "the fastest ... within 5%"
@@ -61,10 +60,8 @@ def judge(us: dict[str, float], auto: str, tolerance: float) -> tuple[str, float
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _make_weight(key, n: int, k: int) -> jax_fp4.NVFP4Weight:
+    # The bench's inputs (bench._make_layer_weights) without the dense copy no row here times.
     return jax_fp4.quantize(jax.random.normal(key, (n, k), jnp.float32) / math.sqrt(k))
-
-
-_prepack = jax.jit(jax_fp4.prepack)
 
 
 def servable(backends: Sequence[str], a, w) -> list[str]:
@@ -87,9 +84,8 @@ def check_shape(shape: bench.Shape, ms: Sequence[int], backends: Sequence[str], 
     l1, l2 = bench.chain_lengths(bench.nvfp4_weight_bytes(shape.n, shape.k),
                                  shape.n * shape.k * itemsize, budget)  # the bench's chains
     weight_key, act_key = jax.random.split(key)
-    weights = [_make_weight(k, shape.n, shape.k) for k in jax.random.split(weight_key, l2)]
-    if layout == "tiled" and tiled_layout_unsupported(shape.n, shape.k, weights[0].block_size) is None:
-        weights = [_prepack(w) for w in weights]  # as the bench: spec where the shape cannot
+    weights = [bench.in_layout(_make_weight(k, shape.n, shape.k), layout)
+               for k in jax.random.split(weight_key, l2)]
     verdicts = []
     for m, m_key in zip(ms, jax.random.split(act_key, len(ms))):
         acts = bench.make_activations(m_key, m, shape.k, l2, dtype)

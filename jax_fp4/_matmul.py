@@ -71,7 +71,8 @@ def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None):
     a = _check_activation(a, w)
     bias = _check_bias(bias, w, a.dtype)
     backend = _resolve_backend(backend)
-    _dispatch.check_backend(backend, _primitive.problem_of(a.shape, a.dtype, w.packed.shape, w.block_size))
+    _dispatch.check_backend(backend, _primitive.problem_of(a.shape, a.dtype, w.packed.shape, w.block_size,
+                                                           w.layout))
     return _primitive.bind(a, w.packed, scale_as_bytes(w.scale), jnp.asarray(w.global_scale, jnp.float32),
                            bias, block_size=w.block_size, backend=backend,
                            swizzled_scale=getattr(w, "swizzled_scale", None),  # prepack(target="sm120")

@@ -192,7 +192,7 @@ def _impl_for(path: str, layout: str, platform: str):
     return _TILED_PATHS[path]
 
 
-def problem_of(a_shape, a_dtype, packed_shape, block_size, layout="spec") -> _dispatch.Problem:
+def problem_of(a_shape, a_dtype, packed_shape, block_size, layout) -> _dispatch.Problem:
     return _dispatch.Problem(m=math.prod(a_shape[:-1]), n=packed_shape[0], k=2 * packed_shape[1],
                              block_size=block_size, dtype=np.dtype(a_dtype),
                              tiled=layout == "tiled")

@@ -477,16 +477,21 @@ class Bench:
         return rows
 
     def laid_out(self, w: jax_fp4.NVFP4Weight) -> jax_fp4.NVFP4Weight:
-        """`w` in the layout of the settings (spec where the tiled layout cannot take the shape)."""
-        if self.settings.layout == "tiled" and tiled_layout_unsupported(w.n, w.k, w.block_size) is None:
-            return _prepack_jit(w)
-        return w
+        return in_layout(w, self.settings.layout)
 
     def decode_step(self, model: "DecodeModel") -> "DecodeResult":
         return run_decode_step(self, model)
 
 
 _prepack_jit = jax.jit(jax_fp4.prepack)
+
+
+def in_layout(w: jax_fp4.NVFP4Weight, layout: str) -> jax_fp4.NVFP4Weight:
+    """`w` in `layout`: "tiled" prepacks it where the tiled layout can take the shape (the spec
+    layout otherwise), "spec" leaves it."""
+    if layout == "tiled" and tiled_layout_unsupported(w.n, w.k, w.block_size) is None:
+        return _prepack_jit(w)
+    return w
 
 
 # ---- a decode step of a Qwen3-like model ----------------------------------------------------------

@@ -88,6 +88,16 @@ inline bool IsAligned(const void* p, uintptr_t bytes) {
 
 constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The launch attribute of a programmatic dependent launch: the kernel may start before the
+// previous one of its stream has finished (it must call WaitForPrerequisiteGrids, ptx.cuh, before
+// its first global memory access).
+inline cudaLaunchAttribute ProgrammaticLaunchAttribute() {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  return attribute;
+}
+
 // Launches kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch
 // (cudaLaunchAttributeProgrammaticStreamSerialization) when `programmatic`: the kernel must then
 // call WaitForPrerequisiteGrids (ptx.cuh) before its first global memory access.
@@ -98,9 +108,7 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
     kernel<<<grid, block, smem, stream>>>(static_cast<Params>(args)...);
     return cudaGetLastError();
   }
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute = ProgrammaticLaunchAttribute();
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;

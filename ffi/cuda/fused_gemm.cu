@@ -1461,8 +1461,7 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
   attr[0].val.clusterDim.x = 1;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = split;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  attr[1] = ProgrammaticLaunchAttribute();
   config.attrs = attr;
   config.numAttrs = o.programmatic ? 2 : 1;
   CUtensorMap act_map;  // the warp-specialized kernel's activation copies
