@@ -4,10 +4,16 @@ of the fastest of gemv / fused / dequant at every M), measured with the bench's 
     python benchmarks/dispatch_check.py --layout tiled --m 9,16,32,1024,2048 --json dispatch.json
 
 Each row (shape, M) times every backend of --backends that can serve it (one that the dispatch
-refuses at trace time, e.g. gemv past M = 16, is left out) and auto's own pick, all on the same
+refuses at trace time, e.g. fused on a GPU that is not a Hopper, is left out) and auto's own pick, all on the same
 weights and activations: `jax_fp4.bench`'s chains of distinct weights rotating beyond the cache,
 per-matmul time by chain differencing. With --passes P the backends take turns P times and each
 keeps its median. The verdict: auto's time over the fastest backend's, within --tolerance or not.
+
+    python benchmarks/dispatch_check.py --rejudge dispatch.json --json rejudged.json
+
+judges an earlier run's times again with this checkout's dispatch rules (auto's pick on an H200,
+compute capability 9.0): every backend was timed, so a rule changed after the run is checked
+against the same measurements without the GPU.
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp4
-from jax_fp4 import bench
+from jax_fp4 import _dispatch, bench
 
 DEFAULT_BACKENDS = ("gemv", "fused", "dequant")
 DEFAULT_TOLERANCE = 1.05  # issue 7: "the fastest ... within 5%"
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_M = "1,8,9,12,16,17,32,64,128,256,512,1024,2048,4096"
+DTYPES_BY_NAME = {"bf16": "bfloat16", "fp16": "float16"}  # bench.DTYPES' names as numpy names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +114,19 @@ def check_shape(shape: bench.Shape, ms: Sequence[int], backends: Sequence[str], 
     return verdicts
 
 
+def rejudged(row: dict, dtype: str, tolerance: float, capability=(9, 0)) -> Verdict:
+    """A verdict of a dispatch_check.py JSON row with auto's pick by this checkout's rules."""
+    problem = _dispatch.Problem(m=row["m"], n=row["n"], k=row["k"], block_size=16,
+                                dtype=np.dtype(DTYPES_BY_NAME[dtype]), tiled=row["layout"] == "tiled")
+    auto = _dispatch.select_path("cuda", "auto", problem, has_cuda_kernels=True, capability=capability)
+    if auto not in row["us"]:
+        raise ValueError(f"row {row['n']}x{row['k']} M = {row['m']}: the rules pick {auto!r}, "
+                         f"which that run did not time (it timed {sorted(row['us'])})")
+    fastest, ratio, within = judge(row["us"], auto, tolerance)
+    return Verdict(row["n"], row["k"], row["m"], row["layout"], row["us"], row["us_passes"],
+                   row["noisy"], auto, fastest, ratio, within)
+
+
 def format_verdict(v: Verdict) -> str:
     times = "  ".join(f"{b} {us:8.2f}{'?' if b in v.noisy else ''}" for b, us in v.us.items())
     return (f"{v.n:>6}x{v.k:<6} {v.m:5}  {times}  | fastest {v.fastest}, auto {v.auto} "
@@ -149,7 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--rejudge", metavar="JSON",
+                   help="judge this earlier --json run's times with the current rules; times nothing")
     return p
+
+
+def write_json(path: str, header: dict, verdicts: Sequence[Verdict]) -> None:
+    with open(path, "w") as f:
+        json.dump({**header, "rows": [dataclasses.asdict(v) for v in verdicts]}, f, indent=1)
+
+
+def rejudge_main(args, command: str) -> int:
+    run = json.loads(open(args.rejudge).read())
+    verdicts = [rejudged(row, run["dtype"], args.tolerance) for row in run["rows"]]
+    if args.json:
+        write_json(args.json, {**{k: v for k, v in run.items() if k != "rows"},
+                               "tolerance": args.tolerance, "rejudged": command}, verdicts)
+    print(markdown(verdicts, list(dict.fromkeys(b for v in verdicts for b in v.us))))
+    print()
+    print(summary(verdicts, args.tolerance))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.tolerance < 1:
         raise SystemExit(f"--tolerance is a ratio >= 1 (1.05: within 5%), got {args.tolerance}")
+    command = "python benchmarks/dispatch_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.rejudge:
+        return rejudge_main(args, command)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in jax_fp4.BACKENDS or b == "auto"]
     if unknown:
@@ -178,15 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 passes=args.passes, repeats=args.repeats, warmup=args.warmup,
                                 min_time_s=args.min_time, budget=budget, tolerance=args.tolerance,
                                 key=key, log=log)
+        if args.json:  # after every shape, so a run cut short by a time limit keeps what it measured
+            write_json(args.json, {"device": bench.device_description(), "jax_version": jax.__version__,
+                                   "command": command, "layout": args.layout, "dtype": args.dtype,
+                                   "tolerance": args.tolerance, "passes": args.passes, "seed": seed},
+                       verdicts)
     log(f"done in {time.perf_counter() - started:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": bench.device_description(), "jax_version": jax.__version__,
-                       "command": "python benchmarks/dispatch_check.py " + " ".join(
-                           argv if argv is not None else sys.argv[1:]),
-                       "layout": args.layout, "dtype": args.dtype, "tolerance": args.tolerance,
-                       "passes": args.passes, "seed": seed,
-                       "rows": [dataclasses.asdict(v) for v in verdicts]}, f, indent=1)
     print(markdown(verdicts, backends))
     print()
     print(summary(verdicts, args.tolerance))

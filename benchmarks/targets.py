@@ -154,11 +154,12 @@ def summary(found: list[Check]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a `python -m jax_fp4.bench --json` file")
-    parser.add_argument("--dispatch", metavar="JSON", help="a benchmarks/dispatch_check.py --json file")
+    parser.add_argument("--dispatch", metavar="JSON", nargs="+", default=[],
+                        help="benchmarks/dispatch_check.py --json files")
     args = parser.parse_args(argv)
     found = checks(json.loads(pathlib.Path(args.results).read_text()))
-    if args.dispatch:
-        found += dispatch_checks(json.loads(pathlib.Path(args.dispatch).read_text()))
+    for path in args.dispatch:
+        found += dispatch_checks(json.loads(pathlib.Path(path).read_text()))
     print(markdown(found))
     print()
     print(summary(found))

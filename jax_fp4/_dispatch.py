@@ -35,15 +35,27 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 #   ahead on both, and on K = 4096 by 7-30%: "Twenty-first session"); on the spec layout, whose
 #   fused GEMM runs these M 1.6-1.8x slower than prepacked, the GEMV 16-33% faster on both
 #   (bench_spec_m9_16_session22_h200.log).
+# - 16 < M <= 32 on prepacked weights with N <= 4096 and K >= 8192: still the GEMV.
+#   benchmarks/dispatch_check.py ("Twenty-third session", results/sweeps/dispatch_check_*_session23_h200)
+#   on 4096x11008, two calls: the GEMV 4-11% ahead at M = 17, 24 and 32, the fused GEMM 29% at M = 48;
+#   on 5120x17408 and on the spec layout the fused GEMM leads from M = 17 on (by 20-40%).
 # - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
 #   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
 #   1.00-1.11x (benchmarks/results/sweeps/crossover_{fused,dequant}_session15_h200.json).
-# - larger M: dequantize + cuBLAS (M = 2048: the fused GEMM measured 1.02-1.15x slower).
+# - 1024 < M <= 2048: the fused GEMM on large wide weights (N >= 8192 and N * K >= 2^26),
+#   dequantize + cuBLAS otherwise. dispatch_check.py, both layouts: at M = 1536-2048 the fused GEMM
+#   2-13% ahead on 28672x8192 and 17408x5120, dequantize + cuBLAS 3-12% ahead on 11008x4096 and
+#   4096x11008 at M = 2048; at M = 3072 the two within 5% on 17408x5120, dequant 4% ahead on 28672x8192.
+# - larger M: dequantize + cuBLAS (M = 4096: the fused GEMM 1.05-1.37x slower).
 DECODE_MAX_M = 8
 GEMV_MAX_M = 16
+GEMV_MAX_M_NARROW_LONG = 32  # GEMV_MAX_M on prepacked weights with N <= NARROW_N and K >= LONG_K
+NARROW_N = 4096
 WIDE_N = 8192
 LONG_K = 8192
 FUSED_MAX_M = 1024
+FUSED_MAX_M_LARGE = 2048  # FUSED_MAX_M on weights with N >= WIDE_N and N * K >= LARGE_WEIGHT
+LARGE_WEIGHT = 1 << 26
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 _TRUE = ("1", "true", "yes", "on")
@@ -97,12 +109,19 @@ def fused_unsupported_reason(p: Problem, capability) -> str | None:
     return _fused.fused_supported(p.m, p.n, p.k, p.block_size, p.dtype)
 
 
+def auto_gemv_max_m(p: Problem) -> int:
+    """The largest M at which "auto" takes the GEMV (where the fused GEMM does not win first)."""
+    narrow_long = p.tiled and p.n <= NARROW_N and p.k >= LONG_K
+    return GEMV_MAX_M_NARROW_LONG if narrow_long else GEMV_MAX_M
+
+
 def auto_prefers_fused(p: Problem) -> bool:
     """Whether "auto" takes the fused GEMM over the GEMV / dequant for this shape (where it can
     run at all): the measured crossovers above."""
-    if p.m <= GEMV_MAX_M:
+    if p.m <= auto_gemv_max_m(p):
         return p.m > DECODE_MAX_M and p.tiled and p.n >= WIDE_N and p.k >= LONG_K
-    return p.m <= FUSED_MAX_M
+    large = p.n >= WIDE_N and p.n * p.k >= LARGE_WEIGHT
+    return p.m <= (FUSED_MAX_M_LARGE if large else FUSED_MAX_M)
 
 
 _PLATFORM_OF = {"cpu": "cpu", "gemv": "cuda", "dequant": "cuda", "fused": "cuda", "native": "cuda"}
@@ -151,7 +170,7 @@ def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bo
     if platform == "cuda" and has_cuda_kernels:
         if auto_prefers_fused(p) and fused_unsupported_reason(p, capability) is None:
             return "fused"
-        if gemv_unsupported_reason(p) is None and p.m <= GEMV_MAX_M:
+        if gemv_unsupported_reason(p) is None and p.m <= auto_gemv_max_m(p):
             return "gemv"
         if _native.native_path_applies(capability, native_enabled, "auto", p.m, p.n, p.k,
                                        p.block_size, p.dtype):

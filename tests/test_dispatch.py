@@ -3,9 +3,10 @@
 The expected path is restated here from the rules in README/spec: empty first, then a forced
 backend (or a clear ValueError), else on CUDA: the fused Hopper GEMM on compute capability 9.x
 (block 16, K % 128 == 0) for 9 <= M <= 16 when N >= 8192 and K >= 8192 on prepacked weights
-(not spec-layout ones) and for 16 < M <= 1024;
-otherwise gemv for M <= 16 (block 16, K % 32 == 0, fp16/bf16), native only when enabled on
-compute capability 12.x past the GEMV (block 16, K and N % 32 == 0), dequant for fp16/bf16,
+(not spec-layout ones), and past the GEMV's range up to M = 1024 (M = 2048 when N >= 8192 and
+N * K >= 2^26); otherwise gemv for M <= 16, or M <= 32 on prepacked weights with N <= 4096 and
+K >= 8192 (block 16, K % 32 == 0, fp16/bf16), native only when enabled on compute capability
+12.x past the GEMV (block 16, K and N % 32 == 0), dequant for fp16/bf16,
 reference otherwise; on CPU the fused C++ kernel.
 """
 
@@ -20,8 +21,8 @@ from jax_fp4._dispatch import Problem, select_path
 
 CAPABILITIES = [None, (7, 5), (8, 0), (9, 0), (10, 0), (12, 0)]
 DTYPES = [np.dtype("float16"), np.dtype(ml_dtypes.bfloat16), np.dtype("float32")]
-MS = [0, 1, 8, 9, 11, 12, 16, 17, 64, 256, 257, 512, 1024, 1025, 4096]
-NS, KS, BLOCKS = [0, 33, 8192], [0, 48, 64, 4096, 5120, 8192], [16, 32, 7]
+MS = [0, 1, 8, 9, 11, 12, 16, 17, 32, 33, 64, 256, 257, 512, 1024, 1025, 2048, 2049, 4096]
+NS, KS, BLOCKS = [0, 33, 4096, 4097, 8192], [0, 48, 64, 4096, 5120, 8192, 16384], [16, 32, 7]
 
 
 def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, tiled):
@@ -45,9 +46,12 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, 
     if platform == "cpu":
         return "cpu"
     if platform == "cuda" and has_cuda:
-        if fused_ok and (9 <= m <= 16 and tiled and n >= 8192 and k >= 8192 or 16 < m <= 1024):
+        gemv_max = 32 if tiled and n <= 4096 and k >= 8192 else 16
+        fused_max = 2048 if n >= 8192 and n * k >= 2**26 else 1024
+        if fused_ok and (9 <= m <= 16 and tiled and n >= 8192 and k >= 8192
+                         or gemv_max < m <= fused_max):
             return "fused"
-        if gemv_ok and m <= 16:
+        if gemv_ok and m <= gemv_max:
             return "gemv"
         if native_env and native_ok:
             return "native"

@@ -77,3 +77,38 @@ def test_cpu_smoke_run(dc, tmp_path, capsys):
 def test_bad_arguments(dc, argv, message):
     with pytest.raises(SystemExit, match=message):
         dc.main(argv)
+
+
+def _row(n, k, m, layout, us, auto):
+    fastest = min(us, key=us.get)
+    return {"n": n, "k": k, "m": m, "layout": layout, "us": us, "us_passes": {b: [t] for b, t in us.items()},
+            "noisy": [], "auto": auto, "fastest": fastest, "auto_over_fastest": us[auto] / us[fastest],
+            "within": us[auto] <= 1.05 * us[fastest]}
+
+
+def test_rejudge_applies_the_current_rules(dc, tmp_path, capsys):
+    # Recorded under an older rule (auto took fused at M = 24 on a narrow long-K prepacked weight);
+    # the current rules take the GEMV there, and the fused GEMM on the spec layout.
+    times = {"gemv": 20.0, "fused": 22.0, "dequant": 67.0}
+    run = {"device": "gpu:NVIDIA H200", "command": "python benchmarks/dispatch_check.py", "dtype": "bf16",
+           "layout": "tiled", "tolerance": 1.05, "passes": 2, "seed": 1,
+           "rows": [_row(4096, 11008, 24, "tiled", times, "fused"),
+                    _row(4096, 11008, 24, "spec", times, "fused"),
+                    _row(4096, 11008, 4096, "tiled", {"fused": 700.0, "dequant": 520.0}, "dequant")]}
+    src, out = tmp_path / "run.json", tmp_path / "rejudged.json"
+    src.write_text(json.dumps(run))
+    assert not run["rows"][0]["within"]
+    assert dc.main(["--rejudge", str(src), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["auto"], r["within"]) for r in rows] == [("gemv", True), ("fused", False), ("dequant", True)]
+    assert rows[1]["auto_over_fastest"] == pytest.approx(22.0 / 20.0)
+    assert capsys.readouterr().out.strip().endswith("on 2 of 3 rows")
+
+
+def test_rejudge_refuses_a_pick_the_run_did_not_time(dc, tmp_path):
+    run = {"dtype": "bf16", "tolerance": 1.05,
+           "rows": [_row(4096, 11008, 24, "tiled", {"fused": 22.0, "dequant": 67.0}, "fused")]}
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(run))
+    with pytest.raises(ValueError, match="did not time"):
+        dc.main(["--rejudge", str(src)])
