@@ -2,7 +2,7 @@
 # One call on the lent H200 (the `device` tool): build, GPU tests, memcheck, benchmarks.
 # Logs and JSON go under $OUT (at most 8 files come back). Pick the stages that fit the call:
 #
-#   bash benchmarks/device_run.sh build tests          # ~3 min
+#   bash benchmarks/device_run.sh build tests          # the whole GPU suite, 4 processes (not yet timed)
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
@@ -72,9 +72,15 @@ for stage in "$@"; do
       trap - EXIT
       [ "$side" = new ] || build ;;  # later stages run the working tree's build
     tests)
-      # Outer timeouts: a hung kernel must not eat the whole device call.
-      timeout 420 python -m pytest -q -m gpu tests > "$OUT/gpu_tests.log" 2>&1 || status=1
-      tail -5 "$OUT/gpu_tests.log" ;;
+      # Serially the suite took 370 s (twenty-second session) and past 490 s (twenty-third), so it
+      # runs in GPU_TEST_WORKERS pytest-xdist processes (default 4; xdist is in the device image)
+      # sharing the GPU, none preallocating its memory; --durations names the slow tests. The
+      # outer timeout: a hung kernel must not eat the whole device call.
+      workers=${GPU_TEST_WORKERS:-4}
+      python -c "import xdist" 2>/dev/null || workers=1
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${GPU_TEST_TIMEOUT:-540}" python -m pytest -q -m gpu tests \
+        --durations=20 $([ "$workers" -gt 1 ] && echo "-n $workers") > "$OUT/gpu_tests.log" 2>&1 || status=1
+      tail -25 "$OUT/gpu_tests.log" ;;
     sanitizer)
       # memcheck instruments only jax_fp4's kernels (--kernel-name; XLA's own run at full speed).
       # Unfiltered it took ~2.7 s per test and never finished the quick sweep's 238 tests in one

@@ -25,7 +25,8 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 
 # The "auto" thresholds, from the crossovers measured on the H200 (benchmarks/NOTES_fused.md,
 # "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json and
-# fused_load_hoist_h200.json; re-measure with `bash benchmarks/device_run.sh build fused-crossovers`):
+# fused_load_hoist_h200.json; since the twenty-third session benchmarks/dispatch_check.py, every
+# backend timed by the bench's method: `bash benchmarks/device_run.sh build dispatch-check`):
 # - M <= 8: the decode GEMV.
 # - 9 <= M <= 16: the GEMV (two column and two row tiles per warp), except on prepacked (layout
 #   "tiled") wide weights with long rows, N >= 8192 and K >= 8192, where the fused GEMM wins.
