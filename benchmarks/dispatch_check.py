@@ -9,11 +9,11 @@ weights and activations: `jax_fp4.bench`'s chains of distinct weights rotating b
 per-matmul time by chain differencing. With --passes P the backends take turns P times and each
 keeps its median. The verdict: auto's time over the fastest backend's, within --tolerance or not.
 
-    python benchmarks/dispatch_check.py --rejudge dispatch.json --json rejudged.json
+    python benchmarks/dispatch_check.py --rejudge dispatch.json [more.json ...] --json rejudged.json
 
-judges an earlier run's times again with this checkout's dispatch rules (auto's pick on an H200,
-compute capability 9.0): every backend was timed, so a rule changed after the run is checked
-against the same measurements without the GPU.
+judges earlier runs' times again with this checkout's dispatch rules (auto's pick on an H200,
+compute capability 9.0), as one table: every backend was timed, so a rule changed after a run is
+checked against the same measurements without the GPU.
 """
 
 from __future__ import annotations
@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--rejudge", metavar="JSON",
-                   help="judge this earlier --json run's times with the current rules; times nothing")
+    p.add_argument("--rejudge", metavar="JSON", nargs="+",
+                   help="judge earlier --json runs' times with the current rules; times nothing")
     return p
 
 
@@ -180,11 +180,14 @@ def write_json(path: str, header: dict, verdicts: Sequence[Verdict]) -> None:
 
 
 def rejudge_main(args, command: str) -> int:
-    run = json.loads(open(args.rejudge).read())
-    verdicts = [rejudged(row, run["dtype"], args.tolerance) for row in run["rows"]]
+    runs = [json.loads(open(path).read()) for path in args.rejudge]
+    verdicts = [rejudged(row, run["dtype"], args.tolerance) for run in runs for row in run["rows"]]
+    shapes = list(dict.fromkeys((v.n, v.k) for v in verdicts))  # the runs' shape order, then M
+    verdicts.sort(key=lambda v: (v.layout, shapes.index((v.n, v.k)), v.m))
     if args.json:
-        write_json(args.json, {**{k: v for k, v in run.items() if k != "rows"},
-                               "tolerance": args.tolerance, "rejudged": command}, verdicts)
+        write_json(args.json, {"rejudged": command, "tolerance": args.tolerance,
+                               "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs]},
+                   verdicts)
     print(markdown(verdicts, list(dict.fromkeys(b for v in verdicts for b in v.us))))
     print()
     print(summary(verdicts, args.tolerance))

@@ -95,14 +95,21 @@ def test_rejudge_applies_the_current_rules(dc, tmp_path, capsys):
            "rows": [_row(4096, 11008, 24, "tiled", times, "fused"),
                     _row(4096, 11008, 24, "spec", times, "fused"),
                     _row(4096, 11008, 4096, "tiled", {"fused": 700.0, "dequant": 520.0}, "dequant")]}
-    src, out = tmp_path / "run.json", tmp_path / "rejudged.json"
+    second = {**run, "rows": [_row(28672, 8192, 2048, "tiled", {"fused": 1326.0, "dequant": 1445.0},
+                                   "dequant")]}
+    src, src2, out = tmp_path / "run.json", tmp_path / "run2.json", tmp_path / "rejudged.json"
     src.write_text(json.dumps(run))
+    src2.write_text(json.dumps(second))
     assert not run["rows"][0]["within"]
-    assert dc.main(["--rejudge", str(src), "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["auto"], r["within"]) for r in rows] == [("gemv", True), ("fused", False), ("dequant", True)]
-    assert rows[1]["auto_over_fastest"] == pytest.approx(22.0 / 20.0)
-    assert capsys.readouterr().out.strip().endswith("on 2 of 3 rows")
+    assert dc.main(["--rejudge", str(src), str(src2), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    # One table, by layout, then shape in the runs' order, then M.
+    assert [(r["layout"], r["n"], r["m"], r["auto"], r["within"]) for r in result["rows"]] == [
+        ("spec", 4096, 24, "fused", False), ("tiled", 4096, 24, "gemv", True),
+        ("tiled", 4096, 4096, "dequant", True), ("tiled", 28672, 2048, "fused", True)]
+    assert result["rows"][0]["auto_over_fastest"] == pytest.approx(22.0 / 20.0)
+    assert [r["seed"] for r in result["runs"]] == [1, 1] and result["tolerance"] == 1.05
+    assert capsys.readouterr().out.strip().endswith("on 3 of 4 rows")
 
 
 def test_rejudge_refuses_a_pick_the_run_did_not_time(dc, tmp_path):
