@@ -376,12 +376,12 @@ _STREAM_K_ERROR = "JAX_FP4_FUSED_STREAM_K must be 0 or 1"
 
 @needs_sm90
 @pytest.mark.parametrize("variable, value, message", [
-    *[("JAX_FP4_FUSED_SPLIT", v, _SPLIT_ERROR) for v in ("0", "9", "-1", "2x", "x", " ")],
+    *[("JAX_FP4_FUSED_SPLIT", v, _SPLIT_ERROR) for v in ("0", "9", "-1", "2x", "x", " ", " 2", "+2")],
     *[("JAX_FP4_FUSED_TILE_M", v, _TILE_ERROR) for v in ("0", "8", "48", "512", "x", " ")],
     *[("JAX_FP4_FUSED_WARP_SPECIALIZED", v, _WS_ERROR) for v in ("2", "-1", "yes", " ")],
     *[("JAX_FP4_FUSED_TILE_N", v, _TILE_N_ERROR) for v in ("64", "512", "x")],
     *[("JAX_FP4_FUSED_STREAM_K", v, _STREAM_K_ERROR) for v in ("2", "-1", "on")],
-    *[("JAX_FP4_PDL", v, "JAX_FP4_PDL must be 0 or 1") for v in ("2", "yes")],
+    *[("JAX_FP4_PDL", v, "JAX_FP4_PDL must be 0 or 1") for v in ("2", "yes", " 1")],
 ])
 def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
     """A malformed tuning override is an error naming the variable, not silently ignored."""

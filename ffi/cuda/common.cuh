@@ -119,19 +119,31 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
 }
 
-// Measurement override JAX_FP4_PDL (read on each call): "1" asks for programmatic dependent
-// launches where a kernel supports them, "0" or unset for plain ones. Anything else: an error
-// message (returned; `*on` untouched).
-inline std::string ProgrammaticLaunchOverride(bool* on) {
-  const char* env = std::getenv("JAX_FP4_PDL");
-  if (env == nullptr || *env == '\0' || std::string(env) == "0") {
-    *on = false;
-  } else if (std::string(env) == "1") {
-    *on = true;
-  } else {
-    return std::string("JAX_FP4_PDL must be 0 or 1, got '") + env + "'";
+// A measurement override read on each call: unset or empty leaves *forced as it is; otherwise the
+// value must be a plain decimal integer (digits only: no sign, no spaces, which strtol would
+// take) that `valid` accepts. Anything else: an error message naming the variable (returned).
+inline std::string ReadOverride(const char* name, bool (*valid)(long), const std::string& expected,
+                                int* forced) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return "";
+  long value = 0;
+  const char* c = env;
+  for (; *c >= '0' && *c <= '9' && c - env < 9; ++c) value = 10 * value + (*c - '0');
+  if (c == env || *c != '\0' || !valid(value)) {
+    return std::string(name) + " must be " + expected + ", got '" + env + "'";
   }
+  *forced = static_cast<int>(value);
   return "";
+}
+
+// JAX_FP4_PDL=1 asks for programmatic dependent launches where a kernel supports them; 0 or unset
+// for plain ones (ReadOverride).
+inline std::string ProgrammaticLaunchOverride(bool* on) {
+  int value = 0;
+  const std::string bad =
+      ReadOverride("JAX_FP4_PDL", [](long v) { return v == 0 || v == 1; }, "0 or 1", &value);
+  *on = value == 1;
+  return bad;
 }
 
 }  // namespace cuda

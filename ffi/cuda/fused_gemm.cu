@@ -1299,30 +1299,6 @@ int64_t StreamKCost2(const StreamKShape& p) {
   return 2 * (run + kFillStages + 2) + 3 * contributors;
 }
 
-// Tuning overrides, read on each call, for measurements (not for use); unset or empty = the
-// heuristic's choice (*forced left as it is):
-//   JAX_FP4_FUSED_SPLIT=<n>, n in 1..kMaxSplit: the split-K factor (clamped to the K stages);
-//   JAX_FP4_FUSED_TILE_M=<bm>, bm in {16, 32, 64, 128, 256} (IsTileM): activation rows per CTA;
-//   JAX_FP4_FUSED_TILE_N=128|256: weight rows per CTA (128 at 128-row activation tiles only, the
-//   default elsewhere);
-//   JAX_FP4_FUSED_WARP_SPECIALIZED=0|1: the multistage or the warp-specialized kernel for
-//   BM >= 64 (BM <= 32 has the multistage one only: 1 is an error there);
-//   JAX_FP4_FUSED_STREAM_K=0|1: cluster split-K or stream-K for the warp-specialized kernel
-//   (stream-K needs M > 64: the workspace; JAX_FP4_FUSED_SPLIT implies cluster split-K).
-// Anything else is an error (returned as a message), not silently ignored.
-std::string ReadOverride(const char* name, bool (*valid)(long), const std::string& expected,
-                         int* forced) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return "";
-  char* end = nullptr;
-  const long value = std::strtol(env, &end, 10);
-  if (end == env || *end != '\0' || !valid(value)) {
-    return std::string(name) + " must be " + expected + ", got '" + env + "'";
-  }
-  *forced = static_cast<int>(value);
-  return "";
-}
-
 // Activation rows per CTA: the smallest tile that covers M (less padded tensor work; the tiles up
 // to 32 rows also run two CTAs per SM); above 128 rows the 256-row tile, which decodes each weight
 // fragment once for 256 rows (M = 256: 8-17% faster than two 128-row tiles; M = 128: 1.4-1.6x
@@ -1353,7 +1329,18 @@ struct FusedProblem {
   int64_t workspace_elems;
 };
 
-// Measurement overrides (ReadOverride); 0 / -1 = the heuristic's choice.
+// Tuning overrides, read on each call, for measurements (not for use); unset or empty = the
+// heuristic's choice (*forced left as it is):
+//   JAX_FP4_FUSED_SPLIT=<n>, n in 1..kMaxSplit: the split-K factor (clamped to the K stages);
+//   JAX_FP4_FUSED_TILE_M=<bm>, bm in {16, 32, 64, 128, 256} (IsTileM): activation rows per CTA;
+//   JAX_FP4_FUSED_TILE_N=128|256: weight rows per CTA (128 at 128-row activation tiles only, the
+//   default elsewhere);
+//   JAX_FP4_FUSED_WARP_SPECIALIZED=0|1: the multistage or the warp-specialized kernel for
+//   BM >= 64 (BM <= 32 has the multistage one only: 1 is an error there);
+//   JAX_FP4_FUSED_STREAM_K=0|1: cluster split-K or stream-K for the warp-specialized kernel
+//   (stream-K needs M > 64: the workspace; JAX_FP4_FUSED_SPLIT implies cluster split-K).
+// Anything else is an error (ReadOverride, common.cuh), not silently ignored.
+// What they asked for; 0 / -1 = the heuristic's choice.
 struct FusedOverrides {
   int split = 0;
   int stream_k = -1;
