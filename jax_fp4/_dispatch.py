@@ -48,8 +48,15 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
 #   2-13% ahead on 28672x8192 and 17408x5120, dequantize + cuBLAS 3-12% ahead on 11008x4096 and
 #   4096x11008 at M = 2048; at M = 3072 the two within 5% on 17408x5120, dequant 4% ahead on 28672x8192.
 # - larger M: dequantize + cuBLAS (M = 4096: the fused GEMM 1.05-1.37x slower).
+# - Where the fused GEMM cannot run (not a Hopper GPU, or a shape it does not take) and the GEMV
+#   runs on tensor cores: the GEMV to M = 64, before dequantize + cuBLAS. Not measured off the
+#   H200; there, both forced, the GEMV was 1.4-3.4x faster than dequantize + cuBLAS at M = 17-64 on
+#   the four prefill shapes and 1.04-1.25x slower at M = 128 (dispatch_check_tiled_session23_h200).
+#   In bytes the GEMV moves less on any GPU: it reads the 0.56-byte weight once per 16 rows
+#   (4x at M = 64, from L2 where it fits), dequantize + cuBLAS moves ~4.6 bytes per weight.
 DECODE_MAX_M = 8
 GEMV_MAX_M = 16
+GEMV_MAX_M_WITHOUT_FUSED = 64  # GEMV_MAX_M where the fused GEMM cannot run (gemv_on_tensor_cores)
 GEMV_MAX_M_NARROW_LONG = 32  # GEMV_MAX_M on prepacked weights with N <= NARROW_N and K >= LONG_K
 NARROW_N = 4096
 WIDE_N = 8192
@@ -110,16 +117,24 @@ def fused_unsupported_reason(p: Problem, capability) -> str | None:
     return _fused.fused_supported(p.m, p.n, p.k, p.block_size, p.dtype)
 
 
-def auto_gemv_max_m(p: Problem) -> int:
+def gemv_on_tensor_cores(p: Problem, capability) -> bool:
+    """Whether the GEMV runs its tensor-core (mma.sync) kernel: sm_80+ on 128-wide K windows (the
+    tiled layout has them by construction); the scalar kernel otherwise."""
+    return capability is not None and tuple(capability) >= (8, 0) and (p.tiled or p.k % 128 == 0)
+
+
+def auto_gemv_max_m(p: Problem, capability) -> int:
     """The largest M at which "auto" takes the GEMV (where the fused GEMM does not win first)."""
+    if fused_unsupported_reason(p, capability) is not None and gemv_on_tensor_cores(p, capability):
+        return GEMV_MAX_M_WITHOUT_FUSED
     narrow_long = p.tiled and p.n <= NARROW_N and p.k >= LONG_K
     return GEMV_MAX_M_NARROW_LONG if narrow_long else GEMV_MAX_M
 
 
-def auto_prefers_fused(p: Problem) -> bool:
+def auto_prefers_fused(p: Problem, capability) -> bool:
     """Whether "auto" takes the fused GEMM over the GEMV / dequant for this shape (where it can
     run at all): the measured crossovers above."""
-    if p.m <= auto_gemv_max_m(p):
+    if p.m <= auto_gemv_max_m(p, capability):
         return p.m > DECODE_MAX_M and p.tiled and p.n >= WIDE_N and p.k >= LONG_K
     large = p.n >= WIDE_N and p.n * p.k >= LARGE_WEIGHT
     return p.m <= (FUSED_MAX_M_LARGE if large else FUSED_MAX_M)
@@ -169,12 +184,15 @@ def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bo
     if platform == "cpu":
         return "cpu"
     if platform == "cuda" and has_cuda_kernels:
-        if auto_prefers_fused(p) and fused_unsupported_reason(p, capability) is None:
+        if auto_prefers_fused(p, capability) and fused_unsupported_reason(p, capability) is None:
             return "fused"
-        if gemv_unsupported_reason(p) is None and p.m <= auto_gemv_max_m(p):
+        # The native path, opted into, keeps everything past GEMV_MAX_M.
+        native = _native.native_path_applies(capability, native_enabled, "auto", p.m, p.n, p.k,
+                                             p.block_size, p.dtype)
+        gemv_max_m = GEMV_MAX_M if native else auto_gemv_max_m(p, capability)
+        if gemv_unsupported_reason(p) is None and p.m <= gemv_max_m:
             return "gemv"
-        if _native.native_path_applies(capability, native_enabled, "auto", p.m, p.n, p.k,
-                                       p.block_size, p.dtype):
+        if native:
             return "native"
         if dequant_unsupported_reason(p) is None:
             return "dequant"

@@ -240,7 +240,7 @@ def native_path_applies(capability, env_enabled: bool, backend, m: int, n: int, 
     - backend "native" forces it for any non-empty matmul, and raises ValueError with the reason
       when it cannot run (wrong device, block size, K, N or dtype);
     - backend None/"auto" takes it only when `env_enabled` (JAX_FP4_NATIVE_SM120=1), M > 8 (the
-      decode GEMV keeps at least M <= 8; the dispatcher tries it first, to `auto_gemv_max_m`), and the
+      decode GEMV keeps at least M <= 8; the dispatcher tries it first, up to GEMV_MAX_M), and the
       device and shapes qualify;
     - any other forced backend never takes it.
     Empty matmuls (M, N or K zero) never take it: the empty path serves them.

@@ -59,15 +59,39 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     a, w = _case(16, n=8064, k=8192)
     assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_gemv_cuda"]  # N too narrow
     assert _targets(matmul, *_case(64, k=160)) == ["jax_fp4_dequant_cuda"]  # K % 128 != 0
+    # M = 17-32: the GEMV on prepacked narrow weights with long rows, the fused GEMM on the spec layout.
+    a, w = _case(32, n=4096, k=8192)
+    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_gemv_cuda"]
+    assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
+    a, w = _case(33, n=4096, k=8192)
+    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_fused_cuda"]
+    # M = 1025-2048: the fused GEMM on large wide weights (N >= 8192, N * K >= 2^26) only.
+    a, w = _case(2048, n=8192, k=8192)
+    assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
+    assert _targets(matmul, a[:, :4096], _case(1, n=8192, k=4096)[1]) == ["jax_fp4_dequant_cuda"]
+    assert _targets(matmul, *_case(2049, n=8192, k=8192)) == ["jax_fp4_dequant_cuda"]
     assert _targets(matmul, *_case(17, dtype=jnp.float32)) == []  # float32 -> reference (pure JAX)
     assert _targets(lambda a, w: jax_fp4.matmul(a, w, backend="fused"), *_case(64)) == [
         "jax_fp4_fused_cuda"]
 
 
+def test_auto_dispatch_targets_without_the_fused_gemm(cuda_device):
+    """Off Hopper the GEMV takes M <= 64 where it runs on tensor cores (sm_80+), then dequant."""
+    matmul = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731
+    for capability in ((8, 0), (8, 9), (12, 0)):
+        cuda_device(capability)
+        assert _targets(matmul, *_case(64)) == ["jax_fp4_gemv_cuda"], capability
+        assert _targets(matmul, *_case(65)) == ["jax_fp4_dequant_cuda"], capability
+        assert _targets(matmul, *_case(17, k=160)) == ["jax_fp4_dequant_cuda"]  # scalar GEMV
+    cuda_device((7, 5))  # no tensor-core GEMV: the scalar one to M = 16
+    assert _targets(matmul, *_case(16)) == ["jax_fp4_gemv_cuda"]
+    assert _targets(matmul, *_case(17)) == ["jax_fp4_dequant_cuda"]
+
+
 def test_native_path_only_when_enabled_on_sm120(cuda_device, monkeypatch):
     cuda_device((12, 0))
     matmul = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731
-    assert _targets(matmul, *_case(64)) == ["jax_fp4_dequant_cuda"]  # off by default
+    assert _targets(matmul, *_case(80)) == ["jax_fp4_dequant_cuda"]  # off by default
     monkeypatch.setenv("JAX_FP4_NATIVE_SM120", "1")
     native = ["jax_fp4_native_sm120_cuda", "jax_fp4_quantize_activation_cuda",
               "jax_fp4_swizzle_scales_cuda"]
