@@ -4,9 +4,9 @@ of the fastest of gemv / fused / dequant at every M), measured with the bench's 
     python benchmarks/dispatch_check.py --layout tiled --m 9,16,32,1024,2048 --json dispatch.json
 
 Each row (shape, M) times every backend of --backends that can serve it (one that the dispatch
-refuses at trace time, e.g. fused on a GPU that is not a Hopper, is left out) and auto's own pick, all on the same
-weights and activations: `jax_fp4.bench`'s chains of distinct weights rotating beyond the cache,
-per-matmul time by chain differencing. With --passes P the backends take turns P times and each
+refuses at trace time, e.g. fused on a GPU that is not a Hopper, is left out) and auto's own pick,
+all on the same weights and activations: `jax_fp4.bench`'s chains of distinct weights rotating
+beyond the cache, per-matmul time by chain differencing. With --passes P the backends take turns P times and each
 keeps its median. The verdict: auto's time over the fastest backend's, within --tolerance or not.
 
     python benchmarks/dispatch_check.py --rejudge dispatch.json [more.json ...] --json rejudged.json
