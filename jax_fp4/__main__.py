@@ -1,4 +1,5 @@
-"""`python -m jax_fp4 info`: what this installation of jax_fp4 can do."""
+"""`python -m jax_fp4 info`: what this installation of jax_fp4 can do.
+`python -m jax_fp4 paths NxK`: the path `auto` takes for that weight at every M."""
 
 from __future__ import annotations
 
@@ -27,11 +28,79 @@ def info() -> str:
     return "\n".join(lines)
 
 
+def paths(n: int, k: int, *, layout: str, capability: tuple[int, int], dtype: str = "bfloat16",
+          native: bool = False, max_m: int = 8192) -> list[tuple[int, int, str]]:
+    """The CUDA path `auto` picks for an N x K weight on a GPU of `capability`, as ranges of M:
+    [(first M, last M, path), ...] for M = 1..max_m (the dispatch rules only, no device needed)."""
+    import numpy as np
+
+    from jax_fp4 import _dispatch
+
+    ranges: list[tuple[int, int, str]] = []
+    for m in range(1, max_m + 1):
+        problem = _dispatch.Problem(m=m, n=n, k=k, block_size=16, dtype=np.dtype(dtype),
+                                    tiled=layout == "tiled")
+        path = _dispatch.select_path("cuda", "auto", problem, has_cuda_kernels=True,
+                                     capability=capability, native_enabled=native)
+        if ranges and ranges[-1][2] == path:
+            ranges[-1] = (ranges[-1][0], m, path)
+        else:
+            ranges.append((m, m, path))
+    return ranges
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        n, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NxK (e.g. 4096x11008), got {text!r}") from None
+    if n <= 0 or k <= 0:
+        raise argparse.ArgumentTypeError(f"N and K must be positive, got {text!r}")
+    return n, k
+
+
+def _capability(text: str) -> tuple[int, int]:
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR (e.g. 9.0), got {text!r}") from None
+    return major, minor
+
+
+def paths_report(args) -> str:
+    capability, source = args.capability, "given"
+    if capability is None:
+        from jax_fp4 import _native
+
+        capability, source = _native.device_capability(), "this machine's GPU"
+        if capability is None:
+            raise SystemExit("paths: no CUDA device here; name the GPU with --capability "
+                             "(9.0: H100 / H200, 8.0: A100, 12.0: RTX 50xx)")
+    n, k = args.shape
+    ranges = paths(n, k, layout=args.layout, capability=capability, dtype=args.dtype,
+                   native=args.native, max_m=args.max_m)
+    lines = [f"auto for N x K = {n}x{k}, {args.layout} layout, {args.dtype}, compute capability "
+             f"{capability[0]}.{capability[1]} ({source}):"]
+    lines += [f"  M = {first}" + (f"-{last}" if last > first else "") + f": {path}"
+              for first, last, path in ranges]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_fp4", description=__doc__)
-    parser.add_argument("command", choices=["info"], nargs="?", default="info")
-    parser.parse_args(argv)
-    print(info())
+    commands = parser.add_subparsers(dest="command")
+    commands.add_parser("info", help="versions, CUDA architectures and FFI targets (the default)")
+    p = commands.add_parser("paths", help="the path auto takes for an N x K weight at every M")
+    p.add_argument("shape", type=_shape, help="the weight's N x K, e.g. 4096x11008")
+    p.add_argument("--layout", choices=("spec", "tiled"), default="spec",
+                   help="tiled: a jax_fp4.prepack'ed weight (default spec)")
+    p.add_argument("--capability", type=_capability, default=None,
+                   help="the GPU's compute capability, e.g. 9.0 (default: this machine's GPU)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--native", action="store_true", help="as with JAX_FP4_NATIVE_SM120=1")
+    p.add_argument("--max-m", type=int, default=8192)
+    args = parser.parse_args(argv)
+    print(paths_report(args) if args.command == "paths" else info())
     return 0
 
 

@@ -1,7 +1,9 @@
-"""`python -m jax_fp4 info` reports what this installation holds."""
+"""`python -m jax_fp4 info` reports what this installation holds; `paths` what auto picks."""
 
 import subprocess
 import sys
+
+import pytest
 
 from jax_fp4 import _ffi
 
@@ -18,3 +20,46 @@ def test_info_lists_versions_and_registered_targets():
         assert f"CUDA kernels compiled in: yes, {_ffi.cuda_architectures()}" in out
     else:
         assert "CUDA kernels compiled in: no" in out
+
+
+def test_paths_reports_auto_as_ranges_of_m(capsys):
+    from jax_fp4 import __main__ as cli
+
+    assert cli.paths(4096, 11008, layout="tiled", capability=(9, 0), max_m=4096) == [
+        (1, 32, "gemv"), (33, 1024, "fused"), (1025, 4096, "dequant")]
+    assert cli.paths(4096, 11008, layout="spec", capability=(9, 0), max_m=2000) == [
+        (1, 16, "gemv"), (17, 1024, "fused"), (1025, 2000, "dequant")]
+    assert cli.paths(28672, 8192, layout="tiled", capability=(9, 0), max_m=3000) == [
+        (1, 8, "gemv"), (9, 2048, "fused"), (2049, 3000, "dequant")]
+    assert cli.paths(4096, 4096, layout="spec", capability=(8, 0), max_m=100) == [
+        (1, 64, "gemv"), (65, 100, "dequant")]
+    assert cli.paths(4096, 4096, layout="spec", capability=(12, 0), native=True, max_m=100) == [
+        (1, 16, "gemv"), (17, 100, "native")]
+    assert cli.main(["paths", "4096x11008", "--layout", "tiled", "--capability", "9.0",
+                     "--max-m", "64"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "auto for N x K = 4096x11008, tiled layout, bfloat16, compute capability 9.0 (given):",
+        "  M = 1-32: gemv", "  M = 33-64: fused"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["paths", "4096"], "expected NxK"),
+    (["paths", "0x64", "--capability", "9.0"], "must be positive"),
+    (["paths", "64x64", "--capability", "9"], "expected MAJOR.MINOR"),
+])
+def test_paths_rejects_bad_arguments(argv, message, capsys):
+    from jax_fp4 import __main__ as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_paths_without_a_gpu_asks_for_the_capability():
+    from jax_fp4 import __main__ as cli
+    from jax_fp4 import _native
+
+    if _native.device_capability() is not None:
+        pytest.skip("this machine has a CUDA device: paths reads its capability")
+    with pytest.raises(SystemExit, match="no CUDA device here; name the GPU with --capability"):
+        cli.main(["paths", "4096x4096"])
