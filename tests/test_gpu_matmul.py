@@ -81,6 +81,29 @@ def test_prepacked_weights_on_every_backend(lead, dtype):
             np.testing.assert_array_equal(y, np.asarray(f(a, w, bias)), err_msg=backend)
 
 
+# The H200 dispatch rules' edges (jax_fp4/_dispatch.py): (M, N, K, layout, auto's path on sm_90).
+RULE_EDGES = [
+    (32, 4096, 8192, "tiled", "gemv"),     # narrow prepacked weight, long rows: the GEMV to M = 32
+    (33, 4096, 8192, "tiled", "fused"),
+    (32, 4096, 8192, "spec", "fused"),
+    (1100, 8192, 8192, "spec", "fused"),   # N >= 8192, N * K >= 2^26: the fused GEMM to M = 2048
+    (1100, 8192, 4096, "spec", "dequant"),
+]
+
+
+@pytest.mark.parametrize("m, n, k, layout, hopper_path", RULE_EDGES)
+def test_auto_at_the_dispatch_rule_edges(m, n, k, layout, hopper_path):
+    """Auto's pick on either side of each rule, against the float64 reference (the path itself
+    checked on a Hopper GPU, where the rules come from)."""
+    rng = np.random.default_rng()
+    a, w, bias, ref = _random_case(rng, (m,), n, k, 16, "bfloat16", with_bias=True)
+    if layout == "tiled":
+        w = jax_fp4.prepack(w)
+    if str(getattr(GPU, "compute_capability", "")) == "9.0":
+        assert jax_fp4.dispatch_path(a, w) == hopper_path
+    _check(jax.jit(jax_fp4.matmul)(a, w, bias), ref, "bfloat16")
+
+
 def test_float32_activations_take_the_reference_path():
     rng = np.random.default_rng()
     a, w, bias, ref = _random_case(rng, (3,), 40, 64, 16, "float32", True)
