@@ -40,7 +40,6 @@ DEFAULT_BACKENDS = ("gemv", "fused", "dequant")
 DEFAULT_TOLERANCE = 1.05  # issue 7: "the fastest ... within 5%"
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_M = "1,8,9,12,16,17,32,64,128,256,512,1024,2048,4096"
-DTYPES_BY_NAME = {"bf16": "bfloat16", "fp16": "float16"}  # bench.DTYPES' names as numpy names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +115,8 @@ def check_shape(shape: bench.Shape, ms: Sequence[int], backends: Sequence[str], 
 
 def rejudged(row: dict, dtype: str, tolerance: float, capability=(9, 0)) -> Verdict:
     """A verdict of a dispatch_check.py JSON row with auto's pick by this checkout's rules."""
-    problem = _dispatch.Problem(m=row["m"], n=row["n"], k=row["k"], block_size=16,
-                                dtype=np.dtype(DTYPES_BY_NAME[dtype]), tiled=row["layout"] == "tiled")
-    auto = _dispatch.select_path("cuda", "auto", problem, has_cuda_kernels=True, capability=capability)
+    auto = _dispatch.auto_cuda_path(row["m"], row["n"], row["k"], dtype=bench.DTYPES[dtype],
+                                    tiled=row["layout"] == "tiled", capability=capability)
     if auto not in row["us"]:
         raise ValueError(f"row {row['n']}x{row['k']} M = {row['m']}: the rules pick {auto!r}, "
                          f"which that run did not time (it timed {sorted(row['us'])})")

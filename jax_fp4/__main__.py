@@ -32,31 +32,17 @@ def paths(n: int, k: int, *, layout: str, capability: tuple[int, int], dtype: st
           native: bool = False, max_m: int = 8192) -> list[tuple[int, int, str]]:
     """The CUDA path `auto` picks for an N x K weight on a GPU of `capability`, as ranges of M:
     [(first M, last M, path), ...] for M = 1..max_m (the dispatch rules only, no device needed)."""
-    import numpy as np
-
     from jax_fp4 import _dispatch
 
     ranges: list[tuple[int, int, str]] = []
     for m in range(1, max_m + 1):
-        problem = _dispatch.Problem(m=m, n=n, k=k, block_size=16, dtype=np.dtype(dtype),
-                                    tiled=layout == "tiled")
-        path = _dispatch.select_path("cuda", "auto", problem, has_cuda_kernels=True,
-                                     capability=capability, native_enabled=native)
+        path = _dispatch.auto_cuda_path(m, n, k, dtype=dtype, tiled=layout == "tiled",
+                                        capability=capability, native_enabled=native)
         if ranges and ranges[-1][2] == path:
             ranges[-1] = (ranges[-1][0], m, path)
         else:
             ranges.append((m, m, path))
     return ranges
-
-
-def _shape(text: str) -> tuple[int, int]:
-    try:
-        n, k = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected NxK (e.g. 4096x11008), got {text!r}") from None
-    if n <= 0 or k <= 0:
-        raise argparse.ArgumentTypeError(f"N and K must be positive, got {text!r}")
-    return n, k
 
 
 def _capability(text: str) -> tuple[int, int]:
@@ -76,7 +62,7 @@ def paths_report(args) -> str:
         if capability is None:
             raise SystemExit("paths: no CUDA device here; name the GPU with --capability "
                              "(9.0: H100 / H200, 8.0: A100, 12.0: RTX 50xx)")
-    n, k = args.shape
+    n, k = args.shape.n, args.shape.k
     ranges = paths(n, k, layout=args.layout, capability=capability, dtype=args.dtype,
                    native=args.native, max_m=args.max_m)
     lines = [f"auto for N x K = {n}x{k}, {args.layout} layout, {args.dtype}, compute capability "
@@ -90,8 +76,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_fp4", description=__doc__)
     commands = parser.add_subparsers(dest="command")
     commands.add_parser("info", help="versions, CUDA architectures and FFI targets (the default)")
+    from jax_fp4.bench import parse_shape
+
     p = commands.add_parser("paths", help="the path auto takes for an N x K weight at every M")
-    p.add_argument("shape", type=_shape, help="the weight's N x K, e.g. 4096x11008")
+    p.add_argument("shape", type=parse_shape, help="the weight's N x K, e.g. 4096x11008")
     p.add_argument("--layout", choices=("spec", "tiled"), default="spec",
                    help="tiled: a jax_fp4.prepack'ed weight (default spec)")
     p.add_argument("--capability", type=_capability, default=None,

@@ -153,6 +153,15 @@ def check_backend(backend: str, p: Problem) -> None:
         raise ValueError(f"backend={backend!r} cannot serve this matmul: {reason}")
 
 
+def auto_cuda_path(m: int, n: int, k: int, *, dtype, tiled: bool, capability,
+                   native_enabled: bool = False, block_size: int = 16) -> str:
+    """The path "auto" takes on a CUDA device of `capability` (major, minor) with jax_fp4's kernels
+    compiled in: the rules alone, no device needed (`python -m jax_fp4 paths`, dispatch_check.py)."""
+    problem = Problem(m=m, n=n, k=k, block_size=block_size, dtype=np.dtype(dtype), tiled=tiled)
+    return select_path("cuda", "auto", problem, has_cuda_kernels=True, capability=capability,
+                       native_enabled=native_enabled)
+
+
 def _check_platform(backend: str, platform: str, has_cuda_kernels: bool) -> None:
     needed = _PLATFORM_OF[backend]
     if platform != needed or (needed == "cuda" and not has_cuda_kernels):

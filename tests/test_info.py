@@ -43,7 +43,7 @@ def test_paths_reports_auto_as_ranges_of_m(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["paths", "4096"], "expected NxK"),
+    (["paths", "4096"], "a shape is NxK"),
     (["paths", "0x64", "--capability", "9.0"], "must be positive"),
     (["paths", "64x64", "--capability", "9"], "expected MAJOR.MINOR"),
 ])
