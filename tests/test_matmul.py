@@ -60,6 +60,27 @@ def test_matmul_matches_reference(lead, n, k, block_size, dtype, with_bias):
         _check(y, ref, dtype)
 
 
+# The CPU kernel's blocking (ffi/cpu/matmul.cc): units of 480 rows of M against 64 weight rows,
+# K in steps of 256, a micro-kernel of 6 rows of M by 16 weight rows. Shapes that cross every
+# boundary with a remainder: two units along M, a partial panel and a partial group along N, a
+# partial last K step, block scales that straddle a K step (block 24) or a byte-unaligned word
+# (block 12).
+@pytest.mark.parametrize("m, n, k, block_size, layout", [
+    (487, 83, 528, 16, "spec"),
+    (487, 80, 640, 16, "tiled"),
+    (7, 150, 600, 24, "spec"),
+    (13, 70, 300, 12, "spec"),
+    (1, 17, 1030, 16, "spec"),
+])
+def test_cpu_kernel_across_its_blocking(m, n, k, block_size, layout):
+    rng = np.random.default_rng()
+    a, w, bias, ref = _random_case(rng, (m,), n, k, block_size, "bfloat16", True)
+    if layout == "tiled":
+        w = jax_fp4.prepack(w)
+    y = jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend="cpu"))(a, w, bias)
+    _check(y, ref, "bfloat16")
+
+
 @pytest.mark.parametrize("m", list(range(0, 65, 7)) + [64])
 def test_matmul_sweep_over_m(m):
     rng = np.random.default_rng()

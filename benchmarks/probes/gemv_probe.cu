@@ -447,7 +447,7 @@ void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms)
     float best = 1e30f;
     std::string line;
     for (int ct : {1, 2}) {
-      for (int ks : {1, 2, 3, 4, 6, 8, 12, 16}) {
+      for (int ks : {1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16}) {
         if (ks > GemvMmaShape{ct, m > 8 ? 2 : 1, true}.max_split()) continue;
         const float us =
             m > 8 ? (ct == 1 ? TimeTiledGemv<1, 2>(b, m, n, k, ks, copies)
