@@ -87,16 +87,49 @@ struct MatmulJob {
   std::condition_variable all_done;
 };
 
+// The hot functions are compiled for AVX2 + FMA as well (x86-64-v3), chosen at load time when the
+// CPU has them (GCC 11+ on x86-64 glibc, which resolves the clones through ifunc): 16 registers of
+// 8 floats, which the micro-kernel's 6 x 16 block needs (SSE's 4-float registers would spill it),
+// and 8-lane integer shifts for the decode. Elsewhere the plain build. FMA rounds once per
+// multiply-add, so the last bits differ between the two clones.
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__) && __GNUC__ >= 11
+#define JAX_FP4_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define JAX_FP4_CPU_CLONES
+#endif
+
+// Eight floats as one value (GCC / Clang vector extension): 256-bit registers where the target
+// has them, two 128-bit ones otherwise.
+typedef float Float8 __attribute__((vector_size(32)));
+typedef uint32_t Word8 __attribute__((vector_size(32)));  // eight 32-bit words, one per lane
+
+// Unaligned load (through a pointer, not a return value: a 32-byte vector returned by value would
+// change the calling convention between the SSE and AVX builds).
+__attribute__((always_inline)) inline void LoadFloat8(const float* p, Float8* v) {
+  std::memcpy(v, p, sizeof(*v));
+}
+
+// e2m1_to_float (nvfp4.h) on eight lanes, each holding one code in bits 0..3, times the lanes'
+// block scales, stored to out[0..7].
+__attribute__((always_inline)) inline void DecodeE2M1Lanes(const Word8& codes,
+                                                           const Float8& scales, float* out) {
+  const Word8 magnitude = codes & 7u;  // exponent e at bits 1..2, mantissa m at bit 0
+  const Word8 normal = (magnitude + 252u) << 22;  // e >= 1: exponent e + 126, mantissa bit m
+  const Word8 is_normal = reinterpret_cast<Word8>(magnitude >= 2u);  // all ones or zero
+  const Word8 is_half = reinterpret_cast<Word8>(magnitude == 1u);
+  const Word8 bits = (normal & is_normal) | (0x3F000000u & is_half) | ((codes & 8u) << 28);
+  Float8 value;
+  std::memcpy(&value, &bits, sizeof(value));
+  value *= scales;
+  std::memcpy(out, &value, sizeof(value));
+}
+
 // Decodes weight rows [n0, n0 + rows) over K [k0, k0 + kc) into fp32 with the block scale folded
 // in, into the panel layout the micro-kernel reads: groups of 16 rows, each group [kc][16], so
-// that one k of a group is 16 consecutive floats. Rows past N stay zero.
+// that one k of a group is 16 consecutive floats. Rows past N decode as zero.
+JAX_FP4_CPU_CLONES
 void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int64_t kc,
                  float* panel) {
-  static const auto kE2M1 = [] {
-    std::array<float, 16> table{};
-    for (uint32_t code = 0; code < 16; ++code) table[code] = e2m1_to_float(code);
-    return table;
-  }();
   // A tiled word's bit permutation, undone byte by byte: kSpecBits[j][v] is the spec-order word
   // (element e's code at bits 4e..4e+3) of the tiled word holding byte v at byte j and zeros
   // elsewhere; each bit moves on its own, so the four parts OR together.
@@ -109,65 +142,80 @@ void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int
     }
     return table;
   }();
-  // Eight codes (element e at bits 4e..4e+3) times their block scale, to eight rows of a group.
-  const auto decode_word = [&](uint32_t codes, float block_scale, float* out) {
-    for (int e = 0; e < 8; ++e) {
-      out[e * kPanelCols] = kE2M1[(codes >> (4 * e)) & 0xFu] * block_scale;
-    }
+  const int64_t windows = job.k / 128;  // tiled layout only
+  // Byte offsets of row `row`'s block scale kb and of its word of elements kk..kk+7 (kk % 8 == 0,
+  // inside one block). Both are linear in the row across the eight rows of a panel half (the spec
+  // layout's row strides; the tiled layout's lane groups, which those eight rows are, since
+  // n0 % 64 == 0), so each is computed for two rows and stepped.
+  const auto scale_offset = [&](int64_t row, int64_t kb) {
+    return job.tiled ? tiled_scale_offset(row, kb, windows) : row * job.k_blocks + kb;
   };
-  // The spec layout's codes are already in that order: four packed bytes are one word, read
-  // whole when no block boundary or the end of K falls inside a word.
-  const bool spec_words = job.block_size % 8 == 0 && job.k % 8 == 0;
-  const int64_t group_rows = (rows + kPanelCols - 1) / kPanelCols * kPanelCols;
-  for (int64_t r = 0; r < group_rows; ++r) {
-    const int64_t row = n0 + r;
-    // Element kk of this row goes to out[(kk - k0) * kPanelCols].
-    float* out = panel + (r / kPanelCols) * kc * kPanelCols + r % kPanelCols;
-    if (r >= rows) {
-      for (int64_t kk = 0; kk < kc; ++kk) out[kk * kPanelCols] = 0.0f;
-    } else if (job.tiled) {
-      // k0 and kc are multiples of 128 here (K % 128 == 0, kDepth % 128 == 0): whole blocks of 16.
-      const int64_t windows = job.k / 128;
-      for (int64_t kb = k0 / 16; kb < (k0 + kc) / 16; ++kb) {  // two words of one quarter
-        const float block_scale = e4m3_to_float(job.scale[tiled_scale_offset(row, kb, windows)]);
-        const uint8_t* chunk = job.packed + tiled_packed_offset(row, kb / 8, (kb % 8) / 2, windows);
-        for (int j = 0; j < 2; ++j) {
-          const uint8_t* b = chunk + 8 * (kb % 2) + 4 * j;
-          decode_word(kSpecBits[0][b[0]] | kSpecBits[1][b[1]] | kSpecBits[2][b[2]] | kSpecBits[3][b[3]],
-                      block_scale, out + (16 * kb + 8 * j - k0) * kPanelCols);
-        }
-      }
-    } else {
-      const uint8_t* packed_row = job.packed + row * (job.k / 2);
-      const uint8_t* scale_row = job.scale + row * job.k_blocks;
-      for (int64_t kb = k0 / job.block_size; kb * job.block_size < k0 + kc; ++kb) {
-        const float block_scale = e4m3_to_float(scale_row[kb]);
-        const int64_t k_begin = std::max(k0, kb * job.block_size);
-        const int64_t k_end = std::min(k0 + kc, (kb + 1) * job.block_size);
-        int64_t kk = k_begin;
-        if (spec_words) {  // k_begin and k_end are multiples of 8
-          for (; kk < k_end; kk += 8) {
-            uint32_t codes;
-            std::memcpy(&codes, packed_row + kk / 2, sizeof(codes));  // little-endian bytes
-            decode_word(codes, block_scale, out + (kk - k0) * kPanelCols);
+  const auto word_offset = [&](int64_t row, int64_t kk) {
+    if (!job.tiled) return row * (job.k / 2) + kk / 2;
+    const int64_t kb = kk / 16;
+    return tiled_packed_offset(row, kb / 8, (kb % 8) / 2, windows) + 8 * (kb % 2) + 4 * ((kk / 8) % 2);
+  };
+  // A word of eight codes in spec order (element e at bits 4e..4e+3): the spec layout's four
+  // packed bytes (little-endian) are one already.
+  const auto spec_word = [&](const uint8_t* b) {
+    if (job.tiled) {
+      return kSpecBits[0][b[0]] | kSpecBits[1][b[1]] | kSpecBits[2][b[2]] | kSpecBits[3][b[3]];
+    }
+    uint32_t word;
+    std::memcpy(&word, b, sizeof(word));
+    return word;
+  };
+
+  const int64_t groups = (rows + kPanelCols - 1) / kPanelCols;
+  // Whole words: the tiled layout (block 16, K % 128 == 0, k0 and kc multiples of 128), or the
+  // spec layout when no block boundary or the end of K falls inside a word. Eight rows at a time,
+  // one lane per row: every k of the panel is two stores of eight floats.
+  if (job.tiled || (job.block_size % 8 == 0 && job.k % 8 == 0)) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t row0 = n0 + g * kPanelCols + 8 * half;  // this half's first row
+        const int lanes = static_cast<int>(std::clamp<int64_t>(n0 + rows - row0, 0, 8));
+        float* out = panel + g * kc * kPanelCols + 8 * half;  // k0's eight floats
+        for (int64_t kb = k0 / job.block_size; kb * job.block_size < k0 + kc; ++kb) {
+          const int64_t scale0 = scale_offset(row0, kb);
+          const int64_t scale_step = scale_offset(row0 + 1, kb) - scale0;
+          Float8 scales = {};  // zero in lanes past N
+          for (int lane = 0; lane < lanes; ++lane) {
+            scales[lane] = e4m3_to_float(job.scale[scale0 + lane * scale_step]);
+          }
+          const int64_t k_end = std::min(k0 + kc, (kb + 1) * job.block_size);
+          for (int64_t kk = std::max(k0, kb * job.block_size); kk < k_end; kk += 8) {
+            const uint8_t* word0 = job.packed + word_offset(row0, kk);
+            const int64_t word_step = word_offset(row0 + 1, kk) - word_offset(row0, kk);
+            Word8 words = {};
+            for (int lane = 0; lane < lanes; ++lane) words[lane] = spec_word(word0 + lane * word_step);
+            for (int e = 0; e < 8; ++e) {
+              DecodeE2M1Lanes((words >> (4 * e)) & 0xFu, scales,
+                              out + (kk + e - k0) * kPanelCols);
+            }
           }
         }
-        for (; kk < k_end; ++kk) {
-          out[(kk - k0) * kPanelCols] = kE2M1[packed_code(packed_row, kk)] * block_scale;
-        }
+      }
+    }
+    return;
+  }
+  // Any other block size: element by element, one row at a time.
+  for (int64_t r = 0; r < groups * kPanelCols; ++r) {
+    const int64_t row = n0 + r;
+    float* out = panel + (r / kPanelCols) * kc * kPanelCols + r % kPanelCols;  // k0's float
+    if (r >= rows) {
+      for (int64_t kk = 0; kk < kc; ++kk) out[kk * kPanelCols] = 0.0f;
+      continue;
+    }
+    const uint8_t* packed_row = job.packed + row * (job.k / 2);
+    for (int64_t kb = k0 / job.block_size; kb * job.block_size < k0 + kc; ++kb) {
+      const float scale = e4m3_to_float(job.scale[scale_offset(row, kb)]);
+      const int64_t k_end = std::min(k0 + kc, (kb + 1) * job.block_size);
+      for (int64_t kk = std::max(k0, kb * job.block_size); kk < k_end; ++kk) {
+        out[(kk - k0) * kPanelCols] = e2m1_to_float(packed_code(packed_row, kk)) * scale;
       }
     }
   }
-}
-
-// Eight floats as one value (GCC / Clang vector extension): 256-bit registers where the target
-// has them, two 128-bit ones otherwise.
-typedef float Float8 __attribute__((vector_size(32)));
-
-// Unaligned load (through a pointer, not a return value: a 32-byte vector returned by value would
-// change the calling convention between the SSE and AVX builds).
-__attribute__((always_inline)) inline void LoadFloat8(const float* p, Float8* v) {
-  std::memcpy(v, p, sizeof(*v));
 }
 
 // c[MB, 16] += a[MB, kc] @ group[kc, 16]: rank-1 updates into MB x 16 fp32 accumulators held in
@@ -200,15 +248,6 @@ __attribute__((always_inline)) inline void MicroKernel(const float* a, int64_t l
   }
 }
 
-// Compiled for AVX2 + FMA as well (x86-64-v3), chosen at load time when the CPU has them (GCC 11+
-// on x86-64 glibc, which resolves the clones through ifunc): 16 registers of 8 floats, which the
-// 6 x 16 block needs (SSE's 4-float registers would spill it). Elsewhere the plain build. FMA
-// rounds once per multiply-add, so the last bits differ between the two clones.
-#if defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__) && __GNUC__ >= 11
-#define JAX_FP4_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define JAX_FP4_CPU_CLONES
-#endif
 
 // c[mb, nc] += a[mb, kc] @ panel over the panel's groups, kMicroRows rows of M at a time.
 JAX_FP4_CPU_CLONES
