@@ -3,9 +3,10 @@
 // Blocked like a BLAS GEMM whose weight panel is decoded instead of packed: a panel of weight rows
 // over a step of K is decoded into a small fp32 buffer (block scale folded in) and consumed at
 // once by a register-blocked micro-kernel, so the dequantized [N, K] matrix never exists. The
-// spec layout and jax_fp4.prepack's tiled layout (attribute tiled) decode through the nvfp4.h
-// helpers to the same values bit for bit; accumulation is fp32 in a fixed order, the global scale
-// and bias are applied once per output in the epilogue, then the result is rounded to A's dtype.
+// spec layout and jax_fp4.prepack's tiled layout (attribute tiled) decode to the same values bit
+// for bit (nvfp4.h's addressing and E2M1 / E4M3 definitions); accumulation is fp32 in an order
+// that depends on neither M nor the layout, the global scale and bias are applied once per output
+// in the epilogue, then the result is rounded to A's dtype.
 // Work units (a block of M rows against a panel of weight rows) are shared out over XLA's
 // intra-op thread pool.
 #include "cpu/handlers.h"
@@ -14,8 +15,8 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -153,7 +154,8 @@ void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int
   const auto word_offset = [&](int64_t row, int64_t kk) {
     if (!job.tiled) return row * (job.k / 2) + kk / 2;
     const int64_t kb = kk / 16;
-    return tiled_packed_offset(row, kb / 8, (kb % 8) / 2, windows) + 8 * (kb % 2) + 4 * ((kk / 8) % 2);
+    return tiled_packed_offset(row, kb / 8, (kb % 8) / 2, windows) + 8 * (kb % 2) +
+           4 * ((kk / 8) % 2);
   };
   // A word of eight codes in spec order (element e at bits 4e..4e+3): the spec layout's four
   // packed bytes (little-endian) are one already.
@@ -188,7 +190,9 @@ void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int
             const uint8_t* word0 = job.packed + word_offset(row0, kk);
             const int64_t word_step = word_offset(row0 + 1, kk) - word_offset(row0, kk);
             Word8 words = {};
-            for (int lane = 0; lane < lanes; ++lane) words[lane] = spec_word(word0 + lane * word_step);
+            for (int lane = 0; lane < lanes; ++lane) {
+              words[lane] = spec_word(word0 + lane * word_step);
+            }
             for (int e = 0; e < 8; ++e) {
               DecodeE2M1Lanes((words >> (4 * e)) & 0xFu, scales,
                               out + (kk + e - k0) * kPanelCols);
