@@ -145,9 +145,9 @@ void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int
   }();
   const int64_t windows = job.k / 128;  // tiled layout only
   // Byte offsets of row `row`'s block scale kb and of its word of elements kk..kk+7 (kk % 8 == 0,
-  // inside one block). Both are linear in the row across the eight rows of a panel half (the spec
-  // layout's row strides; the tiled layout's lane groups, which those eight rows are, since
-  // n0 % 64 == 0), so each is computed for two rows and stepped.
+  // inside one block). Across the eight rows of a panel half both step by a constant, the same for
+  // every block and word (the spec layout's row strides; the tiled layout's lane groups, which
+  // those eight rows are, since n0 % 64 == 0): taken once per half, from the first block.
   const auto scale_offset = [&](int64_t row, int64_t kb) {
     return job.tiled ? tiled_scale_offset(row, kb, windows) : row * job.k_blocks + kb;
   };
@@ -178,9 +178,11 @@ void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int
         const int64_t row0 = n0 + g * kPanelCols + 8 * half;  // this half's first row
         const int lanes = static_cast<int>(std::clamp<int64_t>(n0 + rows - row0, 0, 8));
         float* out = panel + g * kc * kPanelCols + 8 * half;  // k0's eight floats
-        for (int64_t kb = k0 / job.block_size; kb * job.block_size < k0 + kc; ++kb) {
+        const int64_t kb0 = k0 / job.block_size;
+        const int64_t scale_step = scale_offset(row0 + 1, kb0) - scale_offset(row0, kb0);
+        const int64_t word_step = word_offset(row0 + 1, k0) - word_offset(row0, k0);
+        for (int64_t kb = kb0; kb * job.block_size < k0 + kc; ++kb) {
           const int64_t scale0 = scale_offset(row0, kb);
-          const int64_t scale_step = scale_offset(row0 + 1, kb) - scale0;
           Float8 scales = {};  // zero in lanes past N
           for (int lane = 0; lane < lanes; ++lane) {
             scales[lane] = e4m3_to_float(job.scale[scale0 + lane * scale_step]);
@@ -188,7 +190,6 @@ void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int
           const int64_t k_end = std::min(k0 + kc, (kb + 1) * job.block_size);
           for (int64_t kk = std::max(k0, kb * job.block_size); kk < k_end; kk += 8) {
             const uint8_t* word0 = job.packed + word_offset(row0, kk);
-            const int64_t word_step = word_offset(row0 + 1, kk) - word_offset(row0, kk);
             Word8 words = {};
             for (int lane = 0; lane < lanes; ++lane) {
               words[lane] = spec_word(word0 + lane * word_step);
