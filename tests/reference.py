@@ -102,6 +102,15 @@ def random_weight(rng, n, k, block_size=16, scale_low=0x28, scale_high=0x48):
     return packed, scale, global_scale
 
 
+def unit_gain_global_scale(packed, scale, block_size=16):
+    """The global scale that gives the dequantized rows unit root-mean-square norm, for stacks of
+    layers (tanh(h @ W^T) chains): with random_weight's global scale the pre-activations reach
+    ~100, and the few that land in tanh's linear region carry rounding errors through each layer
+    multiplied by the row norm, so a float32 chain's error would be set by the draw, not the kernel."""
+    unit = dequantize(packed, scale, np.float32(1.0), block_size)
+    return np.float32(1.0 / np.sqrt(np.mean(np.sum(unit**2, axis=-1))))
+
+
 def relative_error(y, ref) -> float:
     y = np.asarray(y, np.float64)
     ref = np.asarray(ref, np.float64)

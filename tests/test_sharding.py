@@ -228,8 +228,10 @@ def test_grad_under_tensor_parallel_weights(mode):
                                  "all-reduce": int(mode == "column")}
 
 
-def _stacked(rng, e, n, k, mesh, spec):
+def _stacked(rng, e, n, k, mesh, spec, *, unit_gain=False):
     parts = [reference.random_weight(rng, n, k) for _ in range(e)]
+    if unit_gain:                                    # a stack of layers: keep the chain conditioned
+        parts = [(p, s, reference.unit_gain_global_scale(p, s)) for p, s, _ in parts]
     packed, scale, gs = (np.stack(x) for x in zip(*parts))
     ws = jax_fp4.NVFP4Weight(_put(packed, mesh, spec), _put(scale, mesh, spec), _put(gs, mesh, P()))
     return ws, np.stack([reference.dequantize(*p, 16) for p in parts])
@@ -254,7 +256,7 @@ def test_scan_over_row_parallel_layers():
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",))
     layers, d = 3, 128
-    ws, w64 = _stacked(rng, layers, d, d, mesh, P(None, None, "x"))  # each layer K-sharded
+    ws, w64 = _stacked(rng, layers, d, d, mesh, P(None, None, "x"), unit_gain=True)  # K-sharded
     h0, h64 = _activation(rng, (4, d), "float32", mesh, P())
 
     def net(h, ws):
