@@ -1,13 +1,64 @@
-"""Test session setup: 8 host (CPU) devices, so the sharding tests can build meshes.
+"""Test session setup.
 
-XLA reads XLA_FLAGS once, when jax initialises its backends, so this must run before any test
-module imports jax. Every other test works the same with 8 CPU devices (un-sharded programs still
-run on one device). If jax was imported earlier (e.g. by a plugin), the flag cannot take effect and
-the sharding tests skip themselves.
+8 host (CPU) devices, so the sharding tests can build meshes: XLA reads XLA_FLAGS once, when jax
+initialises its backends, so this must run before any test module imports jax. Every other test
+works the same with 8 CPU devices (un-sharded programs still run on one device). If jax was
+imported earlier (e.g. by a plugin), the flag cannot take effect and the sharding tests skip
+themselves.
+
+Replayable fresh inputs: tests draw fresh random inputs with `np.random.default_rng()` (no seed).
+Inside a test those draws come from one seed per test, fresh each run and printed with its failure
+("random inputs" section), so a failure seen once can be replayed with JAX_FP4_TEST_SEED=<seed>.
+Draws with an explicit seed are left as they are.
 """
 
 import os
 
+import numpy as np
+import pytest
+
 _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}=8".strip()
+
+SEED_VARIABLE = "JAX_FP4_TEST_SEED"
+_numpy_default_rng = np.random.default_rng
+_seed_key = pytest.StashKey[int]()
+
+
+def seeded_default_rng(seed: int):
+    """np.random.default_rng as seen inside a test: unseeded calls get successive independent
+    streams of `seed` (the same streams, in the same order, for the same seed)."""
+    root = np.random.SeedSequence(seed)
+
+    def default_rng(seed=None):
+        return _numpy_default_rng(root.spawn(1)[0] if seed is None else seed)
+
+    return default_rng
+
+
+def _test_seed() -> int:
+    value = os.environ.get(SEED_VARIABLE, "").strip()
+    if not value:
+        return int(np.random.SeedSequence().entropy)
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_VARIABLE} must be an integer seed, got {value!r}") from None
+
+
+@pytest.fixture(autouse=True)
+def _replayable_random_inputs(request, monkeypatch):
+    seed = _test_seed()
+    request.node.stash[_seed_key] = seed
+    monkeypatch.setattr(np.random, "default_rng", seeded_default_rng(seed))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = item.stash.get(_seed_key, None)
+    if report.failed and seed is not None:
+        report.sections.append(
+            ("random inputs", f"seed {seed}; replay: {SEED_VARIABLE}={seed} pytest '{item.nodeid}'"))
+    return report
