@@ -7,6 +7,8 @@
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
 #   DISPATCH_M=9,16,32 bash benchmarks/device_run.sh build dispatch-check   # auto against every backend
+#   DISPATCH_BACKENDS=gemv,fused,dequant,xla DISPATCH_M=64,256,1024,4096 bash benchmarks/device_run.sh build xla-fusion dispatch-check
+#   (whether XLA fuses the xla path's dequantize into its GEMM, then its times beside the kernels')
 #   (four shapes at 11 M, prepacked: ~3 min; the spec layout at 12 M: ~5 min)
 #   bash benchmarks/device_run.sh build pdl-ab        # programmatic dependent launch A/B, ~6 min
 #   (bench and gemv-sweep time prepacked weights; BENCH_LAYOUT=spec for the spec layout;
@@ -121,8 +123,14 @@ for stage in "$@"; do
       # DISPATCH_SHAPES / DISPATCH_M (the script's defaults: the four prefill shapes, M = 1-4096).
       timeout "${DISPATCH_TIMEOUT:-540}" python benchmarks/dispatch_check.py --layout "${DISPATCH_LAYOUT:-tiled}" \
         ${DISPATCH_SHAPES:+--shapes "$DISPATCH_SHAPES"} ${DISPATCH_M:+--m "$DISPATCH_M"} \
+        ${DISPATCH_BACKENDS:+--backends "$DISPATCH_BACKENDS"} \
         --json "$OUT/dispatch_check.json" > "$OUT/dispatch_check.md" 2> "$OUT/dispatch_check.log" || status=1
       tail -1 "$OUT/dispatch_check.md" ;;
+    xla-fusion)
+      # The xla path's compiled program on this GPU: Triton GEMM / cuBLAS, weight materialized or not.
+      timeout 240 python benchmarks/xla_fusion_check.py --layout "${DISPATCH_LAYOUT:-tiled}" \
+        ${DISPATCH_SHAPES:+--shapes "$DISPATCH_SHAPES"} ${DISPATCH_M:+--m "$DISPATCH_M"} \
+        --json "$OUT/xla_fusion.json" 2>&1 | tee "$OUT/xla_fusion.md" || status=1 ;;
     profile)
       # --replay-mode application: kernel replay backs up device memory and crawls on big weights.
       timeout 150 ncu --clock-control none --replay-mode application -k regex:Fused -c 2 \

@@ -8,6 +8,10 @@ Paths:
   fused      CUDA fused NVFP4 x fp16/bf16 GEMM for Hopper (sm_90a), no dequantized copy: the
              mid-M range on compute capability 9.x (block_size 16, K % 128 == 0).
   dequant    CUDA dequantize kernel into an fp16/bf16 [N, K] buffer, then XLA's dot (cuBLAS).
+  xla        the dequant path written in plain JAX (any platform, fp16/bf16): the same weight in
+             the activations' dtype, then XLA's dot; XLA may fuse the dequantize into its GEMM.
+             "auto" takes it where jax_fp4 has no kernels (platforms other than CPU and CUDA, or a
+             build without CUDA kernels).
   native     CUDA W4A4 SM120 (Blackwell GeForce) CUTLASS GEMM: activations quantized to NVFP4;
              only when JAX_FP4_NATIVE_SM120=1 (or forced) on compute capability 12.x.
 """
@@ -21,7 +25,7 @@ import numpy as np
 
 from jax_fp4 import _fused, _native
 
-BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native")
+BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native", "xla")
 
 # The "auto" thresholds, from the crossovers measured on the H200 (benchmarks/NOTES_fused.md,
 # "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json and
@@ -105,7 +109,8 @@ def gemv_unsupported_reason(p: Problem) -> str | None:
     return None
 
 
-def dequant_unsupported_reason(p: Problem) -> str | None:
+def half_dtype_unsupported_reason(p: Problem) -> str | None:
+    """The dequant and xla paths: the weight is dequantized to the activations' dtype."""
     if p.dtype not in _HALF_DTYPES:
         return f"a must be float16 or bfloat16, got {p.dtype}"
     return None
@@ -141,7 +146,8 @@ def auto_prefers_fused(p: Problem, capability) -> bool:
 
 
 _PLATFORM_OF = {"cpu": "cpu", "gemv": "cuda", "dequant": "cuda", "fused": "cuda", "native": "cuda"}
-_UNSUPPORTED = {"gemv": gemv_unsupported_reason, "dequant": dequant_unsupported_reason}
+_UNSUPPORTED = {"gemv": gemv_unsupported_reason, "dequant": half_dtype_unsupported_reason,
+                "xla": half_dtype_unsupported_reason}
 
 
 def check_backend(backend: str, p: Problem) -> None:
@@ -180,8 +186,8 @@ def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bo
     check_backend(backend, p)
     if p.m == 0 or p.n == 0 or p.k == 0:
         return "empty"
-    if backend == "reference":
-        return "reference"
+    if backend in ("reference", "xla"):  # plain JAX: any platform
+        return backend
     if backend != "auto":
         _check_platform(backend, platform, has_cuda_kernels)
         if backend == "native":  # raises ValueError with the reason when it cannot run
@@ -203,6 +209,8 @@ def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bo
             return "gemv"
         if native:
             return "native"
-        if dequant_unsupported_reason(p) is None:
+        if half_dtype_unsupported_reason(p) is None:
             return "dequant"
+    if half_dtype_unsupported_reason(p) is None:
+        return "xla"  # no jax_fp4 kernel here: XLA's own dot in the activations' dtype
     return "reference"

@@ -172,6 +172,25 @@ def pack_codes(codes):
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
 
+def e2m1_to_float32(packed):
+    """uint8 [..., K/2] -> the E2M1 values [..., K] in float32 (low nibble first), exactly.
+
+    By integer arithmetic on the float32 bits, as nvfp4.h's e2m1_to_float: elementwise ops that
+    XLA fuses into the consumer (on GPUs possibly into its GEMM's operand), where a 16-entry table
+    would be a gather. Not through XLA's float4_e2m1fn type: XLA (jaxlib 0.10.2) constant-folds a
+    uint8 -> float4_e2m1fn bitcast of a captured constant weight to the wrong values."""
+    packed = jnp.asarray(packed)
+    codes = (packed[..., None] >> jnp.array([0, 4], jnp.uint8)) & 0xF  # [..., K/2, 2]
+    exponent = ((codes >> 1) & 3).astype(jnp.uint32)
+    mantissa = (codes & 1).astype(jnp.uint32)
+    # Exponent bias 1 -> 127, the mantissa bit on top of float32's; exponent 0 is 0 or 0.5 (126).
+    magnitude = jnp.where(exponent == 0, mantissa * (126 << 23),
+                          ((exponent + 126) << 23) | (mantissa << 22))
+    bits = magnitude | ((codes & 8).astype(jnp.uint32) << 28)  # the sign, bit 3 -> bit 31
+    values = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
 def e4m3_to_float32(scale):
     """E4M3 scales (bytes or float8_e4m3fn) -> float32, exactly (NaN bytes stay NaN)."""
     as_fp8 = jax.lax.bitcast_convert_type(scale_as_bytes(scale), jnp.float8_e4m3fn)
@@ -185,7 +204,7 @@ def dequantize(w: NVFP4Weight, dtype=jnp.float32):
         raise TypeError(f"dequantize: w must be an NVFP4Weight, got {type(w).__name__}")
     packed, scale = spec_arrays(w)
     k = w.k
-    values = jnp.asarray(E2M1_VALUES)[unpack_codes(packed)]
+    values = e2m1_to_float32(packed)
     block_scale = jnp.repeat(e4m3_to_float32(scale), w.block_size, axis=-1)[..., :k]
     gs = jnp.asarray(w.global_scale, jnp.float32)[..., None, None]
     return (values * block_scale * gs).astype(dtype)

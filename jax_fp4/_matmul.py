@@ -61,8 +61,9 @@ def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None):
       a: activations [..., K], float16 or bfloat16 (float32 on paths that serve it: cpu, reference).
       w: an NVFP4Weight of logical shape [N, K].
       bias: optional [N], cast to a's dtype.
-      backend: None/"auto" picks a path from static shapes; "reference", "cpu", "gemv" or "dequant"
-        forces one, and raises ValueError if it cannot serve these shapes or this platform.
+      backend: None/"auto" picks a path from static shapes; one of BACKENDS ("reference", "xla",
+        "cpu", "gemv", "dequant", "fused", "native") forces one, and raises ValueError if it
+        cannot serve these shapes or this platform.
 
     Returns:
       [..., N] in a's dtype.

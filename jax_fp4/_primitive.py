@@ -5,8 +5,8 @@ Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale uint8 [N, ce
 global_scale float32 [], bias [N] (a's dtype) when has_bias, and the prepacked SM120 scales
 (`prepack`) when has_swizzled. Result: [..., N] in a's dtype. Static `layout`: the byte order of
 packed and scale ("spec" or "tiled", jax_fp4/_layout.py); the kernels (CPU, tensor-core GEMV,
-dequant, fused) read "tiled" directly, the reference, native and scalar-GEMV paths through the
-inverse transform.
+dequant, fused) read "tiled" directly, the reference, xla, native and scalar-GEMV paths through
+the inverse transform.
 The lowering picks a path from static shapes (`_dispatch.select_path`); the chosen path shows in
 the HLO as the FFI custom-call target, or, for pure-JAX paths, as a `jax_fp4/<path>` op name.
 """
@@ -77,14 +77,15 @@ def _empty(a, packed, scale, global_scale, bias, *, block_size, **_):
     return out if bias is None else out + bias
 
 
-def _dense_f32(packed, scale, global_scale, block_size, layout="spec"):
-    """The dequantized weight [N, K] in float32 (the reference decomposition and dA use it)."""
+def _dense(packed, scale, global_scale, block_size, layout="spec", dtype=jnp.float32):
+    """The dequantized weight [N, K]: computed in float32 and rounded once to `dtype` (float32 for
+    the reference decomposition and dA, the activations' dtype for the xla path)."""
     return dequantize(NVFP4Weight.tree_unflatten((block_size, layout), (packed, scale, global_scale)),
-                      jnp.float32)
+                      dtype)
 
 
 def _reference(a, packed, scale, global_scale, bias, *, block_size, **_):
-    w = _dense_f32(packed, scale, global_scale, block_size)
+    w = _dense(packed, scale, global_scale, block_size)
     y = jnp.matmul(a.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
@@ -132,6 +133,17 @@ def _dequant(a, packed, scale, global_scale, bias, *, block_size, tiled=False, *
     n, k = packed.shape[0], a.shape[-1]
     call = jax.ffi.ffi_call("jax_fp4_dequant_cuda", jax.ShapeDtypeStruct((n, k), a.dtype))
     w = call(packed, scale, global_scale, block_size=np.int64(block_size), tiled=tiled)
+    return _dot_dequantized(a, w, bias)
+
+
+def _xla(a, packed, scale, global_scale, bias, *, block_size, **_):
+    # The dequant path's weight (same rounding), made by XLA: XLA may fuse it into its GEMM's
+    # operand instead of writing it to memory (dequantize is elementwise, no table lookup).
+    return _dot_dequantized(a, _dense(packed, scale, global_scale, block_size, dtype=a.dtype), bias)
+
+
+def _dot_dequantized(a, w, bias):
+    """a @ w^T (+ bias) by XLA's dot, w [N, K] in a's dtype."""
     if bias is None:
         # cuBLAS accumulates in fp32 and rounds once in its epilogue; asking for an f32 [M, N]
         # result and casting measured 5-14% slower at M >= 512 on the H200 (fused_h200.json).
@@ -152,7 +164,7 @@ def _fused_gemm(a, packed, scale, global_scale, bias, *, block_size, tiled=False
 
 
 _PATHS = {"empty": _empty, "reference": _reference, "cpu": _cpu, "gemv": _gemv, "dequant": _dequant,
-          "fused": _fused_gemm, "native": _native.native_matmul}
+          "fused": _fused_gemm, "native": _native.native_matmul, "xla": _xla}
 
 
 def _reading_spec_layout(impl):
@@ -173,7 +185,7 @@ def _reading_tiled_layout(impl):
 
 
 # Module-level so that each (path, layout) is one function (the partitioning rules cache on it).
-# The kernels read the tiled layout; the reference and native paths transform it back.
+# The kernels read the tiled layout; the reference, xla and native paths transform it back.
 _TILED_PATHS = {path: _reading_spec_layout(impl) for path, impl in _PATHS.items()}
 _SCALAR_GEMV_ON_TILED = _TILED_PATHS["gemv"]
 _TILED_PATHS.update(empty=_empty, cpu=_reading_tiled_layout(_cpu), gemv=_reading_tiled_layout(_gemv),
@@ -295,7 +307,7 @@ def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzle
         ct_gs = jnp.sum(ct.astype(jnp.float32) * unit.astype(jnp.float32))
     else:
         if ad.is_undefined_primal(a):
-            w = _dense_f32(packed, scale, global_scale, block_size, layout)
+            w = _dense(packed, scale, global_scale, block_size, layout)
             ct_a = jnp.matmul(ct.astype(jnp.float32), w,
                               precision=jax.lax.Precision.HIGHEST).astype(a.aval.dtype)
         if has_bias and ad.is_undefined_primal(bias):

@@ -32,7 +32,7 @@ program (a ShardingContext with more than one device). Everything else traces th
     `jax_fp4_matmul_cpu`, shows in `jit(f).lower(...).as_text()`.
   - shard_map and pmap bodies: the kernel runs on the local shards as is. A shard_map that leaves
     some mesh axes automatic (axis_names=...) gets no rule: XLA gathers over those axes.
-  - the pure-JAX paths (reference, empty): XLA partitions them natively.
+  - the pure-JAX paths (reference, xla, empty): XLA partitions them natively.
 Under a multi-device jit the lowered StableHLO holds a `CustomSPMDPartitioning` custom call in
 place of the kernel; the FFI target appears in the partitioned program
 (`jit(f).lower(...).compile().as_text()`), once per device program, on local shapes.

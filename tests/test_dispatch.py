@@ -8,7 +8,9 @@ N * K >= 2^26); otherwise gemv for M <= 16, or M <= 32 on prepacked weights with
 K >= 8192, or M <= 64 where the fused GEMM cannot run and the GEMV runs on tensor cores (sm_80+,
 K % 128 == 0 or prepacked) (block 16, K % 32 == 0, fp16/bf16), native only when enabled on compute
 capability 12.x, past M = 16 (block 16, K and N % 32 == 0), dequant for fp16/bf16,
-reference otherwise; on CPU the fused C++ kernel.
+reference otherwise; on CPU the fused C++ kernel; elsewhere (other platforms, CUDA without
+jax_fp4's kernels) xla for fp16/bf16 and reference otherwise. reference and xla (fp16/bf16) can be
+forced on any platform.
 """
 
 import itertools
@@ -31,14 +33,14 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, 
     gemv_ok = half and bs == 16 and k % 32 == 0
     native_ok = cap is not None and cap[0] == 12 and bs == 16 and k % 32 == 0 and n % 32 == 0 and half
     fused_ok = (cap is not None and cap[0] == 9 and half and bs == 16 and k > 0 and k % 128 == 0)
-    shape_ok = {"gemv": gemv_ok, "dequant": half, "native": native_ok, "fused": fused_ok,
-                "cpu": True, "reference": True, "auto": True}[backend]
-    if backend in ("gemv", "dequant") and not shape_ok:
+    shape_ok = {"gemv": gemv_ok, "dequant": half, "xla": half, "native": native_ok,
+                "fused": fused_ok, "cpu": True, "reference": True, "auto": True}[backend]
+    if backend in ("gemv", "dequant", "xla") and not shape_ok:
         return ValueError
     if m == 0 or n == 0 or k == 0:
         return "empty"
-    if backend == "reference":
-        return "reference"
+    if backend in ("reference", "xla"):
+        return backend
     if backend != "auto":
         needed = "cpu" if backend == "cpu" else "cuda"
         if platform != needed or (needed == "cuda" and not has_cuda) or not shape_ok:
@@ -65,7 +67,7 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, 
             return "native"
         if half:
             return "dequant"
-    return "reference"
+    return "xla" if half else "reference"
 
 
 def test_every_combination():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_fp4
-from jax_fp4._format import e4m3_to_float32
+from jax_fp4._format import e2m1_to_float32, e4m3_to_float32
 from tests import reference
 
 E2M1_BY_HAND = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
@@ -30,6 +30,19 @@ def test_all_e2m1_codes_decode():
     got = np.asarray(jax_fp4.dequantize(w))[0]
     np.testing.assert_array_equal(got, E2M1_BY_HAND)
     assert np.signbit(got[8])  # code 0x8 is -0 and decodes to zero
+
+
+def test_all_packed_bytes_decode_to_two_e2m1_values():
+    all_bytes = np.arange(256, dtype=np.uint8).reshape(2, 128)      # leading axes kept
+    got = np.asarray(e2m1_to_float32(all_bytes))
+    want = reference.e2m1_decode(reference.unpack(all_bytes))     # low nibble first
+    assert got.shape == (2, 256) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0 for code 0x8 too
+    # The same when XLA sees the bytes as a constant (a weight captured by jit) and may fold.
+    folded = np.asarray(jax.jit(lambda: e2m1_to_float32(all_bytes))())
+    np.testing.assert_array_equal(folded, want)
+    np.testing.assert_array_equal(np.signbit(folded), np.signbit(want))
 
 
 def test_all_e4m3_bytes_decode():

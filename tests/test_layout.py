@@ -132,9 +132,11 @@ def test_prepack_is_a_jittable_pytree():
     assert jax_fp4.prepack(w8).scale.dtype == jnp.float8_e4m3fn
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", None])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "xla", None])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_matmul_on_prepacked_weights_is_bit_identical(backend, dtype):
+    if backend == "xla" and dtype == jnp.float32:
+        pytest.skip("the xla path serves fp16/bf16 only (tests/test_matmul.py checks its error)")
     rng = np.random.default_rng()
     packed, scale, gs = reference.random_weight(rng, 48, 384)
     w = jax_fp4.NVFP4Weight(packed, scale, gs)

@@ -9,7 +9,13 @@ import pytest
 import jax_fp4
 from tests import reference
 
-CPU_BACKENDS = ("auto", "cpu", "reference")
+CPU_BACKENDS = ("auto", "cpu", "reference", "xla")
+
+
+def cpu_backends(dtype):
+    """The backends that serve `dtype` on the CPU (xla dequantizes to the activations' dtype:
+    fp16/bf16 only)."""
+    return [b for b in CPU_BACKENDS if b != "xla" or np.dtype(dtype) != np.float32]
 
 
 def _random_case(rng, lead, n, k, block_size, dtype, with_bias):
@@ -55,7 +61,7 @@ SHAPES = [
 def test_matmul_matches_reference(lead, n, k, block_size, dtype, with_bias):
     rng = np.random.default_rng()
     a, w, bias, ref = _random_case(rng, lead, n, k, block_size, dtype, with_bias)
-    for backend in CPU_BACKENDS:
+    for backend in cpu_backends(dtype):
         y = jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend=backend))(a, w, bias)
         _check(y, ref, dtype)
 
@@ -109,7 +115,7 @@ def test_cpu_paths_agree_bit_for_bit_on_exact_arithmetic():
     a = jnp.asarray(rng.integers(-8, 9, (5, k)) / 2.0, jnp.bfloat16)
     ref = reference.matmul(np.asarray(a, np.float64), packed, scale, 1.0, 16)
     want = np.asarray(jnp.asarray(ref, jnp.bfloat16))
-    for backend in CPU_BACKENDS:
+    for backend in cpu_backends(jnp.bfloat16):
         got = np.asarray(jax_fp4.matmul(a, w, backend=backend))
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
@@ -191,8 +197,10 @@ def test_matmul_bad_backend_and_unservable_forced_backend():
         jax_fp4.matmul(a, w, backend="gemv")
     with pytest.raises(ValueError, match="block_size must be 16, got 32"):
         jax_fp4.matmul(jnp.ones((2, 64), jnp.bfloat16), _weight(k=64, block_size=32), backend="gemv")
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
-        jax_fp4.matmul(jnp.ones((2, 48), jnp.float32), w, backend="dequant")
+    for backend in ("dequant", "xla"):
+        with pytest.raises(ValueError, match=rf"backend='{backend}' cannot serve this matmul: a must "
+                                             r"be float16 or bfloat16, got float32"):
+            jax_fp4.matmul(jnp.ones((2, 48), jnp.float32), w, backend=backend)
 
 
 def test_stacked_weight_needs_a_transform():

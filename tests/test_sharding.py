@@ -306,6 +306,27 @@ def test_rules_serve_any_path_implementation(mode):
     assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": int(mode == "row")}
 
 
+@pytest.mark.parametrize("mode", ["column", "row", "data"])
+def test_xla_path_is_partitioned_by_xla_itself(mode):
+    """backend="xla" is plain JAX (no custom call, no rule): XLA's partitioner keeps the weight
+    where it is by itself, with the same collectives as the kernels' rules."""
+    rng = np.random.default_rng()
+    mesh = _mesh((8,), ("x",))
+    n, k = 64, 256
+    w_spec, a_spec, out_spec = {"column": (P("x", None), P(), (None, "x")),
+                                "row": (P(None, "x"), P(None, "x"), (None, None)),
+                                "data": (P(), P("x", None), ("x", None))}[mode]
+    w, w64 = _weight(rng, n, k, mesh, w_spec)
+    a, a64 = _activation(rng, (8, k), "bfloat16", mesh, a_spec)
+    f = lambda a, w: jax_fp4.matmul(a, w, backend="xla")  # noqa: E731
+    _, hlo = _compile(f, a, w)
+    y = jax.jit(f)(a, w)
+    _check(y, a64 @ w64.T, "bfloat16")
+    assert _spec(y) == out_spec
+    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": int(mode == "row")}
+    assert KERNEL not in hlo
+
+
 # ---- fallbacks, and proof that the HLO checks would catch a gathered weight -----------------------
 
 def test_without_the_rules_xla_gathers_the_weight(monkeypatch):
