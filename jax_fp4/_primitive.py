@@ -236,7 +236,7 @@ def _lowering(ctx, *operands, block_size, backend, layout, has_bias, has_swizzle
     return mlir.lower_fun(lowered, multiple_results=False)(ctx, *operands)
 
 
-# Platforms without kernels (and the default for any other) lower to the reference decomposition.
+# Other platforms (no kernels) lower to the pure-JAX paths: xla, or reference for float32.
 mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="other"))
 mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="cpu"), platform="cpu")
 mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="cuda"), platform="cuda")
