@@ -31,13 +31,17 @@ def info() -> str:
 def paths(n: int, k: int, *, layout: str, capability: tuple[int, int], dtype: str = "bfloat16",
           native: bool = False, max_m: int = 8192) -> list[tuple[int, int, str]]:
     """The CUDA path `auto` picks for an N x K weight on a GPU of `capability`, as ranges of M:
-    [(first M, last M, path), ...] for M = 1..max_m (the dispatch rules only, no device needed)."""
-    from jax_fp4 import _dispatch
+    [(first M, last M, path), ...] for M = 1..max_m (the dispatch rules only, no device needed),
+    with the CUDA architectures of this build (of a default build where this one has none)."""
+    from jax_fp4 import _dispatch, _ffi
+
+    architectures = _ffi.cuda_architectures() or _ffi.DEFAULT_CUDA_ARCHITECTURES
 
     ranges: list[tuple[int, int, str]] = []
     for m in range(1, max_m + 1):
         path = _dispatch.auto_cuda_path(m, n, k, dtype=dtype, tiled=layout == "tiled",
-                                        capability=capability, native_enabled=native)
+                                        capability=capability, native_enabled=native,
+                                        architectures=architectures)
         if ranges and ranges[-1][2] == path:
             ranges[-1] = (ranges[-1][0], m, path)
         else:

@@ -10,8 +10,8 @@ Paths:
   dequant    CUDA dequantize kernel into an fp16/bf16 [N, K] buffer, then XLA's dot (cuBLAS).
   xla        the dequant path written in plain JAX (any platform, fp16/bf16): the same weight in
              the activations' dtype, then XLA's dot; XLA may fuse the dequantize into its GEMM.
-             "auto" takes it where jax_fp4 has no kernels (platforms other than CPU and CUDA, or a
-             build without CUDA kernels).
+             "auto" takes it where jax_fp4 has no kernels (platforms other than CPU and CUDA, a
+             build without CUDA kernels, or a GPU none of the compiled architectures runs on).
   native     CUDA W4A4 SM120 (Blackwell GeForce) CUTLASS GEMM: activations quantized to NVFP4;
              only when JAX_FP4_NATIVE_SM120=1 (or forced) on compute capability 12.x.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import numpy as np
 
@@ -159,20 +160,48 @@ def check_backend(backend: str, p: Problem) -> None:
         raise ValueError(f"backend={backend!r} cannot serve this matmul: {reason}")
 
 
+def cuda_kernels_run_on(architectures: str, capability) -> bool:
+    """Whether a build for `architectures` (CMake's list, e.g. "80-real;90a-real;80-virtual") has
+    code a GPU of `capability` (major, minor) can run: a cubin for X.Y runs on X.y with y >= Y (an
+    arch-specific "a" cubin on X.Y only), PTX for X.Y is compiled at load time for any later GPU.
+    True when it cannot tell (no capability, or an entry such as "native")."""
+    if capability is None or not architectures:
+        return True
+    for entry in architectures.split(";"):
+        parsed = re.fullmatch(r"(\d+)([af]?)(?:-(real|virtual))?", entry.strip())
+        if parsed is None:
+            return True
+        number, suffix, kind = int(parsed[1]), parsed[2], parsed[3]
+        arch = (number // 10, number % 10)
+        if suffix == "a":
+            runs = tuple(capability) == arch
+        elif kind == "real":
+            runs = capability[0] == arch[0] and capability[1] >= arch[1]
+        else:  # PTX (plain "80" is both cubin and PTX)
+            runs = tuple(capability) >= arch
+        if runs:
+            return True
+    return False
+
+
 def auto_cuda_path(m: int, n: int, k: int, *, dtype, tiled: bool, capability,
-                   native_enabled: bool = False, block_size: int = 16) -> str:
+                   native_enabled: bool = False, block_size: int = 16,
+                   architectures: str = "") -> str:
     """The path "auto" takes on a CUDA device of `capability` (major, minor) with jax_fp4's kernels
-    compiled in: the rules alone, no device needed (`python -m jax_fp4 paths`, dispatch_check.py)."""
+    compiled for `architectures` (empty: for that device): the rules alone, no device needed
+    (`python -m jax_fp4 paths`, dispatch_check.py)."""
     problem = Problem(m=m, n=n, k=k, block_size=block_size, dtype=np.dtype(dtype), tiled=tiled)
-    return select_path("cuda", "auto", problem, has_cuda_kernels=True, capability=capability,
-                       native_enabled=native_enabled)
+    return select_path("cuda", "auto", problem,
+                       has_cuda_kernels=cuda_kernels_run_on(architectures, capability),
+                       capability=capability, native_enabled=native_enabled)
 
 
 def _check_platform(backend: str, platform: str, has_cuda_kernels: bool) -> None:
     needed = _PLATFORM_OF[backend]
     if platform != needed or (needed == "cuda" and not has_cuda_kernels):
-        why = "this jax_fp4 build has no CUDA kernels" if platform == needed else (
-            f"the computation is lowered for platform {platform!r}")
+        why = ("this jax_fp4 build has no CUDA kernels for this GPU (none compiled in, or none for "
+               "its compute capability: `python -m jax_fp4 info` lists the architectures)"
+               if platform == needed else f"the computation is lowered for platform {platform!r}")
         raise ValueError(f"backend={backend!r} needs platform {needed!r}, but {why}")
 
 

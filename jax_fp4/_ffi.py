@@ -38,6 +38,10 @@ def has_cuda_kernels() -> bool:
     return _jax_fp4_cuda is not None
 
 
+# CMakeLists.txt's default JAX_FP4_CUDA_ARCHITECTURES (tests/test_info.py keeps the two equal).
+DEFAULT_CUDA_ARCHITECTURES = "80-real;90a-real;120a-real;80-virtual"
+
+
 def cuda_architectures() -> str:
     """The CUDA architectures compiled in, e.g. '80-real;90a-real;120a-real;80-virtual'."""
     return _jax_fp4_cuda.architectures() if _jax_fp4_cuda is not None else ""

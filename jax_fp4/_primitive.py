@@ -212,10 +212,13 @@ def problem_of(a_shape, a_dtype, packed_shape, block_size, layout) -> _dispatch.
 
 def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout) -> str:
     on_cuda = platform == "cuda"
+    capability = _native.device_capability() if on_cuda else None
+    # Kernels this GPU can run: an older GPU than the architectures compiled in takes the xla path.
+    has_kernels = _ffi.has_cuda_kernels() and _dispatch.cuda_kernels_run_on(
+        _ffi.cuda_architectures(), capability)
     return _dispatch.select_path(platform, backend,
                                  problem_of(a_shape, a_dtype, packed_shape, block_size, layout),
-                                 has_cuda_kernels=_ffi.has_cuda_kernels(),
-                                 capability=_native.device_capability() if on_cuda else None,
+                                 has_cuda_kernels=has_kernels, capability=capability,
                                  native_enabled=on_cuda and _dispatch.env_flag(_native.NATIVE_ENV, False))
 
 

@@ -28,8 +28,9 @@ def cuda_device(monkeypatch):
     """Pretend to lower for a CUDA device of a chosen compute capability."""
     monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)
 
-    def set_capability(capability):
+    def set_capability(capability, architectures=_ffi.DEFAULT_CUDA_ARCHITECTURES):
         monkeypatch.setattr(_native, "device_capability", lambda device=None: capability)
+        monkeypatch.setattr(_ffi, "cuda_architectures", lambda: architectures)
 
     set_capability((9, 0))
     return set_capability
@@ -83,7 +84,7 @@ def test_auto_dispatch_targets_without_the_fused_gemm(cuda_device):
         assert _targets(matmul, *_case(64)) == ["jax_fp4_gemv_cuda"], capability
         assert _targets(matmul, *_case(65)) == ["jax_fp4_dequant_cuda"], capability
         assert _targets(matmul, *_case(17, k=160)) == ["jax_fp4_dequant_cuda"]  # scalar GEMV
-    cuda_device((7, 5))  # no tensor-core GEMV: the scalar one to M = 16
+    cuda_device((7, 5), "75;80-real")  # a build with sm_75 code: the scalar GEMV to M = 16
     assert _targets(matmul, *_case(16)) == ["jax_fp4_gemv_cuda"]
     assert _targets(matmul, *_case(17)) == ["jax_fp4_dequant_cuda"]
 
@@ -141,9 +142,23 @@ def test_tiled_weights_reach_the_tensor_core_gemv_as_they_are(cuda_device, monke
     monkeypatch.setenv("JAX_FP4_GEMV_MMA", "0")
     assert _gemv_tiled_attrs(matmul, a, p) == ["false"]
     monkeypatch.delenv("JAX_FP4_GEMV_MMA")
-    cuda_device((7, 5))
+    cuda_device((7, 5), "75;80-real")  # a build with sm_75 code
     assert _gemv_tiled_attrs(matmul, a, p) == ["false"]
     cuda_device((9, 0))
     # the other paths read the spec layout (transformed back inside the program)
     assert _targets(matmul, *(_case(64)[0], p)) == ["jax_fp4_fused_cuda"]
     assert _targets(matmul, *(_case(1100)[0], p)) == ["jax_fp4_dequant_cuda"]
+
+
+def test_a_gpu_older_than_the_build_lowers_to_xla(cuda_device):
+    """A T4 (7.5) runs none of the default build's code (sm_80+ cubins and PTX): auto lowers to
+    plain XLA, and a forced kernel path is a clear error, not a launch failure on the device."""
+    cuda_device((7, 5))
+    a, w = _case(4)
+    text = jax.jit(lambda a, w: jax_fp4.matmul(a, w)).trace(a, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "dot_general" in text and _targets(lambda a, w: jax_fp4.matmul(a, w), a, w) == []
+    assert jax_fp4.dispatch_path(a, w, platform="cuda") == "xla"
+    with pytest.raises(ValueError, match=r"backend='gemv' needs platform 'cuda', but this jax_fp4 "
+                                         r"build has no CUDA kernels for this GPU"):
+        _targets(lambda a, w: jax_fp4.matmul(a, w, backend="gemv"), a, w)

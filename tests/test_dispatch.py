@@ -90,6 +90,47 @@ def test_every_combination():
     assert count > 100_000
 
 
+DEFAULT_BUILD = "80-real;90a-real;120a-real;80-virtual"
+
+
+@pytest.mark.parametrize("architectures, capability, runs", [
+    (DEFAULT_BUILD, (7, 5), False),      # T4: older than every cubin and the PTX
+    (DEFAULT_BUILD, (7, 0), False),
+    (DEFAULT_BUILD, (8, 0), True),
+    (DEFAULT_BUILD, (8, 6), True),       # the 8.0 cubin runs on later 8.x
+    (DEFAULT_BUILD, (8, 9), True),
+    (DEFAULT_BUILD, (9, 0), True),
+    (DEFAULT_BUILD, (10, 0), True),      # through the 8.0 PTX
+    (DEFAULT_BUILD, (12, 1), True),
+    ("90a-real", (9, 0), True),          # the device build (benchmarks/device_run.sh)
+    ("90a-real", (10, 0), False),        # arch-specific: 9.0 only
+    ("90a-real", (8, 0), False),
+    ("80-real", (9, 0), False),          # a cubin stays within its major version
+    ("80-real", (8, 6), True),
+    ("86-real", (8, 0), False),
+    ("80-virtual", (12, 0), True),
+    ("75", (7, 5), True),                # no suffix: cubin and PTX
+    ("75", (9, 0), True),
+    ("120a-real;80-real", (12, 0), True),
+    ("120a-real;80-real", (12, 1), False),
+    ("native", (7, 5), True),            # cannot tell: assume it runs
+    (DEFAULT_BUILD, None, True),
+    ("", (7, 5), True),
+])
+def test_cuda_kernels_run_on(architectures, capability, runs):
+    assert _dispatch.cuda_kernels_run_on(architectures, capability) is runs
+
+
+def test_auto_on_a_gpu_the_build_has_no_code_for():
+    # jax_fp4's kernels compiled for sm_80+ on a T4: XLA alone (fp16/bf16), the reference (float32).
+    kwargs = dict(tiled=False, capability=(7, 5), architectures=DEFAULT_BUILD)
+    assert _dispatch.auto_cuda_path(1, 4096, 4096, dtype="bfloat16", **kwargs) == "xla"
+    assert _dispatch.auto_cuda_path(4096, 4096, 4096, dtype="float16", **kwargs) == "xla"
+    assert _dispatch.auto_cuda_path(1, 4096, 4096, dtype="float32", **kwargs) == "reference"
+    assert _dispatch.auto_cuda_path(1, 4096, 4096, dtype="bfloat16", tiled=False,
+                                    capability=(8, 0), architectures=DEFAULT_BUILD) == "gemv"
+
+
 @pytest.mark.parametrize("raw, value", [("1", True), ("yes", True), ("TRUE", True), ("0", False),
                                         ("off", False), ("no", False), ("", True)])
 def test_env_flag_parses_booleans(monkeypatch, raw, value):

@@ -35,6 +35,8 @@ def test_paths_reports_auto_as_ranges_of_m(capsys):
         (1, 64, "gemv"), (65, 100, "dequant")]
     assert cli.paths(4096, 4096, layout="spec", capability=(12, 0), native=True, max_m=100) == [
         (1, 16, "gemv"), (17, 100, "native")]
+    # A GPU older than every architecture compiled in (a T4): XLA alone.
+    assert cli.paths(4096, 4096, layout="spec", capability=(7, 5), max_m=100) == [(1, 100, "xla")]
     assert cli.main(["paths", "4096x11008", "--layout", "tiled", "--capability", "9.0",
                      "--max-m", "64"]) == 0
     assert capsys.readouterr().out.splitlines() == [
@@ -63,3 +65,14 @@ def test_paths_without_a_gpu_asks_for_the_capability():
         pytest.skip("this machine has a CUDA device: paths reads its capability")
     with pytest.raises(SystemExit, match="no CUDA device here; name the GPU with --capability"):
         cli.main(["paths", "4096x4096"])
+
+
+def test_default_cuda_architectures_are_the_builds():
+    """_ffi.DEFAULT_CUDA_ARCHITECTURES (what `paths` assumes on a build without CUDA kernels) is
+    CMakeLists.txt's default."""
+    import pathlib
+    import re
+
+    cmake = (pathlib.Path(__file__).resolve().parents[1] / "CMakeLists.txt").read_text()
+    default = re.search(r'set\(JAX_FP4_CUDA_ARCHITECTURES "([^"]+)"', cmake)[1]
+    assert _ffi.DEFAULT_CUDA_ARCHITECTURES == default
