@@ -161,13 +161,14 @@ def check_backend(backend: str, p: Problem) -> None:
 
 
 def cuda_kernels_run_on(architectures: str, capability) -> bool:
-    """Whether a build for `architectures` (CMake's list, e.g. "80-real;90a-real;80-virtual") has
-    code a GPU of `capability` (major, minor) can run: a cubin for X.Y runs on X.y with y >= Y (an
-    arch-specific "a" cubin on X.Y only), PTX for X.Y is compiled at load time for any later GPU.
-    True when it cannot tell (no capability, or an entry such as "native")."""
+    """Whether a build for `architectures` (CMake's list, e.g. "80-real;90a-real;80-virtual", or
+    with commas as the compiled module reports it) has code a GPU of `capability` (major, minor)
+    can run: a cubin for X.Y runs on X.y with y >= Y (an arch-specific "a" cubin on X.Y only), PTX
+    for X.Y is compiled at load time for any later GPU. True when it cannot tell (no capability,
+    or an entry such as "native")."""
     if capability is None or not architectures:
         return True
-    for entry in architectures.split(";"):
+    for entry in re.split(r"[;,]", architectures):
         parsed = re.fullmatch(r"(\d+)([af]?)(?:-(real|virtual))?", entry.strip())
         if parsed is None:
             return True

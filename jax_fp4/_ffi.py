@@ -43,5 +43,6 @@ DEFAULT_CUDA_ARCHITECTURES = "80-real;90a-real;120a-real;80-virtual"
 
 
 def cuda_architectures() -> str:
-    """The CUDA architectures compiled in, e.g. '80-real;90a-real;120a-real;80-virtual'."""
+    """The CUDA architectures compiled in, e.g. '80-real,90a-real,120a-real,80-virtual' (CMake's
+    list, its ';' written as ',')."""
     return _jax_fp4_cuda.architectures() if _jax_fp4_cuda is not None else ""

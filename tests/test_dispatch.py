@@ -113,6 +113,8 @@ DEFAULT_BUILD = "80-real;90a-real;120a-real;80-virtual"
     ("75", (9, 0), True),
     ("120a-real;80-real", (12, 0), True),
     ("120a-real;80-real", (12, 1), False),
+    ("80-real,90a-real,120a-real,80-virtual", (7, 5), False),   # as the compiled module reports
+    ("80-real,90a-real,120a-real,80-virtual", (8, 9), True),
     ("native", (7, 5), True),            # cannot tell: assume it runs
     (DEFAULT_BUILD, None, True),
     ("", (7, 5), True),
