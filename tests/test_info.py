@@ -76,3 +76,21 @@ def test_default_cuda_architectures_are_the_builds():
     cmake = (pathlib.Path(__file__).resolve().parents[1] / "CMakeLists.txt").read_text()
     default = re.search(r'set\(JAX_FP4_CUDA_ARCHITECTURES "([^"]+)"', cmake)[1]
     assert _ffi.DEFAULT_CUDA_ARCHITECTURES == default
+
+
+def test_the_compiled_architectures_are_read_by_the_dispatch():
+    """The compiled module's list (',' for CMake's ';') is one the dispatch can read: every entry
+    parses, and a default build runs on an H200 and has nothing for a T4."""
+    import re
+
+    from jax_fp4 import _dispatch
+
+    if not _ffi.has_cuda_kernels():
+        pytest.skip("a build without CUDA kernels")
+    built = _ffi.cuda_architectures()
+    for entry in built.split(","):
+        assert re.fullmatch(r"\d+[af]?(-real|-virtual)?", entry), built
+    assert not _dispatch.cuda_kernels_run_on(built, (7, 0))    # no entry reaches below 7.5
+    if built == _ffi.DEFAULT_CUDA_ARCHITECTURES.replace(";", ","):
+        assert _dispatch.cuda_kernels_run_on(built, (9, 0))
+        assert not _dispatch.cuda_kernels_run_on(built, (7, 5))
