@@ -7,9 +7,9 @@
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
 #   DISPATCH_M=9,16,32 bash benchmarks/device_run.sh build dispatch-check   # auto against every backend
+#   (four shapes at 11 M, prepacked: ~3 min; the spec layout at 12 M: ~5 min)
 #   DISPATCH_BACKENDS=gemv,fused,dequant,xla DISPATCH_M=64,256,1024,4096 bash benchmarks/device_run.sh build xla-fusion dispatch-check
 #   (whether XLA fuses the xla path's dequantize into its GEMM, then its times beside the kernels')
-#   (four shapes at 11 M, prepacked: ~3 min; the spec layout at 12 M: ~5 min)
 #   bash benchmarks/device_run.sh build pdl-ab        # programmatic dependent launch A/B, ~6 min
 #   (bench and gemv-sweep time prepacked weights; BENCH_LAYOUT=spec for the spec layout;
 #   every bench row is timed in two passes, BENCH_PASSES=1 for one: ~4 min)

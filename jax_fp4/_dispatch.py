@@ -210,8 +210,9 @@ def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bo
                 capability: tuple[int, int] | None = None, native_enabled: bool = False) -> str:
     """The path for one matmul lowered for `platform` ('cpu', 'cuda', ...).
 
-    `capability` is the CUDA device's (major, minor) and `native_enabled` the value of
-    JAX_FP4_NATIVE_SM120; both matter only on 'cuda'.
+    `has_cuda_kernels`: jax_fp4's CUDA kernels can run on this device (compiled in, and for its
+    architecture: cuda_kernels_run_on). `capability` is the CUDA device's (major, minor) and
+    `native_enabled` the value of JAX_FP4_NATIVE_SM120; all three matter only on 'cuda'.
     """
     check_backend(backend, p)
     if p.m == 0 or p.n == 0 or p.k == 0:

@@ -177,10 +177,13 @@ def e2m1_to_float32(packed):
 
     By integer arithmetic on the float32 bits, as nvfp4.h's e2m1_to_float: elementwise ops that
     XLA fuses into the consumer (on GPUs possibly into its GEMM's operand), where a 16-entry table
-    would be a gather. Not through XLA's float4_e2m1fn type: XLA (jaxlib 0.10.2) constant-folds a
-    uint8 -> float4_e2m1fn bitcast of a captured constant weight to the wrong values."""
+    would be a gather; and no array constant, which a custom_partitioning body may not capture.
+    Not through XLA's float4_e2m1fn type: XLA (jaxlib 0.10.2) constant-folds a uint8 ->
+    float4_e2m1fn bitcast of a captured constant weight to the wrong values."""
     packed = jnp.asarray(packed)
-    codes = (packed[..., None] >> jnp.array([0, 4], jnp.uint8)) & 0xF  # [..., K/2, 2]
+    pairs = jnp.broadcast_to(packed[..., None], (*packed.shape, 2))
+    nibble = jax.lax.broadcasted_iota(jnp.uint8, pairs.shape, pairs.ndim - 1)  # 0: low, 1: high
+    codes = (pairs >> (4 * nibble)) & 0xF  # [..., K/2, 2]
     exponent = ((codes >> 1) & 3).astype(jnp.uint32)
     mantissa = (codes & 1).astype(jnp.uint32)
     # Exponent bias 1 -> 127, the mantissa bit on top of float32's; exponent 0 is 0 or 0.5 (126).

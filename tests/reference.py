@@ -93,12 +93,14 @@ def round_to_e2m1(blocks, scale_bytes, gs):
     return np.where((q < 0) & (code > 0), code | 8, code).astype(np.uint8)
 
 
-def random_weight(rng, n, k, block_size=16, scale_low=0x28, scale_high=0x48):
+def random_weight(rng, n, k, block_size=16, scale_low=0x28, scale_high=0x48, *, unit_gain=False):
     """Random packed codes (all 16 codes), E4M3 scale bytes in [scale_low, scale_high)
-    (about 2^-2 .. 2^2) and a random positive global scale."""
+    (about 2^-2 .. 2^2) and a random positive global scale (unit_gain: unit_gain_global_scale's)."""
     packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
     scale = rng.integers(scale_low, scale_high, size=(n, math.ceil(k / block_size)), dtype=np.uint8)
     global_scale = np.float32(rng.uniform(0.5, 2.0) * 2.0**rng.integers(-8, 1))
+    if unit_gain:
+        global_scale = unit_gain_global_scale(packed, scale, block_size)
     return packed, scale, global_scale
 
 

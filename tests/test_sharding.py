@@ -229,9 +229,7 @@ def test_grad_under_tensor_parallel_weights(mode):
 
 
 def _stacked(rng, e, n, k, mesh, spec, *, unit_gain=False):
-    parts = [reference.random_weight(rng, n, k) for _ in range(e)]
-    if unit_gain:                                    # a stack of layers: keep the chain conditioned
-        parts = [(p, s, reference.unit_gain_global_scale(p, s)) for p, s, _ in parts]
+    parts = [reference.random_weight(rng, n, k, unit_gain=unit_gain) for _ in range(e)]
     packed, scale, gs = (np.stack(x) for x in zip(*parts))
     ws = jax_fp4.NVFP4Weight(_put(packed, mesh, spec), _put(scale, mesh, spec), _put(gs, mesh, P()))
     return ws, np.stack([reference.dequantize(*p, 16) for p in parts])
@@ -256,7 +254,8 @@ def test_scan_over_row_parallel_layers():
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",))
     layers, d = 3, 128
-    ws, w64 = _stacked(rng, layers, d, d, mesh, P(None, None, "x"), unit_gain=True)  # K-sharded
+    # Each layer K-sharded; unit gain keeps the tanh chain conditioned (reference.py says why).
+    ws, w64 = _stacked(rng, layers, d, d, mesh, P(None, None, "x"), unit_gain=True)
     h0, h64 = _activation(rng, (4, d), "float32", mesh, P())
 
     def net(h, ws):
@@ -274,14 +273,9 @@ def test_scan_over_row_parallel_layers():
 
 
 def _dequant_then_dot(a, packed, scale, global_scale, bias, *, block_size):
-    """A pure-JAX path implementation shaped like the CUDA dequant path. No array constants: the
-    body custom_partitioning traces may not capture any (E2M1 decoded arithmetically)."""
-    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
-    exp, mant = ((codes >> 1) & 3).astype(jnp.float32), (codes & 1).astype(jnp.float32)
-    mag = jnp.where(exp == 0, 0.5 * mant, (1 + 0.5 * mant) * jnp.exp2(exp - 1))
-    e2m1 = jnp.where(codes & 8, -mag, mag)
-    e4m3 = jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn).astype(jnp.float32)
-    w = e2m1 * jnp.repeat(e4m3, block_size, axis=1)[:, :e2m1.shape[1]] * global_scale
+    """A pure-JAX path implementation shaped like the CUDA dequant path (jax_fp4.dequantize holds
+    no array constant, which the body custom_partitioning traces may not capture)."""
+    w = jax_fp4.dequantize(jax_fp4.NVFP4Weight(packed, scale, global_scale, block_size=block_size))
     y = jnp.matmul(a.astype(jnp.float32), w.T, precision="highest")
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(a.dtype)
 
