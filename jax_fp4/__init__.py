@@ -7,6 +7,7 @@
 
 from jax_fp4 import _ffi  # noqa: F401  (importing it registers the FFI targets)
 from jax_fp4._dispatch import BACKENDS, GEMV_MAX_M
+from jax_fp4._export import export_disabled_checks
 from jax_fp4._format import NVFP4Weight, dequantize, pack_codes, quantize, unpack_codes
 from jax_fp4._matmul import dispatch_path, matmul
 from jax_fp4._native import PrepackedNVFP4Weight
@@ -32,6 +33,7 @@ __all__ = [
     "NVFP4Weight",
     "dequantize",
     "dispatch_path",
+    "export_disabled_checks",
     "matmul",
     "nvfp4_matmul_p",
     "pack_codes",

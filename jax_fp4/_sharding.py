@@ -26,24 +26,30 @@ When that does not hold, or a dimension is not divisible by the number of shards
 shardings come without a mesh (GSPMDSharding), the rule asks for that dimension replicated and
 the partitioner gathers it: correct results, at the cost of the gather it would have done anyway.
 
-Where the rule applies: kernel paths (cpu, gemv, dequant, fused) lowered into a multi-device jit
-program (a ShardingContext with more than one device). Everything else traces the kernel as before:
+Where the rules apply: kernel paths (cpu, gemv, dequant, fused) lowered into a multi-device jit
+program (a ShardingContext with more than one device), in one of two ways with the same plans:
+  - Auto mesh axes (and shardings without a mesh): `partitioned`, custom_partitioning. The lowered
+    StableHLO holds a `CustomSPMDPartitioning` custom call in place of the kernel; the FFI target
+    appears in the partitioned program (`jit(f).lower(...).compile().as_text()`), once per device
+    program, on local shapes.
+  - Explicit mesh axes (`jax.make_mesh`'s default, every axis Explicit): the operands' sharding
+    types are known at trace time, so `by_sharding_types` writes the plan as a shard_map
+    (`sdy.manual_computation` in the StableHLO) and the result gets the type abstract eval gave
+    it (`result_sharding`). The program holds no callback, so jax.export serializes it.
+Everything else traces the kernel as before:
   - single-device programs (8 host devices or not): the HLO is unchanged; the FFI target, e.g.
     `jax_fp4_matmul_cpu`, shows in `jit(f).lower(...).as_text()`.
   - shard_map and pmap bodies: the kernel runs on the local shards as is. A shard_map that leaves
     some mesh axes automatic (axis_names=...) gets no rule: XLA gathers over those axes.
   - the pure-JAX paths (reference, xla, empty): XLA partitions them natively.
-Under a multi-device jit the lowered StableHLO holds a `CustomSPMDPartitioning` custom call in
-place of the kernel; the FFI target appears in the partitioned program
-(`jit(f).lower(...).compile().as_text()`), once per device program, on local shapes.
 
 Limits:
-  - jax.export of a multi-device program fails ("serialization of host_callbacks is not yet
-    implemented": custom_partitioning's rules are Python callbacks), and so does lowering for an
-    AbstractMesh (the rule needs the devices). Single-device export is unaffected.
-  - Explicit-axes meshes (`jax.make_mesh`'s default): the partitioning is the same, but the
-    primitive's abstract eval gives its result no sharding type, so a surrounding program typed
-    under `jax.set_mesh` sees a replicated result (XLA may then gather the output activation).
+  - Under Auto axes, jax.export of a multi-device program fails ("serialization of host_callbacks
+    is not yet implemented": custom_partitioning's rules are Python callbacks), and so does
+    lowering for an AbstractMesh (the rule needs the devices). Export under Explicit axes, or of a
+    single-device program, works (jax_fp4/_export.py).
+  - A mesh mixing Explicit and Auto axes takes custom_partitioning; the result's type carries
+    its Explicit axes only.
   - JAX_FP4_CUSTOM_PARTITIONING=0 switches the rules off (for comparison and debugging).
 """
 
@@ -144,6 +150,21 @@ def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_
     return lead, n_axes, k_axes, reasons
 
 
+def _on_local_shards(run, k_axes):
+    """The per-device program of a plan: `run` on the local shards; with K split (row parallel)
+    the partial products are summed in float32 over `k_axes`, then bias is added once."""
+    def local(a, packed, scale, global_scale, *maybe_bias):
+        bias = maybe_bias[0] if maybe_bias else None
+        if not k_axes:
+            return run(a, packed, scale, global_scale, bias)
+        partial = run(a, packed, scale, global_scale, None).astype(jnp.float32)
+        y = jax.lax.psum(partial, k_axes)
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
+        return y.astype(a.dtype)
+    return local
+
+
 @functools.lru_cache(maxsize=None)
 def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k_check=None,
              tiled=False):
@@ -183,17 +204,7 @@ def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k
             arg_shardings.append(NamedSharding(mesh, P(_entry(n_axes))))
         out_sh = NamedSharding(mesh, P(*lead_spec, _entry(n_axes)))
 
-        def lower_fn(a, packed, scale, global_scale, *maybe_bias):
-            bias = maybe_bias[0] if maybe_bias else None
-            if not k_axes:
-                return run(a, packed, scale, global_scale, bias)
-            partial = run(a, packed, scale, global_scale, None).astype(jnp.float32)
-            y = jax.lax.psum(partial, k_axes)
-            if bias is not None:
-                y = y + bias.astype(jnp.float32)
-            return y.astype(a.dtype)
-
-        return mesh, lower_fn, out_sh, tuple(arg_shardings)
+        return mesh, _on_local_shards(run, k_axes), out_sh, tuple(arg_shardings)
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
         # Used by the GSPMD partitioner (jax_use_shardy_partitioner=False); Shardy uses the rule.
@@ -262,10 +273,52 @@ def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool, tiled: b
     if not env_flag("JAX_FP4_CUSTOM_PARTITIONING", True):
         return impl  # debugging switch: XLA then gathers the operands, as for any opaque call
     a_aval = ctx.avals_in[0]
+    local_k_check = _local_k_check(path, block_size, np.dtype(a_aval.dtype))
+    if explicit_mesh(a_aval) is not None:
+        return by_sharding_types(impl, a_aval, ctx.avals_in[1], ctx.avals_out[0],
+                                 block_size=block_size, has_bias=has_bias,
+                                 local_k_check=local_k_check, tiled=tiled)
     return partitioned(impl, block_size=block_size, has_bias=has_bias, a_ndim=a_aval.ndim,
-                       k=a_aval.shape[-1],
-                       local_k_check=_local_k_check(path, block_size, np.dtype(a_aval.dtype)),
-                       tiled=tiled)
+                       k=a_aval.shape[-1], local_k_check=local_k_check, tiled=tiled)
+
+
+def explicit_mesh(aval):
+    """The mesh of `aval`'s sharding type when every axis of it is Explicit, else None."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
+        return None
+    return mesh
+
+
+def by_sharding_types(impl, a_aval, packed_aval, out_aval, *, block_size: int, has_bias: bool,
+                      local_k_check=None, tiled=False):
+    """`impl` laid out by the operands' sharding types (a mesh whose axes are all Explicit):
+    the same plans as the partitioning rules, taken at trace time from the types and written as
+    a shard_map, so the program holds no partitioner callback (jax.export can serialize it).
+    Operands are resharded to the plan and the result to the type abstract eval gave it."""
+    mesh = a_aval.sharding.mesh
+    lead, n_axes, k_axes, _ = plan(mesh, a_aval.shape, a_aval.sharding, packed_aval.sharding,
+                                   n=packed_aval.shape[0], k=a_aval.shape[-1],
+                                   block_size=block_size, local_k_check=local_k_check, tiled=tiled)
+    lead_spec = [_entry(ax) for ax in lead]
+    weight_spec = P(_entry(n_axes), _entry(k_axes))
+    specs = (P(*lead_spec, _entry(k_axes)), weight_spec, weight_spec, P())
+    specs += (P(_entry(n_axes)),) if has_bias else ()
+
+    def run(a, packed, scale, global_scale, bias):
+        return impl(a, packed, scale, global_scale, bias, block_size=block_size)
+
+    local = jax.shard_map(_on_local_shards(run, k_axes), mesh=mesh, in_specs=specs,
+                          out_specs=P(*lead_spec, _entry(n_axes)), check_vma=False)
+
+    def call(a, packed, scale, global_scale, bias, *, block_size):
+        del block_size
+        operands = (a, packed, scale, global_scale) + (() if bias is None else (bias,))
+        operands = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
+                    for x, spec in zip(operands, specs)]
+        return jax.sharding.reshard(local(*operands), out_aval.sharding)
+
+    return call
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,9 +50,16 @@ def dequantize(packed, scale_bytes, global_scale, block_size) -> np.ndarray:
     return e2m1_decode(codes) * scale * np.float64(global_scale)
 
 
-def matmul(a, packed, scale_bytes, global_scale, block_size, bias=None) -> np.ndarray:
-    """float64 Y = A @ W^T (+ bias)."""
+def matmul(a, packed, scale_bytes, global_scale, block_size, bias=None, *,
+           weight_dtype=None) -> np.ndarray:
+    """float64 Y = A @ W^T (+ bias).
+
+    `weight_dtype` (fp16/bf16): W as the dequantizing paths (xla, dequant) hold it, the float32
+    product rounded once to that dtype. Their weight rounding then is part of the model, not of the
+    error: with few terms that cancel it alone can exceed the output's rounding tolerance."""
     w = dequantize(packed, scale_bytes, global_scale, block_size)
+    if weight_dtype is not None:
+        w = w.astype(np.float32).astype(weight_dtype).astype(np.float64)
     y = np.asarray(a, np.float64) @ w.T
     if bias is not None:
         y = y + np.asarray(bias, np.float64)

@@ -29,6 +29,15 @@ def _random_case(rng, lead, n, k, block_size, dtype, with_bias):
     return a, w, bias, ref
 
 
+def weight_rounding_reference(a, w, bias):
+    """The float64 product with the weight the dequantizing paths (xla, and dequant on CUDA)
+    multiply: rounded to a's dtype. With few terms that cancel, that rounding alone can exceed
+    the output's tolerance, so for those paths it is part of the model, not of the error."""
+    return reference.matmul(np.asarray(a, np.float64), w.packed, w.scale_bytes, w.global_scale,
+                            w.block_size, None if bias is None else np.asarray(bias, np.float64),
+                            weight_dtype=a.dtype)
+
+
 def _check(y, ref, dtype):
     y = np.asarray(y)
     assert y.shape == ref.shape and y.dtype == np.dtype(dtype)
@@ -63,7 +72,7 @@ def test_matmul_matches_reference(lead, n, k, block_size, dtype, with_bias):
     a, w, bias, ref = _random_case(rng, lead, n, k, block_size, dtype, with_bias)
     for backend in cpu_backends(dtype):
         y = jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend=backend))(a, w, bias)
-        _check(y, ref, dtype)
+        _check(y, weight_rounding_reference(a, w, bias) if backend == "xla" else ref, dtype)
 
 
 # The CPU kernel's blocking (ffi/cpu/matmul.cc): units of 480 rows of M against 64 weight rows,

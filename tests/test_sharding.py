@@ -89,12 +89,21 @@ def _spec(y):
     return tuple(y.sharding.spec) + (None,) * (y.ndim - len(y.sharding.spec))
 
 
+def _assert_laid_out_by(lowered, explicit):
+    """Auto axes: the kernel sits inside custom_partitioning's call until XLA partitions it.
+    Explicit axes: the sharding types lay it out at trace time, as a shard_map (no callback)."""
+    text = lowered.as_text()
+    assert ("CustomSPMDPartitioning" in text) == (not explicit)
+    assert ("sdy.manual_computation" in text) == explicit
+
+
 # ---- the three patterns on a 1-D mesh -----------------------------------------------------------
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_column_parallel_shards_n_with_no_collective(dtype):
+def test_column_parallel_shards_n_with_no_collective(dtype, explicit):
     rng = np.random.default_rng()
-    mesh = _mesh((8,), ("x",))
+    mesh = _mesh((8,), ("x",), explicit)
     n, k = 128, 96
     w, w64 = _weight(rng, n, k, mesh, P("x", None))
     a, a64 = _activation(rng, (3, 5, k), dtype, mesh, P())           # leading dims, replicated
@@ -110,21 +119,22 @@ def test_column_parallel_shards_n_with_no_collective(dtype):
     [(out, ops)] = _kernel_calls(hlo)
     assert out == (15, n // 8)
     assert ops == [(15, k), (n // 8, k // 2), (n // 8, k // 16), (), (n // 8,)]
-    # Before partitioning the kernel sits inside custom_partitioning's call.
-    assert "CustomSPMDPartitioning" in lowered.as_text()
+    _assert_laid_out_by(lowered, explicit)
 
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_row_parallel_is_one_all_reduce_and_adds_bias_once(dtype):
+def test_row_parallel_is_one_all_reduce_and_adds_bias_once(dtype, explicit):
     rng = np.random.default_rng()
-    mesh = _mesh((8,), ("x",))
+    mesh = _mesh((8,), ("x",), explicit)
     n, k = 48, 512                                                  # 8 shards of 4 scale blocks
     w, w64 = _weight(rng, n, k, mesh, P(None, "x"))
     a, a64 = _activation(rng, (2, 6, k), dtype, mesh, P(None, None, "x"))
     # A large bias: adding it on every shard (8x) would be far outside the tolerance.
     bias_np = 50.0 * rng.standard_normal(n)
     bias = _put(jnp.asarray(bias_np, dtype), mesh, P())
-    _, hlo = _compile(jax_fp4.matmul, a, w, bias)
+    lowered, hlo = _compile(jax_fp4.matmul, a, w, bias)
+    _assert_laid_out_by(lowered, explicit)
 
     y = jax.jit(jax_fp4.matmul)(a, w, bias)
     _check(y, a64 @ w64.T + np.asarray(bias, np.float64), dtype)
@@ -141,14 +151,16 @@ def test_row_parallel_is_one_all_reduce_and_adds_bias_once(dtype):
     assert ops == [(12, k // 8), (n, k // 16), (n, k // 128), (), (0,)]
 
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
 @pytest.mark.parametrize("lead_spec", [P("x", None, None), P(None, "x", None)])
-def test_data_parallel_keeps_leading_dims_sharded(lead_spec):
+def test_data_parallel_keeps_leading_dims_sharded(lead_spec, explicit):
     rng = np.random.default_rng()
-    mesh = _mesh((8,), ("x",))
+    mesh = _mesh((8,), ("x",), explicit)
     n, k = 40, 80
     w, w64 = _weight(rng, n, k, mesh, P())                          # replicated weight
     a, a64 = _activation(rng, (8, 16, k), "bfloat16", mesh, lead_spec)
-    _, hlo = _compile(jax_fp4.matmul, a, w)
+    lowered, hlo = _compile(jax_fp4.matmul, a, w)
+    _assert_laid_out_by(lowered, explicit)
 
     y = jax.jit(jax_fp4.matmul)(a, w)
     _check(y, a64 @ w64.T, "bfloat16")
@@ -160,10 +172,11 @@ def test_data_parallel_keeps_leading_dims_sharded(lead_spec):
 
 # ---- 2-D meshes: data parallel combined with tensor parallel -------------------------------------
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
 @pytest.mark.parametrize("mode", ["column", "row"])
-def test_2d_mesh_data_and_tensor_parallel(mode):
+def test_2d_mesh_data_and_tensor_parallel(mode, explicit):
     rng = np.random.default_rng()
-    mesh = _mesh((2, 4), ("data", "model"))
+    mesh = _mesh((2, 4), ("data", "model"), explicit)
     n, k = 64, 256
     w_spec, a_spec, out_spec = {
         "column": (P("model", None), P("data", None), ("data", "model")),
@@ -171,7 +184,8 @@ def test_2d_mesh_data_and_tensor_parallel(mode):
     }[mode]
     w, w64 = _weight(rng, n, k, mesh, w_spec)
     a, a64 = _activation(rng, (10, k), "float32", mesh, a_spec)
-    _, hlo = _compile(jax_fp4.matmul, a, w)
+    lowered, hlo = _compile(jax_fp4.matmul, a, w)
+    _assert_laid_out_by(lowered, explicit)
 
     y = jax.jit(jax_fp4.matmul)(a, w)
     _check(y, a64 @ w64.T, "float32")
