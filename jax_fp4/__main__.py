@@ -50,19 +50,22 @@ def paths(n: int, k: int, *, layout: str, capability: tuple[int, int], dtype: st
 
 
 def _capability(text: str) -> tuple[int, int]:
+    from jax_fp4 import _dispatch
+
     try:
-        major, minor = (int(x) for x in text.split("."))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR (e.g. 9.0), got {text!r}") from None
-    return major, minor
+        return _dispatch.parse_capability(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def paths_report(args) -> str:
     capability, source = args.capability, "given"
     if capability is None:
-        from jax_fp4 import _native
+        from jax_fp4 import _dispatch, _primitive
 
-        capability, source = _native.device_capability(), "this machine's GPU"
+        capability = _primitive.cuda_capability()
+        source = (_dispatch.CAPABILITY_ENV if _dispatch.env_capability() is not None
+                  else "this machine's GPU")
         if capability is None:
             raise SystemExit("paths: no CUDA device here; name the GPU with --capability "
                              "(9.0: H100 / H200, 8.0: A100, 12.0: RTX 50xx)")

@@ -100,6 +100,29 @@ def env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"environment variable {name} must be a boolean (0/1/true/false/yes/no), got {raw!r}")
 
 
+CAPABILITY_ENV = "JAX_FP4_CUDA_CAPABILITY"
+
+
+def parse_capability(text: str) -> tuple[int, int]:
+    """'9.0' -> (9, 0); ValueError for anything but MAJOR.MINOR."""
+    major, dot, minor = text.strip().partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise ValueError(f"expected MAJOR.MINOR (e.g. 9.0), got {text!r}")
+    return int(major), int(minor)
+
+
+def env_capability() -> tuple[int, int] | None:
+    """JAX_FP4_CUDA_CAPABILITY ("9.0"): the GPU the CUDA lowering picks kernels for in place of
+    this machine's (None when unset), for exporting a program for a GPU this machine lacks."""
+    raw = os.environ.get(CAPABILITY_ENV, "")
+    if not raw.strip():
+        return None
+    try:
+        return parse_capability(raw)
+    except ValueError as err:
+        raise ValueError(f"environment variable {CAPABILITY_ENV}: {err}") from None
+
+
 def gemv_unsupported_reason(p: Problem) -> str | None:
     if p.dtype not in _HALF_DTYPES:
         return f"a must be float16 or bfloat16, got {p.dtype}"

@@ -18,6 +18,14 @@ except ImportError:  # built without nvcc: CPU (and the reference lowering) only
 
 _PLATFORM_MODULES = {"cpu": _jax_fp4_cpu, "CUDA": _jax_fp4_cuda}
 
+# Every FFI target the compiled modules define, per platform, built here or not (a program can be
+# exported for a platform this build lacks; tests/test_info.py keeps this equal to the modules').
+FFI_TARGETS = {
+    "cpu": ("jax_fp4_matmul_cpu",),
+    "CUDA": ("jax_fp4_gemv_cuda", "jax_fp4_dequant_cuda", "jax_fp4_quantize_activation_cuda",
+             "jax_fp4_swizzle_scales_cuda", "jax_fp4_native_sm120_cuda", "jax_fp4_fused_cuda"),
+}
+
 
 def _register_all() -> dict[str, list[str]]:
     registered: dict[str, list[str]] = {}

@@ -198,7 +198,7 @@ def _impl_for(path: str, layout: str, platform: str):
         return _PATHS[path]
     if path == "gemv":
         # The tiled layout is the tensor-core kernel's (sm_80+); the scalar one reads the spec's.
-        capability = _native.device_capability() if platform == "cuda" else None
+        capability = cuda_capability() if platform == "cuda" else None
         if not (gemv_uses_mma() and capability is not None and capability >= (8, 0)):
             return _SCALAR_GEMV_ON_TILED
     return _TILED_PATHS[path]
@@ -210,9 +210,15 @@ def problem_of(a_shape, a_dtype, packed_shape, block_size, layout) -> _dispatch.
                              tiled=layout == "tiled")
 
 
+def cuda_capability():
+    """The compute capability the CUDA lowering picks kernels for: JAX_FP4_CUDA_CAPABILITY when
+    set (exporting for another GPU), else this machine's first GPU's (None without one)."""
+    return _dispatch.env_capability() or _native.device_capability()
+
+
 def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout) -> str:
     on_cuda = platform == "cuda"
-    capability = _native.device_capability() if on_cuda else None
+    capability = cuda_capability() if on_cuda else None
     # Kernels this GPU can run: an older GPU than the architectures compiled in takes the xla path.
     has_kernels = _ffi.has_cuda_kernels() and _dispatch.cuda_kernels_run_on(
         _ffi.cuda_architectures(), capability)

@@ -162,3 +162,19 @@ def test_a_gpu_older_than_the_build_lowers_to_xla(cuda_device):
     with pytest.raises(ValueError, match=r"backend='gemv' needs platform 'cuda', but this jax_fp4 "
                                          r"build has no CUDA kernels for this GPU"):
         _targets(lambda a, w: jax_fp4.matmul(a, w, backend="gemv"), a, w)
+
+
+def test_capability_override_lowers_for_another_gpu(cuda_device, monkeypatch):
+    """JAX_FP4_CUDA_CAPABILITY: a machine without that GPU lowers (e.g. for jax.export) the
+    kernels auto picks on it; unset, it picks for the GPU it sees (none here: no fused GEMM)."""
+    cuda_device(None)
+    matmul = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731
+    a, w = _case(17)
+    assert _targets(matmul, a, w) == ["jax_fp4_dequant_cuda"]
+    monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "9.0")
+    assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
+    monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "7.5")        # no image of the default build
+    assert _targets(matmul, a, w) == []                         # the xla path: plain JAX
+    monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "sm_90")
+    with pytest.raises(ValueError, match=r"JAX_FP4_CUDA_CAPABILITY: expected MAJOR.MINOR .* 'sm_90'"):
+        _targets(matmul, a, w)

@@ -89,6 +89,28 @@ def test_exported_program_runs_in_a_fresh_process(tmp_path: pathlib.Path):
     _check(y, np.asarray(jax.nn.gelu(ref)), "bfloat16")
 
 
+def test_one_artifact_for_this_cpu_and_an_h200(monkeypatch):
+    """Export for ("cpu", "cuda") on a machine without the GPU: JAX_FP4_CUDA_CAPABILITY names it,
+    so the CUDA branch holds the kernel auto picks on an H200 (the fused GEMM at M = 64), and the
+    artifact runs here through its CPU branch."""
+    from jax_fp4 import _ffi, _native
+
+    monkeypatch.setattr(_native, "device_capability", lambda device=None: None)
+    monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)    # a CUDA build (CI's is)
+    monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.DEFAULT_CUDA_ARCHITECTURES)
+    monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "9.0")
+    rng = np.random.default_rng()
+    args, ref = _random_problem(rng, 64, 256, (64,), "bfloat16")
+    exported = jax.export.export(jax.jit(jax_fp4.matmul), platforms=("cpu", "cuda"),
+                                 disabled_checks=jax_fp4.export_disabled_checks())(*args)
+    exported = jax.export.deserialize(exported.serialize())
+
+    text = exported.mlir_module()
+    assert exported.platforms == ("cpu", "cuda")
+    assert KERNEL in text and "jax_fp4_fused_cuda" in text
+    _check(exported.call(*args), ref, "bfloat16")
+
+
 # ---- sharded programs ------------------------------------------------------------------------------
 
 needs_8_cpu_devices = pytest.mark.skipif(

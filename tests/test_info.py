@@ -13,9 +13,11 @@ def test_info_lists_versions_and_registered_targets():
                          text=True).stdout
     assert "jax_fp4 0.1.0" in out and "jaxlib" in out
     assert "cpu: jax_fp4_matmul_cpu" in out
+    # _ffi.FFI_TARGETS (what export_disabled_checks waives) is what the built modules register.
+    assert _ffi.REGISTERED_TARGETS["cpu"] == list(_ffi.FFI_TARGETS["cpu"])
     if _ffi.has_cuda_kernels():
-        for target in ("jax_fp4_gemv_cuda", "jax_fp4_dequant_cuda", "jax_fp4_native_sm120_cuda",
-                       "jax_fp4_fused_cuda"):
+        assert sorted(_ffi.REGISTERED_TARGETS["CUDA"]) == sorted(_ffi.FFI_TARGETS["CUDA"])
+        for target in _ffi.FFI_TARGETS["CUDA"]:
             assert f"CUDA: {target}" in out
         assert f"CUDA kernels compiled in: yes, {_ffi.cuda_architectures()}" in out
     else:
@@ -65,6 +67,17 @@ def test_paths_without_a_gpu_asks_for_the_capability():
         pytest.skip("this machine has a CUDA device: paths reads its capability")
     with pytest.raises(SystemExit, match="no CUDA device here; name the GPU with --capability"):
         cli.main(["paths", "4096x4096"])
+
+
+def test_paths_reads_the_capability_override(monkeypatch, capsys):
+    """JAX_FP4_CUDA_CAPABILITY names the GPU the lowering picks for; `paths` shows the same."""
+    from jax_fp4 import __main__ as cli
+
+    monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "9.0")
+    assert cli.main(["paths", "4096x11008", "--max-m", "20"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "auto for N x K = 4096x11008, spec layout, bfloat16, compute capability 9.0 "
+        "(JAX_FP4_CUDA_CAPABILITY):", "  M = 1-16: gemv", "  M = 17-20: fused"]
 
 
 def test_default_cuda_architectures_are_the_builds():
