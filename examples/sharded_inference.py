@@ -42,11 +42,6 @@ def make_mesh():
     return jax.make_mesh((n // model, model), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
-def weight_spec(spec):
-    """PartitionSpecs for an NVFP4Weight's arrays (packed and scale alike; global scale replicated)."""
-    return jax_fp4.NVFP4Weight.tree_unflatten(16, (spec, spec, P()))
-
-
 def make_params(key, mesh):
     k1, k2, k3, k4, k5 = jax.random.split(key, 5)
     quantize = jax.jit(jax_fp4.quantize)
@@ -54,9 +49,10 @@ def make_params(key, mesh):
     down = quantize(jax.random.normal(k2, (D_MODEL, D_FF)) / np.sqrt(D_FF))
     params = {"up": up, "b_up": 0.1 * jax.random.normal(k3, (D_FF,)),
               "down": down, "b_down": 0.1 * jax.random.normal(k4, (D_MODEL,))}
-    specs = {"up": weight_spec(P("model", None)),      # column parallel: shard N
+    # A weight's PartitionSpec is over its logical [N, K]; .shardings gives one per array.
+    specs = {"up": up.shardings(P("model", None)),      # column parallel: shard N
              "b_up": P("model"),
-             "down": weight_spec(P(None, "model")),    # row parallel: shard K (whole scale blocks)
+             "down": down.shardings(P(None, "model")),  # row parallel: shard K (whole scale blocks)
              "b_down": P()}
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     x = jax.random.normal(k5, (BATCH, D_MODEL), jnp.bfloat16)

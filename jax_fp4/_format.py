@@ -103,8 +103,9 @@ class NVFP4Weight:
 
     @classmethod
     def tree_unflatten(cls, static, children):
-        """`static` is (block_size, layout), or a bare block_size for the spec layout (what
-        shard_map in_specs trees are commonly built with: tree_unflatten(16, (spec, spec, P())))."""
+        """`static` is (block_size, layout), or a bare block_size for the spec layout (trees of
+        in_axes or specs built by hand: tree_unflatten(16, (1, 1, 0)); for shardings, see
+        `shardings`)."""
         obj = object.__new__(cls)
         obj.packed, obj.scale, obj.global_scale = children
         obj.block_size, obj.layout = static if isinstance(static, tuple) else (static, "spec")
@@ -136,6 +137,38 @@ class NVFP4Weight:
     def nbytes(self) -> int:
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                    for x in (self.packed, self.scale, self.global_scale))
+
+    def shardings(self, sharding):
+        """This weight's arrays sharded like its logical [..., N, K] array by `sharding`.
+
+        `sharding`: a PartitionSpec or a NamedSharding over [..., N, K]. packed and scale take it
+        (K's mesh axes split the packed bytes and the scale blocks alike), the global scale its
+        leading entries. Returns an NVFP4Weight of the same kind of leaves, for jax.device_put,
+        jit's in_shardings and shard_map's in_specs:
+
+            w = jax.device_put(w, w.shardings(NamedSharding(mesh, P("model", None))))  # along N
+        """
+        mesh = None
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            mesh, spec = sharding.mesh, sharding.spec
+        elif isinstance(sharding, jax.sharding.PartitionSpec):
+            spec = sharding
+        else:
+            raise TypeError(f"shardings: sharding must be a PartitionSpec or NamedSharding over the "
+                            f"weight's [..., N, K], got {type(sharding).__name__}")
+        if len(spec) > self.ndim:
+            raise ValueError(f"shardings: {spec} has {len(spec)} entries for a weight of rank "
+                             f"{self.ndim} (shape {self.shape})")
+        entries = tuple(spec) + (None,) * (self.ndim - len(spec))
+        specs = self._array_specs(entries)
+        if mesh is not None:
+            specs = [jax.sharding.NamedSharding(mesh, s) for s in specs]
+        return type(self).tree_unflatten(self.tree_flatten()[1], specs)
+
+    def _array_specs(self, entries):
+        """PartitionSpecs of the arrays tree_flatten lists, from the logical [..., N, K] entries."""
+        spec = jax.sharding.PartitionSpec
+        return [spec(*entries), spec(*entries), spec(*entries[:-2])]
 
     def __repr__(self):
         layout = "" if self.layout == "spec" else f", layout={self.layout!r}"

@@ -304,6 +304,11 @@ class PrepackedNVFP4Weight(NVFP4Weight):
         obj.block_size, obj.layout = block_size, "spec"
         return obj
 
+    def _array_specs(self, entries):
+        # The swizzled scales interleave N and K in 128 x 64 atoms: sharded along leading dims only.
+        lead = entries[:-2]
+        return super()._array_specs(entries) + [jax.sharding.PartitionSpec(*lead, None, None)]
+
     @property
     def nbytes(self) -> int:
         return super().nbytes + int(np.prod(self.swizzled_scale.shape))

@@ -428,6 +428,37 @@ def test_result_sharding_type_for_explicit_axes():
     assert _sharding.result_sharding(plain, jax.core.ShapedArray((64, 128), jnp.uint8)) is None
 
 
+def test_weight_shardings_place_every_array():
+    """NVFP4Weight.shardings: the logical [..., N, K] sharding -> one per array, for device_put
+    (NamedSharding) and shard_map in_specs (PartitionSpec); stacked and SM120-prepacked too."""
+    rng = np.random.default_rng()
+    mesh = _mesh((2, 4), ("data", "model"))
+    packed, scale, gs = reference.random_weight(rng, 64, 256)
+    w = jax_fp4.NVFP4Weight(packed, scale, gs)
+    placed = jax.device_put(w, w.shardings(NamedSharding(mesh, P(None, "model"))))
+    assert [x.sharding.spec for x in jax.tree.leaves(placed)] == [P(None, "model"), P(None, "model"), P()]
+    assert [x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(placed)] == [(64, 32), (64, 4), ()]
+    a, a64 = _activation(rng, (6, 256), "float32", mesh, P(None, "model"))
+    _check(jax.jit(jax_fp4.matmul)(a, placed), a64 @ reference.dequantize(packed, scale, gs, 16).T,
+           "float32")
+
+    stacked = jax_fp4.NVFP4Weight(np.stack([packed] * 3), np.stack([scale] * 3), np.stack([gs] * 3))
+    specs = stacked.shardings(P("data", "model"))          # missing trailing entries: replicated
+    assert jax.tree.leaves(specs) == [P("data", "model", None)] * 2 + [P("data")]
+    assert specs.block_size == 16 and specs.layout == "spec"
+    tiled = jax_fp4.prepack(w).shardings(P("model"))
+    assert tiled.layout == "tiled" and jax.tree.leaves(tiled) == [P("model", None)] * 2 + [P()]
+    sm120 = jax_fp4.prepack(w, target="sm120").shardings(P("model", None))
+    assert type(sm120) is jax_fp4.PrepackedNVFP4Weight
+    assert jax.tree.leaves(sm120) == [P("model", None)] * 2 + [P(), P(None, None)]
+
+    with pytest.raises(TypeError, match="sharding must be a PartitionSpec or NamedSharding over the "
+                                        "weight's \\[..., N, K\\], got tuple"):
+        w.shardings(("model", None))
+    with pytest.raises(ValueError, match="has 3 entries for a weight of rank 2"):
+        w.shardings(P(None, "model", None))
+
+
 def test_eager_call_on_sharded_operands():
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",))
@@ -459,14 +490,14 @@ def test_shard_map_tensor_parallel_mlp():
     up, up64 = _weight(rng, h, d, mesh, P("x", None))
     down, down64 = _weight(rng, d, h, mesh, P(None, "x"))
     x, x64 = _activation(rng, (6, d), "float32", mesh, P())
-    specs = lambda s: jax_fp4.NVFP4Weight.tree_unflatten(16, (s, s, P()))  # noqa: E731
 
     def local(x, up, down):  # x replicated, up: 16 of h rows, down: 16 of h columns
         hid = jax.nn.relu(jax_fp4.matmul(x, up))
         return jax.lax.psum(jax_fp4.matmul(hid, down), "x")
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs(P("x", None)),
-                                                          specs(P(None, "x"))), out_specs=P()))
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), up.shardings(P("x", None)),
+                                                          down.shardings(P(None, "x"))),
+                              out_specs=P()))
     y = f(x, up, down)
     _check(y, np.maximum(x64 @ up64.T, 0) @ down64.T, "float32")
     lowered = f.lower(x, up, down)
