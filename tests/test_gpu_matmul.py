@@ -131,3 +131,23 @@ def test_quickstart_mlp_on_gpu():
     y = jax.jit(jax_fp4.matmul)(x, q)
     deq = reference.dequantize(q.packed, q.scale_bytes, q.global_scale, 16)
     _check(y, np.asarray(x, np.float64) @ deq.T, "bfloat16")
+
+
+@pytest.mark.parametrize("m, n, k, layout", [(1, 256, 4096, "tiled"), (64, 256, 4096, "spec"),
+                                             (2048, 128, 256, "spec")])
+def test_exported_program_runs_its_kernel(m, n, k, layout):
+    """jax.export on the GPU: the program keeps the kernel auto picked (its FFI target in the
+    module) and the exported call gives the live call's bits (tests/test_export.py: serialization
+    and the CPU side)."""
+    rng = np.random.default_rng()
+    a, w, bias, ref = _random_case(rng, (m,), n, k, 16, "bfloat16", with_bias=True)
+    if layout == "tiled":
+        w = jax_fp4.prepack(w)
+    path = jax_fp4.dispatch_path(a, w)
+    live = jax.jit(jax_fp4.matmul)
+    exported = jax.export.export(live, disabled_checks=jax_fp4.export_disabled_checks())(a, w, bias)
+    assert f"jax_fp4_{path}_cuda" in exported.mlir_module()
+    y = exported.call(a, w, bias)
+    _check(y, weight_rounding_reference(a, w, bias) if path == "dequant" else ref, "bfloat16")
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint16),
+                                  np.asarray(live(a, w, bias)).view(np.uint16))

@@ -33,6 +33,7 @@ def weight_rounding_reference(a, w, bias):
     """The float64 product with the weight the dequantizing paths (xla, and dequant on CUDA)
     multiply: rounded to a's dtype. With few terms that cancel, that rounding alone can exceed
     the output's tolerance, so for those paths it is part of the model, not of the error."""
+    w = jax_fp4.unprepack(w) if w.layout == "tiled" else w
     return reference.matmul(np.asarray(a, np.float64), w.packed, w.scale_bytes, w.global_scale,
                             w.block_size, None if bias is None else np.asarray(bias, np.float64),
                             weight_dtype=a.dtype)
