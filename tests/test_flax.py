@@ -427,6 +427,24 @@ def test_quantize_params_of_a_model():
     assert not np.array_equal(np.asarray(searched.scale_bytes), np.asarray(w.scale_bytes))
 
 
+def test_quantized_models_export_and_run_from_the_serialized_program():
+    """jax.export of a quantized nnx model (its state passed as leaves: flax registers no export
+    serialization for nnx.State) and of a Linen model (plain dict params)."""
+    x = _x(13, (4, 32), jnp.bfloat16)
+    model = nnx.Sequential(nnx.Linear(32, 48, rngs=nnx.Rngs(0)), jax.nn.relu,
+                           nnx.Linear(48, 16, rngs=nnx.Rngs(1)))
+    graphdef, state = nnx.split(fp4nnx.quantize_model(model))
+    leaves, treedef = jax.tree.flatten(state)
+    run = jax.jit(lambda leaves, x: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x))
+    params = fp4nn.quantize_params(_DenseNet().init(jax.random.key(1), x.astype(jnp.float32)))
+    apply = jax.jit(_DenseNet(dense=fp4nn.FP4Dense).apply)
+    for fn, args in ((run, (leaves, x)), (apply, (params, x))):
+        exported = jax.export.export(fn, disabled_checks=jax_fp4.export_disabled_checks())(*args)
+        assert "jax_fp4_matmul_cpu" in exported.mlir_module()
+        y = jax.export.deserialize(exported.serialize()).call(*args)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(fn(*args)))
+
+
 def test_linen_calibrate_and_calibrated_quantize_params():
     x = _x(13, (6, 32))
     float_params = _DenseNet().init(jax.random.key(2), x)
