@@ -241,7 +241,13 @@ def dequantize(w: NVFP4Weight, dtype=jnp.float32):
     packed, scale = spec_arrays(w)
     k = w.k
     values = e2m1_to_float32(packed)
-    block_scale = jnp.repeat(e4m3_to_float32(scale), w.block_size, axis=-1)[..., :k]
+    # Each block scale over its block_size elements, by broadcast and reshape rather than
+    # jnp.repeat: both keep a sharding of K (row-parallel weights under explicit mesh axes).
+    block_scale = e4m3_to_float32(scale)
+    block_scale = jnp.broadcast_to(block_scale[..., None], (*block_scale.shape, w.block_size))
+    block_scale = block_scale.reshape(*block_scale.shape[:-2], -1)
+    if block_scale.shape[-1] != k:  # a partial last block
+        block_scale = block_scale[..., :k]
     gs = jnp.asarray(w.global_scale, jnp.float32)[..., None, None]
     return (values * block_scale * gs).astype(dtype)
 

@@ -84,9 +84,16 @@ def _dense(packed, scale, global_scale, block_size, layout="spec", dtype=jnp.flo
                       dtype)
 
 
+def _times_transposed(a, w, **kwargs):
+    """a @ w^T by XLA's dot. Under explicit mesh axes the result is typed as abstract eval types
+    the primitive's (a row-parallel K, sharded on both sides, is summed)."""
+    out_sharding = _sharding.result_sharding(jax.typeof(a), jax.typeof(w))
+    return jnp.matmul(a, w.T, out_sharding=out_sharding, **kwargs)
+
+
 def _reference(a, packed, scale, global_scale, bias, *, block_size, **_):
     w = _dense(packed, scale, global_scale, block_size)
-    y = jnp.matmul(a.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+    y = _times_transposed(a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(a.dtype)
@@ -147,8 +154,8 @@ def _dot_dequantized(a, w, bias):
     if bias is None:
         # cuBLAS accumulates in fp32 and rounds once in its epilogue; asking for an f32 [M, N]
         # result and casting measured 5-14% slower at M >= 512 on the H200 (fused_h200.json).
-        return jnp.matmul(a, w.T)
-    y = jnp.matmul(a, w.T, preferred_element_type=jnp.float32)
+        return _times_transposed(a, w)
+    y = _times_transposed(a, w, preferred_element_type=jnp.float32)
     return (y + bias.astype(jnp.float32)).astype(a.dtype)
 
 
@@ -294,7 +301,7 @@ def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzl
     if not _is_zero(da):
         out_tangents.append(bind(da, packed, scale, global_scale, dbias, **weight))
     elif dbias is not None:  # only the bias moves: no matmul needed
-        out_tangents.append(jnp.broadcast_to(dbias, y.shape))
+        out_tangents.append(_sharding.typed_like(jnp.broadcast_to(dbias, y.shape), jax.typeof(y)))
     if not _is_zero(dgs):
         out_tangents.append(bind(a, packed, scale, dgs, None, **weight))
     if not out_tangents:
@@ -317,11 +324,14 @@ def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzle
     else:
         if ad.is_undefined_primal(a):
             w = _dense(packed, scale, global_scale, block_size, layout)
-            ct_a = jnp.matmul(ct.astype(jnp.float32), w,
-                              precision=jax.lax.Precision.HIGHEST).astype(a.aval.dtype)
+            # Under explicit mesh axes a column-parallel weight makes N, the contracted axis here,
+            # sharded on both sides: dA must be typed like a (the sum over N's shards is implied).
+            ct_a = jnp.matmul(ct.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST,
+                              out_sharding=_sharding.explicit_type(a.aval)).astype(a.aval.dtype)
         if has_bias and ad.is_undefined_primal(bias):
             ct_bias = jnp.sum(ct.astype(jnp.float32).reshape(-1, ct.shape[-1]), axis=0).astype(
                 bias.aval.dtype)
+            ct_bias = _sharding.typed_like(ct_bias, bias.aval)
     result = [ct_a, None, None, ct_gs]
     return result + ([ct_bias] if has_bias else []) + ([None] if has_swizzled else [])
 

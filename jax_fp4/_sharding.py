@@ -282,6 +282,22 @@ def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool, tiled: b
                        k=a_aval.shape[-1], local_k_check=local_k_check, tiled=tiled)
 
 
+def explicit_type(aval):
+    """`aval`'s sharding when its mesh has Explicit axes (its sharding type), else None."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not mesh._any_axis_explicit:
+        return None
+    return sharding
+
+
+def typed_like(x, aval):
+    """`x` resharded to `aval`'s sharding type under explicit mesh axes (else `x` as it is):
+    tangents and cotangents must carry their primal's type."""
+    sharding = explicit_type(aval)
+    return x if sharding is None else jax.sharding.reshard(x, sharding)
+
+
 def explicit_mesh(aval):
     """The mesh of `aval`'s sharding type when every axis of it is Explicit, else None."""
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)

@@ -222,21 +222,25 @@ def test_two_layer_tensor_parallel_mlp_needs_one_all_reduce():
     assert shapes == sorted([(h // 8, d // 2), (d, h // 16)])     # local weight shards only
 
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
 @pytest.mark.parametrize("mode", ["column", "row"])
-def test_grad_under_tensor_parallel_weights(mode):
-    """dA = dY @ dequant(W) partitions too (pure JAX in the transpose rule): no weight gather."""
+def test_grad_under_tensor_parallel_weights(mode, explicit):
+    """dA = dY @ dequant(W) partitions too (pure JAX in the transpose rule): no weight gather.
+    Under explicit axes dA is typed like a."""
     rng = np.random.default_rng()
-    mesh = _mesh((8,), ("x",))
+    mesh = _mesh((8,), ("x",), explicit)
     w_spec, a_spec = {"column": (P("x", None), P()), "row": (P(None, "x"), P(None, "x"))}[mode]
     w, w64 = _weight(rng, 64, 256, mesh, w_spec)
     a, _ = _activation(rng, (6, 256), "float32", mesh, a_spec)
-    bias = _put(jnp.asarray(rng.standard_normal(64), jnp.float32), mesh, P())
+    bias = _put(jnp.asarray(rng.standard_normal(64), jnp.float32), mesh, P(w_spec[0]))  # like N
     ct = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
     f = jax.grad(lambda a, b, w: jnp.sum(jax_fp4.matmul(a, w, b) * ct), argnums=(0, 1))
     _, hlo = _compile(f, a, bias, w)
     da, db = jax.jit(f)(a, bias, w)
     _check(da, np.asarray(ct, np.float64) @ w64, "float32")
     _check(db, np.asarray(ct, np.float64).sum(0), "float32")
+    if explicit:
+        assert _spec(da) == _spec(a)
     # Column parallel: dA contracts over the sharded N, so one all-reduce; row parallel: none.
     assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0),
                                  "all-reduce": int(mode == "column")}
@@ -249,9 +253,10 @@ def _stacked(rng, e, n, k, mesh, spec, *, unit_gain=False):
     return ws, np.stack([reference.dequantize(*p, 16) for p in parts])
 
 
-def test_vmap_over_column_parallel_experts():
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+def test_vmap_over_column_parallel_experts(explicit):
     rng = np.random.default_rng()
-    mesh = _mesh((8,), ("x",))
+    mesh = _mesh((8,), ("x",), explicit)
     ws, w64 = _stacked(rng, 3, 64, 96, mesh, P(None, "x", None))   # each expert N-sharded
     a, a64 = _activation(rng, (5, 96), "float32", mesh, P())
     f = jax.vmap(jax_fp4.matmul, in_axes=(None, 0))
@@ -264,9 +269,10 @@ def test_vmap_over_column_parallel_experts():
     assert ops[1] == (8, 48)
 
 
-def test_scan_over_row_parallel_layers():
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+def test_scan_over_row_parallel_layers(explicit):
     rng = np.random.default_rng()
-    mesh = _mesh((8,), ("x",))
+    mesh = _mesh((8,), ("x",), explicit)
     layers, d = 3, 128
     # Each layer K-sharded; unit gain keeps the tanh chain conditioned (reference.py says why).
     ws, w64 = _stacked(rng, layers, d, d, mesh, P(None, None, "x"), unit_gain=True)
@@ -281,7 +287,11 @@ def test_scan_over_row_parallel_layers():
         h64 = np.tanh(h64 @ w64[i].T)
     _check(y, h64, "float32")
     # One all-reduce in the loop body (once per layer at run time), and no gather of any layer.
-    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
+    # Under explicit axes the partitioner keeps the carry K-sharded inside the loop (the kernel's
+    # operand) and gathers the [4, d] activation once, after it.
+    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1,
+                                 "all-gather": int(explicit)}
+    assert re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo) == [f"4,{d}"] * int(explicit)
     [(_, ops)] = _kernel_calls(hlo)
     assert ops[1] == (d, d // 16)
 
@@ -314,19 +324,21 @@ def test_rules_serve_any_path_implementation(mode):
     assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": int(mode == "row")}
 
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+@pytest.mark.parametrize("backend", ["xla", "reference"])
 @pytest.mark.parametrize("mode", ["column", "row", "data"])
-def test_xla_path_is_partitioned_by_xla_itself(mode):
-    """backend="xla" is plain JAX (no custom call, no rule): XLA's partitioner keeps the weight
-    where it is by itself, with the same collectives as the kernels' rules."""
+def test_pure_jax_paths_are_partitioned_by_xla_itself(mode, backend, explicit):
+    """backends xla and reference are plain JAX (no custom call, no rule): XLA's partitioner
+    keeps the weight where it is by itself, with the same collectives as the kernels' rules."""
     rng = np.random.default_rng()
-    mesh = _mesh((8,), ("x",))
+    mesh = _mesh((8,), ("x",), explicit)
     n, k = 64, 256
     w_spec, a_spec, out_spec = {"column": (P("x", None), P(), (None, "x")),
                                 "row": (P(None, "x"), P(None, "x"), (None, None)),
                                 "data": (P(), P("x", None), ("x", None))}[mode]
     w, w64 = _weight(rng, n, k, mesh, w_spec)
     a, a64 = _activation(rng, (8, k), "bfloat16", mesh, a_spec)
-    f = lambda a, w: jax_fp4.matmul(a, w, backend="xla")  # noqa: E731
+    f = lambda a, w: jax_fp4.matmul(a, w, backend=backend)  # noqa: E731
     _, hlo = _compile(f, a, w)
     y = jax.jit(f)(a, w)
     _check(y, a64 @ w64.T, "bfloat16")
