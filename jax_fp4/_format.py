@@ -216,15 +216,20 @@ def e2m1_to_float32(packed):
     packed = jnp.asarray(packed)
     pairs = jnp.broadcast_to(packed[..., None], (*packed.shape, 2))
     nibble = jax.lax.broadcasted_iota(jnp.uint8, pairs.shape, pairs.ndim - 1)  # 0: low, 1: high
-    codes = (pairs >> (4 * nibble)) & 0xF  # [..., K/2, 2]
+    values = e2m1_codes_to_float32((pairs >> (4 * nibble)) & 0xF)  # [..., K/2, 2]
+    return values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def e2m1_codes_to_float32(codes):
+    """uint8 E2M1 codes (0..15, one per element) -> float32, exactly, elementwise (no table
+    gather, which sharded operands under explicit mesh axes would need typed)."""
     exponent = ((codes >> 1) & 3).astype(jnp.uint32)
     mantissa = (codes & 1).astype(jnp.uint32)
     # Exponent bias 1 -> 127, the mantissa bit on top of float32's; exponent 0 is 0 or 0.5 (126).
     magnitude = jnp.where(exponent == 0, mantissa * (126 << 23),
                           ((exponent + 126) << 23) | (mantissa << 22))
     bits = magnitude | ((codes & 8).astype(jnp.uint32) << 28)  # the sign, bit 3 -> bit 31
-    values = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def e4m3_to_float32(scale):
@@ -352,10 +357,8 @@ def _round_blocks(blocks, step):
 
 def _search_scales(blocks, scale, step, codes, gs_blocks, weights):
     """method="mse": the least-error scale per block among ModelOpt's and its neighbours."""
-    values = jnp.asarray(E2M1_VALUES)
-
     def error(step, codes):
-        return jnp.sum(weights * jnp.square(values[codes] * step - blocks), axis=-1)
+        return jnp.sum(weights * jnp.square(e2m1_codes_to_float32(codes) * step - blocks), axis=-1)
 
     base = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)  # positive: ordered
     best_err = error(step, codes)

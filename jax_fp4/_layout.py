@@ -30,8 +30,12 @@ pairs 0-2; pair 3 sits at bits {4, 0, 1, 3} + 16 h, from where one multiply by 0
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 TILE_ROWS = 16
 WINDOW = 128  # K elements per window (kGemvWindow)
@@ -92,42 +96,85 @@ def _check(shape, k_per_byte: int, what: str):
     return lead, n, k
 
 
+def by_row_tiles(fn, x, rows: int, *, keep_type: bool):
+    """fn(x) for a transform of x [..., N, C] that maps each tile of `rows` rows (with all of C) on
+    its own: the tiled layout's 16-row tiles, the SM120 scales' 128-row atoms.
+
+    Under explicit mesh axes (sharding in types) reshapes across a sharded axis need typing, so fn
+    runs per shard: N stays split where every shard holds whole tiles, C is gathered (a tile spans
+    all of it), leading dims keep their axes; `keep_type` reshards the result to x's type (for
+    transforms that keep x's shape). Elsewhere XLA partitions fn as it is."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not mesh._any_axis_explicit:
+        return fn(x)
+    explicit = set(mesh.explicit_axes)
+    entries = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in explicit)
+               if e is not None else () for e in tuple(sharding.spec)]
+    entries += [()] * (x.ndim - len(entries))
+    n_axes = entries[-2]
+    shards = math.prod(mesh.shape[a] for a in n_axes)
+    if x.shape[-2] % (shards * rows):
+        n_axes = ()
+    local = P(*(e or None for e in entries[:-2]), n_axes or None, None)
+    y = jax.shard_map(fn, mesh=mesh, in_specs=local, out_specs=local, axis_names=explicit)(
+        jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, local)))
+    return jax.sharding.reshard(y, sharding) if keep_type else y
+
+
+def _row_tile_transform(k_per_byte: int, what: str):
+    """A transform of the tiled layout's 16-row tiles: checked on the whole array, applied per
+    shard under explicit mesh axes (`by_row_tiles`), same shape and type as its input."""
+    def decorate(local):
+        def transform(x):
+            x = jnp.asarray(x)
+            _check(x.shape, k_per_byte, what)
+            return by_row_tiles(local, x, TILE_ROWS, keep_type=True)
+        transform.__name__, transform.__doc__ = local.__name__, local.__doc__
+        return transform
+    return decorate
+
+
+@_row_tile_transform(2, "packed")
 def tile_packed(packed):
     """Spec packed codes uint8 [..., N, K/2] -> the tiled layout (same shape)."""
-    packed = jnp.asarray(packed, jnp.uint8)
-    lead, n, k = _check(packed.shape, 2, "packed")
-    nd = len(lead)
+    packed = packed.astype(jnp.uint8)
+    *lead, n, half_k = packed.shape
+    k, nd = 2 * half_k, len(lead)
     x = packed.reshape(*lead, n // 16, 2, 8, k // WINDOW, 4, 16)  # [T, h, g, w, t, b]
     x = x.transpose(*range(nd), nd, nd + 3, nd + 1, nd + 2, nd + 4, nd + 5)  # [T, w, h, g, t, b]
     x = x.reshape(*lead, n, k // 2)
     return _words_to_bytes(_permute_words(_bytes_to_words(x), WORD_BITS))
 
 
+@_row_tile_transform(2, "packed")
 def untile_packed(packed):
     """The inverse of `tile_packed`."""
-    packed = jnp.asarray(packed, jnp.uint8)
-    lead, n, k = _check(packed.shape, 2, "packed")
-    nd = len(lead)
+    packed = packed.astype(jnp.uint8)
+    *lead, n, half_k = packed.shape
+    k, nd = 2 * half_k, len(lead)
     x = _words_to_bytes(_permute_words(_bytes_to_words(packed), np.argsort(WORD_BITS)))
     x = x.reshape(*lead, n // 16, k // WINDOW, 2, 8, 4, 16)  # [T, w, h, g, t, b]
     x = x.transpose(*range(nd), nd, nd + 2, nd + 3, nd + 1, nd + 4, nd + 5)  # [T, h, g, w, t, b]
     return x.reshape(*lead, n, k // 2)
 
 
+@_row_tile_transform(16, "scale")
 def tile_scale(scale):
     """Spec block scales [..., N, K/16] (uint8 or float8_e4m3fn) -> the tiled layout (same shape
     and dtype)."""
-    lead, n, k = _check(scale.shape, 16, "scale")
-    nd = len(lead)
-    x = jnp.asarray(scale).reshape(*lead, n // 16, 2, 8, k // WINDOW, 4, 2)  # [T, h, g, w, t, i]
+    *lead, n, k_blocks = scale.shape
+    k, nd = 16 * k_blocks, len(lead)
+    x = scale.reshape(*lead, n // 16, 2, 8, k // WINDOW, 4, 2)  # [T, h, g, w, t, i]
     x = x.transpose(*range(nd), nd, nd + 3, nd + 2, nd + 4, nd + 1, nd + 5)  # [T, w, g, t, h, i]
     return x.reshape(*lead, n, k // 16)
 
 
+@_row_tile_transform(16, "scale")
 def untile_scale(scale):
     """The inverse of `tile_scale`."""
-    lead, n, k = _check(scale.shape, 16, "scale")
-    nd = len(lead)
-    x = jnp.asarray(scale).reshape(*lead, n // 16, k // WINDOW, 8, 4, 2, 2)  # [T, w, g, t, h, i]
+    *lead, n, k_blocks = scale.shape
+    k, nd = 16 * k_blocks, len(lead)
+    x = scale.reshape(*lead, n // 16, k // WINDOW, 8, 4, 2, 2)  # [T, w, g, t, h, i]
     x = x.transpose(*range(nd), nd, nd + 4, nd + 2, nd + 1, nd + 3, nd + 5)  # [T, h, g, w, t, i]
     return x.reshape(*lead, n, k // 16)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jax_fp4 import _layout
 from jax_fp4._format import NVFP4Weight, scale_as_bytes
 
 NATIVE_ENV = "JAX_FP4_NATIVE_SM120"
@@ -109,6 +110,11 @@ def swizzle_scales(scale):
     scale = jnp.asarray(scale_as_bytes(scale))
     if scale.ndim < 2:
         raise ValueError(f"swizzle_scales: scale must be [..., R, KB], got shape {scale.shape}")
+    # Atoms of 128 rows: per shard under explicit mesh axes (N split in whole atoms).
+    return _layout.by_row_tiles(_swizzle_local, scale, 128, keep_type=False)
+
+
+def _swizzle_local(scale):
     *lead, rows, k_blocks = scale.shape
     row_tiles, k_tiles = math.ceil(rows / 128), math.ceil(k_blocks / 4)
     pad = [(0, 0)] * len(lead) + [(0, row_tiles * 128 - rows), (0, k_tiles * 4 - k_blocks)]

@@ -342,11 +342,12 @@ needs_8_devices = pytest.mark.skipif(
 
 
 @needs_8_devices
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("axes, packed_spec", [((None, "model"), P("model", None)),
                                                (("model", None), P(None, "model"))])
-def test_nnx_layers_shard_on_a_mesh(axes, packed_spec):
+def test_nnx_layers_shard_on_a_mesh(axes, packed_spec, axis_type):
     mesh = jax.make_mesh((2, 4), ("data", "model"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+                         axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
     bias_axes = (axes[1],)
     with jax.set_mesh(mesh):
         layer = fp4nnx.FP4Linear(128, 64, rngs=nnx.Rngs(10), bias_init=nnx.initializers.normal(1.0),

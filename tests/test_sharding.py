@@ -471,6 +471,39 @@ def test_weight_shardings_place_every_array():
         w.shardings(P(None, "model", None))
 
 
+@pytest.mark.parametrize("spec", [P("model", None), P(None, "model"), P("data", "model")])
+def test_weight_transforms_under_explicit_axes(spec):
+    """quantize, prepack (tiled, sm120), unprepack and dequantize on weights typed sharded (the
+    layout transforms run per shard on whole tiles): the same bytes as unsharded, the input's
+    sharding type kept, and matmul on the prepacked weight right on every CPU path."""
+    rng = np.random.default_rng()
+    mesh = _mesh((2, 4), ("data", "model"), explicit=True)
+    n, k = 256, 512
+    dense = rng.standard_normal((n, k)).astype(np.float32)
+    sharded = _put(dense, mesh, spec)
+    same = lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # noqa: E731
+    for method in ("modelopt", "mse"):
+        want = jax_fp4.quantize(dense, method=method)
+        got = jax.jit(lambda w: jax_fp4.quantize(w, method=method))(sharded)
+        jax.tree.map(same, got, want)
+        assert _spec(got.packed) == _spec(sharded)
+    w = got
+    tiled = jax.jit(jax_fp4.prepack)(w)
+    jax.tree.map(same, tiled, jax_fp4.prepack(want))
+    assert tiled.layout == "tiled" and _spec(tiled.packed) == _spec(tiled.scale) == _spec(sharded)
+    jax.tree.map(same, jax.jit(jax_fp4.unprepack)(tiled), want)
+    sm120 = jax.jit(lambda w: jax_fp4.prepack(w, target="sm120"))(w)
+    same(sm120.swizzled_scale, jax_fp4.prepack(want, target="sm120").swizzled_scale)
+    same(jax.jit(jax_fp4.dequantize)(tiled), jax_fp4.dequantize(want))
+
+    w64 = reference.dequantize(np.asarray(want.packed), np.asarray(want.scale_bytes),
+                               np.asarray(want.global_scale), 16)
+    a, a64 = _activation(rng, (6, k), "bfloat16", mesh, P("data", None))
+    for backend in ("cpu", "reference", "xla"):
+        y = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend=backend))(a, tiled)
+        _check(y, a64 @ w64.T, "bfloat16")
+
+
 def test_eager_call_on_sharded_operands():
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",))
