@@ -364,8 +364,14 @@ def test_nnx_layers_shard_on_a_mesh(axes, packed_spec, axis_type):
         lin = nnx.Linear(128, 64, rngs=nnx.Rngs(10), kernel_metadata={"out_sharding": axes})
         converted = fp4nnx.FP4Linear.from_linear(lin)
         assert converted.packed[...].sharding.spec == packed_spec
-    _assert_close(y, _ref_apply(np.asarray(x), layer.weight, layer.bias[...]))
+    ref = _ref_apply(np.asarray(x), layer.weight, layer.bias[...])
+    _assert_close(y, ref)
     np.testing.assert_array_equal(y_constrained, y)
+    with jax.set_mesh(mesh):
+        fp4nnx.prepack_model(layer)                              # in place, keeps the shardings
+        assert layer.packed[...].sharding.is_equivalent_to(NamedSharding(mesh, packed_spec), 2)
+        y_tiled = nnx.jit(lambda m, x: m(x))(layer, x)
+    _assert_close(y_tiled, ref)   # row parallel: K gathered for tiles, so not y's summation order
 
 
 # ---- linen.FP4Dense -----------------------------------------------------------------------------
@@ -534,8 +540,10 @@ def test_linen_partitioning_metadata():
 
 
 @needs_8_devices
-def test_linen_params_shard_on_a_mesh():
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_linen_params_shard_on_a_mesh(axis_type):
+    mesh = jax.make_mesh((2, 4), ("data", "model"),
+                         axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
     dense = fp4nn.FP4Dense(
         64, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")),
         bias_init=nn.with_partitioning(nn.initializers.normal(1.0), ("model",)))
@@ -549,6 +557,10 @@ def test_linen_params_shard_on_a_mesh():
     y = jax.jit(dense.apply)(params, x_sharded)
     p = params["params"]
     _assert_close(y, _ref_apply(x, fp4nn.weight_from_params(p), p["bias"]))
+    tiled = jax.jit(fp4nn.prepack_params)(params)                   # keeps the params' shardings
+    assert tiled["params"]["packed"].sharding.is_equivalent_to(NamedSharding(mesh, P("model", None)), 2)
+    y_tiled = jax.jit(fp4nn.FP4Dense(64, layout="tiled").apply)(tiled, x_sharded)
+    np.testing.assert_array_equal(np.asarray(y_tiled), np.asarray(y))
 
 
 # ---- the decode GEMV's tiled layout (jax_fp4.prepack) -----------------------------------------
