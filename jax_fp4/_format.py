@@ -249,7 +249,8 @@ def dequantize(w: NVFP4Weight, dtype=jnp.float32):
     # Each block scale over its block_size elements, by broadcast and reshape rather than
     # jnp.repeat: both keep a sharding of K (row-parallel weights under explicit mesh axes).
     block_scale = e4m3_to_float32(scale)
-    block_scale = jnp.broadcast_to(block_scale[..., None], (*block_scale.shape, w.block_size))
+    block_scale = jax.lax.broadcast_in_dim(block_scale, (*block_scale.shape, w.block_size),
+                                           tuple(range(block_scale.ndim)))
     block_scale = block_scale.reshape(*block_scale.shape[:-2], -1)
     if block_scale.shape[-1] != k:  # a partial last block
         block_scale = block_scale[..., :k]
