@@ -30,12 +30,10 @@ pairs 0-2; pair 3 sits at bits {4, 0, 1, 3} + 16 h, from where one multiply by 0
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+
+from jax_fp4._explicit_axes import by_row_tiles
 
 TILE_ROWS = 16
 WINDOW = 128  # K elements per window (kGemvWindow)
@@ -94,32 +92,6 @@ def _check(shape, k_per_byte: int, what: str):
     if (reason := tiled_layout_unsupported(n, k, 16)) is not None:
         raise ValueError(f"tiled layout: {what} {reason} (shape {tuple(shape)})")
     return lead, n, k
-
-
-def by_row_tiles(fn, x, rows: int, *, keep_type: bool):
-    """fn(x) for a transform of x [..., N, C] that maps each tile of `rows` rows (with all of C) on
-    its own: the tiled layout's 16-row tiles, the SM120 scales' 128-row atoms.
-
-    Under explicit mesh axes (sharding in types) reshapes across a sharded axis need typing, so fn
-    runs per shard: N stays split where every shard holds whole tiles, C is gathered (a tile spans
-    all of it), leading dims keep their axes; `keep_type` reshards the result to x's type (for
-    transforms that keep x's shape). Elsewhere XLA partitions fn as it is."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or not mesh._any_axis_explicit:
-        return fn(x)
-    explicit = set(mesh.explicit_axes)
-    entries = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in explicit)
-               if e is not None else () for e in tuple(sharding.spec)]
-    entries += [()] * (x.ndim - len(entries))
-    n_axes = entries[-2]
-    shards = math.prod(mesh.shape[a] for a in n_axes)
-    if x.shape[-2] % (shards * rows):
-        n_axes = ()
-    local = P(*(e or None for e in entries[:-2]), n_axes or None, None)
-    y = jax.shard_map(fn, mesh=mesh, in_specs=local, out_specs=local, axis_names=explicit)(
-        jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, local)))
-    return jax.sharding.reshard(y, sharding) if keep_type else y
 
 
 def _row_tile_transform(k_per_byte: int, what: str):

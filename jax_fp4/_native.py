@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jax_fp4 import _layout
+from jax_fp4._explicit_axes import by_row_tiles
 from jax_fp4._format import NVFP4Weight, scale_as_bytes
 
 NATIVE_ENV = "JAX_FP4_NATIVE_SM120"
@@ -111,7 +111,7 @@ def swizzle_scales(scale):
     if scale.ndim < 2:
         raise ValueError(f"swizzle_scales: scale must be [..., R, KB], got shape {scale.shape}")
     # Atoms of 128 rows: per shard under explicit mesh axes (N split in whole atoms).
-    return _layout.by_row_tiles(_swizzle_local, scale, 128, keep_type=False)
+    return by_row_tiles(_swizzle_local, scale, 128, keep_type=False)
 
 
 def _swizzle_local(scale):

@@ -22,7 +22,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_fp4 import _dispatch, _ffi, _fused, _layout, _native, _sharding
+from jax_fp4 import _dispatch, _explicit_axes, _ffi, _fused, _layout, _native, _sharding
 from jax_fp4._format import NVFP4Weight, dequantize
 
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
@@ -301,7 +301,7 @@ def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzl
     if not _is_zero(da):
         out_tangents.append(bind(da, packed, scale, global_scale, dbias, **weight))
     elif dbias is not None:  # only the bias moves: no matmul needed
-        out_tangents.append(_sharding.typed_like(jnp.broadcast_to(dbias, y.shape), jax.typeof(y)))
+        out_tangents.append(_explicit_axes.typed_like(jnp.broadcast_to(dbias, y.shape), jax.typeof(y)))
     if not _is_zero(dgs):
         out_tangents.append(bind(a, packed, scale, dgs, None, **weight))
     if not out_tangents:
@@ -327,11 +327,11 @@ def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzle
             # Under explicit mesh axes a column-parallel weight makes N, the contracted axis here,
             # sharded on both sides: dA must be typed like a (the sum over N's shards is implied).
             ct_a = jnp.matmul(ct.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST,
-                              out_sharding=_sharding.explicit_type(a.aval)).astype(a.aval.dtype)
+                              out_sharding=_explicit_axes.explicit_type(a.aval)).astype(a.aval.dtype)
         if has_bias and ad.is_undefined_primal(bias):
             ct_bias = jnp.sum(ct.astype(jnp.float32).reshape(-1, ct.shape[-1]), axis=0).astype(
                 bias.aval.dtype)
-            ct_bias = _sharding.typed_like(ct_bias, bias.aval)
+            ct_bias = _explicit_axes.typed_like(ct_bias, bias.aval)
     result = [ct_a, None, None, ct_gs]
     return result + ([ct_bias] if has_bias else []) + ([None] if has_swizzled else [])
 

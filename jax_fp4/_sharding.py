@@ -66,6 +66,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_fp4 import _dispatch, _fused
+from jax_fp4._explicit_axes import (all_explicit_mesh, axes_of, explicit_entries, explicit_type,
+                                    spec_entry)
 from jax_fp4._dispatch import env_flag
 
 def register_primitive(prim) -> None:
@@ -75,30 +77,16 @@ def register_primitive(prim) -> None:
     _jax_dispatch.prim_requires_devices_during_lowering.add(prim)
 
 
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    if isinstance(entry, (tuple, list)):
-        return tuple(entry)
-    return (entry,)
-
-
 def _spec(sharding, ndim) -> list[tuple[str, ...]] | None:
     """The per-dimension mesh axes of a NamedSharding (None for shardings without a mesh)."""
     if not isinstance(sharding, NamedSharding):
         return None
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return [_axes(e) for e in spec]
+    return [axes_of(e) for e in spec]
 
 
 def _size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
-
-
-def _entry(axes):
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_k_check=None,
@@ -196,13 +184,13 @@ def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k
             from jax._src.sharding_impls import GSPMDSharding  # noqa: PLC0415 - no public name
             rep = GSPMDSharding.get_replicated(arg_shapes[0].sharding._device_assignment)
             return mesh, run_unsharded, rep, tuple(rep for _ in arg_shapes)
-        lead_spec = [_entry(ax) for ax in lead]
-        a_sh = NamedSharding(mesh, P(*lead_spec, _entry(k_axes)))
-        w_sh = NamedSharding(mesh, P(_entry(n_axes), _entry(k_axes)))
+        lead_spec = [spec_entry(ax) for ax in lead]
+        a_sh = NamedSharding(mesh, P(*lead_spec, spec_entry(k_axes)))
+        w_sh = NamedSharding(mesh, P(spec_entry(n_axes), spec_entry(k_axes)))
         arg_shardings = [a_sh, w_sh, w_sh, NamedSharding(mesh, P())]
         if has_bias:
-            arg_shardings.append(NamedSharding(mesh, P(_entry(n_axes))))
-        out_sh = NamedSharding(mesh, P(*lead_spec, _entry(n_axes)))
+            arg_shardings.append(NamedSharding(mesh, P(spec_entry(n_axes))))
+        out_sh = NamedSharding(mesh, P(*lead_spec, spec_entry(n_axes)))
 
         return mesh, _on_local_shards(run, k_axes), out_sh, tuple(arg_shardings)
 
@@ -214,7 +202,7 @@ def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k
         lead, n_axes, _, _ = plan(mesh, arg_shapes[0].shape, arg_shapes[0].sharding,
                                   arg_shapes[1].sharding, n=arg_shapes[1].shape[0], k=k,
                                   block_size=block_size, local_k_check=local_k_check, tiled=tiled)
-        return NamedSharding(mesh, P(*[_entry(ax) for ax in lead], _entry(n_axes)))
+        return NamedSharding(mesh, P(*[spec_entry(ax) for ax in lead], spec_entry(n_axes)))
 
     lead = " ".join(f"m{i}" for i in range(a_ndim - 1))
     bias_rule = ", n" if has_bias else ""
@@ -274,36 +262,12 @@ def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool, tiled: b
         return impl  # debugging switch: XLA then gathers the operands, as for any opaque call
     a_aval = ctx.avals_in[0]
     local_k_check = _local_k_check(path, block_size, np.dtype(a_aval.dtype))
-    if explicit_mesh(a_aval) is not None:
+    if all_explicit_mesh(a_aval) is not None:
         return by_sharding_types(impl, a_aval, ctx.avals_in[1], ctx.avals_out[0],
                                  block_size=block_size, has_bias=has_bias,
                                  local_k_check=local_k_check, tiled=tiled)
     return partitioned(impl, block_size=block_size, has_bias=has_bias, a_ndim=a_aval.ndim,
                        k=a_aval.shape[-1], local_k_check=local_k_check, tiled=tiled)
-
-
-def explicit_type(aval):
-    """`aval`'s sharding when its mesh has Explicit axes (its sharding type), else None."""
-    sharding = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or not mesh._any_axis_explicit:
-        return None
-    return sharding
-
-
-def typed_like(x, aval):
-    """`x` resharded to `aval`'s sharding type under explicit mesh axes (else `x` as it is):
-    tangents and cotangents must carry their primal's type."""
-    sharding = explicit_type(aval)
-    return x if sharding is None else jax.sharding.reshard(x, sharding)
-
-
-def explicit_mesh(aval):
-    """The mesh of `aval`'s sharding type when every axis of it is Explicit, else None."""
-    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-    if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
-        return None
-    return mesh
 
 
 def by_sharding_types(impl, a_aval, packed_aval, out_aval, *, block_size: int, has_bias: bool,
@@ -316,16 +280,16 @@ def by_sharding_types(impl, a_aval, packed_aval, out_aval, *, block_size: int, h
     lead, n_axes, k_axes, _ = plan(mesh, a_aval.shape, a_aval.sharding, packed_aval.sharding,
                                    n=packed_aval.shape[0], k=a_aval.shape[-1],
                                    block_size=block_size, local_k_check=local_k_check, tiled=tiled)
-    lead_spec = [_entry(ax) for ax in lead]
-    weight_spec = P(_entry(n_axes), _entry(k_axes))
-    specs = (P(*lead_spec, _entry(k_axes)), weight_spec, weight_spec, P())
-    specs += (P(_entry(n_axes)),) if has_bias else ()
+    lead_spec = [spec_entry(ax) for ax in lead]
+    weight_spec = P(spec_entry(n_axes), spec_entry(k_axes))
+    specs = (P(*lead_spec, spec_entry(k_axes)), weight_spec, weight_spec, P())
+    specs += (P(spec_entry(n_axes)),) if has_bias else ()
 
     def run(a, packed, scale, global_scale, bias):
         return impl(a, packed, scale, global_scale, bias, block_size=block_size)
 
     local = jax.shard_map(_on_local_shards(run, k_axes), mesh=mesh, in_specs=specs,
-                          out_specs=P(*lead_spec, _entry(n_axes)), check_vma=False)
+                          out_specs=P(*lead_spec, spec_entry(n_axes)), check_vma=False)
 
     def call(a, packed, scale, global_scale, bias, *, block_size):
         del block_size
@@ -360,11 +324,9 @@ def merge_leading(a):
     is typed replicated there.
     """
     m, k = math.prod(a.shape[:-1]), a.shape[-1]
-    sharding = getattr(jax.typeof(a), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if (a.ndim > 2 and mesh is not None and not mesh.empty and mesh._any_axis_explicit
-            and any(e is not None for e in tuple(sharding.spec)[:-1])):
-        return jax.lax.reshape(a, (m, k), out_sharding=NamedSharding(mesh, P()))
+    sharding = explicit_type(jax.typeof(a))
+    if a.ndim > 2 and sharding is not None and any(e is not None for e in tuple(sharding.spec)[:-1]):
+        return jax.lax.reshape(a, (m, k), out_sharding=NamedSharding(sharding.mesh, P()))
     return a.reshape(m, k)
 
 
@@ -374,22 +336,16 @@ def result_sharding(a_aval, packed_aval):
     Leading dims keep a's explicit axes and N takes the weight's; K's axes are summed over inside
     the partitioned call, so they do not appear in the result.
     """
-    a_sh = getattr(a_aval, "sharding", None)
-    w_sh = getattr(packed_aval, "sharding", None)
-    mesh = getattr(a_sh, "mesh", None)
-    if mesh is None or mesh.empty or not mesh._any_axis_explicit:
+    a_sh = explicit_type(a_aval)
+    if a_sh is None:
         return None
-    explicit = set(mesh.explicit_axes)
-    a_spec = [tuple(ax for ax in _axes(e) if ax in explicit)
-              for e in tuple(a_sh.spec) + (None,) * (a_aval.ndim - len(a_sh.spec))]
-    w_spec = [()] * 2
-    if getattr(w_sh, "mesh", None) is not None and not w_sh.mesh.empty:
-        w_spec = [tuple(ax for ax in _axes(e) if ax in explicit)
-                  for e in tuple(w_sh.spec) + (None,) * (2 - len(w_sh.spec))]
+    a_spec = explicit_entries(a_sh, a_aval.ndim)
+    w_sh = explicit_type(packed_aval)
+    w_spec = explicit_entries(w_sh, 2) if w_sh is not None else [(), ()]
     used = set(w_spec[0]) | set(w_spec[1]) | set(a_spec[-1])
     lead = []
     for axes in a_spec[:-1]:
         keep = tuple(ax for ax in axes if ax not in used)
         used |= set(keep)
-        lead.append(_entry(keep))
-    return NamedSharding(mesh, P(*lead, _entry(w_spec[0])))
+        lead.append(spec_entry(keep))
+    return NamedSharding(a_sh.mesh, P(*lead, spec_entry(w_spec[0])))

@@ -504,6 +504,22 @@ def test_weight_transforms_under_explicit_axes(spec):
         _check(y, a64 @ w64.T, "bfloat16")
 
 
+def test_mesh_mixing_explicit_and_auto_axes():
+    """Explicit "data", Auto "model": the partitioning rules (custom_partitioning) lay the kernel
+    out, and the result's type carries the Explicit axis only."""
+    rng = np.random.default_rng()
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    w, w64 = _weight(rng, 64, 256, mesh, P("model", None))
+    a, a64 = _activation(rng, (16, 256), "float32", mesh, P("data", None))
+    lowered, hlo = _compile(jax_fp4.matmul, a, w)
+    y = jax.jit(jax_fp4.matmul)(a, w)
+    _check(y, a64 @ w64.T, "float32")
+    assert _spec(y) == ("data", "model")
+    assert tuple(jax.typeof(y).sharding.spec) in (("data",), ("data", None))
+    _assert_laid_out_by(lowered, explicit=False)
+    assert _collectives(hlo) == dict.fromkeys(COLLECTIVES, 0)
+
+
 def test_eager_call_on_sharded_operands():
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",))
