@@ -85,8 +85,8 @@ def _dense(packed, scale, global_scale, block_size, layout="spec", dtype=jnp.flo
 
 
 def _times_transposed(a, w, **kwargs):
-    """a @ w^T by XLA's dot. Under explicit mesh axes the result is typed as abstract eval types
-    the primitive's (a row-parallel K, sharded on both sides, is summed)."""
+    """a @ w^T by XLA's dot. Under explicit mesh axes the result takes the primitive's result
+    type (`result_sharding`); a row-parallel K, sharded on both sides, is then summed."""
     out_sharding = _sharding.result_sharding(jax.typeof(a), jax.typeof(w))
     return jnp.matmul(a, w.T, out_sharding=out_sharding, **kwargs)
 

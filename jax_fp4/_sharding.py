@@ -66,9 +66,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_fp4 import _dispatch, _fused
+from jax_fp4._dispatch import env_flag
 from jax_fp4._explicit_axes import (all_explicit_mesh, axes_of, explicit_entries, explicit_type,
                                     spec_entry)
-from jax_fp4._dispatch import env_flag
 
 def register_primitive(prim) -> None:
     """custom_partitioning needs the device assignment while lowering; jit passes it only when the
