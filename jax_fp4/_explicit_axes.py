@@ -32,10 +32,14 @@ def explicit_type(aval):
     return sharding
 
 
-def all_explicit_mesh(aval):
-    """The mesh of `aval`'s sharding type when every axis of it is Explicit, else None."""
+def typed_mesh(aval):
+    """The mesh of `aval`'s sharding type when its types alone lay a computation out: Explicit
+    axes over more than one device and no Auto ones (Manual ones, in a shard_map body, are laid
+    out already). Else None."""
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-    if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
+    if mesh is None or mesh.empty or mesh.auto_axes:
+        return None
+    if math.prod(mesh.shape[a] for a in mesh.explicit_axes) <= 1:
         return None
     return mesh
 

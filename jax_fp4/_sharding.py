@@ -40,7 +40,8 @@ Everything else traces the kernel as before:
   - single-device programs (8 host devices or not): the HLO is unchanged; the FFI target, e.g.
     `jax_fp4_matmul_cpu`, shows in `jit(f).lower(...).as_text()`.
   - shard_map and pmap bodies: the kernel runs on the local shards as is. A shard_map that leaves
-    some mesh axes automatic (axis_names=...) gets no rule: XLA gathers over those axes.
+    some mesh axes free (axis_names=...) lays the kernel out over them by type when they are
+    Explicit; Auto ones get no rule: XLA gathers over those axes.
   - the pure-JAX paths (reference, xla, empty): XLA partitions them natively.
 
 Limits:
@@ -67,8 +68,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_fp4 import _dispatch, _fused
 from jax_fp4._dispatch import env_flag
-from jax_fp4._explicit_axes import (all_explicit_mesh, axes_of, explicit_entries, explicit_type,
-                                    spec_entry)
+from jax_fp4._explicit_axes import (axes_of, explicit_entries, explicit_type, spec_entry,
+                                    typed_mesh)
 
 def register_primitive(prim) -> None:
     """custom_partitioning needs the device assignment while lowering; jit passes it only when the
@@ -248,7 +249,7 @@ def _needs_rule(ctx) -> bool:
     if isinstance(axis_context, sharding_impls.ShardingContext):
         return axis_context.num_devices > 1 and axis_context.device_assignment is not None
     # shard_map / pmap bodies (SPMDAxisContext): the kernel runs per shard as it is. A body that
-    # leaves some mesh axes automatic also runs it as is (operands replicated over those axes).
+    # leaves some mesh axes Auto also runs it as is (operands replicated over those axes).
     return False
 
 
@@ -256,16 +257,18 @@ def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool, tiled: b
     """The implementation the lowering should trace: `impl`, or `impl` under the partitioning
     rules when `path` is a kernel path lowered into a multi-device program. `tiled`: the weight
     operands are in the tiled layout."""
-    if path not in KERNEL_PATHS or not _needs_rule(ctx):
+    if path not in KERNEL_PATHS:
         return impl
     if not env_flag("JAX_FP4_CUSTOM_PARTITIONING", True):
         return impl  # debugging switch: XLA then gathers the operands, as for any opaque call
     a_aval = ctx.avals_in[0]
     local_k_check = _local_k_check(path, block_size, np.dtype(a_aval.dtype))
-    if all_explicit_mesh(a_aval) is not None:
+    if typed_mesh(a_aval) is not None:  # jit or a shard_map body, with Explicit axes
         return by_sharding_types(impl, a_aval, ctx.avals_in[1], ctx.avals_out[0],
                                  block_size=block_size, has_bias=has_bias,
                                  local_k_check=local_k_check, tiled=tiled)
+    if not _needs_rule(ctx):
+        return impl
     return partitioned(impl, block_size=block_size, has_bias=has_bias, a_ndim=a_aval.ndim,
                        k=a_aval.shape[-1], local_k_check=local_k_check, tiled=tiled)
 
@@ -289,7 +292,8 @@ def by_sharding_types(impl, a_aval, packed_aval, out_aval, *, block_size: int, h
         return impl(a, packed, scale, global_scale, bias, block_size=block_size)
 
     local = jax.shard_map(_on_local_shards(run, k_axes), mesh=mesh, in_specs=specs,
-                          out_specs=P(*lead_spec, spec_entry(n_axes)), check_vma=False)
+                          out_specs=P(*lead_spec, spec_entry(n_axes)),
+                          axis_names=set(mesh.explicit_axes), check_vma=False)
 
     def call(a, packed, scale, global_scale, bias, *, block_size):
         del block_size

@@ -568,6 +568,25 @@ def test_shard_map_tensor_parallel_mlp():
     assert sorted(ops[1] for _, ops in _kernel_calls(hlo)) == sorted([(16, 16), (32, 8)])
 
 
+def test_shard_map_over_some_axes_lays_the_rest_out_by_type():
+    """A shard_map manual over "data" only, "model" Explicit: inside, the weight's type is still
+    split over "model", and the kernel runs on those shards (nested by the types), not on a
+    gathered weight. (The boundary itself replicates what in_specs do not name: that gather is
+    shard_map's.)"""
+    rng = np.random.default_rng()
+    mesh = _mesh((2, 4), ("data", "model"), explicit=True)
+    w, w64 = _weight(rng, 64, 256, mesh, P("model", None))
+    a, a64 = _activation(rng, (8, 256), "float32", mesh, P("data", None))
+    f = jax.jit(jax.shard_map(jax_fp4.matmul, mesh=mesh, in_specs=(P("data", None), w.shardings(P())),
+                              out_specs=P("data", None), axis_names={"data"}))
+    with jax.set_mesh(mesh):
+        y = f(a, w)
+        hlo = f.lower(a, w).compile().as_text()
+    _check(y, a64 @ w64.T, "float32")
+    [(out, ops)] = _kernel_calls(hlo)
+    assert out == (4, 16) and ops[1] == (16, 128)
+
+
 def test_pmap_runs_the_kernel_per_device():
     rng = np.random.default_rng()
     packed, scale, gs = reference.random_weight(rng, 24, 48)
