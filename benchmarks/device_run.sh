@@ -2,7 +2,7 @@
 # One call on the lent H200 (the `device` tool): build, GPU tests, memcheck, benchmarks.
 # Logs and JSON go under $OUT (at most 8 files come back). Pick the stages that fit the call:
 #
-#   bash benchmarks/device_run.sh build tests          # the whole GPU suite, 4 processes (not yet timed)
+#   bash benchmarks/device_run.sh build tests          # the whole GPU suite, 4 processes (570 tests in 215 s, twenty-seventh session; the build ~80 s)
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
