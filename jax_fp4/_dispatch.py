@@ -45,13 +45,22 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native", "x
 #   benchmarks/dispatch_check.py ("Twenty-third session", results/sweeps/dispatch_check_*_session23_h200)
 #   on 4096x11008, two calls: the GEMV 4-11% ahead at M = 17, 24 and 32, the fused GEMM 29% at M = 48;
 #   on 5120x17408 and on the spec layout the fused GEMM leads from M = 17 on (by 20-40%).
+#   Beyond that shape ("Twenty-seventh session", dispatch_check_tiled_narrow*_session27_h200): the
+#   GEMV ahead or within 5% at M = 24-32 on 1024x16384 and 2048x8192, 17-32 on 4096x14336; behind on
+#   2048x16384 from M = 24 (by 3-19%: 64 column blocks of GEMV work for 132 SMs), a known miss.
+# - 16 < M <= 64 on small prepacked weights, N <= 1024 and K <= 8192: the GEMV. There the fused
+#   GEMM's time is set by K, not by the weight's size (~10 us at K = 4096, ~14 at 8192): the GEMV
+#   10-71% ahead at M = 20-64 on 1024x8192 and 1024x4096; at K = 16384 (1024x16384) the fused GEMM
+#   11% ahead at M = 48.
 # - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
 #   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
 #   1.00-1.11x (benchmarks/results/sweeps/crossover_{fused,dequant}_session15_h200.json).
-# - 1024 < M <= 2048: the fused GEMM on large wide weights (N >= 8192 and N * K >= 2^26),
+# - 1024 < M <= 2048: the fused GEMM on large wide weights (N >= 8192 and N * K >= 3 * 2^24),
 #   dequantize + cuBLAS otherwise. dispatch_check.py, both layouts: at M = 1536-2048 the fused GEMM
 #   2-13% ahead on 28672x8192 and 17408x5120, dequantize + cuBLAS 3-12% ahead on 11008x4096 and
 #   4096x11008 at M = 2048; at M = 3072 the two within 5% on 17408x5120, dequant 4% ahead on 28672x8192.
+#   The twenty-seventh session: 14336x4096 (N * K = 3.5 * 2^24) the fused GEMM 6% ahead at M = 1536
+#   and 1% at 2048, 11008x4096 (2.7 * 2^24) the two within 1% at M = 2048: the bound between them.
 # - larger M: dequantize + cuBLAS (M = 4096: the fused GEMM 1.05-1.37x slower).
 # - Where the fused GEMM cannot run (not a Hopper GPU, or a shape it does not take) and the GEMV
 #   runs on tensor cores: the GEMV to M = 64, before dequantize + cuBLAS. Not measured off the
@@ -63,12 +72,14 @@ DECODE_MAX_M = 8
 GEMV_MAX_M = 16
 GEMV_MAX_M_WITHOUT_FUSED = 64  # GEMV_MAX_M where the fused GEMM cannot run (gemv_on_tensor_cores)
 GEMV_MAX_M_NARROW_LONG = 32  # GEMV_MAX_M on prepacked weights with N <= NARROW_N and K >= LONG_K
+GEMV_MAX_M_SMALL = 64  # GEMV_MAX_M on prepacked weights with N <= SMALL_N and K <= LONG_K
+SMALL_N = 1024
 NARROW_N = 4096
 WIDE_N = 8192
 LONG_K = 8192
 FUSED_MAX_M = 1024
 FUSED_MAX_M_LARGE = 2048  # FUSED_MAX_M on weights with N >= WIDE_N and N * K >= LARGE_WEIGHT
-LARGE_WEIGHT = 1 << 26
+LARGE_WEIGHT = 3 << 24
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 _TRUE = ("1", "true", "yes", "on")
@@ -156,6 +167,8 @@ def auto_gemv_max_m(p: Problem, capability) -> int:
     """The largest M at which "auto" takes the GEMV (where the fused GEMM does not win first)."""
     if fused_unsupported_reason(p, capability) is not None and gemv_on_tensor_cores(p, capability):
         return GEMV_MAX_M_WITHOUT_FUSED
+    if p.tiled and p.n <= SMALL_N and p.k <= LONG_K:
+        return GEMV_MAX_M_SMALL
     narrow_long = p.tiled and p.n <= NARROW_N and p.k >= LONG_K
     return GEMV_MAX_M_NARROW_LONG if narrow_long else GEMV_MAX_M
 

@@ -66,11 +66,20 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
     a, w = _case(33, n=4096, k=8192)
     assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_fused_cuda"]
-    # M = 1025-2048: the fused GEMM on large wide weights (N >= 8192, N * K >= 2^26) only.
+    # M = 17-64: the GEMV on small prepacked weights (N <= 1024, K <= 8192).
+    a, w = _case(64, n=1024, k=8192)
+    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_gemv_cuda"]
+    assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
+    a, w = _case(65, n=1024, k=8192)
+    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_fused_cuda"]
+    a, w = _case(64, n=1040, k=4096)
+    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_fused_cuda"]
+    # M = 1025-2048: the fused GEMM on large wide weights (N >= 8192, N * K >= 3 * 2^24) only.
     a, w = _case(2048, n=8192, k=8192)
     assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
     assert _targets(matmul, a[:, :4096], _case(1, n=8192, k=4096)[1]) == ["jax_fp4_dequant_cuda"]
     assert _targets(matmul, *_case(2049, n=8192, k=8192)) == ["jax_fp4_dequant_cuda"]
+    assert _targets(matmul, *_case(2048, n=12288, k=4096)) == ["jax_fp4_fused_cuda"]  # 3 * 2^24
     assert _targets(matmul, *_case(17, dtype=jnp.float32)) == []  # float32 -> reference (pure JAX)
     assert _targets(lambda a, w: jax_fp4.matmul(a, w, backend="fused"), *_case(64)) == [
         "jax_fp4_fused_cuda"]
@@ -146,7 +155,7 @@ def test_tiled_weights_reach_the_tensor_core_gemv_as_they_are(cuda_device, monke
     assert _gemv_tiled_attrs(matmul, a, p) == ["false"]
     cuda_device((9, 0))
     # the other paths read the spec layout (transformed back inside the program)
-    assert _targets(matmul, *(_case(64)[0], p)) == ["jax_fp4_fused_cuda"]
+    assert _targets(matmul, *(_case(65)[0], p)) == ["jax_fp4_fused_cuda"]
     assert _targets(matmul, *(_case(1100)[0], p)) == ["jax_fp4_dequant_cuda"]
 
 

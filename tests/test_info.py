@@ -31,6 +31,10 @@ def test_paths_reports_auto_as_ranges_of_m(capsys):
         (1, 32, "gemv"), (33, 1024, "fused"), (1025, 4096, "dequant")]
     assert cli.paths(4096, 11008, layout="spec", capability=(9, 0), max_m=2000) == [
         (1, 16, "gemv"), (17, 1024, "fused"), (1025, 2000, "dequant")]
+    assert cli.paths(1024, 8192, layout="tiled", capability=(9, 0), max_m=2000) == [
+        (1, 64, "gemv"), (65, 1024, "fused"), (1025, 2000, "dequant")]
+    assert cli.paths(14336, 4096, layout="spec", capability=(9, 0), max_m=3000) == [
+        (1, 16, "gemv"), (17, 2048, "fused"), (2049, 3000, "dequant")]
     assert cli.paths(28672, 8192, layout="tiled", capability=(9, 0), max_m=3000) == [
         (1, 8, "gemv"), (9, 2048, "fused"), (2049, 3000, "dequant")]
     assert cli.paths(4096, 4096, layout="spec", capability=(8, 0), max_m=100) == [
