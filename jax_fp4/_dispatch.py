@@ -47,7 +47,7 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native", "x
 #   on 5120x17408 and on the spec layout the fused GEMM leads from M = 17 on (by 20-40%).
 #   Beyond that shape ("Twenty-seventh session", dispatch_check_tiled_narrow*_session27_h200): the
 #   GEMV ahead or within 5% at M = 24-32 on 1024x16384 and 2048x8192, 17-32 on 4096x14336; behind on
-#   2048x16384 from M = 24 (by 3-19%: 64 column blocks of GEMV work for 132 SMs), a known miss.
+#   2048x16384 from M = 24 (by 3-19%; one column tile per warp there: NOTES.md), a known miss.
 # - 16 < M <= 64 on small prepacked weights, N <= 1024 and K <= 8192: the GEMV. There the fused
 #   GEMM's time is set by K, not by the weight's size (~10 us at K = 4096, ~14 at 8192): the GEMV
 #   10-71% ahead at M = 20-64 on 1024x8192 and 1024x4096; at K = 16384 (1024x16384) the fused GEMM

@@ -4,9 +4,10 @@ The expected path is restated here from the rules in README/spec: empty first, t
 backend (or a clear ValueError), else on CUDA: the fused Hopper GEMM on compute capability 9.x
 (block 16, K % 128 == 0) for 9 <= M <= 16 when N >= 8192 and K >= 8192 on prepacked weights
 (not spec-layout ones), and past the GEMV's range up to M = 1024 (M = 2048 when N >= 8192 and
-N * K >= 3 * 2^24); otherwise gemv for M <= 16, or M <= 64 on prepacked weights with N <= 1024 and
-K <= 8192, or M <= 32 on prepacked weights with N <= 4096 and K >= 8192, or M <= 64 where the fused GEMM cannot run and the GEMV runs on tensor cores (sm_80+,
-K % 128 == 0 or prepacked) (block 16, K % 32 == 0, fp16/bf16), native only when enabled on compute
+N * K >= 3 * 2^24); otherwise gemv for M <= 16, or on prepacked weights M <= 64 with N <= 1024
+and K <= 8192 and M <= 32 with N <= 4096 and K >= 8192, or M <= 64 where the fused GEMM cannot run
+and the GEMV runs on tensor cores (sm_80+, K % 128 == 0 or prepacked) (block 16, K % 32 == 0,
+fp16/bf16), native only when enabled on compute
 capability 12.x, past M = 16 (block 16, K and N % 32 == 0), dequant for fp16/bf16,
 reference otherwise; on CPU the fused C++ kernel; elsewhere (other platforms, CUDA without
 jax_fp4's kernels) xla for fp16/bf16 and reference otherwise. reference and xla (fp16/bf16) can be
@@ -25,7 +26,8 @@ from jax_fp4._dispatch import Problem, select_path
 CAPABILITIES = [None, (7, 5), (8, 0), (9, 0), (10, 0), (12, 0)]
 DTYPES = [np.dtype("float16"), np.dtype(ml_dtypes.bfloat16), np.dtype("float32")]
 MS = [0, 1, 8, 9, 11, 12, 16, 17, 32, 33, 64, 65, 256, 257, 512, 1024, 1025, 2048, 2049, 4096]
-NS, KS, BLOCKS = [0, 33, 1024, 1040, 4096, 4097, 8192, 12288], [0, 48, 64, 4096, 5120, 8192, 16384], [16, 32, 7]
+NS = [0, 33, 1024, 1040, 4096, 4097, 8192, 12288]
+KS, BLOCKS = [0, 48, 64, 4096, 5120, 8192, 16384], [16, 32, 7]
 
 
 def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, tiled):
