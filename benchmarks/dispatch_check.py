@@ -85,14 +85,15 @@ def servable(backends: Sequence[str], a, w) -> list[str]:
 def check_shape(shape: bench.Shape, ms: Sequence[int], backends: Sequence[str], *, layout: str,
                 dtype, passes: int, repeats: int, warmup: int, min_time_s: float,
                 budget: bench.Budget, tolerance: float, key,
-                log: Callable[[str], None]) -> list[Verdict]:
+                record: Callable[[Verdict], None]) -> None:
+    """Times every backend of `backends` (and auto's pick) at each M; `record` gets each row's
+    verdict as soon as it is measured."""
     itemsize = np.dtype(dtype).itemsize
     l1, l2 = bench.chain_lengths(bench.nvfp4_weight_bytes(shape.n, shape.k),
                                  shape.n * shape.k * itemsize, budget)  # the bench's chains
     weight_key, act_key = jax.random.split(key)
     weights = [bench.in_layout(_make_weight(k, shape.n, shape.k), layout)
                for k in jax.random.split(weight_key, l2)]
-    verdicts = []
     for m, m_key in zip(ms, jax.random.split(act_key, len(ms))):
         acts = bench.make_activations(m_key, m, shape.k, l2, dtype)
         auto = jax_fp4.dispatch_path(acts[0], weights[0])
@@ -107,10 +108,8 @@ def check_shape(shape: bench.Shape, ms: Sequence[int], backends: Sequence[str], 
         v = Verdict(shape.n, shape.k, m, weights[0].layout, us,
                     {b: [t.us for t in runs[b]] for b in timed},
                     [b for b in timed if any(t.noisy for t in runs[b])], auto, fastest, ratio, within)
-        log(format_verdict(v))
-        verdicts.append(v)
+        record(v)
         del acts
-    return verdicts
 
 
 def rejudged(row: dict, dtype: str, tolerance: float, capability=(9, 0)) -> Verdict:
@@ -216,16 +215,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"backends {backends} + auto, {args.passes} passes, seed {seed}")
     started = time.perf_counter()
     verdicts = []
-    for shape, key in zip(shapes, jax.random.split(jax.random.key(seed), len(shapes))):
-        verdicts += check_shape(shape, ms, backends, layout=args.layout, dtype=bench.DTYPES[args.dtype],
-                                passes=args.passes, repeats=args.repeats, warmup=args.warmup,
-                                min_time_s=args.min_time, budget=budget, tolerance=args.tolerance,
-                                key=key, log=log)
-        if args.json:  # after every shape, so a run cut short by a time limit keeps what it measured
+
+    def record(v: Verdict) -> None:
+        log(format_verdict(v))
+        verdicts.append(v)
+        if args.json:  # after every row, so a run cut short by a time limit keeps what it measured
             write_json(args.json, {"device": bench.device_description(), "jax_version": jax.__version__,
                                    "command": command, "layout": args.layout, "dtype": args.dtype,
                                    "tolerance": args.tolerance, "passes": args.passes, "seed": seed},
                        verdicts)
+
+    for shape, key in zip(shapes, jax.random.split(jax.random.key(seed), len(shapes))):
+        check_shape(shape, ms, backends, layout=args.layout, dtype=bench.DTYPES[args.dtype],
+                    passes=args.passes, repeats=args.repeats, warmup=args.warmup,
+                    min_time_s=args.min_time, budget=budget, tolerance=args.tolerance, key=key,
+                    record=record)
     log(f"done in {time.perf_counter() - started:.1f} s")
     print(markdown(verdicts, backends))
     print()

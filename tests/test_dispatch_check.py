@@ -68,6 +68,27 @@ def test_cpu_smoke_run(dc, tmp_path, capsys):
         f"on {sum(r['within'] for r in results['rows'])} of 2 rows")
 
 
+def test_a_run_cut_short_keeps_the_rows_it_measured(dc, tmp_path, monkeypatch):
+    """The JSON is written after every row: a device call's time limit loses one row at most."""
+    timings, time_chain = [], dc.bench.time_chain
+
+    def cut_after_the_first_row(*args, **kwargs):
+        if len(timings) == 2:  # M = 1 timed (reference and auto's cpu): cut M = 5 short
+            raise KeyboardInterrupt
+        timings.append(time_chain(*args, **kwargs))
+        return timings[-1]
+
+    monkeypatch.setattr(dc.bench, "time_chain", cut_after_the_first_row)
+    out = tmp_path / "dispatch.json"
+    with pytest.raises(KeyboardInterrupt):
+        dc.main(["--shapes", "128x256", "--m", "1,5", "--backends", "reference", "--passes", "1",
+                 "--repeats", "2", "--warmup", "1", "--min-time", "0", "--cache-mb", "0.03",
+                 "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["m"], sorted(r["us"])) for r in rows] == [(1, ["cpu", "reference"])]
+    assert [rows[0]["us"][b] for b in ("reference", "cpu")] == [t.us for t in timings]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--backends", "gemv,bogus"], "unknown"),
     (["--backends", "auto"], "unknown"),
