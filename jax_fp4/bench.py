@@ -717,7 +717,8 @@ def device_description() -> str:
 
 
 def results_json(rows: Sequence[Row], reads: Sequence[ReadBandwidth], decode: DecodeResult | None,
-                 settings: Settings, seed: int) -> dict:
+                 settings: Settings, seed: int, complete: bool = True) -> dict:
+    """The run as JSON; `complete` False while it is still running (written after every shape)."""
     return {
         "device": device_description(),
         "jax_version": jax.__version__,
@@ -733,6 +734,7 @@ def results_json(rows: Sequence[Row], reads: Sequence[ReadBandwidth], decode: De
         "read_bw": [dataclasses.asdict(r) for r in reads],
         "rows": [dataclasses.asdict(r) for r in rows],
         "decode_step": dataclasses.asdict(decode) if decode is not None else None,
+        "complete": complete,
     }
 
 
@@ -833,18 +835,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.quick:
         warm_up_device(1.0)
     rows: list[Row] = []
+    decode = None
+
+    def write_json(complete: bool) -> dict:
+        results = results_json(rows, bench.reads, decode, settings, seed, complete)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return results
+
     if not args.no_sweep:
         for shape in shapes:
             rows += bench.shape_rows(shape, shape.ms(ms))
-    decode = None
+            write_json(complete=False)  # a run cut short by a time limit keeps its shapes
     if args.decode_step:
         decode = bench.decode_step(QUICK_DECODE_MODEL if args.quick else DecodeModel())
     _log(f"done in {time.perf_counter() - started:.1f} s")
 
-    results = results_json(rows, bench.reads, decode, settings, seed)
+    results = write_json(complete=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
         _log(f"wrote {args.json}")
     read_bw = results["read_bw_tbps"]
     print(f"device {results['device']}, jax {results['jax_version']}, read bandwidth "

@@ -31,6 +31,7 @@ def test_bench_quick_run_writes_json(tmp_path, capsys):
     results = json.loads(out.read_text())
 
     assert results["device"] and results["jax_version"] == jax.__version__
+    assert results["complete"] is True
     assert _positive_finite(results["read_bw_tbps"])
     (row,) = results["rows"]
     for field in ROW_FIELDS:
@@ -51,6 +52,22 @@ def test_bench_quick_run_writes_json(tmp_path, capsys):
 
     table = capsys.readouterr().out
     assert "96x128" in table and "decode step" in table
+
+
+def test_a_run_cut_short_keeps_its_finished_shapes(tmp_path, monkeypatch):
+    """The JSON is written after every shape: a device call's time limit does not lose the sweep."""
+    def cut(self, model):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.Bench, "decode_step", cut)
+    out = tmp_path / "results.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--quick", "--shapes", "96x128,64x256", "--m", "2", "--repeats", "1",
+                    "--warmup", "0", "--decode-step", "--seed", "3", "--json", str(out)])
+    results = json.loads(out.read_text())
+    assert results["complete"] is False and results["decode_step"] is None
+    assert [(r["n"], r["k"], r["m"]) for r in results["rows"]] == [(96, 128, 2), (64, 256, 2)]
+    assert all(_positive_finite(r["us"]) for r in results["rows"])
 
 
 def test_passes_keep_the_median_pass_and_report_each(tmp_path):

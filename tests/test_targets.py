@@ -117,6 +117,11 @@ def test_main_prints_the_table_and_summary(targets, tmp_path, capsys):
     met4 = sum(c.met for c in found if c.issue == 4)
     met7 = sum(c.met for c in found if c.issue == 7)
     assert out.strip().endswith(f"issue 4: {met4} of 32 met; issue 7: {met7} of 32 met")
+    assert "cut short" not in out
+    results["complete"] = False  # a bench run cut short by a time limit: said first
+    path.write_text(json.dumps(results))
+    assert targets.main([str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"note: {path} is a run cut short")
 
 
 def test_dispatch_rows_from_a_dispatch_check_run(targets, tmp_path, capsys):
