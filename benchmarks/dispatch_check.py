@@ -172,8 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def write_json(path: str, header: dict, verdicts: Sequence[Verdict]) -> None:
-    with open(path, "w") as f:
-        json.dump({**header, "rows": [dataclasses.asdict(v) for v in verdicts]}, f, indent=1)
+    bench.write_json_file(path, {**header, "rows": [dataclasses.asdict(v) for v in verdicts]})
 
 
 def rejudge_main(args, command: str) -> int:

@@ -716,6 +716,15 @@ def device_description() -> str:
     return f"{d.platform}:{d.device_kind}"
 
 
+def write_json_file(path: str, obj) -> None:
+    """JSON through a temporary file and a rename: a run killed mid-write (a device call's time
+    limit) leaves the previous version whole."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(temporary, path)
+
+
 def results_json(rows: Sequence[Row], reads: Sequence[ReadBandwidth], decode: DecodeResult | None,
                  settings: Settings, seed: int, complete: bool = True) -> dict:
     """The run as JSON; `complete` False while it is still running (written after every shape)."""
@@ -840,8 +849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def write_json(complete: bool) -> dict:
         results = results_json(rows, bench.reads, decode, settings, seed, complete)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+            write_json_file(args.json, results)
         return results
 
     if not args.no_sweep:

@@ -68,6 +68,7 @@ def test_a_run_cut_short_keeps_its_finished_shapes(tmp_path, monkeypatch):
     assert results["complete"] is False and results["decode_step"] is None
     assert [(r["n"], r["k"], r["m"]) for r in results["rows"]] == [(96, 128, 2), (64, 256, 2)]
     assert all(_positive_finite(r["us"]) for r in results["rows"])
+    assert [f.name for f in tmp_path.iterdir()] == ["results.json"]  # written through a rename
 
 
 def test_passes_keep_the_median_pass_and_report_each(tmp_path):

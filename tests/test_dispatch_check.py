@@ -87,6 +87,7 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(dc, tmp_path, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["m"], sorted(r["us"])) for r in rows] == [(1, ["cpu", "reference"])]
     assert [rows[0]["us"][b] for b in ("reference", "cpu")] == [t.us for t in timings]
+    assert [f.name for f in tmp_path.iterdir()] == ["dispatch.json"]  # written through a rename
 
 
 @pytest.mark.parametrize("argv, message", [
