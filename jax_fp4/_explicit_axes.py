@@ -23,6 +23,17 @@ def axes_of(entry) -> tuple[str, ...]:
     return (entry,)
 
 
+def axes_size(mesh, axes) -> int:
+    """The number of shards `axes` of `mesh` split a dimension into."""
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def spec_axes(sharding, ndim: int) -> list[tuple[str, ...]]:
+    """Per dimension, the mesh axes a NamedSharding splits it over (its spec padded to `ndim`)."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return [axes_of(e) for e in spec]
+
+
 def explicit_type(aval):
     """`aval`'s sharding when its mesh has Explicit axes (its sharding type), else None."""
     sharding = getattr(aval, "sharding", None)
@@ -39,7 +50,7 @@ def typed_mesh(aval):
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     if mesh is None or mesh.empty or mesh.auto_axes:
         return None
-    if math.prod(mesh.shape[a] for a in mesh.explicit_axes) <= 1:
+    if axes_size(mesh, mesh.explicit_axes) <= 1:
         return None
     return mesh
 
@@ -47,8 +58,7 @@ def typed_mesh(aval):
 def explicit_entries(sharding, ndim: int) -> list[tuple[str, ...]]:
     """Per dimension, the Explicit mesh axes `sharding` splits it over."""
     explicit = set(sharding.mesh.explicit_axes)
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return [tuple(ax for ax in axes_of(e) if ax in explicit) for e in spec]
+    return [tuple(ax for ax in axes if ax in explicit) for axes in spec_axes(sharding, ndim)]
 
 
 def typed_like(x, aval):
@@ -71,7 +81,7 @@ def by_row_tiles(fn, x, rows: int, *, keep_type: bool):
         return fn(x)
     mesh = sharding.mesh
     *lead, n_axes, _ = explicit_entries(sharding, x.ndim)
-    if x.shape[-2] % (math.prod(mesh.shape[a] for a in n_axes) * rows):
+    if x.shape[-2] % (axes_size(mesh, n_axes) * rows):
         n_axes = ()
     local = P(*(spec_entry(e) for e in lead), spec_entry(n_axes), None)
     y = jax.shard_map(fn, mesh=mesh, in_specs=local, out_specs=local,

@@ -30,6 +30,8 @@ pairs 0-2; pair 3 sits at bits {4, 0, 1, 3} + 16 h, from where one multiply by 0
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -98,11 +100,11 @@ def _row_tile_transform(k_per_byte: int, what: str):
     """A transform of the tiled layout's 16-row tiles: checked on the whole array, applied per
     shard under explicit mesh axes (`by_row_tiles`), same shape and type as its input."""
     def decorate(local):
+        @functools.wraps(local)
         def transform(x):
             x = jnp.asarray(x)
             _check(x.shape, k_per_byte, what)
             return by_row_tiles(local, x, TILE_ROWS, keep_type=True)
-        transform.__name__, transform.__doc__ = local.__name__, local.__doc__
         return transform
     return decorate
 

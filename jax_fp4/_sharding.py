@@ -68,8 +68,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_fp4 import _dispatch, _fused
 from jax_fp4._dispatch import env_flag
-from jax_fp4._explicit_axes import (axes_of, explicit_entries, explicit_type, spec_entry,
-                                    typed_mesh)
+from jax_fp4._explicit_axes import (axes_size, explicit_entries, explicit_type, spec_axes,
+                                    spec_entry, typed_mesh)
 
 def register_primitive(prim) -> None:
     """custom_partitioning needs the device assignment while lowering; jit passes it only when the
@@ -80,14 +80,7 @@ def register_primitive(prim) -> None:
 
 def _spec(sharding, ndim) -> list[tuple[str, ...]] | None:
     """The per-dimension mesh axes of a NamedSharding (None for shardings without a mesh)."""
-    if not isinstance(sharding, NamedSharding):
-        return None
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return [axes_of(e) for e in spec]
-
-
-def _size(mesh, axes) -> int:
-    return math.prod(mesh.shape[a] for a in axes)
+    return spec_axes(sharding, ndim) if isinstance(sharding, NamedSharding) else None
 
 
 def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_k_check=None,
@@ -105,18 +98,19 @@ def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_
     if a_spec is None or w_spec is None or mesh is None or mesh.empty:
         return [()] * (len(a_shape) - 1), (), (), ["shardings without a mesh: replicated"]
     n_axes, k_axes = w_spec
-    if n_axes and n % _size(mesh, n_axes):
-        reasons.append(f"N={n} is not divisible by the {_size(mesh, n_axes)} shards of {n_axes}")
+    n_shards = axes_size(mesh, n_axes)
+    if n_axes and n % n_shards:
+        reasons.append(f"N={n} is not divisible by the {n_shards} shards of {n_axes}")
         n_axes = ()
-    if n_axes and tiled and (n // _size(mesh, n_axes)) % 16:
-        reasons.append(f"tiled layout: N shards of {n // _size(mesh, n_axes)} rows would split its "
+    if n_axes and tiled and (n // n_shards) % 16:
+        reasons.append(f"tiled layout: N shards of {n // n_shards} rows would split its "
                        "16-row tiles: gathering N")
         n_axes = ()
     if k_axes and tiled:
         reasons.append("tiled layout: its 16-row tiles hold all of K: gathering K")
         k_axes = ()
     if k_axes:
-        shards = _size(mesh, k_axes)
+        shards = axes_size(mesh, k_axes)
         if block_size % 2 or k % (block_size * shards):
             reasons.append(
                 f"row-parallel K={k} over {shards} shards needs K % (block_size*shards) == 0 with an "
@@ -131,8 +125,9 @@ def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_
         keep = tuple(ax for ax in axes if ax not in used)
         if keep != axes:
             reasons.append(f"a's leading axes {axes} overlap the weight's axes {sorted(used)}")
-        if keep and dim % _size(mesh, keep):
-            reasons.append(f"a's leading dim {dim} is not divisible by {_size(mesh, keep)} shards")
+        shards = axes_size(mesh, keep)
+        if keep and dim % shards:
+            reasons.append(f"a's leading dim {dim} is not divisible by {shards} shards")
             keep = ()
         used |= set(keep)
         lead.append(keep)
@@ -329,7 +324,8 @@ def merge_leading(a):
     """
     m, k = math.prod(a.shape[:-1]), a.shape[-1]
     sharding = explicit_type(jax.typeof(a))
-    if a.ndim > 2 and sharding is not None and any(e is not None for e in tuple(sharding.spec)[:-1]):
+    leading_sharded = sharding is not None and any(e is not None for e in tuple(sharding.spec)[:-1])
+    if a.ndim > 2 and leading_sharded:
         return jax.lax.reshape(a, (m, k), out_sharding=NamedSharding(sharding.mesh, P()))
     return a.reshape(m, k)
 
