@@ -16,6 +16,7 @@
 #   bash benchmarks/device_run.sh build probe          # GEMV limiter probe, ~1 min
 #   bash benchmarks/device_run.sh build kernel-tests probe gemv-sweep   # ~5 min
 #   bash benchmarks/device_run.sh build gemv-configs   # every GEMV launch config at M = 1-16, ~1 min
+#   SWEEP_M=17,32 PROBE_SHAPES="2048x16384" bash benchmarks/device_run.sh build gemv-configs   # M to 128
 #   bash benchmarks/device_run.sh build probe gemv-profile   # ncu stall reasons per SASS line
 #   bash benchmarks/device_run.sh build profile gemv-sweep fused-sweep   # ncu, launch-config sweeps
 #   FUSED_SPLITS="auto 1 3" bash benchmarks/device_run.sh build fused-sweep  # fewer split factors
