@@ -2,6 +2,7 @@
 and a dependency-free safetensors reader/writer that handles float8 (F8_E4M3) without torch.
 
     tensors = jax_fp4.checkpoint.load_safetensors("ckpt_dir")    # {layer: NVFP4Weight, other: array}
+    tensors = jax_fp4.checkpoint.load_safetensors("ckpt_dir", layout="tiled")   # prepacked on load
     w = tensors["model.layers.0.mlp.down_proj"]                  # an NVFP4Weight
     jax_fp4.checkpoint.save_safetensors({"proj": w}, "out.safetensors")   # ModelOpt layout
 
@@ -33,10 +34,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 
-from jax_fp4._format import NVFP4Weight, spec_arrays
+from jax_fp4._format import LAYOUTS, NVFP4Weight, spec_arrays
+from jax_fp4._layout import tiled_layout_unsupported
+from jax_fp4._prepack import prepack
 
 __all__ = [
     "CheckpointError",
@@ -116,6 +120,32 @@ def _check_block_size(block_size, where: str) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"{where}: block_size must be a positive int, got {block_size!r}")
     return int(block_size)
+
+
+def _check_layout(layout, where: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def _host_device():
+    """JAX's CPU device, where a load-time layout transform runs (None if this process has none)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def _in_layout(w: NVFP4Weight, layout: str) -> NVFP4Weight:
+    """`w` prepacked when `layout` is "tiled" and its shape takes the tiled layout (N % 16 == 0,
+    K % 128 == 0), else `w` itself. The transform runs on the host, so the arrays stay NumPy: a
+    checkpoint larger than one GPU can still be placed with a sharding afterwards."""
+    if layout == "spec" or tiled_layout_unsupported(w.n, w.k, w.block_size) is not None:
+        return w
+    with jax.default_device(_host_device()):
+        tiled = prepack(w)
+    return NVFP4Weight(np.asarray(tiled.packed), np.asarray(tiled.scale), w.global_scale,
+                       w.block_size, layout="tiled")
 
 
 def _build(convention, name, packed_key, packed, scale_key, scale, gs_key, gs, block_size):
@@ -272,7 +302,8 @@ def _layer_names(tensors: Mapping) -> dict[str, str]:
     return layers
 
 
-def from_tensors(tensors: Mapping, *, block_size: int = NVFP4_BLOCK_SIZE) -> dict:
+def from_tensors(tensors: Mapping, *, block_size: int = NVFP4_BLOCK_SIZE,
+                 layout: str = "spec") -> dict:
     """Convert every NVFP4 layer of a flat tensor mapping, detecting the convention per layer.
 
     Returns a dict from layer name to NVFP4Weight for ModelOpt layers (recognised by
@@ -280,18 +311,24 @@ def from_tensors(tensors: Mapping, *, block_size: int = NVFP4_BLOCK_SIZE) -> dic
     other tensor (biases, norms, embeddings, float, FP8 or int4 layers) passed through unchanged.
     uint8 codes with float8_e4m3fn block scales but no global scale are an NVFP4 layer missing a
     tensor: CheckpointError. The activation scales
-    ``L.input_scale`` / ``L.input_global_scale`` of converted layers are dropped."""
+    ``L.input_scale`` / ``L.input_global_scale`` of converted layers are dropped.
+
+    ``layout="tiled"`` prepacks (`jax_fp4.prepack`, on the host) every layer whose shape the tiled
+    layout takes (block size 16, N % 16 == 0, K % 128 == 0); the others stay in the spec layout
+    (``w.layout`` says which). Same values either way; the CUDA kernels read "tiled" faster."""
     block_size = _check_block_size(block_size, "from_tensors")
+    layout = _check_layout(layout, "from_tensors")
     layers = _layer_names(tensors)
     out: dict = {}
     consumed: set = set()
     for name, convention in sorted(layers.items()):
         if convention == "modelopt":
-            out[name] = from_modelopt(tensors, name, block_size=block_size)
+            weight = from_modelopt(tensors, name, block_size=block_size)
             suffixes = _MODELOPT_SUFFIXES + _MODELOPT_IGNORED
         else:
-            out[name] = from_compressed_tensors(tensors, name, block_size=block_size)
+            weight = from_compressed_tensors(tensors, name, block_size=block_size)
             suffixes = _CT_SUFFIXES + _CT_IGNORED
+        out[name] = _in_layout(weight, layout)
         consumed.update(f"{name}.{s}" for s in suffixes)
     for key, value in tensors.items():
         if key in consumed:
@@ -473,12 +510,15 @@ def read_safetensors(path_or_paths) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_safetensors(path_or_paths, *, block_size: int = NVFP4_BLOCK_SIZE) -> dict:
+def load_safetensors(path_or_paths, *, block_size: int = NVFP4_BLOCK_SIZE,
+                     layout: str = "spec") -> dict:
     """Read one or several .safetensors files (see `read_safetensors`) and convert every NVFP4
     layer, ModelOpt or compressed-tensors, detected per layer (see `from_tensors`).
 
-    Returns a dict from layer name to NVFP4Weight, plus every other tensor unchanged (as NumPy)."""
-    return from_tensors(read_safetensors(path_or_paths), block_size=block_size)
+    Returns a dict from layer name to NVFP4Weight, plus every other tensor unchanged (as NumPy).
+    ``layout="tiled"``: the NVFP4 layers prepacked where their shape allows (see `from_tensors`)."""
+    layout = _check_layout(layout, "load_safetensors")  # before reading any file
+    return from_tensors(read_safetensors(path_or_paths), block_size=block_size, layout=layout)
 
 
 def save_safetensors(tensors: Mapping, path, *, metadata: Mapping[str, str] | None = None) -> None:

@@ -162,6 +162,46 @@ def test_stacked_weights_round_trip(tmp_path):
     _same_bits(ck.load_safetensors(tmp_path / "e.safetensors")["experts"], stacked)
 
 
+def test_load_in_the_tiled_layout(tmp_path):
+    """layout="tiled": every layer the tiled layout takes comes back prepacked, as host NumPy,
+    bit for bit `jax_fp4.prepack`'s; the others stay in the spec layout; values are unchanged."""
+    tileable = quantize(_float_weight(40, n=48, k=256))                       # N % 16, K % 128
+    stacked = quantize(np.stack([_float_weight(41, n=32, k=128), _float_weight(42, n=32, k=128)]))
+    ragged = quantize(_float_weight(43, n=40, k=256))                         # N % 16 != 0
+    short = quantize(_float_weight(44, n=48, k=96))                           # K % 128 != 0
+    bias = np.arange(48, dtype=np.float32)
+    ck.save_safetensors({**ck.to_modelopt(tileable, "a"), **ck.to_compressed_tensors(ragged, "b"),
+                         "experts": stacked, "c": short, "a.bias": bias}, tmp_path / "m.safetensors")
+    spec = ck.load_safetensors(tmp_path / "m.safetensors")
+    tiled = ck.load_safetensors(tmp_path / "m.safetensors", layout="tiled")
+    assert {k: getattr(v, "layout", None) for k, v in tiled.items()} == {
+        "a": "tiled", "experts": "tiled", "b": "spec", "c": "spec", "a.bias": None}
+    for name in ("a", "experts"):
+        w, expected = tiled[name], jax_fp4.prepack(spec[name])
+        assert isinstance(w.packed, np.ndarray) and isinstance(w.scale, np.ndarray)
+        np.testing.assert_array_equal(w.packed, np.asarray(expected.packed))
+        np.testing.assert_array_equal(np.asarray(w.scale_bytes), np.asarray(expected.scale_bytes))
+        assert not np.array_equal(w.packed, np.asarray(spec[name].packed))   # really reordered
+        _same_bits(jax_fp4.unprepack(w), spec[name])
+    for name in ("b", "c"):
+        _same_bits(tiled[name], spec[name])
+    np.testing.assert_array_equal(tiled["a.bias"], bias)
+    # Saved again, prepacked layers are written in the spec layout.
+    ck.save_safetensors(tiled, tmp_path / "again.safetensors")
+    again = ck.load_safetensors(tmp_path / "again.safetensors")
+    for name in ("a", "b", "c", "experts"):
+        _same_bits(again[name], spec[name])
+    # The prepacked layer computes what the float64 reference says the stored weight is.
+    x = np.random.default_rng(45).standard_normal((3, 256)).astype(np.float32)
+    y = np.asarray(jax_fp4.matmul(jnp.asarray(x), tiled["a"]), np.float64)
+    ref = x.astype(np.float64) @ _ref_dense(tileable).T
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    with pytest.raises(ValueError, match=r"load_safetensors: layout must be one of .*'packed'"):
+        ck.load_safetensors(tmp_path / "m.safetensors", layout="packed")
+    with pytest.raises(ValueError, match=r"from_tensors: layout must be one of .*'sm120'"):
+        ck.from_tensors({}, layout="sm120")
+
+
 # ---- fusing -----------------------------------------------------------------------------------
 
 def test_fuse_parts_that_share_a_global_scale():
