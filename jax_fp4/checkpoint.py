@@ -136,6 +136,11 @@ def _host_device():
         return None
 
 
+# Compiled once per weight shape: eagerly the transform's dozens of small ops take ~7x longer
+# (11008x4096 on two CPU cores: 1.0 s against 0.15 s).
+_prepack_compiled = jax.jit(prepack, static_argnames="target")
+
+
 def _in_layout(w: NVFP4Weight, layout: str) -> NVFP4Weight:
     """`w` prepacked when `layout` is "tiled" and its shape takes the tiled layout (N % 16 == 0,
     K % 128 == 0), else `w` itself. The transform runs on the host, so the arrays stay NumPy: a
@@ -143,7 +148,7 @@ def _in_layout(w: NVFP4Weight, layout: str) -> NVFP4Weight:
     if layout == "spec" or tiled_layout_unsupported(w.n, w.k, w.block_size) is not None:
         return w
     with jax.default_device(_host_device()):
-        tiled = prepack(w)
+        tiled = _prepack_compiled(w)
     return NVFP4Weight(np.asarray(tiled.packed), np.asarray(tiled.scale), w.global_scale,
                        w.block_size, layout="tiled")
 
