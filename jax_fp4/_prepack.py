@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from jax_fp4 import _layout, _native
 from jax_fp4._format import NVFP4Weight, spec_arrays
 
@@ -42,3 +44,17 @@ def unprepack(w: NVFP4Weight) -> NVFP4Weight:
         return w
     packed, scale = spec_arrays(w)
     return NVFP4Weight(packed, scale, w.global_scale, w.block_size)
+
+
+# Compiled once per weight shape: eagerly the transform's dozens of small ops take ~7x longer
+# (11008x4096 on two CPU cores: 1.0 s against 0.15 s).
+_prepack_compiled = jax.jit(prepack, static_argnames="target")
+
+
+def in_layout(w: NVFP4Weight, layout: str) -> NVFP4Weight:
+    """`w` in `layout` where its shape allows: "tiled" prepacks it when the tiled layout takes the
+    shape (block size 16, N % 16 == 0, K % 128 == 0) and returns `w` itself otherwise; "spec"
+    returns `w`. For loaders and benchmarks that take whatever layout each weight can have."""
+    if layout == "tiled" and _layout.tiled_layout_unsupported(w.n, w.k, w.block_size) is None:
+        return _prepack_compiled(w)
+    return w

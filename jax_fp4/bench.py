@@ -49,7 +49,7 @@ import numpy as np
 
 import jax_fp4
 from jax_fp4._format import E2M1_VALUES
-from jax_fp4._layout import tiled_layout_unsupported
+from jax_fp4._prepack import in_layout
 
 MB = 1_000_000
 GB = 1_000_000_000
@@ -481,17 +481,6 @@ class Bench:
 
     def decode_step(self, model: "DecodeModel") -> "DecodeResult":
         return run_decode_step(self, model)
-
-
-_prepack_jit = jax.jit(jax_fp4.prepack)
-
-
-def in_layout(w: jax_fp4.NVFP4Weight, layout: str) -> jax_fp4.NVFP4Weight:
-    """`w` in `layout`: "tiled" prepacks it where the tiled layout can take the shape (the spec
-    layout otherwise), "spec" leaves it."""
-    if layout == "tiled" and tiled_layout_unsupported(w.n, w.k, w.block_size) is None:
-        return _prepack_jit(w)
-    return w
 
 
 # ---- a decode step of a Qwen3-like model ----------------------------------------------------------

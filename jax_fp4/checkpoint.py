@@ -39,8 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_fp4._format import LAYOUTS, NVFP4Weight, spec_arrays
-from jax_fp4._layout import tiled_layout_unsupported
-from jax_fp4._prepack import prepack
+from jax_fp4._prepack import in_layout
 
 __all__ = [
     "CheckpointError",
@@ -136,21 +135,15 @@ def _host_device():
         return None
 
 
-# Compiled once per weight shape: eagerly the transform's dozens of small ops take ~7x longer
-# (11008x4096 on two CPU cores: 1.0 s against 0.15 s).
-_prepack_compiled = jax.jit(prepack, static_argnames="target")
-
-
-def _in_layout(w: NVFP4Weight, layout: str) -> NVFP4Weight:
-    """`w` prepacked when `layout` is "tiled" and its shape takes the tiled layout (N % 16 == 0,
-    K % 128 == 0), else `w` itself. The transform runs on the host, so the arrays stay NumPy: a
-    checkpoint larger than one GPU can still be placed with a sharding afterwards."""
-    if layout == "spec" or tiled_layout_unsupported(w.n, w.k, w.block_size) is not None:
-        return w
+def _in_layout_on_host(w: NVFP4Weight, layout: str) -> NVFP4Weight:
+    """`in_layout(w, layout)` run on the host, so the arrays stay NumPy: a checkpoint larger than
+    one GPU can still be placed with a sharding afterwards."""
     with jax.default_device(_host_device()):
-        tiled = _prepack_compiled(w)
-    return NVFP4Weight(np.asarray(tiled.packed), np.asarray(tiled.scale), w.global_scale,
-                       w.block_size, layout="tiled")
+        out = in_layout(w, layout)
+    if out is w:
+        return w
+    return NVFP4Weight(np.asarray(out.packed), np.asarray(out.scale), w.global_scale,
+                       w.block_size, layout=out.layout)
 
 
 def _build(convention, name, packed_key, packed, scale_key, scale, gs_key, gs, block_size):
@@ -333,7 +326,7 @@ def from_tensors(tensors: Mapping, *, block_size: int = NVFP4_BLOCK_SIZE,
         else:
             weight = from_compressed_tensors(tensors, name, block_size=block_size)
             suffixes = _CT_SUFFIXES + _CT_IGNORED
-        out[name] = _in_layout(weight, layout)
+        out[name] = _in_layout_on_host(weight, layout)
         consumed.update(f"{name}.{s}" for s in suffixes)
     for key, value in tensors.items():
         if key in consumed:
