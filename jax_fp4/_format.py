@@ -15,6 +15,7 @@ other byte order. Functions that read the bytes themselves (dequantize) accept b
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -243,6 +244,11 @@ def dequantize(w: NVFP4Weight, dtype=jnp.float32):
     and rounded once to `dtype`."""
     if not isinstance(w, NVFP4Weight):
         raise TypeError(f"dequantize: w must be an NVFP4Weight, got {type(w).__name__}")
+    return _dequantize_compiled(w, jnp.dtype(dtype))
+
+
+def dense_weight(w: NVFP4Weight, dtype):
+    """`dequantize`'s computation, traced into the caller's program (the primitive's lowerings)."""
     packed, scale = spec_arrays(w)
     k = w.k
     values = e2m1_to_float32(packed)
@@ -256,6 +262,12 @@ def dequantize(w: NVFP4Weight, dtype=jnp.float32):
         block_scale = block_scale[..., :k]
     gs = jnp.asarray(w.global_scale, jnp.float32)[..., None, None]
     return (values * block_scale * gs).astype(dtype)
+
+
+# quantize and dequantize are compiled once per shape: run eagerly, their dozens of small ops
+# take 3x (quantize) and 18x (dequantize) longer, 4096x4096 on two CPU cores: 0.60 s against 0.20
+# and 0.33 s against 0.018 (quantize_model and load-time conversions call them eagerly).
+_dequantize_compiled = jax.jit(dense_weight, static_argnames="dtype")
 
 
 def _e2m1_round(x):
@@ -320,6 +332,13 @@ def quantize(w, block_size: int = 16, *, method: str = "modelopt", importance=No
         if method != "mse":
             raise ValueError("quantize: importance weights only method='mse'; got method='modelopt'")
         importance = _check_importance(importance, w.shape)
+    return _quantize_compiled(w, importance, block_size=int(block_size), method=method)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "method"))
+def _quantize_compiled(w, importance, *, block_size: int, method: str) -> NVFP4Weight:
+    """`quantize` of a checked float array (importance: None or checked float32)."""
+    k = w.shape[-1]
     w = w.astype(jnp.float32)
     k_blocks = math.ceil(k / block_size)
     pad = [(0, 0)] * (w.ndim - 1) + [(0, k_blocks * block_size - k)]

@@ -23,7 +23,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp4 import _dispatch, _explicit_axes, _ffi, _fused, _layout, _native, _sharding
-from jax_fp4._format import NVFP4Weight, dequantize
+from jax_fp4._format import NVFP4Weight, dense_weight
 
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
 
@@ -80,8 +80,8 @@ def _empty(a, packed, scale, global_scale, bias, *, block_size, **_):
 def _dense(packed, scale, global_scale, block_size, layout="spec", dtype=jnp.float32):
     """The dequantized weight [N, K]: computed in float32 and rounded once to `dtype` (float32 for
     the reference decomposition and dA, the activations' dtype for the xla path)."""
-    return dequantize(NVFP4Weight.tree_unflatten((block_size, layout), (packed, scale, global_scale)),
-                      dtype)
+    return dense_weight(NVFP4Weight.tree_unflatten((block_size, layout), (packed, scale, global_scale)),
+                        dtype)
 
 
 def _times_transposed(a, w, **kwargs):
