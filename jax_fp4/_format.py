@@ -257,7 +257,8 @@ def dense_weight(w: NVFP4Weight, dtype):
     block_scale = e4m3_to_float32(scale)
     block_scale = jax.lax.broadcast_in_dim(block_scale, (*block_scale.shape, w.block_size),
                                            tuple(range(block_scale.ndim)))
-    block_scale = block_scale.reshape(*block_scale.shape[:-2], -1)
+    *rows, k_blocks, block_size = block_scale.shape
+    block_scale = block_scale.reshape(*rows, k_blocks * block_size)  # no -1: N or a stack may be 0
     if block_scale.shape[-1] != k:  # a partial last block
         block_scale = block_scale[..., :k]
     gs = jnp.asarray(w.global_scale, jnp.float32)[..., None, None]
@@ -343,7 +344,7 @@ def _quantize_compiled(w, importance, *, block_size: int, method: str) -> NVFP4W
     k_blocks = math.ceil(k / block_size)
     pad = [(0, 0)] * (w.ndim - 1) + [(0, k_blocks * block_size - k)]
 
-    amax = jnp.max(jnp.abs(w), axis=(-2, -1)) if k else jnp.zeros(w.shape[:-2], jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=(-2, -1), initial=0.0)  # 0 for an empty matrix (N or K = 0)
     gscale = jnp.where(amax > 0, _divide(amax, jnp.float32(E2M1_MAX * E4M3_MAX)), 1.0).astype(jnp.float32)
 
     blocks = jnp.pad(w, pad).reshape(*w.shape[:-1], k_blocks, block_size)

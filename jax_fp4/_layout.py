@@ -70,7 +70,7 @@ def _permute_words(words, dst):
 
 def _bytes_to_words(b):
     """uint8 [..., 4 m] -> uint32 [..., m], little-endian (byte 0 lowest), independent of host."""
-    b = b.reshape(*b.shape[:-1], -1, 4).astype(jnp.uint32)
+    b = b.reshape(*b.shape[:-1], b.shape[-1] // 4, 4).astype(jnp.uint32)  # no -1: N may be 0
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
 

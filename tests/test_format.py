@@ -210,6 +210,27 @@ def test_quantize_all_zero_and_stacked():
     np.testing.assert_array_equal(np.asarray(qs.packed[1]), np.asarray(one.packed))
 
 
+@pytest.mark.parametrize("shape", [(0, 128), (5, 0), (16, 0), (2, 0, 128), (0, 16, 128)])
+def test_empty_weights(shape):
+    """Empty weights (N or K = 0, or no stacked entries) quantize to empty arrays of the right
+    shapes with global scale 1.0 (as an all-zero matrix), dequantize, prepack and unprepack, and
+    multiply to zeros in both layouts."""
+    tileable = shape[-2] % 16 == 0
+    for method in ("modelopt", "mse"):
+        q = jax_fp4.quantize(np.zeros(shape, np.float32), method=method)
+        assert q.shape == shape and q.scale.shape == (*shape[:-1], -(-shape[-1] // 16))
+        assert q.global_scale.shape == shape[:-2] and (np.asarray(q.global_scale) == 1.0).all()
+        assert jax_fp4.dequantize(q).shape == shape
+    layouts = [q] + ([jax_fp4.prepack(q)] if tileable else [])
+    if tileable:
+        assert layouts[1].layout == "tiled" and jax_fp4.dequantize(layouts[1]).shape == shape
+        assert jax_fp4.unprepack(layouts[1]).shape == shape
+    if len(shape) == 2:
+        for w in layouts:
+            a = np.ones((3, shape[1]), np.float32)
+            np.testing.assert_array_equal(np.asarray(jax_fp4.matmul(a, w)), np.zeros((3, shape[0])))
+
+
 def test_weight_container_pytree_and_transforms():
     rng = np.random.default_rng()
     packed, scale, gs = reference.random_weight(rng, 6, 32)
