@@ -38,8 +38,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jax_fp4._format import LAYOUTS, NVFP4Weight, spec_arrays
-from jax_fp4._prepack import in_layout
+from jax_fp4._format import LAYOUTS, NVFP4Weight
+from jax_fp4._prepack import in_layout, unprepack
 
 __all__ = [
     "CheckpointError",
@@ -227,11 +227,17 @@ def _weight_arrays(w, where: str):
     if w.block_size != NVFP4_BLOCK_SIZE:
         raise ValueError(f"{where}: NVFP4 checkpoints use block_size {NVFP4_BLOCK_SIZE}, got "
                          f"{w.block_size}")
-    packed, scale = (np.asarray(x) for x in spec_arrays(w))  # files hold the spec layout
+    packed, scale = (np.asarray(x) for x in _spec_arrays(w))  # files hold the spec layout
     if scale.dtype == _U8:
         scale = scale.view(_F8)
     gs = np.asarray(w.global_scale, np.float32)
     return packed, scale, gs
+
+
+def _spec_arrays(w: NVFP4Weight):
+    """(packed, scale) in the spec layout; a tiled weight through the compiled `unprepack`."""
+    spec = w if w.layout == "spec" else unprepack(w)
+    return spec.packed, spec.scale
 
 
 def _check_name(name, where: str) -> str:
@@ -372,7 +378,7 @@ def fuse(weights) -> NVFP4Weight:
             "shared global scale. Quantize the concatenated float weights once "
             "(jax_fp4.quantize(jnp.concatenate([...], axis=-2))) instead of fusing separately "
             "quantized parts")
-    parts = [spec_arrays(w) for w in ws]
+    parts = [_spec_arrays(w) for w in ws]
     packed = np.concatenate([np.asarray(p) for p, _ in parts], axis=-2)
     scale = np.concatenate([np.asarray(s).view(_U8) for _, s in parts], axis=-2)
     if np.asarray(first.scale).dtype == _F8:
