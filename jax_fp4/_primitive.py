@@ -329,7 +329,7 @@ def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzle
             ct_a = jnp.matmul(ct.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST,
                               out_sharding=_explicit_axes.explicit_type(a.aval)).astype(a.aval.dtype)
         if has_bias and ad.is_undefined_primal(bias):
-            ct_bias = jnp.sum(ct.astype(jnp.float32).reshape(-1, ct.shape[-1]), axis=0).astype(
+            ct_bias = jnp.sum(ct.astype(jnp.float32), axis=tuple(range(ct.ndim - 1))).astype(
                 bias.aval.dtype)
             ct_bias = _explicit_axes.typed_like(ct_bias, bias.aval)
     result = [ct_a, None, None, ct_gs]
