@@ -98,6 +98,26 @@ def test_cpu_kernel_across_its_blocking(m, n, k, block_size, layout):
     _check(y, ref, "bfloat16")
 
 
+# Up to 8 rows of M the CPU kernel multiplies each weight word as it decodes it; from 9 rows it
+# decodes a panel first and runs its micro-kernel. Both do the same operations in the same order
+# per output, so a row's result does not depend on how many rows come with it.
+@pytest.mark.parametrize("n, k, block_size, layout", [
+    (83, 528, 16, "spec"),    # partial 8-row lanes, a partial last K step
+    (40, 600, 24, "spec"),    # blocks straddling K steps
+    (80, 640, 16, "tiled"),
+])
+def test_cpu_kernel_rows_do_not_depend_on_m(n, k, block_size, layout):
+    rng = np.random.default_rng()
+    a, w, bias, ref = _random_case(rng, (24,), n, k, block_size, "float32", True)
+    if layout == "tiled":
+        w = jax_fp4.prepack(w)
+    f = jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend="cpu"))
+    full = np.asarray(f(a, w, bias))  # the panel path
+    _check(full, ref, "float32")
+    for m in (1, 3, 8, 9):
+        np.testing.assert_array_equal(np.asarray(f(a[:m], w, bias)), full[:m], err_msg=f"M = {m}")
+
+
 @pytest.mark.parametrize("m", list(range(0, 65, 7)) + [64])
 def test_matmul_sweep_over_m(m):
     rng = np.random.default_rng()

@@ -2,8 +2,9 @@
 //
 // Blocked like a BLAS GEMM whose weight panel is decoded instead of packed: a panel of weight rows
 // over a step of K is decoded into a small fp32 buffer (block scale folded in) and consumed at
-// once by a register-blocked micro-kernel, so the dequantized [N, K] matrix never exists. The
-// spec layout and jax_fp4.prepack's tiled layout (attribute tiled) decode to the same values bit
+// once by a register-blocked micro-kernel, so the dequantized [N, K] matrix never exists. Up to
+// 8 rows of M (decode, where the decode is the work) each word of the weight is multiplied as it
+// is decoded instead, with no panel, in the same order per output. The spec layout and jax_fp4.prepack's tiled layout (attribute tiled) decode to the same values bit
 // for bit (nvfp4.h's addressing and E2M1 / E4M3 definitions); accumulation is fp32 in an order
 // that depends on neither M nor the layout, the global scale and bias are applied once per output
 // in the epilogue, then the result is rounded to A's dtype.
@@ -42,6 +43,9 @@ constexpr int64_t kPanelRows = 64;   // weight rows per work unit (4 groups)
 constexpr int64_t kMicroRows = 6;    // rows of M per micro-kernel call
 constexpr int64_t kBlockRows = 480;  // rows of M per work unit (80 micro-kernel calls)
 constexpr int64_t kDepth = 256;      // K per step; a multiple of 128 (the tiled layout's window)
+// Up to kDecodeProductMaxRows rows of M no panel (DecodeProduct): 1.5x faster than the panel at
+// M = 8 on 4096x4096 (two-core Intel Xeon, AVX2 clone); 9 rows keep the panel.
+constexpr int64_t kDecodeProductMaxRows = 8;
 constexpr int64_t kParallelWork = int64_t{1} << 22;  // multiply-adds below which one thread runs
 
 float load_as_float(const void* data, ffi::DataType dtype, int64_t i) {
@@ -110,19 +114,145 @@ __attribute__((always_inline)) inline void LoadFloat8(const float* p, Float8* v)
   std::memcpy(v, p, sizeof(*v));
 }
 
-// e2m1_to_float (nvfp4.h) on eight lanes, each holding one code in bits 0..3, times the lanes'
-// block scales, stored to out[0..7].
-__attribute__((always_inline)) inline void DecodeE2M1Lanes(const Word8& codes,
-                                                           const Float8& scales, float* out) {
-  const Word8 magnitude = codes & 7u;  // exponent e at bits 1..2, mantissa m at bit 0
-  const Word8 normal = (magnitude + 252u) << 22;  // e >= 1: exponent e + 126, mantissa bit m
-  const Word8 is_normal = reinterpret_cast<Word8>(magnitude >= 2u);  // all ones or zero
-  const Word8 is_half = reinterpret_cast<Word8>(magnitude == 1u);
-  const Word8 bits = (normal & is_normal) | (0x3F000000u & is_half) | ((codes & 8u) << 28);
+// The E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as float bits, indexed by a code's low 3 bits.
+constexpr Word8 kE2M1MagnitudeBits = {0x00000000u, 0x3F000000u, 0x3F800000u, 0x3FC00000u,
+                                      0x40000000u, 0x40400000u, 0x40800000u, 0x40C00000u};
+
+// table[index % 8] in each lane: one vpermd under AVX2 (GCC's __builtin_shuffle; Clang has no
+// variable-index shuffle in its vector extension, so there lane by lane).
+__attribute__((always_inline)) inline Word8 LookUp8(const Word8& table, const Word8& index) {
+#if defined(__GNUC__) && !defined(__clang__)
+  return __builtin_shuffle(table, index);
+#else
+  Word8 out;
+  for (int lane = 0; lane < 8; ++lane) out[lane] = table[index[lane] & 7u];
+  return out;
+#endif
+}
+
+// Element e (0..7) of eight words of codes, one word per lane, as floats (e2m1_to_float of
+// nvfp4.h) times the lanes' block scales: the magnitude by an eight-entry table (one vpermd under
+// AVX2), the sign bit moved to bit 31. Exact. Words in spec order (element e at bits 4e..4e+3), or
+// (Tiled) as the tiled layout stores them (nvfp4.h, tiled_code_bit).
+template <bool Tiled>
+__attribute__((always_inline)) inline Float8 DecodeE2M1Lanes(const Word8& words, int e,
+                                                             const Float8& scales) {
+  Word8 index, sign;  // the magnitude's three bits at bits 0..2 (the table reads only those)
+  if (!Tiled) {
+    index = words >> (4 * e);
+    sign = (words << (28 - 4 * e)) & 0x80000000u;
+  } else {
+    const int mantissa = tiled_code_bit(e, 0), exponent = tiled_code_bit(e, 1);
+    if (exponent == mantissa + 1) {  // pairs 0-2: mantissa and exponent bits in order
+      index = words >> mantissa;
+    } else {  // pair 3: the mantissa above the exponent
+      index = ((words >> mantissa) & 1u) | (((words >> exponent) << 1) & 6u);
+    }
+    sign = (words << (31 - tiled_code_bit(e, 3))) & 0x80000000u;
+  }
+  const Word8 bits = LookUp8(kE2M1MagnitudeBits, index) | sign;
   Float8 value;
   std::memcpy(&value, &bits, sizeof(value));
-  value *= scales;
-  std::memcpy(out, &value, sizeof(value));
+  return value * scales;
+}
+
+// e4m3_to_float (nvfp4.h) of every byte: a block's eight scales are then eight loads.
+const std::array<float, 256>& E4M3Values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (uint32_t byte = 0; byte < 256; ++byte) t[byte] = e4m3_to_float(byte);
+    return t;
+  }();
+  return table;
+}
+
+// Whether the weight can be read a word of eight codes at a time: the tiled layout (block 16,
+// K % 128 == 0), or the spec layout when no block boundary or the end of K falls inside a word.
+bool WholeWords(const MatmulJob& job) {
+  return job.tiled || (job.block_size % 8 == 0 && job.k % 8 == 0);
+}
+
+// Walks weight rows [row0, row0 + lanes) (one per vector lane, lanes <= 8, row0 % 8 == 0) over K
+// [k0, k0 + kc) a word at a time, in k order: visit(kk, scales, words) with words[lane] the row's
+// packed word holding elements kk..kk+7 (as the layout stores it: DecodeE2M1Lanes<Tiled> reads it)
+// and scales[lane] their block scale; lanes past `lanes` hold zeros. Tiled: the tiled layout.
+// Needs WholeWords(job) (k0 and kc are then multiples of 8).
+template <bool Tiled, typename Visit>
+__attribute__((always_inline)) inline void ForEachWord(const MatmulJob& job, int64_t row0,
+                                                       int lanes, int64_t k0, int64_t kc,
+                                                       Visit&& visit) {
+  const int64_t windows = job.k / 128;  // tiled layout only
+  // Byte offsets of row `row`'s block scale kb and of its word of elements kk..kk+7 (kk % 8 == 0,
+  // inside one block). Across the eight rows both step by a constant, the same for every block
+  // and word (the spec layout's row strides; the tiled layout's lane groups, which eight rows from
+  // a multiple of 8 are): taken once, from the first block.
+  const auto scale_offset = [&](int64_t row, int64_t kb) {
+    return Tiled ? tiled_scale_offset(row, kb, windows) : row * job.k_blocks + kb;
+  };
+  const auto word_offset = [&](int64_t row, int64_t kk) {  // kk >= 0: shifts for the divisions
+    if (!Tiled) return row * (job.k / 2) + (kk >> 1);
+    // A row's 64 bytes of a window are one run (its four quarters in order), windows 1 KB apart.
+    return tiled_packed_offset(row, 0, 0, windows) + (kk >> 7) * 1024 + ((kk & 127) >> 1);
+  };
+  const auto load_word = [](const uint8_t* b) {  // little-endian, as the layouts are defined
+    uint32_t word;
+    std::memcpy(&word, b, sizeof(word));
+    return word;
+  };
+  const std::array<float, 256>& e4m3 = E4M3Values();
+  const int64_t kb0 = k0 / job.block_size;
+  const int64_t scale_step = scale_offset(row0 + 1, kb0) - scale_offset(row0, kb0);
+  const int64_t word_step = word_offset(row0 + 1, k0) - word_offset(row0, k0);
+  // Eight lanes are built in registers (a lane-by-lane loop goes through memory: twice as slow).
+  for (int64_t kb = kb0; kb * job.block_size < k0 + kc; ++kb) {
+    const uint8_t* s = job.scale + scale_offset(row0, kb);
+    Float8 scales = {};  // zero in lanes past N
+    if (lanes == 8) {
+      scales = Float8{e4m3[s[0]], e4m3[s[scale_step]], e4m3[s[2 * scale_step]],
+                      e4m3[s[3 * scale_step]], e4m3[s[4 * scale_step]], e4m3[s[5 * scale_step]],
+                      e4m3[s[6 * scale_step]], e4m3[s[7 * scale_step]]};
+    } else {
+      for (int lane = 0; lane < lanes; ++lane) scales[lane] = e4m3[s[lane * scale_step]];
+    }
+    const int64_t k_end = std::min(k0 + kc, (kb + 1) * job.block_size);
+    for (int64_t kk = std::max(k0, kb * job.block_size); kk < k_end; kk += 8) {
+      const uint8_t* p = job.packed + word_offset(row0, kk);
+      Word8 words = {};
+      if (lanes == 8) {
+        words = Word8{load_word(p), load_word(p + word_step), load_word(p + 2 * word_step),
+                      load_word(p + 3 * word_step), load_word(p + 4 * word_step),
+                      load_word(p + 5 * word_step), load_word(p + 6 * word_step),
+                      load_word(p + 7 * word_step)};
+      } else {
+        for (int lane = 0; lane < lanes; ++lane) words[lane] = load_word(p + lane * word_step);
+      }
+      visit(kk, scales, words);
+    }
+  }
+}
+
+// DecodePanel for WholeWords(job): eight rows at a time, one per lane; each k is two stores of 8
+// floats.
+template <bool Tiled>
+__attribute__((always_inline)) inline void DecodePanelWords(const MatmulJob& job, int64_t n0,
+                                                            int64_t rows, int64_t k0, int64_t kc,
+                                                            float* panel) {
+  for (int64_t g = 0; g * kPanelCols < rows; ++g) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t row0 = n0 + g * kPanelCols + 8 * half;  // this half's first row
+      float* out = panel + g * kc * kPanelCols + 8 * half;  // k0's eight floats
+      const int lanes = static_cast<int>(std::clamp<int64_t>(n0 + rows - row0, 0, 8));
+      ForEachWord<Tiled>(job, row0, lanes, k0, kc,
+                         [&](int64_t kk, const Float8& scales, const Word8& words) {
+#pragma GCC unroll 8
+                           for (int e = 0; e < 8; ++e) {
+                             const Float8 value = DecodeE2M1Lanes<Tiled>(words, e, scales);
+                             std::memcpy(out + (kk - k0 + e) * kPanelCols, &value,
+                                         sizeof(value));
+                           }
+                         });
+    }
+  }
 }
 
 // Decodes weight rows [n0, n0 + rows) over K [k0, k0 + kc) into fp32 with the block scale folded
@@ -131,80 +261,17 @@ __attribute__((always_inline)) inline void DecodeE2M1Lanes(const Word8& codes,
 JAX_FP4_CPU_CLONES
 void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int64_t kc,
                  float* panel) {
-  // A tiled word's bit permutation, undone byte by byte: kSpecBits[j][v] is the spec-order word
-  // (element e's code at bits 4e..4e+3) of the tiled word holding byte v at byte j and zeros
-  // elsewhere; each bit moves on its own, so the four parts OR together.
-  static const auto kSpecBits = [] {
-    std::array<std::array<uint32_t, 256>, 4> table{};
-    for (int j = 0; j < 4; ++j) {
-      for (uint32_t v = 0; v < 256; ++v) {
-        for (int e = 0; e < 8; ++e) table[j][v] |= tiled_word_code(v << (8 * j), e) << (4 * e);
-      }
-    }
-    return table;
-  }();
-  const int64_t windows = job.k / 128;  // tiled layout only
-  // Byte offsets of row `row`'s block scale kb and of its word of elements kk..kk+7 (kk % 8 == 0,
-  // inside one block). Across the eight rows of a panel half both step by a constant, the same for
-  // every block and word (the spec layout's row strides; the tiled layout's lane groups, which
-  // those eight rows are, since n0 % 64 == 0): taken once per half, from the first block.
-  const auto scale_offset = [&](int64_t row, int64_t kb) {
-    return job.tiled ? tiled_scale_offset(row, kb, windows) : row * job.k_blocks + kb;
-  };
-  const auto word_offset = [&](int64_t row, int64_t kk) {
-    if (!job.tiled) return row * (job.k / 2) + kk / 2;
-    const int64_t kb = kk / 16;
-    return tiled_packed_offset(row, kb / 8, (kb % 8) / 2, windows) + 8 * (kb % 2) +
-           4 * ((kk / 8) % 2);
-  };
-  // A word of eight codes in spec order (element e at bits 4e..4e+3): the spec layout's four
-  // packed bytes (little-endian) are one already.
-  const auto spec_word = [&](const uint8_t* b) {
+  if (WholeWords(job)) {
     if (job.tiled) {
-      return kSpecBits[0][b[0]] | kSpecBits[1][b[1]] | kSpecBits[2][b[2]] | kSpecBits[3][b[3]];
-    }
-    uint32_t word;
-    std::memcpy(&word, b, sizeof(word));
-    return word;
-  };
-
-  const int64_t groups = (rows + kPanelCols - 1) / kPanelCols;
-  // Whole words: the tiled layout (block 16, K % 128 == 0, k0 and kc multiples of 128), or the
-  // spec layout when no block boundary or the end of K falls inside a word. Eight rows at a time,
-  // one lane per row: every k of the panel is two stores of eight floats.
-  if (job.tiled || (job.block_size % 8 == 0 && job.k % 8 == 0)) {
-    for (int64_t g = 0; g < groups; ++g) {
-      for (int64_t half = 0; half < 2; ++half) {
-        const int64_t row0 = n0 + g * kPanelCols + 8 * half;  // this half's first row
-        const int lanes = static_cast<int>(std::clamp<int64_t>(n0 + rows - row0, 0, 8));
-        float* out = panel + g * kc * kPanelCols + 8 * half;  // k0's eight floats
-        const int64_t kb0 = k0 / job.block_size;
-        const int64_t scale_step = scale_offset(row0 + 1, kb0) - scale_offset(row0, kb0);
-        const int64_t word_step = word_offset(row0 + 1, k0) - word_offset(row0, k0);
-        for (int64_t kb = kb0; kb * job.block_size < k0 + kc; ++kb) {
-          const int64_t scale0 = scale_offset(row0, kb);
-          Float8 scales = {};  // zero in lanes past N
-          for (int lane = 0; lane < lanes; ++lane) {
-            scales[lane] = e4m3_to_float(job.scale[scale0 + lane * scale_step]);
-          }
-          const int64_t k_end = std::min(k0 + kc, (kb + 1) * job.block_size);
-          for (int64_t kk = std::max(k0, kb * job.block_size); kk < k_end; kk += 8) {
-            const uint8_t* word0 = job.packed + word_offset(row0, kk);
-            Word8 words = {};
-            for (int lane = 0; lane < lanes; ++lane) {
-              words[lane] = spec_word(word0 + lane * word_step);
-            }
-            for (int e = 0; e < 8; ++e) {
-              DecodeE2M1Lanes((words >> (4 * e)) & 0xFu, scales,
-                              out + (kk + e - k0) * kPanelCols);
-            }
-          }
-        }
-      }
+      DecodePanelWords<true>(job, n0, rows, k0, kc, panel);
+    } else {
+      DecodePanelWords<false>(job, n0, rows, k0, kc, panel);
     }
     return;
   }
-  // Any other block size: element by element, one row at a time.
+  const int64_t groups = (rows + kPanelCols - 1) / kPanelCols;
+  // Any other block size (the spec layout: the tiled one is whole words): element by element,
+  // one row at a time.
   for (int64_t r = 0; r < groups * kPanelCols; ++r) {
     const int64_t row = n0 + r;
     float* out = panel + (r / kPanelCols) * kc * kPanelCols + r % kPanelCols;  // k0's float
@@ -214,7 +281,7 @@ void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int
     }
     const uint8_t* packed_row = job.packed + row * (job.k / 2);
     for (int64_t kb = k0 / job.block_size; kb * job.block_size < k0 + kc; ++kb) {
-      const float scale = e4m3_to_float(job.scale[scale_offset(row, kb)]);
+      const float scale = e4m3_to_float(job.scale[row * job.k_blocks + kb]);
       const int64_t k_end = std::min(k0 + kc, (kb + 1) * job.block_size);
       for (int64_t kk = std::max(k0, kb * job.block_size); kk < k_end; ++kk) {
         out[(kk - k0) * kPanelCols] = e2m1_to_float(packed_code(packed_row, kk)) * scale;
@@ -275,6 +342,68 @@ void PanelProduct(const float* a, int64_t lda, int64_t mb, const float* panel, i
   }
 }
 
+// c[mb, rows] += a[mb, kc] @ (weight rows [n0, n0 + rows) over K [k0, k0 + kc))^T with each word
+// of the weight decoded as it is multiplied, eight rows at a time: for a few rows of M the decode is
+// most of the work, and the panel's stores and reloads would cost as much again. Per output the
+// same operations in the same order as DecodePanel + PanelProduct (one multiply-add chain over
+// the step, then added to c), so that the two agree bit for bit. Needs WholeWords(job).
+template <int MB, bool Tiled>
+__attribute__((always_inline)) inline void DecodeProductRows(const MatmulJob& job, const float* a,
+                                                             int64_t lda, int64_t row0, int lanes,
+                                                             int64_t k0, int64_t kc, float* c,
+                                                             int64_t ldc) {
+  Float8 acc[MB] = {};
+  ForEachWord<Tiled>(job, row0, lanes, k0, kc,
+                     [&](int64_t kk, const Float8& scales, const Word8& words) {
+                       const float* a_word = a + (kk - k0);
+#pragma GCC unroll 8
+                       for (int e = 0; e < 8; ++e) {
+                         const Float8 w = DecodeE2M1Lanes<Tiled>(words, e, scales);
+                         for (int i = 0; i < MB; ++i) acc[i] += a_word[i * lda + e] * w;
+                       }
+                     });
+  for (int i = 0; i < MB; ++i) {
+    Float8 sum;
+    LoadFloat8(c + i * ldc, &sum);
+    sum += acc[i];
+    std::memcpy(c + i * ldc, &sum, sizeof(sum));
+  }
+}
+
+template <bool Tiled>
+__attribute__((always_inline)) inline void DecodeProductLayout(const MatmulJob& job,
+                                                               const float* a, int64_t lda,
+                                                               int64_t mb, int64_t n0, int64_t rows,
+                                                               int64_t k0, int64_t kc, float* c,
+                                                               int64_t ldc) {
+  static_assert(kDecodeProductMaxRows == 8, "one case per row count");
+  for (int64_t r = 0; r < rows; r += 8) {
+    const int lanes = static_cast<int>(std::min<int64_t>(8, rows - r));
+    const int64_t row0 = n0 + r;
+    float* c_rows = c + r;
+    switch (mb) {
+      case 8: DecodeProductRows<8, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
+      case 7: DecodeProductRows<7, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
+      case 6: DecodeProductRows<6, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
+      case 5: DecodeProductRows<5, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
+      case 4: DecodeProductRows<4, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
+      case 3: DecodeProductRows<3, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
+      case 2: DecodeProductRows<2, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
+      default: DecodeProductRows<1, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
+    }
+  }
+}
+
+JAX_FP4_CPU_CLONES
+void DecodeProduct(const MatmulJob& job, const float* a, int64_t lda, int64_t mb, int64_t n0,
+                   int64_t rows, int64_t k0, int64_t kc, float* c, int64_t ldc) {
+  if (job.tiled) {
+    DecodeProductLayout<true>(job, a, lda, mb, n0, rows, k0, kc, c, ldc);
+  } else {
+    DecodeProductLayout<false>(job, a, lda, mb, n0, rows, k0, kc, c, ldc);
+  }
+}
+
 // Buffers one thread reuses across its work units.
 struct Scratch {
   explicit Scratch(const MatmulJob& job)
@@ -293,12 +422,17 @@ void ComputeUnit(const MatmulJob& job, int64_t unit, Scratch& scratch) {
   const int64_t rows = std::min(kPanelRows, job.n - n0);
   const int64_t groups = (rows + kPanelCols - 1) / kPanelCols;
   const int64_t ldc = kPanelRows;
+  const bool decode_as_multiplied = mb <= kDecodeProductMaxRows && WholeWords(job);
   std::fill(scratch.c.begin(), scratch.c.end(), 0.0f);
   for (int64_t k0 = 0; k0 < job.k; k0 += kDepth) {
     const int64_t kc = std::min(kDepth, job.k - k0);
-    DecodePanel(job, n0, rows, k0, kc, scratch.panel.data());
-    PanelProduct(job.a_f32.data() + m0 * job.k + k0, job.k, mb, scratch.panel.data(), kc, groups,
-                 scratch.c.data(), ldc);
+    const float* a = job.a_f32.data() + m0 * job.k + k0;
+    if (decode_as_multiplied) {
+      DecodeProduct(job, a, job.k, mb, n0, rows, k0, kc, scratch.c.data(), ldc);
+    } else {
+      DecodePanel(job, n0, rows, k0, kc, scratch.panel.data());
+      PanelProduct(a, job.k, mb, scratch.panel.data(), kc, groups, scratch.c.data(), ldc);
+    }
   }
   for (int64_t i = 0; i < mb; ++i) {
     for (int64_t r = 0; r < rows; ++r) {

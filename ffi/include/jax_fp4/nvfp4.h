@@ -88,18 +88,14 @@ JAX_FP4_HD int64_t tiled_scale_offset(int64_t row, int64_t block, int64_t window
   return (((row / 16) * windows + window) * 32 + lane) * 4 + 2 * ((row / 8) % 2) + block % 2;
 }
 
-// E2M1 code of element e (0..7) of a tiled 32-bit word (little-endian bytes). Element e = 2 p + h
-// keeps its mantissa, exponent and sign bits at the bf16 positions 6, 7, 8, 15 (+16 h), the word
-// rotated left by 3 p for pairs p = 0..2, and at 4, 0, 1, 3 (+16 h) for pair 3.
-JAX_FP4_HD uint32_t tiled_word_code(uint32_t word, int e) {
+// Where element e (0..7) of a tiled 32-bit word (little-endian bytes) keeps bit `bit` of its E2M1
+// code (0 mantissa, 1-2 exponent, 3 sign): element e = 2 p + h keeps them at the bf16 positions
+// 6, 7, 8, 15 (+16 h), the word rotated left by 3 p, for pairs p = 0..2, and at 4, 0, 1, 3 (+16 h)
+// for pair 3.
+JAX_FP4_HD constexpr int tiled_code_bit(int e, int bit) {
   const int p = e / 2, h = 16 * (e % 2);
-  uint32_t code = 0;
-  for (int bit = 0; bit < 4; ++bit) {
-    const int pos = p < 3 ? ((bit < 3 ? 6 + bit : 15) + h + 3 * p) % 32
-                          : (bit == 0 ? 4 : (bit == 3 ? 3 : bit - 1)) + h;
-    code |= ((word >> pos) & 1u) << bit;
-  }
-  return code;
+  return p < 3 ? ((bit < 3 ? 6 + bit : 15) + h + 3 * p) % 32
+               : (bit == 0 ? 4 : (bit == 3 ? 3 : bit - 1)) + h;
 }
 
 // 16-bit float conversions for host code (device code uses cuda_fp16/cuda_bf16 intrinsics).
