@@ -338,7 +338,8 @@ def quantize(w, block_size: int = 16, *, method: str = "modelopt", importance=No
 
 @functools.partial(jax.jit, static_argnames=("block_size", "method"))
 def _quantize_compiled(w, importance, *, block_size: int, method: str) -> NVFP4Weight:
-    """`quantize` of a checked float array (importance: None or checked float32)."""
+    """`quantize` of a checked float array (importance: None or checked float32), compiled once
+    per shape like `dequantize` (above)."""
     k = w.shape[-1]
     w = w.astype(jnp.float32)
     k_blocks = math.ceil(k / block_size)

@@ -114,30 +114,38 @@ __attribute__((always_inline)) inline void LoadFloat8(const float* p, Float8* v)
   std::memcpy(v, p, sizeof(*v));
 }
 
+// c[0..7] += x: how both paths add a step's multiply-add chain to the outputs.
+__attribute__((always_inline)) inline void AddToFloats(float* c, const Float8& x) {
+  Float8 sum;
+  LoadFloat8(c, &sum);
+  sum += x;
+  std::memcpy(c, &sum, sizeof(sum));
+}
+
 // The E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as float bits, indexed by a code's low 3 bits.
 constexpr Word8 kE2M1MagnitudeBits = {0x00000000u, 0x3F000000u, 0x3F800000u, 0x3FC00000u,
                                       0x40000000u, 0x40400000u, 0x40800000u, 0x40C00000u};
 
 // table[index % 8] in each lane: one vpermd under AVX2 (GCC's __builtin_shuffle; Clang has no
 // variable-index shuffle in its vector extension, so there lane by lane). tests/test_cpu_decode.py
-// checks both against nvfp4.h with each compiler at hand.
-__attribute__((always_inline)) inline Word8 LookUp8(const Word8& table, const Word8& index) {
+// checks both against nvfp4.h with each compiler at hand. The result through a pointer, as
+// LoadFloat8's.
+__attribute__((always_inline)) inline void LookUp8(const Word8& table, const Word8& index,
+                                                   Word8* out) {
 #if defined(__GNUC__) && !defined(__clang__)
-  return __builtin_shuffle(table, index);
+  *out = __builtin_shuffle(table, index);
 #else
-  Word8 out;
-  for (int lane = 0; lane < 8; ++lane) out[lane] = table[index[lane] & 7u];
-  return out;
+  for (int lane = 0; lane < 8; ++lane) (*out)[lane] = table[index[lane] & 7u];
 #endif
 }
 
 // Element e (0..7) of eight words of codes, one word per lane, as floats (e2m1_to_float of
 // nvfp4.h) times the lanes' block scales: the magnitude by an eight-entry table (one vpermd under
 // AVX2), the sign bit moved to bit 31. Exact. Words in spec order (element e at bits 4e..4e+3), or
-// (Tiled) as the tiled layout stores them (nvfp4.h, tiled_code_bit).
+// (Tiled) as the tiled layout stores them (nvfp4.h, tiled_code_bit). Into *out.
 template <bool Tiled>
-__attribute__((always_inline)) inline Float8 DecodeE2M1Lanes(const Word8& words, int e,
-                                                             const Float8& scales) {
+__attribute__((always_inline)) inline void DecodeE2M1Lanes(const Word8& words, int e,
+                                                           const Float8& scales, Float8* out) {
   Word8 index, sign;  // the magnitude's three bits at bits 0..2 (the table reads only those)
   if (!Tiled) {
     index = words >> (4 * e);
@@ -151,10 +159,11 @@ __attribute__((always_inline)) inline Float8 DecodeE2M1Lanes(const Word8& words,
     }
     sign = (words << (31 - tiled_code_bit(e, 3))) & 0x80000000u;
   }
-  const Word8 bits = LookUp8(kE2M1MagnitudeBits, index) | sign;
-  Float8 value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value * scales;
+  Word8 bits;
+  LookUp8(kE2M1MagnitudeBits, index, &bits);
+  bits |= sign;
+  std::memcpy(out, &bits, sizeof(bits));
+  *out *= scales;
 }
 
 // e4m3_to_float (nvfp4.h) of every byte: a block's eight scales are then eight loads.
@@ -247,7 +256,8 @@ __attribute__((always_inline)) inline void DecodePanelWords(const MatmulJob& job
                          [&](int64_t kk, const Float8& scales, const Word8& words) {
 #pragma GCC unroll 8
                            for (int e = 0; e < 8; ++e) {
-                             const Float8 value = DecodeE2M1Lanes<Tiled>(words, e, scales);
+                             Float8 value;
+                             DecodeE2M1Lanes<Tiled>(words, e, scales, &value);
                              std::memcpy(out + (kk - k0 + e) * kPanelCols, &value,
                                          sizeof(value));
                            }
@@ -312,12 +322,7 @@ __attribute__((always_inline)) inline void MicroKernel(const float* a, int64_t l
     }
   }
   for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < 2; ++j) {
-      Float8 sum;
-      LoadFloat8(c + i * ldc + 8 * j, &sum);
-      sum += acc[i][j];
-      std::memcpy(c + i * ldc + 8 * j, &sum, sizeof(sum));
-    }
+    for (int j = 0; j < 2; ++j) AddToFloats(c + i * ldc + 8 * j, acc[i][j]);
   }
 }
 
@@ -359,16 +364,12 @@ __attribute__((always_inline)) inline void DecodeProductRows(const MatmulJob& jo
                        const float* a_word = a + (kk - k0);
 #pragma GCC unroll 8
                        for (int e = 0; e < 8; ++e) {
-                         const Float8 w = DecodeE2M1Lanes<Tiled>(words, e, scales);
+                         Float8 w;
+                         DecodeE2M1Lanes<Tiled>(words, e, scales, &w);
                          for (int i = 0; i < MB; ++i) acc[i] += a_word[i * lda + e] * w;
                        }
                      });
-  for (int i = 0; i < MB; ++i) {
-    Float8 sum;
-    LoadFloat8(c + i * ldc, &sum);
-    sum += acc[i];
-    std::memcpy(c + i * ldc, &sum, sizeof(sum));
-  }
+  for (int i = 0; i < MB; ++i) AddToFloats(c + i * ldc, acc[i]);
 }
 
 template <bool Tiled>

@@ -26,8 +26,9 @@ int main() {
       tiled_words[lane] = tiled;
     }
     for (int e = 0; e < 8; ++e) {
-      const Float8 spec = jax_fp4::DecodeE2M1Lanes<false>(spec_words, e, ones);
-      const Float8 tiled = jax_fp4::DecodeE2M1Lanes<true>(tiled_words, e, ones);
+      Float8 spec, tiled;
+      jax_fp4::DecodeE2M1Lanes<false>(spec_words, e, ones, &spec);
+      jax_fp4::DecodeE2M1Lanes<true>(tiled_words, e, ones, &tiled);
       for (int lane = 0; lane < 8; ++lane) {
         const uint32_t want = jax_fp4::float_to_bits(jax_fp4::e2m1_to_float(spec_words[lane] >> (4 * e)));
         mismatches += jax_fp4::float_to_bits(spec[lane]) != want;
