@@ -114,8 +114,14 @@ def _bias_operand(bias, dtype):
     return jnp.zeros((0,), dtype) if bias is None else bias
 
 
+CPU_AVX512_ENV = "JAX_FP4_CPU_AVX512"
+
+
 @_as_2d
 def _cpu(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
+    # The kernel reads this itself, once per process (both builds give the same bits); checked
+    # here so that a bad value is an error, not silently "on".
+    _dispatch.env_flag(CPU_AVX512_ENV, True)
     out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
     call = jax.ffi.ffi_call("jax_fp4_matmul_cpu", out)
     return call(a, packed, scale, global_scale, _bias_operand(bias, a.dtype),

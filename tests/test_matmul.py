@@ -1,6 +1,10 @@
 """jax_fp4.matmul on the CPU paths against the float64 reference, plus its bad-input catalogue."""
 
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +120,58 @@ def test_cpu_kernel_rows_do_not_depend_on_m(n, k, block_size, layout):
     _check(full, ref, "float32")
     for m in (1, 3, 8, 9):
         np.testing.assert_array_equal(np.asarray(f(a[:m], w, bias)), full[:m], err_msg=f"M = {m}")
+
+
+def _cpu_has_avx512():
+    """Whether this CPU has x86-64-v4 (the CPU kernel's AVX-512 panel product)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= set(flags)
+
+
+_AVX2_PANEL_PRODUCT = """
+import sys, numpy as np, jax, jax_fp4
+d = np.load(sys.argv[1])
+w = jax_fp4.NVFP4Weight(d["packed"], d["scale"], d["gs"], block_size=int(d["block_size"]))
+w = jax_fp4.prepack(w) if bool(d["tiled"]) else w
+y = jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend="cpu"))(d["a"], w, d["bias"])
+np.save(sys.argv[2], np.asarray(y))
+"""
+
+
+@pytest.mark.skipif(not _cpu_has_avx512(), reason="the CPU has no AVX-512: one panel product")
+@pytest.mark.parametrize("m, n, k, block_size, layout", [
+    (29, 83, 528, 16, "spec"),   # 12 + 12 + 5 rows; weight panels of 4 and 2 groups of 16 rows
+    (40, 40, 600, 24, "spec"),   # a group pair and a lone group; blocks straddling K steps
+    (13, 80, 640, 16, "tiled"),  # a lone group in the last panel
+])
+def test_cpu_avx512_and_avx2_panel_products_agree(tmp_path, m, n, k, block_size, layout):
+    # The AVX-512 build (12 x 32 outputs a micro-kernel call) runs the same fused multiply-adds in
+    # the same order per output as the AVX2 build (6 x 16): the same bits. JAX_FP4_CPU_AVX512=0,
+    # read once per process, runs the AVX2 one in a fresh process.
+    rng = np.random.default_rng()
+    a, w, bias, ref = _random_case(rng, (m,), n, k, block_size, "float32", True)
+    np.savez(tmp_path / "case.npz", a=np.asarray(a), bias=np.asarray(bias), packed=w.packed,
+             scale=w.scale_bytes, gs=np.float32(w.global_scale), block_size=block_size,
+             tiled=layout == "tiled")
+    w = jax_fp4.prepack(w) if layout == "tiled" else w
+    wide = np.asarray(jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend="cpu"))(a, w, bias))
+    _check(wide, ref, "float32")
+    env = dict(os.environ, JAX_FP4_CPU_AVX512="0", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", _AVX2_PANEL_PRODUCT, str(tmp_path / "case.npz"),
+                    str(tmp_path / "narrow.npy")], check=True, env=env)
+    np.testing.assert_array_equal(np.load(tmp_path / "narrow.npy"), wide)
+
+
+def test_cpu_avx512_switch_rejects_bad_values(monkeypatch):
+    rng = np.random.default_rng()
+    a, w, bias, _ = _random_case(rng, (2,), 16, 32, 16, "float32", False)
+    monkeypatch.setenv("JAX_FP4_CPU_AVX512", "maybe")
+    with pytest.raises(ValueError, match="JAX_FP4_CPU_AVX512 must be a boolean"):
+        jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="cpu"))(a, w)
 
 
 @pytest.mark.parametrize("m", list(range(0, 65, 7)) + [64])
