@@ -1,6 +1,7 @@
-"""The CPU kernel's vector E2M1 decode against nvfp4.h's scalar definition, compiled and run with
-each C++ compiler at hand: GCC (which builds the package) takes the `__builtin_shuffle` table
-lookup, Clang the lane-by-lane one that no other test runs (tests/cpp/cpu_decode_check.cc)."""
+"""The CPU kernel's vector E2M1 decode against nvfp4.h's scalar definition, and its fp16
+activation conversion against every half's value, compiled (-O3, as the package) and run with each
+C++ compiler at hand: GCC (which builds the package) takes the `__builtin_shuffle` table lookup,
+Clang the lane-by-lane one that no other test runs (tests/cpp/cpu_decode_check.cc)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_vector_decode_matches_the_scalar_definition(name, arch, tmp_path):
     if arch and os.uname().machine != "x86_64":
         pytest.skip("x86-64 only")
     exe = tmp_path / "cpu_decode_check"
-    cmd = [*COMPILERS[name], "-std=c++17", "-O2", *arch.split(),
+    cmd = [*COMPILERS[name], "-std=c++17", "-O3", *arch.split(),
            "-I", str(ROOT / "ffi" / "include"), "-I", str(ROOT / "ffi"),
            "-isystem", jax.ffi.include_dir(), str(ROOT / "tests" / "cpp" / "cpu_decode_check.cc"),
            "-o", str(exe)]

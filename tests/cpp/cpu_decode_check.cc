@@ -1,8 +1,12 @@
 // The CPU kernel's vector decode (ffi/cpu/matmul.cc, DecodeE2M1Lanes) against nvfp4.h's scalar
-// e2m1_to_float, for every code in every word position, on both layouts: built and run by
-// tests/test_cpu_decode.py with each C++ compiler at hand (GCC takes __builtin_shuffle, Clang the
-// lane-by-lane table). Prints the number of mismatches; exits 1 if there are any.
+// e2m1_to_float, for every code in every word position, on both layouts, and its fp16 activation
+// conversion (ToFloats, a vectorized loop of nvfp4.h's fp16_bits_to_float) against the value each
+// of the 65536 halves encodes: built and run by tests/test_cpu_decode.py with each C++ compiler at
+// hand (GCC takes __builtin_shuffle, Clang the lane-by-lane table). Prints the number of
+// mismatches; exits 1 if there are any.
+#include <cmath>
 #include <cstdio>
+#include <vector>
 
 #include "cpu/matmul.cc"
 
@@ -35,6 +39,20 @@ int main() {
         mismatches += jax_fp4::float_to_bits(tiled[lane]) != want;
       }
     }
+  }
+  std::vector<uint16_t> halves(65536);
+  for (uint32_t h = 0; h < 65536; ++h) halves[h] = static_cast<uint16_t>(h);
+  std::vector<float> floats(65536);
+  jax_fp4::ToFloats(halves.data(), xla::ffi::DataType::F16, 65536, floats.data());
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    const double magnitude = exponent == 0 ? std::ldexp(mantissa, -24)
+                                           : std::ldexp(1024 + mantissa, int(exponent) - 25);
+    const uint32_t sign = (h & 0x8000u) << 16;
+    const uint32_t want = exponent == 0x1Fu
+                              ? sign | 0x7F800000u | (mantissa << 13)  // inf, NaN with its payload
+                              : sign | jax_fp4::float_to_bits(static_cast<float>(magnitude));
+    mismatches += jax_fp4::float_to_bits(floats[h]) != want;
   }
   std::printf("%d\n", mismatches);
   return mismatches != 0;
