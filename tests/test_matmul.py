@@ -81,11 +81,12 @@ def test_matmul_matches_reference(lead, n, k, block_size, dtype, with_bias):
 
 
 # The CPU kernel's blocking (ffi/cpu/matmul.cc): units of 480 rows of M against 64 weight rows,
-# K in steps of 256, a micro-kernel of 6 rows of M by 16 weight rows, the weight decoded a word of
-# 8 codes at a time for 8 rows at once. Shapes that cross every boundary with a remainder: two
-# units along M, a partial panel and partial 8-row lanes along N, a partial last K step, blocks that
-# straddle a K step (block 24), and the element-by-element decode where a block or K is not whole
-# words (block 12; K = 1030).
+# K in steps of 256, a micro-kernel of 6 rows of M by 16 weight rows (12 by 32 on AVX-512), the
+# weight decoded a word of 8 codes at a time for 8 rows at once. Shapes that cross every boundary
+# with a remainder: two units along M (480 + 7 rows: the last one takes the no-panel path), a
+# partial panel and partial 8-row lanes along N, a partial last K step, blocks that straddle a K
+# step (block 24), and the element-by-element decode where a block or K is not whole words (block
+# 12; K = 1030).
 @pytest.mark.parametrize("m, n, k, block_size, layout", [
     (487, 83, 528, 16, "spec"),
     (487, 80, 640, 16, "tiled"),
