@@ -2,6 +2,7 @@
 # One call on the lent H200 (the `device` tool): build, GPU tests, memcheck, benchmarks.
 # Logs and JSON go under $OUT (at most 8 files come back). Pick the stages that fit the call:
 #
+#   bash benchmarks/device_run.sh first                # the next session's first call, ~5 min (build included)
 #   bash benchmarks/device_run.sh build tests          # the whole GPU suite, 4 processes (570 tests in 215 s, twenty-seventh session; the build ~80 s)
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
@@ -31,6 +32,7 @@
 # Build for sm_90a only there (the full arch list compiles the sm_120a CUTLASS kernel for a minute).
 set -uo pipefail
 OUT=${OUT:-/tmp/jax_fp4_out}
+export OUT
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 status=0
@@ -245,11 +247,26 @@ for stage in "$@"; do
       timeout 300 python benchmarks/fused_timing.py --layout "${FUSED_LAYOUT:-spec}" --variants bf16,fused,fused_cluster,fused_stream_k \
         --ms ${STREAM_K_MS:-80,128,192,256,512,1024} --json "$OUT/stream_k.json" 2>&1 \
         | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|" | tee "$OUT/stream_k.log" ;;
+    first)
+      # The first call prepared for the next session with a device (benchmarks/NOTES.md, "Next" of
+      # the twenty-seventh to thirtieth sessions): the build; auto at the dispatch rules' edges
+      # against the float64 reference (never run on a GPU yet); every GEMV launch config at
+      # M = 17-48 on narrow long-K weights (two column tiles on 2048x16384?); the small-weight GEMV
+      # rule on the spec layout. The default sweep (`build bench`) is the call after it.
+      build
+      python -m jax_fp4 info >> "$OUT/build.log"
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python -m pytest -q -m gpu tests/test_gpu_matmul.py \
+        -k rule_edges > "$OUT/rule_edges.log" 2>&1 || status=1
+      tail -4 "$OUT/rule_edges.log"
+      SWEEP_M=17,24,32,48 PROBE_SHAPES="2048x16384 1024x16384 4096x14336 4096x11008 2048x8192" \
+        bash "$0" gemv-configs || status=1
+      DISPATCH_TIMEOUT=200 DISPATCH_LAYOUT=spec DISPATCH_SHAPES=1024x4096,1024x8192 DISPATCH_M=17,32,48,64 \
+        bash "$0" dispatch-check || status=1 ;;
     fused-tests)
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, tests, kernel-tests, gemv-configs, fused-tests, sanitizer, fused, bench, profile, fused-profile, fused-ab, probe, gemv-profile, gemv-sweep, fused-sweep, fused-tiles, fused-crossovers, fused-tile-n, stream-k)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, fused-ab, tests, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests)" >&2; exit 2 ;;
   esac
 done
 exit $status
