@@ -253,8 +253,7 @@ for stage in "$@"; do
       # against the float64 reference (never run on a GPU yet); every GEMV launch config at
       # M = 17-48 on narrow long-K weights (two column tiles on 2048x16384?); the small-weight GEMV
       # rule on the spec layout. The default sweep (`build bench`) is the call after it.
-      build
-      python -m jax_fp4 info >> "$OUT/build.log"
+      bash "$0" build || exit 1
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python -m pytest -q -m gpu tests/test_gpu_matmul.py \
         -k rule_edges > "$OUT/rule_edges.log" 2>&1 || status=1
       tail -4 "$OUT/rule_edges.log"
