@@ -316,6 +316,9 @@ def quantize(w, block_size: int = 16, *, method: str = "modelopt", importance=No
     `importance` ([K], or [..., K] for stacked weights; non-negative) weights the input channels,
     e.g. the mean square of the layer's inputs on calibration data (jax_fp4.nnx.calibrate);
     None weights them equally. The result is an ordinary NVFP4 weight.
+
+    w must be finite: NaN or inf raises ValueError. Under `jit` (w traced) that cannot be
+    checked, and a matrix holding them quantizes to an undefined weight.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"quantize: block_size must be a positive int, got {block_size!r}")
@@ -333,15 +336,29 @@ def quantize(w, block_size: int = 16, *, method: str = "modelopt", importance=No
         if method != "mse":
             raise ValueError("quantize: importance weights only method='mse'; got method='modelopt'")
         importance = _check_importance(importance, w.shape)
-    return _quantize_compiled(w, importance, block_size=int(block_size), method=method)
+    weight, finite = _quantize_compiled(w, importance, block_size=int(block_size), method=method)
+    if not isinstance(finite, jax.core.Tracer) and not bool(finite):
+        _raise_nonfinite(w)
+    return weight
+
+
+def _raise_nonfinite(w):
+    """NaN or inf in quantize's input: no NVFP4 code holds them, and one of them would set the
+    global scale of the whole matrix (inf: every value NaN; NaN: the default scale 1.0, which
+    coarsens every other block), so say where instead of returning a silently wrong weight."""
+    bad = np.argwhere(~np.isfinite(np.asarray(w, np.float32)))
+    count, where = len(bad), tuple(int(i) for i in bad[0])
+    raise ValueError(f"quantize: w must be finite, got {count} NaN or infinite value"
+                     f"{'s' if count > 1 else ''} (the first at index {where} of shape {tuple(w.shape)})")
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "method"))
-def _quantize_compiled(w, importance, *, block_size: int, method: str) -> NVFP4Weight:
+def _quantize_compiled(w, importance, *, block_size: int, method: str):
     """`quantize` of a checked float array (importance: None or checked float32), compiled once
-    per shape like `dequantize` (above)."""
+    per shape like `dequantize` (above). Returns the weight and whether all of w is finite."""
     k = w.shape[-1]
     w = w.astype(jnp.float32)
+    finite = jnp.all(jnp.isfinite(w))
     k_blocks = math.ceil(k / block_size)
     pad = [(0, 0)] * (w.ndim - 1) + [(0, k_blocks * block_size - k)]
 
@@ -364,7 +381,7 @@ def _quantize_compiled(w, importance, *, block_size: int, method: str) -> NVFP4W
         weights = weights.reshape(*weights.shape[:-1], 1, k_blocks, block_size)  # [..., 1, kb, bs]
         scale, codes = _search_scales(blocks, scale, step, codes, gs_blocks, weights)
     codes = codes.reshape(*w.shape[:-1], k_blocks * block_size)[..., :k]
-    return NVFP4Weight(pack_codes(codes), scale, gscale, block_size=block_size)
+    return NVFP4Weight(pack_codes(codes), scale, gscale, block_size=block_size), finite
 
 
 def _step(scale, gs_blocks):

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
 from jax_fp4._format import quantize
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "method"))
 def quantize_kernel(kernel, block_size, method="modelopt", importance=None):
-    """A Flax kernel [..., in, out] -> NVFP4Weight [..., out, in] = [N, K] (see jax_fp4.quantize)."""
-    return quantize(jnp.swapaxes(kernel, -1, -2), block_size=block_size, method=method,
-                    importance=importance)
+    """A Flax kernel [..., in, out] -> NVFP4Weight [..., out, in] = [N, K] (see jax_fp4.quantize).
+    Not jitted itself (quantize compiles its work), so quantize sees a concrete kernel's values
+    and can reject NaN or inf in it."""
+    try:
+        return quantize(jnp.swapaxes(kernel, -1, -2), block_size=block_size, method=method,
+                        importance=importance)
+    except ValueError as e:
+        e.add_note("(quantize's w is the Flax kernel transposed: [..., out, in])")
+        raise
 
 
 def compute_dtype(inputs, dtype, param_dtype, bias):

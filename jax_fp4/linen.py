@@ -56,7 +56,10 @@ def _quantize_boxed(kernel, block_size: int, where: str, method: str = "modelopt
     if value.shape[-2] % 2:
         raise ValueError(f"{where}: the kernel's in-features (K) must be even to pack two E2M1 codes "
                          f"per byte, got kernel shape {tuple(value.shape)}")
-    w = quantize_kernel(value, block_size, method, importance)
+    try:
+        w = quantize_kernel(value, block_size, method, importance)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     arrays = dict(zip(_FP4_KEYS, (w.packed, w.scale, w.global_scale)))
     if box is None:
         return arrays

@@ -259,6 +259,11 @@ def test_quantize_model_error_names_the_layer():
     assert isinstance(model.good, fp4nnx.FP4Linear) and type(model.bad) is nnx.Linear
     with pytest.raises(TypeError, match="from_linear"):
         fp4nnx.quantize_model(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    model = Odd(nnx.Rngs(0))
+    model.bad = nnx.Linear(16, 8, rngs=nnx.Rngs(1))
+    model.bad.kernel[...] = model.bad.kernel[...].at[3, 5].set(jnp.inf)
+    with pytest.raises(ValueError, match=r"Linear at 'bad'.*finite.*index \(5, 3\) of shape \(8, 16\)"):
+        fp4nnx.quantize_model(model)
 
 
 def test_calibrate_records_each_linears_mean_square_input():
@@ -432,6 +437,10 @@ def test_quantize_params_of_a_model():
     expected = jax_fp4.quantize(float_params["params"]["proj"]["kernel"].T, method="mse")
     np.testing.assert_array_equal(np.asarray(searched.scale_bytes), np.asarray(expected.scale_bytes))
     assert not np.array_equal(np.asarray(searched.scale_bytes), np.asarray(w.scale_bytes))
+    broken = jax.tree.map(lambda x: x, float_params)
+    broken["params"]["proj"]["kernel"] = broken["params"]["proj"]["kernel"].at[0, 1].set(jnp.nan)
+    with pytest.raises(ValueError, match=r"layer params/proj: quantize: w must be finite.*index \(1, 0\)"):
+        fp4nn.quantize_params(broken)
 
 
 def test_quantized_models_export_and_run_from_the_serialized_program():

@@ -1,5 +1,6 @@
 """NVFP4 decoding, packing and ModelOpt quantization against hand-worked values."""
 
+import re
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -187,6 +188,28 @@ def test_quantize_mse_under_jit_and_stacked():
 def test_quantize_rejects_bad_method_and_importance(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jax_fp4.quantize(np.ones((8, 64), np.float32), **kwargs)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("method", ["modelopt", "mse"])
+def test_quantize_rejects_non_finite_weights(bad, method):
+    # One inf would make the global scale inf (every value NaN), one NaN the default 1.0.
+    rng = np.random.default_rng()
+    w = rng.standard_normal((3, 24, 64)).astype(np.float32)  # stacked
+    idx = (int(rng.integers(3)), int(rng.integers(24)), int(rng.integers(64)))
+    w[idx] = bad
+    with pytest.raises(ValueError, match=rf"w must be finite, got 1 NaN or infinite value \(the "
+                                         rf"first at index \{re.escape(str(idx))[1:]}"):
+        jax_fp4.quantize(w, method=method)
+    w[0, 0, :2] = np.nan
+    with pytest.raises(ValueError, match=r"got \d+ NaN or infinite values"):
+        jax_fp4.quantize(jnp.asarray(w, jnp.bfloat16), method=method)
+    # Traced, the values are unknown: no error, and the other stacked matrices are unaffected.
+    w[1:] = rng.standard_normal((2, 24, 64))
+    traced = jax.jit(lambda w: jax_fp4.quantize(w, method=method))(w)
+    clean = jax_fp4.quantize(w[1:], method=method)
+    for got, want in zip(jax.tree.leaves(traced), jax.tree.leaves(clean)):
+        np.testing.assert_array_equal(np.asarray(got)[1:], np.asarray(want))
 
 
 def test_quantize_error_is_quantization_noise():
