@@ -193,15 +193,28 @@ def scale_as_bytes(scale):
 def unpack_codes(packed):
     """uint8 [..., K/2] -> uint8 E2M1 codes [..., K] (low nibble first)."""
     packed = jnp.asarray(packed)
+    if packed.dtype != jnp.uint8 or packed.ndim < 1:
+        raise TypeError(f"unpack_codes: packed must be uint8 [..., K/2], got {packed.dtype} of shape "
+                        f"{packed.shape}")
     codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
     return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def pack_codes(codes):
-    """uint8 E2M1 codes [..., K] (K even) -> packed uint8 [..., K/2]."""
-    codes = jnp.asarray(codes, jnp.uint8)
+    """Integer E2M1 codes 0-15 [..., K] (K even) -> packed uint8 [..., K/2]."""
+    codes = jnp.asarray(codes)
+    if not jnp.issubdtype(codes.dtype, jnp.integer) or codes.ndim < 1:
+        raise TypeError(f"pack_codes: codes must be integers 0-15 [..., K], got {codes.dtype} of "
+                        f"shape {codes.shape}")
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_codes: the last axis must be even, got {codes.shape[-1]}")
+    if not isinstance(codes, jax.core.Tracer):  # traced (quantize's own codes): values unknown
+        bad = np.argwhere((np.asarray(codes) < 0) | (np.asarray(codes) > 15))
+        if len(bad):
+            where = tuple(int(i) for i in bad[0])
+            raise ValueError(f"pack_codes: codes must be 0-15 (4 bits), got {np.asarray(codes)[where]} "
+                             f"at index {where}")
+    codes = codes.astype(jnp.uint8)
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
@@ -244,7 +257,13 @@ def dequantize(w: NVFP4Weight, dtype=jnp.float32):
     and rounded once to `dtype`."""
     if not isinstance(w, NVFP4Weight):
         raise TypeError(f"dequantize: w must be an NVFP4Weight, got {type(w).__name__}")
-    return _dequantize_compiled(w, jnp.dtype(dtype))
+    try:
+        float_dtype = jnp.dtype(dtype)
+    except TypeError:
+        float_dtype = None
+    if float_dtype is None or not jnp.issubdtype(float_dtype, jnp.floating):
+        raise TypeError(f"dequantize: dtype must be a float dtype, got {dtype!r}")
+    return _dequantize_compiled(w, float_dtype)
 
 
 def dense_weight(w: NVFP4Weight, dtype):

@@ -292,6 +292,30 @@ def test_weight_container_rejects_bad_input(bad, error):
         jax_fp4.NVFP4Weight(**args)
 
 
+def test_pack_and_unpack_reject_bad_codes():
+    rng = np.random.default_rng()
+    codes = rng.integers(0, 16, size=(3, 10))
+    where = (int(rng.integers(3)), int(rng.integers(10)))
+    for bad in (16, 255, -1):
+        codes[where] = bad
+        with pytest.raises(ValueError, match=rf"codes must be 0-15 \(4 bits\), got {bad} at index "
+                                             rf"\({where[0]}, {where[1]}\)"):
+            jax_fp4.pack_codes(codes)
+    codes[where] = 15
+    np.testing.assert_array_equal(np.asarray(jax_fp4.unpack_codes(jax_fp4.pack_codes(codes))), codes)
+    with pytest.raises(TypeError, match="pack_codes: codes must be integers"):
+        jax_fp4.pack_codes(codes.astype(np.float32))
+    with pytest.raises(TypeError, match="unpack_codes: packed must be uint8"):
+        jax_fp4.unpack_codes(codes.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, np.uint8, "foo", bool])
+def test_dequantize_rejects_non_float_dtypes(dtype):
+    w = jax_fp4.quantize(np.random.default_rng().standard_normal((16, 32)).astype(np.float32))
+    with pytest.raises(TypeError, match="dequantize: dtype must be a float dtype"):
+        jax_fp4.dequantize(w, dtype)
+
+
 def test_quantize_rejects_bad_input():
     with pytest.raises(ValueError, match="even"):
         jax_fp4.quantize(np.ones((2, 3), np.float32))
