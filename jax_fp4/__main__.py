@@ -19,6 +19,7 @@ def info() -> str:
         f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
         f"python {sys.version.split()[0]}",
         f"devices: {', '.join(sorted({f'{d.platform}:{d.device_kind}' for d in jax.devices()}))}",
+        f"CPU kernel on this CPU: {_ffi.cpu_kernel_builds()}",
         f"CUDA kernels compiled in: {'yes, ' + _ffi.cuda_architectures() if _ffi.has_cuda_kernels() else 'no'}",
         f"backends: {', '.join(jax_fp4.BACKENDS)}",
         "FFI targets registered:",

@@ -50,6 +50,12 @@ def has_cuda_kernels() -> bool:
 DEFAULT_CUDA_ARCHITECTURES = "80-real;90a-real;120a-real;80-virtual"
 
 
+def cpu_kernel_builds() -> str:
+    """The instruction sets the `cpu` path's kernel runs on this CPU (chosen at run time), e.g.
+    'x86-64-v4 (AVX-512) GEMM, x86-64-v3 (AVX2, FMA) decode'."""
+    return _jax_fp4_cpu.kernel_builds()
+
+
 def cuda_architectures() -> str:
     """The CUDA architectures compiled in, e.g. '80-real,90a-real,120a-real,80-virtual' (CMake's
     list, its ';' written as ',')."""

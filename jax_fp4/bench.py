@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp4
+from jax_fp4 import _ffi
 from jax_fp4._format import E2M1_VALUES
 from jax_fp4._prepack import in_layout
 
@@ -721,6 +722,7 @@ def results_json(rows: Sequence[Row], reads: Sequence[ReadBandwidth], decode: De
         "device": device_description(),
         "jax_version": jax.__version__,
         "jax_fp4_version": jax_fp4.__version__,
+        "cpu_kernel_builds": _ffi.cpu_kernel_builds(),  # what the `cpu` path ran on this CPU
         "dtype": settings.dtype_name,
         "backend": settings.backend or "auto",
         "layout": settings.layout,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fp4
-from jax_fp4 import bench
+from jax_fp4 import _ffi, bench
 
 ROW_FIELDS = ("path", "m", "n", "k", "dtype", "us", "tbps", "tflops", "speedup_vs_bf16",
               "speedup_vs_naive", "bf16_us", "naive_us", "read_bw_tbps", "fraction_of_read_bw",
@@ -31,6 +31,7 @@ def test_bench_quick_run_writes_json(tmp_path, capsys):
     results = json.loads(out.read_text())
 
     assert results["device"] and results["jax_version"] == jax.__version__
+    assert results["cpu_kernel_builds"] == _ffi.cpu_kernel_builds()
     assert results["complete"] is True
     assert _positive_finite(results["read_bw_tbps"])
     (row,) = results["rows"]

@@ -1,5 +1,7 @@
 """`python -m jax_fp4 info` reports what this installation holds; `paths` what auto picks."""
 
+import os
+import platform
 import subprocess
 import sys
 
@@ -22,6 +24,33 @@ def test_info_lists_versions_and_registered_targets():
         assert f"CUDA kernels compiled in: yes, {_ffi.cuda_architectures()}" in out
     else:
         assert "CUDA kernels compiled in: no" in out
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+def _cpu_kernel_line(**env) -> str:
+    out = subprocess.run([sys.executable, "-m", "jax_fp4", "info"], check=True, capture_output=True,
+                         text=True, env=dict(os.environ, **env)).stdout
+    return next(line for line in out.splitlines() if line.startswith("CPU kernel on this CPU: "))
+
+
+def test_info_names_the_cpu_kernels_instruction_sets():
+    # Chosen at run time from the CPU's features; JAX_FP4_CPU_AVX512=0 turns the AVX-512 GEMM off.
+    default, narrow = _cpu_kernel_line(), _cpu_kernel_line(JAX_FP4_CPU_AVX512="0")
+    assert "x86-64-v4" not in narrow
+    if "x86-64-v4" in default:
+        assert {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= _cpu_flags()
+        assert default.endswith("x86-64-v4 (AVX-512) GEMM, x86-64-v3 (AVX2, FMA) decode")
+    if platform.machine() == "x86_64" and sys.platform == "linux" and {"avx2", "fma"} <= _cpu_flags():
+        assert narrow.endswith(": x86-64-v3 (AVX2, FMA)")
+    elif "x86-64-v4" not in default:
+        assert default == narrow and "plain C++" in narrow
 
 
 def test_paths_reports_auto_as_ranges_of_m(capsys):

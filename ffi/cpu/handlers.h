@@ -2,7 +2,15 @@
 #ifndef JAX_FP4_CPU_HANDLERS_H_
 #define JAX_FP4_CPU_HANDLERS_H_
 
+#include <string>
+
 #include "xla/ffi/api/ffi.h"
+
+namespace jax_fp4 {
+// The instruction sets the CPU kernel runs on this CPU, e.g. "x86-64-v3 (AVX2, FMA)": its builds
+// are chosen at run time, and the AVX2 and plain builds differ in the last bits (FMA).
+std::string CpuKernelBuilds();
+}  // namespace jax_fp4
 
 // Fused decode + dot: (a [M,K], packed, scale, global_scale, bias [N] or [0]) -> y [M,N].
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4MatmulCpu);

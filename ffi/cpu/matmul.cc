@@ -96,6 +96,7 @@ struct MatmulJob {
 // multiply-add, so the last bits differ between the two clones.
 #if defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__) && __GNUC__ >= 11
 #define JAX_FP4_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define JAX_FP4_CPU_HAS_AVX2_BUILD 1
 #else
 #define JAX_FP4_CPU_CLONES
 #endif
@@ -621,6 +622,23 @@ ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
 }
 
 }  // namespace
+
+std::string CpuKernelBuilds() {
+  std::string builds;
+#ifdef JAX_FP4_CPU_HAS_AVX512_BUILD
+  if (UseAvx512()) builds = "x86-64-v4 (AVX-512) GEMM, ";
+#endif
+#ifdef JAX_FP4_CPU_HAS_AVX2_BUILD
+#if __GNUC__ >= 12
+  const bool v3 = __builtin_cpu_supports("x86-64-v3");
+#else
+  const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  if (v3) return builds + (builds.empty() ? "x86-64-v3 (AVX2, FMA)" : "x86-64-v3 (AVX2, FMA) decode");
+#endif
+  return builds + "plain C++ (no vector clones for this CPU or compiler)";
+}
+
 }  // namespace jax_fp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4MatmulCpu, jax_fp4::MatmulCpuImpl,

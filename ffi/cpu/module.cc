@@ -1,5 +1,6 @@
 // Python module `jax_fp4._jax_fp4_cpu`: hands the CPU FFI handlers to jax.ffi.register_ffi_target.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include "cpu/handlers.h"
 #include "jax_fp4/ffi_capsule.h"
@@ -13,6 +14,7 @@ NB_MODULE(_jax_fp4_cpu, m) {
     targets["jax_fp4_matmul_cpu"] = jax_fp4::FfiCapsule(JaxFp4MatmulCpu);
     return targets;
   });
+  m.def("kernel_builds", &jax_fp4::CpuKernelBuilds);
   // The CUDA decode GEMV's launch heuristic (pure; exposed so CPU tests can check it).
   m.def(
       "gemv_launch_config",
