@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from jax_fp4 import _ffi
+from tests.cpu_features import cpu_flags, cpu_has_avx512
 
 
 def test_info_lists_versions_and_registered_targets():
@@ -26,14 +27,6 @@ def test_info_lists_versions_and_registered_targets():
         assert "CUDA kernels compiled in: no" in out
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line.split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
 def _cpu_kernel_line(**env) -> str:
     out = subprocess.run([sys.executable, "-m", "jax_fp4", "info"], check=True, capture_output=True,
                          text=True, env=dict(os.environ, **env)).stdout
@@ -45,9 +38,9 @@ def test_info_names_the_cpu_kernels_instruction_sets():
     default, narrow = _cpu_kernel_line(), _cpu_kernel_line(JAX_FP4_CPU_AVX512="0")
     assert "x86-64-v4" not in narrow
     if "x86-64-v4" in default:
-        assert {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= _cpu_flags()
+        assert cpu_has_avx512()
         assert default.endswith("x86-64-v4 (AVX-512) GEMM, x86-64-v3 (AVX2, FMA) decode")
-    if platform.machine() == "x86_64" and sys.platform == "linux" and {"avx2", "fma"} <= _cpu_flags():
+    if platform.machine() == "x86_64" and sys.platform == "linux" and {"avx2", "fma"} <= cpu_flags():
         assert narrow.endswith(": x86-64-v3 (AVX2, FMA)")
     elif "x86-64-v4" not in default:
         assert default == narrow and "plain C++" in narrow

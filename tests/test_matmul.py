@@ -12,6 +12,7 @@ import pytest
 
 import jax_fp4
 from tests import reference
+from tests.cpu_features import cpu_has_avx512
 
 CPU_BACKENDS = ("auto", "cpu", "reference", "xla")
 
@@ -123,16 +124,6 @@ def test_cpu_kernel_rows_do_not_depend_on_m(n, k, block_size, layout):
         np.testing.assert_array_equal(np.asarray(f(a[:m], w, bias)), full[:m], err_msg=f"M = {m}")
 
 
-def _cpu_has_avx512():
-    """Whether this CPU has x86-64-v4 (the CPU kernel's AVX-512 panel product)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= set(flags)
-
-
 _AVX2_PANEL_PRODUCT = """
 import sys, numpy as np, jax, jax_fp4
 d = np.load(sys.argv[1])
@@ -143,7 +134,7 @@ np.save(sys.argv[2], np.asarray(y))
 """
 
 
-@pytest.mark.skipif(not _cpu_has_avx512(), reason="the CPU has no AVX-512: one panel product")
+@pytest.mark.skipif(not cpu_has_avx512(), reason="the CPU has no AVX-512: one panel product")
 @pytest.mark.parametrize("m, n, k, block_size, layout", [
     (29, 83, 528, 16, "spec"),   # 12 + 12 + 5 rows; weight panels of 4 and 2 groups of 16 rows
     (40, 40, 600, 24, "spec"),   # a group pair and a lone group; blocks straddling K steps
