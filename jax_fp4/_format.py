@@ -209,11 +209,11 @@ def pack_codes(codes):
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_codes: the last axis must be even, got {codes.shape[-1]}")
     if not isinstance(codes, jax.core.Tracer):  # traced (quantize's own codes): values unknown
-        bad = np.argwhere((np.asarray(codes) < 0) | (np.asarray(codes) > 15))
+        values = np.asarray(codes)
+        bad = np.argwhere((values < 0) | (values > 15))
         if len(bad):
             where = tuple(int(i) for i in bad[0])
-            raise ValueError(f"pack_codes: codes must be 0-15 (4 bits), got {np.asarray(codes)[where]} "
-                             f"at index {where}")
+            raise ValueError(f"pack_codes: codes must be 0-15 (4 bits), got {values[where]} at index {where}")
     codes = codes.astype(jnp.uint8)
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
