@@ -1,0 +1,340 @@
+"""Greedy text generation from an NVFP4 checkpoint of a Llama / Qwen-style decoder, in plain JAX.
+
+A Hugging Face checkpoint directory (config.json + *.safetensors) quantized by NVIDIA ModelOpt or
+llm-compressor (compressed-tensors, nvfp4-pack-quantized) loads with jax_fp4.checkpoint, its NVFP4
+layers prepacked on the host; every projection then runs through jax_fp4.matmul: the prompt as one
+prefill (M = batch x prompt length: the fused GEMM or dequantize + GEMM on a GPU), each new token as
+a decode step (M = batch: the decode GEMV), with a KV cache and the layers under lax.scan:
+
+    python examples/llm_generate.py CHECKPOINT_DIR --prompt "The capital of France is" --max-new-tokens 32
+    python examples/llm_generate.py --demo        # a small random model, written and read back here
+
+Architectures: Llama (2, 3 and 3.1's "llama3" RoPE scaling), Mistral, Qwen2 (q/k/v biases) and
+Qwen3 (q/k RMS norms), told apart by the tensors present (sliding-window attention is not applied:
+exact while the sequence fits the window). Embeddings, norms and any layer the
+checkpoint keeps in bf16 (often lm_head) stay dense. With `tokenizers` installed and a
+tokenizer.json beside the weights the prompt is text, otherwise token ids (`--prompt-ids 1,2,3`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp4
+import jax_fp4.checkpoint as ckpt
+
+
+@dataclass(frozen=True)
+class Config:
+    """The fields of config.json the forward pass needs."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    rms_eps: float
+    rope_theta: float
+    rope_scaling: tuple | None  # ("llama3", factor, low_freq_factor, high_freq_factor, original_max)
+    tie_embeddings: bool
+
+    @classmethod
+    def from_json(cls, config: dict) -> "Config":
+        heads = config["num_attention_heads"]
+        scaling = config.get("rope_scaling")
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("llama3", "default"):
+                raise ValueError(f"config.json: rope_scaling type {kind!r} is not supported (llama3 only)")
+            scaling = None if kind == "default" else (
+                "llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                float(scaling["high_freq_factor"]), float(scaling["original_max_position_embeddings"]))
+        return cls(
+            hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
+            kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate=config["intermediate_size"], vocab=config["vocab_size"],
+            rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(config.get("rope_theta", 10000.0)), rope_scaling=scaling,
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def rope_frequencies(cfg: Config) -> np.ndarray:
+    """The rotary inverse frequencies [head_dim / 2] (Hugging Face's, llama3 scaling included)."""
+    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
+    if cfg.rope_scaling is None:
+        return inv_freq
+    _, factor, low, high, original = cfg.rope_scaling
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+# ---- weights --------------------------------------------------------------------------------------
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _projection(tensors: dict, name: str, dtype):
+    """An NVFP4Weight as loaded, or a dense [N, K] weight in the compute dtype."""
+    w = tensors.get(name)
+    if w is None:
+        w = tensors.get(f"{name}.weight")
+    if w is None:
+        raise KeyError(f"the checkpoint has no layer {name!r}")
+    return w if isinstance(w, jax_fp4.NVFP4Weight) else jnp.asarray(w, dtype)
+
+
+def _stack(per_layer: list):
+    """One pytree with a leading layer axis (NVFP4Weight leaves stack like arrays)."""
+    return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *per_layer)
+
+
+def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled") -> tuple[Config, dict]:
+    """config.json and the weights of a checkpoint directory: (config, params) with the per-layer
+    weights stacked for lax.scan. Every layer must be stored alike (all NVFP4 or all dense per
+    projection), as quantized checkpoints are."""
+    path = Path(path)
+    cfg = Config.from_json(json.loads((path / "config.json").read_text()))
+    tensors = ckpt.load_safetensors(path, layout=layout)
+    layers = []
+    for i in range(cfg.layers):
+        prefix = f"model.layers.{i}"
+        layer = {name: _projection(tensors, f"{prefix}.self_attn.{name}", dtype) for name in _ATTENTION}
+        layer.update({name: _projection(tensors, f"{prefix}.mlp.{name}", dtype) for name in _MLP})
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            layer[norm] = jnp.asarray(tensors[f"{prefix}.{norm}.weight"], jnp.float32)
+        for norm in ("q_norm", "k_norm"):                     # Qwen3
+            if f"{prefix}.self_attn.{norm}.weight" in tensors:
+                layer[norm] = jnp.asarray(tensors[f"{prefix}.self_attn.{norm}.weight"], jnp.float32)
+        for proj in ("q_proj", "k_proj", "v_proj"):           # Qwen2
+            if f"{prefix}.self_attn.{proj}.bias" in tensors:
+                layer[f"{proj}_bias"] = jnp.asarray(tensors[f"{prefix}.self_attn.{proj}.bias"], dtype)
+        layers.append(layer)
+    embed = jnp.asarray(tensors["model.embed_tokens.weight"], dtype)
+    head = embed if cfg.tie_embeddings else _projection(tensors, "lm_head", dtype)
+    params = {"embed": embed, "layers": _stack(layers), "lm_head": head,
+              "norm": jnp.asarray(tensors["model.norm.weight"], jnp.float32),
+              "inv_freq": jnp.asarray(rope_frequencies(cfg), jnp.float32)}
+    return cfg, params
+
+
+# ---- the forward pass -----------------------------------------------------------------------------
+
+def linear(x, w, bias=None):
+    """x [..., K] @ w^T: jax_fp4 for an NVFP4 weight, XLA's dot for a dense one."""
+    if isinstance(w, jax_fp4.NVFP4Weight):
+        return jax_fp4.matmul(x, w, bias)
+    y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype))
+    return y if bias is None else y + bias
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight).astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [B, S, heads, head_dim] rotated by positions [S] (Hugging Face's rotate-half pairing)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]          # [S, hd / 2]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
+    """One decoder layer on h [B, S, hidden] at positions [S]; caches [B, T, kv_heads, head_dim]."""
+    b, s, _ = h.shape
+    x = rms_norm(h, layer["input_layernorm"], cfg.rms_eps)
+    q = linear(x, layer["q_proj"], layer.get("q_proj_bias")).reshape(b, s, cfg.heads, cfg.head_dim)
+    k = linear(x, layer["k_proj"], layer.get("k_proj_bias")).reshape(b, s, cfg.kv_heads, cfg.head_dim)
+    v = linear(x, layer["v_proj"], layer.get("v_proj_bias")).reshape(b, s, cfg.kv_heads, cfg.head_dim)
+    if "q_norm" in layer:
+        q, k = rms_norm(q, layer["q_norm"], cfg.rms_eps), rms_norm(k, layer["k_norm"], cfg.rms_eps)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), positions[0], axis=1)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), positions[0], axis=1)
+
+    group = cfg.heads // cfg.kv_heads                       # grouped-query attention
+    qg = q.reshape(b, s, cfg.kv_heads, group, cfg.head_dim).astype(jnp.float32)
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_cache.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
+    visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]          # [S, T], causal
+    scores = jnp.where(visible, scores, -jnp.inf)
+    attn = jnp.einsum("bkgst,btkd->bskgd", jax.nn.softmax(scores, axis=-1), v_cache.astype(jnp.float32))
+    h = h + linear(attn.reshape(b, s, cfg.heads * cfg.head_dim).astype(h.dtype), layer["o_proj"])
+
+    x = rms_norm(h, layer["post_attention_layernorm"], cfg.rms_eps)
+    gated = jax.nn.silu(linear(x, layer["gate_proj"])) * linear(x, layer["up_proj"])
+    return h + linear(gated, layer["down_proj"]), k_cache, v_cache
+
+
+def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
+    """Logits [B, S, vocab] (float32) of tokens [B, S] placed at positions start .. start + S - 1,
+    and the caches [layers, B, T, kv_heads, head_dim] with their keys and values written."""
+    positions = start + jnp.arange(tokens.shape[1])
+    h = params["embed"][tokens]
+
+    def body(h, xs):
+        layer, k_cache, v_cache = xs
+        h, k_cache, v_cache = _layer(cfg, params["inv_freq"], positions, h, layer, k_cache, v_cache)
+        return h, (k_cache, v_cache)
+
+    h, (k_cache, v_cache) = jax.lax.scan(body, h, (params["layers"], k_cache, v_cache))
+    logits = linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"])
+    return logits.astype(jnp.float32), k_cache, v_cache
+
+
+def empty_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.bfloat16):
+    shape = (cfg.layers, batch, max_len, cfg.kv_heads, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def generate(cfg: Config, params: dict, prompt, max_new_tokens: int) -> tuple[np.ndarray, dict]:
+    """Greedy continuation of prompt [B, P] (equal lengths): (tokens [B, max_new_tokens], timings)."""
+    prompt = jnp.asarray(prompt, jnp.int32)
+    batch, length = prompt.shape
+    k_cache, v_cache = empty_cache(cfg, batch, length + max_new_tokens, params["embed"].dtype)
+    donate = (3, 4) if jax.default_backend() != "cpu" else ()  # the caches, updated in place
+    step = jax.jit(lambda params, tokens, start, kc, vc: forward(cfg, params, tokens, start, kc, vc),
+                   donate_argnums=donate)
+
+    t0 = time.perf_counter()
+    logits, k_cache, v_cache = step(params, prompt, 0, k_cache, v_cache)
+    token = jnp.argmax(logits[:, -1], axis=-1)
+    token.block_until_ready()
+    prefill_s = time.perf_counter() - t0                   # compilation included
+    out = [token]
+    t0 = None
+    for i in range(1, max_new_tokens):
+        if i == 2:  # the first decode step compiled it: time the rest
+            token.block_until_ready()
+            t0 = time.perf_counter()
+        logits, k_cache, v_cache = step(params, token[:, None], length + i - 1, k_cache, v_cache)
+        token = jnp.argmax(logits[:, -1], axis=-1)
+        out.append(token)
+    tokens = np.asarray(jnp.stack(out, axis=1))
+    decode_s = time.perf_counter() - t0 if t0 is not None else 0.0
+    return tokens, {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": max(max_new_tokens - 2, 0)}
+
+
+# ---- the demo checkpoint and the command line -----------------------------------------------------
+
+DEMO_CONFIG = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 512,
+               "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+
+
+def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk_norm: bool = False,
+                          qkv_bias: bool = False) -> dict:
+    """A random Llama-style model at `path` as a ModelOpt NVFP4 checkpoint (projections NVFP4,
+    embeddings / norms / lm_head bf16), as ModelOpt exports one. Returns its float32 weights."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = Config.from_json(config)
+    rng = np.random.default_rng(seed)
+    shapes = {"q_proj": (cfg.heads * cfg.head_dim, cfg.hidden),
+              "k_proj": (cfg.kv_heads * cfg.head_dim, cfg.hidden),
+              "v_proj": (cfg.kv_heads * cfg.head_dim, cfg.hidden),
+              "o_proj": (cfg.hidden, cfg.heads * cfg.head_dim),
+              "gate_proj": (cfg.intermediate, cfg.hidden), "up_proj": (cfg.intermediate, cfg.hidden),
+              "down_proj": (cfg.hidden, cfg.intermediate)}
+    dense = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab, cfg.hidden)),
+             "model.norm.weight": 1 + 0.1 * rng.standard_normal(cfg.hidden),
+             "lm_head.weight": rng.standard_normal((cfg.vocab, cfg.hidden)) / math.sqrt(cfg.hidden)}
+    quantized = {}
+    for i in range(cfg.layers):
+        prefix = f"model.layers.{i}"
+        for name, (n, k) in shapes.items():
+            kind = "self_attn" if name in _ATTENTION else "mlp"
+            w = rng.standard_normal((n, k)) / math.sqrt(k)
+            quantized[f"{prefix}.{kind}.{name}"] = jax_fp4.quantize(w.astype(np.float32))
+            if qkv_bias and name in ("q_proj", "k_proj", "v_proj"):
+                dense[f"{prefix}.self_attn.{name}.bias"] = 0.1 * rng.standard_normal(n)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            dense[f"{prefix}.{norm}.weight"] = 1 + 0.1 * rng.standard_normal(cfg.hidden)
+        if qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                dense[f"{prefix}.self_attn.{norm}.weight"] = 1 + 0.1 * rng.standard_normal(cfg.head_dim)
+    tensors = {name: np.asarray(v, np.float32).astype(jnp.bfloat16) for name, v in dense.items()}
+    tensors.update(quantized)
+    ckpt.save_safetensors(tensors, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def _tokenizer(path: Path):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    file = path / "tokenizer.json"
+    return Tokenizer.from_file(str(file)) if file.is_file() else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, *.safetensors)")
+    parser.add_argument("--demo", action="store_true", help="write and run a small random model")
+    parser.add_argument("--prompt", default="The capital of France is")
+    parser.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--layout", choices=("spec", "tiled"), default="tiled",
+                        help="the NVFP4 weights' layout (tiled: prepacked on load where the shape allows)")
+    args = parser.parse_args(argv)
+    if (args.checkpoint is None) == (not args.demo):
+        parser.error("give a checkpoint directory or --demo")
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) if args.demo else Path(args.checkpoint)
+        if args.demo:
+            write_demo_checkpoint(path)
+        cfg, params = load_model(path, layout=args.layout)
+        tokenizer = _tokenizer(path)
+        if args.prompt_ids or tokenizer is None:
+            ids = [int(t) for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
+        else:
+            ids = tokenizer.encode(args.prompt).ids
+        tokens, timings = generate(cfg, params, np.asarray([ids]), args.max_new_tokens)
+
+    nvfp4 = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, jax_fp4.NVFP4Weight))
+             if isinstance(w, jax_fp4.NVFP4Weight)]
+    device = jax.devices()[0]
+    print(f"model: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}; NVFP4 weights "
+          f"{sum(w.nbytes for w in nvfp4) / 2**20:.1f} MiB")
+    if nvfp4:
+        first = jax.tree.map(lambda x: x[0], nvfp4[0])  # layer 0's q_proj: the stacks lead with layers
+        path_of = {m: jax_fp4.dispatch_path(jnp.zeros((m, first.k), params["embed"].dtype), first)
+                   for m in (len(ids), 1)}
+        print(f"device: {device.platform} ({device.device_kind}); jax_fp4 path: prefill "
+              f"{path_of[len(ids)]}, decode {path_of[1]}")
+    print(f"prompt ({len(ids)} tokens): {ids}")
+    print(f"generated: {tokens[0].tolist()}")
+    if tokenizer is not None:
+        print(f"text: {tokenizer.decode(tokens[0].tolist())!r}")
+    steps = timings["decode_steps"]
+    if steps:
+        print(f"prefill {timings['prefill_s'] * 1e3:.0f} ms (compile included); decode "
+              f"{steps / timings['decode_s']:.1f} steps/s (x batch tokens) over {steps} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

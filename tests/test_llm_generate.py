@@ -1,0 +1,166 @@
+"""examples/llm_generate.py: a Llama / Qwen-style decoder from an NVFP4 checkpoint, against a float64
+NumPy forward pass (full causal attention recomputed at every length, no cache) on the
+checkpoint's dequantized weights."""
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fp4
+from tests import reference
+from tests.repo_scripts import load_repo_script
+
+CONFIG = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "vocab_size": 96,
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.fixture(scope="module")
+def example():
+    return load_repo_script("examples/llm_generate.py")
+
+
+def _as_float(tensors: dict, name: str) -> np.ndarray:
+    value = tensors[name]
+    if isinstance(value, jax_fp4.NVFP4Weight):
+        return reference.dequantize(value.packed, value.scale_bytes, value.global_scale, value.block_size)
+    return np.asarray(value, np.float64)
+
+
+def _inv_freq(config: dict) -> np.ndarray:
+    """Hugging Face's rotary frequencies, frequency by frequency."""
+    d, theta = config["head_dim"], config["rope_theta"]
+    out = []
+    for i in range(d // 2):
+        f = theta ** (-2 * i / d)
+        s = config.get("rope_scaling")
+        if s:
+            wavelen = 2 * math.pi / f
+            low_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
+            high_wl = s["original_max_position_embeddings"] / s["high_freq_factor"]
+            if wavelen > low_wl:
+                f = f / s["factor"]
+            elif wavelen >= high_wl:
+                t = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+                    s["high_freq_factor"] - s["low_freq_factor"])
+                f = (1 - t) * f / s["factor"] + t * f
+        out.append(f)
+    return np.array(out)
+
+
+def _reference_logits(config: dict, t: dict, tokens) -> np.ndarray:
+    """Logits [S, vocab] of one sequence, float64, no cache."""
+    hd, heads, kvh = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    eps = config["rms_norm_eps"]
+    inv_freq = _inv_freq(config)
+
+    def norm(x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+    def rope(x):  # [S, heads, hd]
+        out = np.empty_like(x)
+        for p in range(x.shape[0]):
+            for i in range(hd // 2):
+                c, s = math.cos(p * inv_freq[i]), math.sin(p * inv_freq[i])
+                a, b = x[p, :, i], x[p, :, i + hd // 2]
+                out[p, :, i], out[p, :, i + hd // 2] = a * c - b * s, b * c + a * s
+        return out
+
+    s = len(tokens)
+    h = _as_float(t, "model.embed_tokens.weight")[np.asarray(tokens)]
+    for layer in range(config["num_hidden_layers"]):
+        pre = f"model.layers.{layer}"
+
+        def proj(x, name):
+            y = x @ _as_float(t, f"{pre}.{name}").T
+            return y + _as_float(t, f"{pre}.{name}.bias") if f"{pre}.{name}.bias" in t else y
+
+        x = norm(h, _as_float(t, f"{pre}.input_layernorm.weight"))
+        q = proj(x, "self_attn.q_proj").reshape(s, heads, hd)
+        k = proj(x, "self_attn.k_proj").reshape(s, kvh, hd)
+        v = proj(x, "self_attn.v_proj").reshape(s, kvh, hd)
+        if f"{pre}.self_attn.q_norm.weight" in t:
+            q = norm(q, _as_float(t, f"{pre}.self_attn.q_norm.weight"))
+            k = norm(k, _as_float(t, f"{pre}.self_attn.k_norm.weight"))
+        q, k = rope(q), rope(k)
+        attn = np.zeros((s, heads, hd))
+        for head in range(heads):
+            kv = head // (heads // kvh)
+            scores = q[:, head] @ k[:, kv].T / math.sqrt(hd)
+            scores[np.triu_indices(s, 1)] = -np.inf
+            p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            attn[:, head] = (p / p.sum(axis=-1, keepdims=True)) @ v[:, kv]
+        h = h + proj(attn.reshape(s, heads * hd), "self_attn.o_proj")
+        x = norm(h, _as_float(t, f"{pre}.post_attention_layernorm.weight"))
+        gate, up = proj(x, "mlp.gate_proj"), proj(x, "mlp.up_proj")
+        h = h + proj(gate / (1 + np.exp(-gate)) * up, "mlp.down_proj")
+    head = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
+    return norm(h, _as_float(t, "model.norm.weight")) @ _as_float(t, head).T
+
+
+@pytest.mark.parametrize("variant, layout", [
+    ("llama", "tiled"), ("llama3_rope", "spec"), ("qwen2_bias", "tiled"), ("qwen3_qk_norm", "tiled")])
+def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path, variant, layout):
+    config = dict(CONFIG, rope_scaling=LLAMA3_SCALING if variant == "llama3_rope" else None)
+    rng = np.random.default_rng()
+    tensors = example.write_demo_checkpoint(tmp_path, config, seed=int(rng.integers(2**31)),
+                                            qkv_bias=variant == "qwen2_bias",
+                                            qk_norm=variant == "qwen3_qk_norm")
+    cfg, params = example.load_model(tmp_path, layout=layout)
+    q_proj = params["layers"]["q_proj"]
+    assert isinstance(q_proj, jax_fp4.NVFP4Weight) and q_proj.layout == layout
+    assert ("q_proj_bias" in params["layers"]) == (variant == "qwen2_bias")
+    assert ("q_norm" in params["layers"]) == (variant == "qwen3_qk_norm")
+
+    total, prompt_len = 24, 9  # past the llama3 scaling's original 16 positions
+    tokens = rng.integers(0, cfg.vocab, size=total)
+    expected = _reference_logits(config, tensors, tokens)
+
+    # Prefill of the prompt, then one token at a time through the cache (teacher-forced), into a
+    # cache whose unwritten positions hold large values: they must stay masked.
+    k_cache, v_cache = (jnp.full((cfg.layers, 1, total, cfg.kv_heads, cfg.head_dim), 3e4, jnp.bfloat16)
+                        for _ in range(2))
+    logits, k_cache, v_cache = example.forward(cfg, params, jnp.asarray(tokens[None, :prompt_len]), 0,
+                                               k_cache, v_cache)
+    got = [np.asarray(logits[0])]
+    for p in range(prompt_len, total):
+        logits, k_cache, v_cache = example.forward(cfg, params, jnp.asarray(tokens[None, p:p + 1]), p,
+                                                   k_cache, v_cache)
+        got.append(np.asarray(logits[0]))
+    got = np.concatenate(got)
+    assert got.shape == expected.shape and np.isfinite(got).all()
+    # bf16 activations through two layers: per-position error a few percent of the logits' norm.
+    for p in range(total):
+        assert reference.relative_error(got[p], expected[p]) < 0.05, f"position {p}"
+
+
+def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys):
+    config = dict(CONFIG, tie_word_embeddings=True)
+    example.write_demo_checkpoint(tmp_path, config, seed=int(np.random.default_rng().integers(2**31)))
+    cfg, params = example.load_model(tmp_path)
+    assert params["lm_head"] is params["embed"]
+    prompt = np.random.default_rng().integers(0, cfg.vocab, size=(2, 5))
+    tokens, timings = example.generate(cfg, params, prompt, 6)
+    assert tokens.shape == (2, 6) and timings["decode_steps"] == 4
+    # Each generated token is the argmax of the logits of everything before it, recomputed whole.
+    empty = example.empty_cache(cfg, 2, 11)
+    sequence = np.concatenate([prompt, tokens], axis=1)
+    logits, _, _ = example.forward(cfg, params, jnp.asarray(sequence[:, :-1]), 0, *empty)
+    np.testing.assert_array_equal(np.argmax(np.asarray(logits)[:, 4:], axis=-1), tokens)
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    assert example.main([str(tmp_path), "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    generated = next(line for line in out.splitlines() if line.startswith("generated: "))
+    assert len(json.loads(generated.removeprefix("generated: "))) == 4
+    assert "prompt (5 tokens): [3, 1, 4, 1, 5]" in out and "jax_fp4 path: prefill" in out
+
+
+def test_unsupported_rope_scaling_is_refused(example):
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        example.Config.from_json(dict(CONFIG, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
