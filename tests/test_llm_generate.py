@@ -5,6 +5,7 @@ checkpoint's dequantized weights."""
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,14 +124,15 @@ def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path
 
     # Prefill of the prompt, then one token at a time through the cache (teacher-forced), into a
     # cache whose unwritten positions hold large values: they must stay masked.
+    forward = jax.jit(example.forward, static_argnums=0)  # compiled once for the prompt, once per token
     k_cache, v_cache = (jnp.full((cfg.layers, 1, total, cfg.kv_heads, cfg.head_dim), 3e4, jnp.bfloat16)
                         for _ in range(2))
-    logits, k_cache, v_cache = example.forward(cfg, params, jnp.asarray(tokens[None, :prompt_len]), 0,
-                                               k_cache, v_cache)
+    logits, k_cache, v_cache = forward(cfg, params, jnp.asarray(tokens[None, :prompt_len]), 0,
+                                       k_cache, v_cache)
     got = [np.asarray(logits[0])]
     for p in range(prompt_len, total):
-        logits, k_cache, v_cache = example.forward(cfg, params, jnp.asarray(tokens[None, p:p + 1]), p,
-                                                   k_cache, v_cache)
+        logits, k_cache, v_cache = forward(cfg, params, jnp.asarray(tokens[None, p:p + 1]), p,
+                                           k_cache, v_cache)
         got.append(np.asarray(logits[0]))
     got = np.concatenate(got)
     assert got.shape == expected.shape and np.isfinite(got).all()
