@@ -7,6 +7,7 @@
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
+#   bash benchmarks/device_run.sh build llm            # examples/llm_generate.py: 8B shapes, NVFP4 against bf16
 #   DISPATCH_M=9,16,32 bash benchmarks/device_run.sh build dispatch-check   # auto against every backend
 #   (four shapes at 11 M, prepacked: ~3 min; the spec layout at 12 M: ~5 min)
 #   DISPATCH_BACKENDS=gemv,fused,dequant,xla DISPATCH_M=64,256,1024,4096 bash benchmarks/device_run.sh build xla-fusion dispatch-check
@@ -261,11 +262,20 @@ for stage in "$@"; do
         bash "$0" gemv-configs || status=1
       DISPATCH_TIMEOUT=200 DISPATCH_LAYOUT=spec DISPATCH_SHAPES=1024x4096,1024x8192 DISPATCH_M=17,32,48,64 \
         bash "$0" dispatch-check || status=1 ;;
+    llm)
+      # End to end: examples/llm_generate.py on random Llama-3-8B / Qwen3-8B-shaped weights, NVFP4
+      # (jax_fp4) against the same weights in bf16 (XLA's dot), batch 1 and 8, 64 new tokens.
+      : > "$OUT/llm_generate.log"
+      for args in "--random llama3-8b --batch 1" "--random llama3-8b --batch 8" "--random qwen3-8b --batch 1"; do
+        echo "== $args" | tee -a "$OUT/llm_generate.log"
+        timeout 200 python examples/llm_generate.py $args --max-new-tokens 64 --compare-bf16 \
+          2>&1 | tee -a "$OUT/llm_generate.log" | grep -E "NVFP4|bf16|path" || status=1
+      done ;;
     fused-tests)
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, fused-ab, tests, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, fused-ab, tests, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -8,6 +8,11 @@ a decode step (M = batch: the decode GEMV), with a KV cache and the layers under
 
     python examples/llm_generate.py CHECKPOINT_DIR --prompt "The capital of France is" --max-new-tokens 32
     python examples/llm_generate.py --demo        # a small random model, written and read back here
+    python examples/llm_generate.py --random llama3-8b --batch 4 --compare-bf16   # timing, random weights
+
+--random draws a model of a preset's (or a config.json's) shapes with random weights on the
+device; --compare-bf16 decodes the same weights dequantized to bf16 through XLA's dot and prints
+the ratio of the decode rates (tokens per second, one jitted call per token, compilation excluded).
 
 Architectures: Llama (2, 3 and 3.1's "llama3" RoPE scaling), Mistral, Qwen2 (q/k/v biases) and
 Qwen3 (q/k RMS norms), told apart by the tensors present (sliding-window attention is not applied:
@@ -19,10 +24,12 @@ tokenizer.json beside the weights the prompt is text, otherwise token ids (`--pr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,13 +111,18 @@ def _stack(per_layer: list):
     return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *per_layer)
 
 
-def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled") -> tuple[Config, dict]:
-    """config.json and the weights of a checkpoint directory: (config, params) with the per-layer
-    weights stacked for lax.scan. Every layer must be stored alike (all NVFP4 or all dense per
-    projection), as quantized checkpoints are."""
-    path = Path(path)
-    cfg = Config.from_json(json.loads((path / "config.json").read_text()))
-    tensors = ckpt.load_safetensors(path, layout=layout)
+def projection_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
+    """[N, K] of each projection of a layer."""
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return {"q_proj": (q, cfg.hidden), "k_proj": (kv, cfg.hidden), "v_proj": (kv, cfg.hidden),
+            "o_proj": (cfg.hidden, q), "gate_proj": (cfg.intermediate, cfg.hidden),
+            "up_proj": (cfg.intermediate, cfg.hidden), "down_proj": (cfg.hidden, cfg.intermediate)}
+
+
+def assemble(cfg: Config, tensors, dtype=jnp.bfloat16) -> dict:
+    """The params of `forward` from a checkpoint's tensors (a mapping of Hugging Face names to
+    NVFP4Weight or arrays, as jax_fp4.checkpoint.load_safetensors returns), the per-layer weights
+    stacked for lax.scan. Every layer must be stored alike, as quantized checkpoints are."""
     layers = []
     for i in range(cfg.layers):
         prefix = f"model.layers.{i}"
@@ -127,10 +139,74 @@ def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled") -> tuple[Conf
         layers.append(layer)
     embed = jnp.asarray(tensors["model.embed_tokens.weight"], dtype)
     head = embed if cfg.tie_embeddings else _projection(tensors, "lm_head", dtype)
-    params = {"embed": embed, "layers": _stack(layers), "lm_head": head,
-              "norm": jnp.asarray(tensors["model.norm.weight"], jnp.float32),
-              "inv_freq": jnp.asarray(rope_frequencies(cfg), jnp.float32)}
-    return cfg, params
+    return {"embed": embed, "layers": _stack(layers), "lm_head": head,
+            "norm": jnp.asarray(tensors["model.norm.weight"], jnp.float32),
+            "inv_freq": jnp.asarray(rope_frequencies(cfg), jnp.float32)}
+
+
+def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled") -> tuple[Config, dict]:
+    """config.json and the weights of a checkpoint directory: (config, params)."""
+    path = Path(path)
+    cfg = Config.from_json(json.loads((path / "config.json").read_text()))
+    return cfg, assemble(cfg, ckpt.load_safetensors(path, layout=layout), dtype)
+
+
+class RandomTensors(Mapping):
+    """A checkpoint's tensors drawn on demand, on the default device: NVFP4 projections (normal
+    weights / sqrt(K), quantized), unit norms, bf16 embeddings and lm_head. For timing a model's
+    shapes without its checkpoint (`random_model`)."""
+
+    def __init__(self, cfg: Config, *, seed: int = 0, layout: str = "tiled"):
+        self._cfg, self._layout, self._key = cfg, layout, jax.random.key(seed)
+        self._shapes = projection_shapes(cfg)
+        self._count = 0
+
+    def _normal(self, shape, scale):
+        self._count += 1
+        return _normal(jax.random.fold_in(self._key, self._count), shape, scale)
+
+    def __getitem__(self, name: str):
+        cfg, parts = self._cfg, name.split(".")  # model.layers.{i}.{self_attn | mlp}.{projection}
+        if parts[:2] == ["model", "layers"] and len(parts) == 5 and parts[4] in self._shapes:
+            n, k = self._shapes[parts[4]]
+            w = jax_fp4.quantize(self._normal((n, k), 1 / math.sqrt(k)))
+            return jax_fp4.prepack(w) if self._layout == "tiled" else w
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            return jnp.ones((cfg.hidden,), jnp.float32)
+        if name == "model.embed_tokens.weight":
+            return self._normal((cfg.vocab, cfg.hidden), 1.0).astype(jnp.bfloat16)
+        if name == "lm_head.weight":
+            return self._normal((cfg.vocab, cfg.hidden), 1 / math.sqrt(cfg.hidden)).astype(jnp.bfloat16)
+        raise KeyError(name)
+
+    def __iter__(self):
+        raise TypeError("RandomTensors draws its tensors by name; it cannot list them")
+
+    def __len__(self):
+        raise TypeError("RandomTensors draws its tensors by name; it has no length")
+
+    def __contains__(self, name) -> bool:
+        try:
+            return self[name] is not None
+        except KeyError:
+            return False
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key, shape, scale):
+    return jax.random.normal(key, shape, jnp.float32) * scale
+
+
+def random_model(config: dict, *, seed: int = 0, dtype=jnp.bfloat16, layout: str = "tiled"):
+    """(config, params) of a model of this config.json with random weights (`RandomTensors`)."""
+    cfg = Config.from_json(config)
+    return cfg, assemble(cfg, RandomTensors(cfg, seed=seed, layout=layout), dtype)
+
+
+def dense_twin(params: dict, dtype=jnp.bfloat16) -> dict:
+    """The same model with every NVFP4 weight dequantized to `dtype`: XLA's dot on dense weights."""
+    return jax.tree.map(lambda w: jax_fp4.dequantize(w, dtype) if isinstance(w, jax_fp4.NVFP4Weight) else w,
+                        params, is_leaf=lambda x: isinstance(x, jax_fp4.NVFP4Weight))
 
 
 # ---- the forward pass -----------------------------------------------------------------------------
@@ -204,31 +280,34 @@ def empty_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.bfloat16):
 
 
 def generate(cfg: Config, params: dict, prompt, max_new_tokens: int) -> tuple[np.ndarray, dict]:
-    """Greedy continuation of prompt [B, P] (equal lengths): (tokens [B, max_new_tokens], timings)."""
+    """Greedy continuation of prompt [B, P] (equal lengths): (tokens [B, max_new_tokens], timings).
+    One jitted call per token (forward and argmax), the caches updated in place on GPUs."""
     prompt = jnp.asarray(prompt, jnp.int32)
     batch, length = prompt.shape
     k_cache, v_cache = empty_cache(cfg, batch, length + max_new_tokens, params["embed"].dtype)
-    donate = (3, 4) if jax.default_backend() != "cpu" else ()  # the caches, updated in place
-    step = jax.jit(lambda params, tokens, start, kc, vc: forward(cfg, params, tokens, start, kc, vc),
-                   donate_argnums=donate)
 
+    def step(params, tokens, start, k_cache, v_cache):
+        logits, k_cache, v_cache = forward(cfg, params, tokens, start, k_cache, v_cache)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], k_cache, v_cache
+
+    donate = (3, 4) if jax.default_backend() != "cpu" else ()  # the caches, updated in place
+    step = jax.jit(step, donate_argnums=donate)
     t0 = time.perf_counter()
-    logits, k_cache, v_cache = step(params, prompt, 0, k_cache, v_cache)
-    token = jnp.argmax(logits[:, -1], axis=-1)
+    token, k_cache, v_cache = step(params, prompt, 0, k_cache, v_cache)
     token.block_until_ready()
     prefill_s = time.perf_counter() - t0                   # compilation included
-    out = [token]
+    out, timed_from = [token], 3                           # steps 1-2 compile and warm the decode step
     t0 = None
     for i in range(1, max_new_tokens):
-        if i == 2:  # the first decode step compiled it: time the rest
+        if i == timed_from:
             token.block_until_ready()
             t0 = time.perf_counter()
-        logits, k_cache, v_cache = step(params, token[:, None], length + i - 1, k_cache, v_cache)
-        token = jnp.argmax(logits[:, -1], axis=-1)
+        token, k_cache, v_cache = step(params, token, length + i - 1, k_cache, v_cache)
         out.append(token)
-    tokens = np.asarray(jnp.stack(out, axis=1))
+    tokens = np.asarray(jnp.concatenate(out, axis=1))      # waits for the last step
     decode_s = time.perf_counter() - t0 if t0 is not None else 0.0
-    return tokens, {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": max(max_new_tokens - 2, 0)}
+    return tokens, {"prefill_s": prefill_s, "decode_s": decode_s,
+                    "decode_steps": max(max_new_tokens - timed_from, 0)}
 
 
 # ---- the demo checkpoint and the command line -----------------------------------------------------
@@ -278,6 +357,20 @@ def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk
     return tensors
 
 
+PRESETS = {  # config.json of public models, for --random
+    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+                  "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "qwen3-8b": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288,
+                 "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                 "tie_word_embeddings": False},
+    "demo": DEMO_CONFIG,
+}
+
+
 def _tokenizer(path: Path):
     try:
         from tokenizers import Tokenizer
@@ -287,32 +380,50 @@ def _tokenizer(path: Path):
     return Tokenizer.from_file(str(file)) if file.is_file() else None
 
 
+def _report(name: str, batch: int, timings: dict) -> float:
+    """Prints one run's timings; returns its decode tokens per second (0 if none were timed)."""
+    steps = timings["decode_steps"]
+    rate = batch * steps / timings["decode_s"] if steps else 0.0
+    print(f"{name}: prefill {timings['prefill_s'] * 1e3:.0f} ms (compilation included)"
+          + (f"; decode {rate:.1f} tokens/s ({timings['decode_s'] / steps * 1e3:.2f} ms a step, "
+             f"batch {batch}, {steps} steps)" if steps else ""))
+    return rate
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, *.safetensors)")
-    parser.add_argument("--demo", action="store_true", help="write and run a small random model")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, *.safetensors)")
+    source.add_argument("--demo", action="store_true", help="write, read back and run a small random model")
+    source.add_argument("--random", metavar="PRESET|CONFIG_JSON",
+                        help=f"random weights for a config.json or a preset ({', '.join(PRESETS)}): timing")
     parser.add_argument("--prompt", default="The capital of France is")
     parser.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (the prompt repeated)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--layout", choices=("spec", "tiled"), default="tiled",
                         help="the NVFP4 weights' layout (tiled: prepacked on load where the shape allows)")
+    parser.add_argument("--compare-bf16", action="store_true",
+                        help="also run the same weights dequantized to bf16 (XLA's dot) and compare")
     args = parser.parse_args(argv)
-    if (args.checkpoint is None) == (not args.demo):
-        parser.error("give a checkpoint directory or --demo")
-    if args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be at least 1")
+    if args.max_new_tokens < 1 or args.batch < 1:
+        parser.error("--max-new-tokens and --batch must be at least 1")
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) if args.demo else Path(args.checkpoint)
-        if args.demo:
-            write_demo_checkpoint(path)
-        cfg, params = load_model(path, layout=args.layout)
-        tokenizer = _tokenizer(path)
-        if args.prompt_ids or tokenizer is None:
-            ids = [int(t) for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
+        path = Path(tmp) if args.demo else Path(args.checkpoint or tmp)
+        if args.random:
+            config = PRESETS.get(args.random) or json.loads(Path(args.random).read_text())
+            cfg, params = random_model(config, layout=args.layout)
         else:
-            ids = tokenizer.encode(args.prompt).ids
-        tokens, timings = generate(cfg, params, np.asarray([ids]), args.max_new_tokens)
+            if args.demo:
+                write_demo_checkpoint(path)
+            cfg, params = load_model(path, layout=args.layout)
+        tokenizer = None if args.random else _tokenizer(path)
+    if args.prompt_ids or tokenizer is None:
+        ids = [int(t) % cfg.vocab for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
+    else:
+        ids = tokenizer.encode(args.prompt).ids
+    prompt = np.asarray([ids] * args.batch)
 
     nvfp4 = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, jax_fp4.NVFP4Weight))
              if isinstance(w, jax_fp4.NVFP4Weight)]
@@ -322,17 +433,21 @@ def main(argv=None) -> int:
     if nvfp4:
         first = jax.tree.map(lambda x: x[0], nvfp4[0])  # layer 0's q_proj: the stacks lead with layers
         path_of = {m: jax_fp4.dispatch_path(jnp.zeros((m, first.k), params["embed"].dtype), first)
-                   for m in (len(ids), 1)}
+                   for m in (prompt.size, args.batch)}
         print(f"device: {device.platform} ({device.device_kind}); jax_fp4 path: prefill "
-              f"{path_of[len(ids)]}, decode {path_of[1]}")
+              f"{path_of[prompt.size]}, decode {path_of[args.batch]}")
     print(f"prompt ({len(ids)} tokens): {ids}")
+    tokens, timings = generate(cfg, params, prompt, args.max_new_tokens)
     print(f"generated: {tokens[0].tolist()}")
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(tokens[0].tolist())!r}")
-    steps = timings["decode_steps"]
-    if steps:
-        print(f"prefill {timings['prefill_s'] * 1e3:.0f} ms (compile included); decode "
-              f"{steps / timings['decode_s']:.1f} steps/s (x batch tokens) over {steps} steps")
+    rate = _report("NVFP4 (jax_fp4)", args.batch, timings)
+    if args.compare_bf16:
+        dense_tokens, dense_timings = generate(cfg, dense_twin(params), prompt, args.max_new_tokens)
+        dense_rate = _report("bf16 (the same weights dequantized, XLA's dot)", args.batch, dense_timings)
+        same = int(np.sum(np.cumprod(dense_tokens[0] == tokens[0])))
+        print(f"NVFP4 against bf16: {rate / dense_rate:.2f}x the decode rate; the first {same} of "
+              f"{tokens.shape[1]} tokens the same" if dense_rate else "")
     return 0
 
 
