@@ -420,7 +420,9 @@ def main(argv=None) -> int:
             cfg, params = load_model(path, layout=args.layout)
         tokenizer = None if args.random else _tokenizer(path)
     if args.prompt_ids or tokenizer is None:
-        ids = [int(t) % cfg.vocab for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
+        ids = [int(t) for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
+        if not all(0 <= t < cfg.vocab for t in ids):
+            parser.error(f"--prompt-ids: token ids must be in [0, {cfg.vocab}), got {ids}")
     else:
         ids = tokenizer.encode(args.prompt).ids
     prompt = np.asarray([ids] * args.batch)

@@ -166,8 +166,10 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "NVFP4 (jax_fp4): prefill" in out and "batch 2, 2 steps" in out
     assert "bf16 (the same weights dequantized, XLA's dot)" in out and "NVFP4 against bf16: " in out
-    with pytest.raises(SystemExit):
-        example.main([])
+    for bad in ([], ["--random", "demo", "--prompt-ids", "1,512"]):
+        with pytest.raises(SystemExit):
+            example.main(bad)
+    assert "token ids must be in [0, 512), got [1, 512]" in capsys.readouterr().err
 
 
 def test_unsupported_rope_scaling_is_refused(example):
