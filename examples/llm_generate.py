@@ -320,19 +320,17 @@ DEMO_CONFIG = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads"
 
 
 def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk_norm: bool = False,
-                          qkv_bias: bool = False) -> dict:
-    """A random Llama-style model at `path` as a ModelOpt NVFP4 checkpoint (projections NVFP4,
-    embeddings / norms / lm_head bf16), as ModelOpt exports one. Returns its float32 weights."""
+                          qkv_bias: bool = False, convention: str = "modelopt") -> dict:
+    """A random Llama-style model at `path` as an NVFP4 checkpoint in the layout of ModelOpt or of
+    llm-compressor (`convention` "compressed-tensors"): projections NVFP4, embeddings, norms and
+    lm_head bf16. Returns its tensors (NVFP4Weight per projection, bf16 arrays)."""
+    if convention not in ("modelopt", "compressed-tensors"):
+        raise ValueError(f"convention must be 'modelopt' or 'compressed-tensors', got {convention!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = Config.from_json(config)
     rng = np.random.default_rng(seed)
-    shapes = {"q_proj": (cfg.heads * cfg.head_dim, cfg.hidden),
-              "k_proj": (cfg.kv_heads * cfg.head_dim, cfg.hidden),
-              "v_proj": (cfg.kv_heads * cfg.head_dim, cfg.hidden),
-              "o_proj": (cfg.hidden, cfg.heads * cfg.head_dim),
-              "gate_proj": (cfg.intermediate, cfg.hidden), "up_proj": (cfg.intermediate, cfg.hidden),
-              "down_proj": (cfg.hidden, cfg.intermediate)}
+    shapes = projection_shapes(cfg)
     dense = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab, cfg.hidden)),
              "model.norm.weight": 1 + 0.1 * rng.standard_normal(cfg.hidden),
              "lm_head.weight": rng.standard_normal((cfg.vocab, cfg.hidden)) / math.sqrt(cfg.hidden)}
@@ -352,7 +350,13 @@ def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk
                 dense[f"{prefix}.self_attn.{norm}.weight"] = 1 + 0.1 * rng.standard_normal(cfg.head_dim)
     tensors = {name: np.asarray(v, np.float32).astype(jnp.bfloat16) for name, v in dense.items()}
     tensors.update(quantized)
-    ckpt.save_safetensors(tensors, path / "model.safetensors")
+    if convention == "modelopt":
+        ckpt.save_safetensors(tensors, path / "model.safetensors")  # writes NVFP4Weight the ModelOpt way
+    else:
+        stored = {name: v for name, v in tensors.items() if name not in quantized}
+        for name, w in quantized.items():
+            stored.update(ckpt.to_compressed_tensors(w, name))
+        ckpt.save_safetensors(stored, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config))
     return tensors
 

@@ -104,14 +104,18 @@ def _reference_logits(config: dict, t: dict, tokens) -> np.ndarray:
     return norm(h, _as_float(t, "model.norm.weight")) @ _as_float(t, head).T
 
 
-@pytest.mark.parametrize("variant, layout", [
-    ("llama", "tiled"), ("llama3_rope", "spec"), ("qwen2_bias", "tiled"), ("qwen3_qk_norm", "tiled")])
-def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path, variant, layout):
+@pytest.mark.parametrize("variant, layout, convention", [
+    ("llama", "tiled", "modelopt"), ("llama3_rope", "spec", "compressed-tensors"),
+    ("qwen2_bias", "tiled", "compressed-tensors"), ("qwen3_qk_norm", "tiled", "modelopt")])
+def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path, variant, layout,
+                                                               convention):
     config = dict(CONFIG, rope_scaling=LLAMA3_SCALING if variant == "llama3_rope" else None)
     rng = np.random.default_rng()
     tensors = example.write_demo_checkpoint(tmp_path, config, seed=int(rng.integers(2**31)),
                                             qkv_bias=variant == "qwen2_bias",
-                                            qk_norm=variant == "qwen3_qk_norm")
+                                            qk_norm=variant == "qwen3_qk_norm", convention=convention)
+    stored = example.ckpt.read_safetensors(tmp_path / "model.safetensors")
+    assert ("model.layers.1.mlp.down_proj.weight_packed" in stored) == (convention == "compressed-tensors")
     cfg, params = example.load_model(tmp_path, layout=layout)
     q_proj = params["layers"]["q_proj"]
     assert isinstance(q_proj, jax_fp4.NVFP4Weight) and q_proj.layout == layout
