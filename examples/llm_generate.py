@@ -2,11 +2,12 @@
 
 A Hugging Face checkpoint directory (config.json + *.safetensors) quantized by NVIDIA ModelOpt or
 llm-compressor (compressed-tensors, nvfp4-pack-quantized) loads with jax_fp4.checkpoint, its NVFP4
-layers prepacked on the host; every projection then runs through jax_fp4.matmul: the prompt as one
+layers prepacked on the host (a bf16 checkpoint with --quantize: jax_fp4.quantize on load); every projection then runs through jax_fp4.matmul: the prompt as one
 prefill (M = batch x prompt length: the fused GEMM or dequantize + GEMM on a GPU), each new token as
 a decode step (M = batch: the decode GEMV), with a KV cache and the layers under lax.scan:
 
     python examples/llm_generate.py CHECKPOINT_DIR --prompt "The capital of France is" --max-new-tokens 32
+    python examples/llm_generate.py BF16_CHECKPOINT_DIR --quantize --compare-bf16   # NVFP4 against bf16
     python examples/llm_generate.py --demo        # a small random model, written and read back here
     python examples/llm_generate.py --random llama3-8b --batch 4 --compare-bf16   # timing, random weights
 
@@ -96,14 +97,21 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def _projection(tensors: dict, name: str, dtype):
-    """An NVFP4Weight as loaded, or a dense [N, K] weight in the compute dtype."""
+def _projection(tensors: dict, name: str, dtype, quantize: str | None = None):
+    """An NVFP4Weight as loaded, or a dense [N, K] weight: in the compute dtype, or quantized here
+    (jax_fp4.quantize, ModelOpt's algorithm) into the layout `quantize` if that is given."""
     w = tensors.get(name)
     if w is None:
         w = tensors.get(f"{name}.weight")
     if w is None:
         raise KeyError(f"the checkpoint has no layer {name!r}")
-    return w if isinstance(w, jax_fp4.NVFP4Weight) else jnp.asarray(w, dtype)
+    if isinstance(w, jax_fp4.NVFP4Weight):
+        return w
+    if quantize is None:
+        return jnp.asarray(w, dtype)
+    q = jax_fp4.quantize(jnp.asarray(w, jnp.float32))
+    tileable = q.n % 16 == 0 and q.k % 128 == 0  # what jax_fp4.prepack's layout takes
+    return jax_fp4.prepack(q) if quantize == "tiled" and tileable else q
 
 
 def _stack(per_layer: list):
@@ -119,15 +127,18 @@ def projection_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
             "up_proj": (cfg.intermediate, cfg.hidden), "down_proj": (cfg.hidden, cfg.intermediate)}
 
 
-def assemble(cfg: Config, tensors, dtype=jnp.bfloat16) -> dict:
+def assemble(cfg: Config, tensors, dtype=jnp.bfloat16, *, quantize: str | None = None) -> dict:
     """The params of `forward` from a checkpoint's tensors (a mapping of Hugging Face names to
     NVFP4Weight or arrays, as jax_fp4.checkpoint.load_safetensors returns), the per-layer weights
-    stacked for lax.scan. Every layer must be stored alike, as quantized checkpoints are."""
+    stacked for lax.scan. Every layer must be stored alike, as quantized checkpoints are.
+    quantize: None, or the layout ("spec" / "tiled") into which the decoder layers' dense
+    projections are quantized here (a bf16 checkpoint run as NVFP4; lm_head stays dense)."""
     layers = []
     for i in range(cfg.layers):
         prefix = f"model.layers.{i}"
-        layer = {name: _projection(tensors, f"{prefix}.self_attn.{name}", dtype) for name in _ATTENTION}
-        layer.update({name: _projection(tensors, f"{prefix}.mlp.{name}", dtype) for name in _MLP})
+        layer = {name: _projection(tensors, f"{prefix}.self_attn.{name}", dtype, quantize)
+                 for name in _ATTENTION}
+        layer.update({name: _projection(tensors, f"{prefix}.mlp.{name}", dtype, quantize) for name in _MLP})
         for norm in ("input_layernorm", "post_attention_layernorm"):
             layer[norm] = jnp.asarray(tensors[f"{prefix}.{norm}.weight"], jnp.float32)
         for norm in ("q_norm", "k_norm"):                     # Qwen3
@@ -144,11 +155,14 @@ def assemble(cfg: Config, tensors, dtype=jnp.bfloat16) -> dict:
             "inv_freq": jnp.asarray(rope_frequencies(cfg), jnp.float32)}
 
 
-def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled") -> tuple[Config, dict]:
-    """config.json and the weights of a checkpoint directory: (config, params)."""
+def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled",
+               quantize: bool = False) -> tuple[Config, dict]:
+    """config.json and the weights of a checkpoint directory: (config, params). quantize: the
+    decoder layers' dense (bf16 / fp16 / fp32) projections are quantized to NVFP4 on load."""
     path = Path(path)
     cfg = Config.from_json(json.loads((path / "config.json").read_text()))
-    return cfg, assemble(cfg, ckpt.load_safetensors(path, layout=layout), dtype)
+    tensors = ckpt.load_safetensors(path, layout=layout)
+    return cfg, assemble(cfg, tensors, dtype, quantize=layout if quantize else None)
 
 
 class RandomTensors(Mapping):
@@ -323,9 +337,10 @@ def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk
                           qkv_bias: bool = False, convention: str = "modelopt") -> dict:
     """A random Llama-style model at `path` as an NVFP4 checkpoint in the layout of ModelOpt or of
     llm-compressor (`convention` "compressed-tensors"): projections NVFP4, embeddings, norms and
-    lm_head bf16. Returns its tensors (NVFP4Weight per projection, bf16 arrays)."""
-    if convention not in ("modelopt", "compressed-tensors"):
-        raise ValueError(f"convention must be 'modelopt' or 'compressed-tensors', got {convention!r}")
+    lm_head bf16; or, `convention` "bf16", all of it bf16 (the model before quantization).
+    Returns its tensors (NVFP4Weight per projection, or bf16 arrays)."""
+    if convention not in ("modelopt", "compressed-tensors", "bf16"):
+        raise ValueError(f"convention must be 'modelopt', 'compressed-tensors' or 'bf16', got {convention!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = Config.from_json(config)
@@ -340,7 +355,10 @@ def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk
         for name, (n, k) in shapes.items():
             kind = "self_attn" if name in _ATTENTION else "mlp"
             w = rng.standard_normal((n, k)) / math.sqrt(k)
-            quantized[f"{prefix}.{kind}.{name}"] = jax_fp4.quantize(w.astype(np.float32))
+            if convention == "bf16":
+                dense[f"{prefix}.{kind}.{name}.weight"] = w
+            else:
+                quantized[f"{prefix}.{kind}.{name}"] = jax_fp4.quantize(w.astype(np.float32))
             if qkv_bias and name in ("q_proj", "k_proj", "v_proj"):
                 dense[f"{prefix}.self_attn.{name}.bias"] = 0.1 * rng.standard_normal(n)
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -350,7 +368,7 @@ def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk
                 dense[f"{prefix}.self_attn.{norm}.weight"] = 1 + 0.1 * rng.standard_normal(cfg.head_dim)
     tensors = {name: np.asarray(v, np.float32).astype(jnp.bfloat16) for name, v in dense.items()}
     tensors.update(quantized)
-    if convention == "modelopt":
+    if convention != "compressed-tensors":
         ckpt.save_safetensors(tensors, path / "model.safetensors")  # writes NVFP4Weight the ModelOpt way
     else:
         stored = {name: v for name, v in tensors.items() if name not in quantized}
@@ -407,6 +425,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--layout", choices=("spec", "tiled"), default="tiled",
                         help="the NVFP4 weights' layout (tiled: prepacked on load where the shape allows)")
+    parser.add_argument("--quantize", action="store_true",
+                        help="quantize a bf16 checkpoint's decoder projections to NVFP4 on load")
     parser.add_argument("--compare-bf16", action="store_true",
                         help="also run the same weights dequantized to bf16 (XLA's dot) and compare")
     args = parser.parse_args(argv)
@@ -421,8 +441,13 @@ def main(argv=None) -> int:
         else:
             if args.demo:
                 write_demo_checkpoint(path)
-            cfg, params = load_model(path, layout=args.layout)
+            cfg, params = load_model(path, layout=args.layout, quantize=args.quantize)
         tokenizer = None if args.random else _tokenizer(path)
+        # The baseline of --compare-bf16: the checkpoint's own bf16 weights where --quantize made
+        # the NVFP4 ones, else the NVFP4 weights dequantized.
+        dense = None
+        if args.compare_bf16:
+            dense = load_model(path, layout=args.layout)[1] if args.quantize else dense_twin(params)
     if args.prompt_ids or tokenizer is None:
         ids = [int(t) for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
         if not all(0 <= t < cfg.vocab for t in ids):
@@ -449,8 +474,9 @@ def main(argv=None) -> int:
         print(f"text: {tokenizer.decode(tokens[0].tolist())!r}")
     rate = _report("NVFP4 (jax_fp4)", args.batch, timings)
     if args.compare_bf16:
-        dense_tokens, dense_timings = generate(cfg, dense_twin(params), prompt, args.max_new_tokens)
-        dense_rate = _report("bf16 (the same weights dequantized, XLA's dot)", args.batch, dense_timings)
+        dense_tokens, dense_timings = generate(cfg, dense, prompt, args.max_new_tokens)
+        dense_rate = _report("bf16 (" + ("the checkpoint's" if args.quantize else "the same weights dequantized")
+                             + ", XLA's dot)", args.batch, dense_timings)
         same = int(np.sum(np.cumprod(dense_tokens[0] == tokens[0])))
         print(f"NVFP4 against bf16: {rate / dense_rate:.2f}x the decode rate; the first {same} of "
               f"{tokens.shape[1]} tokens the same" if dense_rate else "")

@@ -176,6 +176,25 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys):
     assert "token ids must be in [0, 512), got [1, 512]" in capsys.readouterr().err
 
 
+def test_a_bf16_checkpoint_quantized_on_load(example, tmp_path, capsys):
+    tensors = example.write_demo_checkpoint(tmp_path, CONFIG, convention="bf16",
+                                            seed=int(np.random.default_rng().integers(2**31)))
+    cfg, dense = example.load_model(tmp_path)
+    assert not isinstance(dense["layers"]["q_proj"], jax_fp4.NVFP4Weight)
+    _, params = example.load_model(tmp_path, quantize=True)
+    for name in ("q_proj", "down_proj"):
+        w = params["layers"][name]
+        assert w.layout == "tiled"
+        expected = jax_fp4.prepack(jax_fp4.quantize(np.asarray(
+            tensors[f"model.layers.1.{'self_attn' if name == 'q_proj' else 'mlp'}.{name}.weight"], np.float32)))
+        for got, want in zip(jax.tree.leaves(w), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(np.asarray(got)[1], np.asarray(want))
+    assert not isinstance(params["lm_head"], jax_fp4.NVFP4Weight)
+    assert example.main([str(tmp_path), "--quantize", "--compare-bf16", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 (the checkpoint's, XLA's dot)" in out and "NVFP4 against bf16: " in out
+
+
 def test_unsupported_rope_scaling_is_refused(example):
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
         example.Config.from_json(dict(CONFIG, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
