@@ -109,9 +109,14 @@ def _projection(tensors: dict, name: str, dtype, quantize: str | None = None):
         return w
     if quantize is None:
         return jnp.asarray(w, dtype)
-    q = jax_fp4.quantize(jnp.asarray(w, jnp.float32))
+    return _quantized(jnp.asarray(w, jnp.float32), quantize)
+
+
+def _quantized(w, layout: str) -> jax_fp4.NVFP4Weight:
+    """jax_fp4.quantize(w), prepacked if `layout` is "tiled" and the shape allows it."""
+    q = jax_fp4.quantize(w)
     tileable = q.n % 16 == 0 and q.k % 128 == 0  # what jax_fp4.prepack's layout takes
-    return jax_fp4.prepack(q) if quantize == "tiled" and tileable else q
+    return jax_fp4.prepack(q) if layout == "tiled" and tileable else q
 
 
 def _stack(per_layer: list):
@@ -183,8 +188,7 @@ class RandomTensors(Mapping):
         cfg, parts = self._cfg, name.split(".")  # model.layers.{i}.{self_attn | mlp}.{projection}
         if parts[:2] == ["model", "layers"] and len(parts) == 5 and parts[4] in self._shapes:
             n, k = self._shapes[parts[4]]
-            w = jax_fp4.quantize(self._normal((n, k), 1 / math.sqrt(k)))
-            return jax_fp4.prepack(w) if self._layout == "tiled" else w
+            return _quantized(self._normal((n, k), 1 / math.sqrt(k)), self._layout)
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             return jnp.ones((cfg.hidden,), jnp.float32)
         if name == "model.embed_tokens.weight":
