@@ -208,8 +208,11 @@ def pack_codes(codes):
                         f"shape {codes.shape}")
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_codes: the last axis must be even, got {codes.shape[-1]}")
-    if not isinstance(codes, jax.core.Tracer):  # traced (quantize's own codes): values unknown
+    try:
         values = np.asarray(codes)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None  # traced (quantize's own codes): values unknown
+    if values is not None:
         bad = np.argwhere((values < 0) | (values > 15))
         if len(bad):
             where = tuple(int(i) for i in bad[0])
@@ -356,7 +359,11 @@ def quantize(w, block_size: int = 16, *, method: str = "modelopt", importance=No
             raise ValueError("quantize: importance weights only method='mse'; got method='modelopt'")
         importance = _check_importance(importance, w.shape)
     weight, finite = _quantize_compiled(w, importance, block_size=int(block_size), method=method)
-    if not isinstance(finite, jax.core.Tracer) and not bool(finite):
+    try:
+        finite = bool(finite)
+    except jax.errors.ConcretizationTypeError:
+        finite = True  # traced: the values are unknown
+    if not finite:
         _raise_nonfinite(w)
     return weight
 
