@@ -447,11 +447,11 @@ def main(argv=None) -> int:
                 write_demo_checkpoint(path)
             cfg, params = load_model(path, layout=args.layout, quantize=args.quantize)
         tokenizer = None if args.random else _tokenizer(path)
-        # The baseline of --compare-bf16: the checkpoint's own bf16 weights where --quantize made
-        # the NVFP4 ones, else the NVFP4 weights dequantized.
+        # The baseline of --compare-bf16: the checkpoint's own weights in bf16 where --quantize made
+        # the NVFP4 ones (a layer stored in NVFP4 dequantized), else the NVFP4 weights dequantized.
         dense = None
         if args.compare_bf16:
-            dense = load_model(path, layout=args.layout)[1] if args.quantize else dense_twin(params)
+            dense = dense_twin(load_model(path, layout=args.layout)[1] if args.quantize else params)
     if args.prompt_ids or tokenizer is None:
         ids = [int(t) for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
         if not all(0 <= t < cfg.vocab for t in ids):
@@ -479,7 +479,7 @@ def main(argv=None) -> int:
     rate = _report("NVFP4 (jax_fp4)", args.batch, timings)
     if args.compare_bf16:
         dense_tokens, dense_timings = generate(cfg, dense, prompt, args.max_new_tokens)
-        dense_rate = _report("bf16 (" + ("the checkpoint's" if args.quantize else "the same weights dequantized")
+        dense_rate = _report("bf16 (" + ("the checkpoint's weights" if args.quantize else "the same weights dequantized")
                              + ", XLA's dot)", args.batch, dense_timings)
         same = int(np.sum(np.cumprod(dense_tokens[0] == tokens[0])))
         print(f"NVFP4 against bf16: {rate / dense_rate:.2f}x the decode rate; the first {same} of "

@@ -192,7 +192,7 @@ def test_a_bf16_checkpoint_quantized_on_load(example, tmp_path, capsys):
     assert not isinstance(params["lm_head"], jax_fp4.NVFP4Weight)
     assert example.main([str(tmp_path), "--quantize", "--compare-bf16", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    assert "bf16 (the checkpoint's, XLA's dot)" in out and "NVFP4 against bf16: " in out
+    assert "bf16 (the checkpoint's weights, XLA's dot)" in out and "NVFP4 against bf16: " in out
 
 
 def test_unsupported_rope_scaling_is_refused(example):
