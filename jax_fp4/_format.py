@@ -190,6 +190,14 @@ def scale_as_bytes(scale):
     return jax.lax.bitcast_convert_type(jnp.asarray(scale), jnp.uint8)
 
 
+def _host_values(x, dtype=None):
+    """x as a NumPy array, or None where x is traced (its values unknown until run)."""
+    try:
+        return np.asarray(x, dtype)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def unpack_codes(packed):
     """uint8 [..., K/2] -> uint8 E2M1 codes [..., K] (low nibble first)."""
     packed = jnp.asarray(packed)
@@ -208,10 +216,7 @@ def pack_codes(codes):
                         f"shape {codes.shape}")
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_codes: the last axis must be even, got {codes.shape[-1]}")
-    try:
-        values = np.asarray(codes)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None  # traced (quantize's own codes): values unknown
+    values = _host_values(codes)  # None when traced (quantize's own codes)
     if values is not None:
         bad = np.argwhere((values < 0) | (values > 15))
         if len(bad):
@@ -449,10 +454,7 @@ def _check_importance(importance, w_shape):
         raise ValueError(f"quantize: importance must have shape {allowed[0]}"
                          + (f" or {allowed[1]}" if allowed[1] != allowed[0] else "")
                          + f" (one weight per input channel), got {shape}")
-    try:
-        values = np.asarray(importance, np.float64)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None  # traced: checked by the caller's concrete data, if anywhere
+    values = _host_values(importance, np.float64)  # None when traced: unchecked here
     if values is not None and not (np.isfinite(values).all() and (values >= 0).all()):
         raise ValueError("quantize: importance must be finite and non-negative")
     return jnp.asarray(importance, jnp.float32)

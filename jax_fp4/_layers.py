@@ -10,13 +10,13 @@ from jax_fp4._format import quantize
 def quantize_kernel(kernel, block_size, method="modelopt", importance=None):
     """A Flax kernel [..., in, out] -> NVFP4Weight [..., out, in] = [N, K] (see jax_fp4.quantize).
     Not jitted itself (quantize compiles its work), so quantize sees a concrete kernel's values
-    and can reject NaN or inf in it."""
+    and can reject NaN or inf in it. Its errors say which matrix their indices refer to, in the
+    message itself so that the converters' own wrapping (layer names) keeps it."""
     try:
         return quantize(jnp.swapaxes(kernel, -1, -2), block_size=block_size, method=method,
                         importance=importance)
     except ValueError as e:
-        e.add_note("(quantize's w is the Flax kernel transposed: [..., out, in])")
-        raise
+        raise ValueError(f"{e} (quantize's w is the Flax kernel transposed: [..., out, in])") from None
 
 
 def compute_dtype(inputs, dtype, param_dtype, bias):
