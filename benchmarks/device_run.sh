@@ -265,10 +265,12 @@ for stage in "$@"; do
     llm)
       # End to end: examples/llm_generate.py on random Llama-3-8B-shaped weights, NVFP4
       # (jax_fp4) against the same weights in bf16 (XLA's dot), batch 1 and 8, 64 new tokens.
+      # JSON per batch: $OUT/llm_generate_b<batch>.json.
       : > "$OUT/llm_generate.log"
-      for args in "--random llama3-8b --batch 1" "--random llama3-8b --batch 8"; do
-        echo "== $args" | tee -a "$OUT/llm_generate.log"
-        timeout 200 python examples/llm_generate.py $args --max-new-tokens 64 --compare-bf16 \
+      for batch in 1 8; do
+        echo "== batch $batch" | tee -a "$OUT/llm_generate.log"
+        timeout 200 python examples/llm_generate.py --random llama3-8b --batch $batch --max-new-tokens 64 \
+          --compare-bf16 --json "$OUT/llm_generate_b$batch.json" \
           2>&1 | tee -a "$OUT/llm_generate.log" | grep -E "NVFP4|bf16|path" || status=1
       done ;;
     fused-tests)

@@ -25,13 +25,14 @@ tokenizer.json beside the weights the prompt is text, otherwise token ids (`--pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
+import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -42,7 +43,7 @@ import jax_fp4
 import jax_fp4.checkpoint as ckpt
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The fields of config.json the forward pass needs."""
     hidden: int
@@ -406,14 +407,27 @@ def _tokenizer(path: Path):
     return Tokenizer.from_file(str(file)) if file.is_file() else None
 
 
-def _report(name: str, batch: int, timings: dict) -> float:
-    """Prints one run's timings; returns its decode tokens per second (0 if none were timed)."""
-    steps = timings["decode_steps"]
-    rate = batch * steps / timings["decode_s"] if steps else 0.0
-    print(f"{name}: prefill {timings['prefill_s'] * 1e3:.0f} ms (compilation included)"
-          + (f"; decode {rate:.1f} tokens/s ({timings['decode_s'] / steps * 1e3:.2f} ms a step, "
-             f"batch {batch}, {steps} steps)" if steps else ""))
-    return rate
+def step_bytes(params: dict) -> int:
+    """Bytes of weight a decode step reads: every array but the embedding table, of which a step
+    gathers only its tokens' rows (a tied lm_head still reads it whole)."""
+    return sum(leaf.nbytes for name, value in params.items() if name != "embed"
+               for leaf in jax.tree.leaves(value))
+
+
+def _report(name: str, batch: int, timings: dict, params: dict) -> dict:
+    """Prints one run's timings; returns them as the --json record's entry."""
+    steps, weight_bytes = timings["decode_steps"], step_bytes(params)
+    record = {"prefill_ms": timings["prefill_s"] * 1e3, "decode_steps": steps,
+              "weight_bytes_per_step": weight_bytes}
+    if steps:
+        step_s = timings["decode_s"] / steps
+        record.update(ms_per_step=step_s * 1e3, tokens_per_s=batch / step_s,
+                      weight_gb_per_s=weight_bytes / step_s / 1e9)
+    print(f"{name}: prefill {record['prefill_ms']:.0f} ms (compilation included)"
+          + (f"; decode {record['tokens_per_s']:.1f} tokens/s ({record['ms_per_step']:.2f} ms a step, "
+             f"batch {batch}, {steps} steps; weights read at {record['weight_gb_per_s']:.1f} GB/s)"
+             if steps else ""))
+    return record
 
 
 def main(argv=None) -> int:
@@ -433,6 +447,7 @@ def main(argv=None) -> int:
                         help="quantize a bf16 checkpoint's decoder projections to NVFP4 on load")
     parser.add_argument("--compare-bf16", action="store_true",
                         help="also run the same weights dequantized to bf16 (XLA's dot) and compare")
+    parser.add_argument("--json", metavar="PATH", help="also write the timings and the setup to this JSON file")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.batch < 1:
         parser.error("--max-new-tokens and --batch must be at least 1")
@@ -476,14 +491,23 @@ def main(argv=None) -> int:
     print(f"generated: {tokens[0].tolist()}")
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(tokens[0].tolist())!r}")
-    rate = _report("NVFP4 (jax_fp4)", args.batch, timings)
+    record = {"command": "python examples/llm_generate.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+              "model": dataclasses.asdict(cfg), "batch": args.batch, "prompt_tokens": len(ids),
+              "new_tokens": args.max_new_tokens, "layout": args.layout,
+              "paths": {"prefill": path_of[prompt.size], "decode": path_of[args.batch]} if nvfp4 else {},
+              "nvfp4": _report("NVFP4 (jax_fp4)", args.batch, timings, params)}
     if args.compare_bf16:
         dense_tokens, dense_timings = generate(cfg, dense, prompt, args.max_new_tokens)
-        dense_rate = _report("bf16 (" + ("the checkpoint's weights" if args.quantize else "the same weights dequantized")
-                             + ", XLA's dot)", args.batch, dense_timings)
-        same = int(np.sum(np.cumprod(dense_tokens[0] == tokens[0])))
-        print(f"NVFP4 against bf16: {rate / dense_rate:.2f}x the decode rate; the first {same} of "
-              f"{tokens.shape[1]} tokens the same" if dense_rate else "")
+        record["bf16"] = _report("bf16 (" + ("the checkpoint's weights" if args.quantize else "the same weights dequantized")
+                                 + ", XLA's dot)", args.batch, dense_timings, dense)
+        record["same_leading_tokens"] = int(np.sum(np.cumprod(dense_tokens[0] == tokens[0])))
+        if "tokens_per_s" in record["bf16"]:
+            record["speedup_over_bf16"] = record["nvfp4"]["tokens_per_s"] / record["bf16"]["tokens_per_s"]
+            print(f"NVFP4 against bf16: {record['speedup_over_bf16']:.2f}x the decode rate; the first "
+                  f"{record['same_leading_tokens']} of {tokens.shape[1]} tokens the same")
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

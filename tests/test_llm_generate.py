@@ -166,10 +166,34 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys):
     assert len(json.loads(generated.removeprefix("generated: "))) == 4
     assert "prompt (5 tokens): [3, 1, 4, 1, 5]" in out and "jax_fp4 path: prefill" in out
     # Random weights of a preset's shapes, decoded with NVFP4 and with the same weights in bf16.
-    assert example.main(["--random", "demo", "--batch", "2", "--max-new-tokens", "5", "--compare-bf16"]) == 0
+    record_file = tmp_path / "timings.json"
+    assert example.main(["--random", "demo", "--batch", "2", "--max-new-tokens", "5", "--compare-bf16",
+                         "--json", str(record_file)]) == 0
     out = capsys.readouterr().out
     assert "NVFP4 (jax_fp4): prefill" in out and "batch 2, 2 steps" in out
     assert "bf16 (the same weights dequantized, XLA's dot)" in out and "NVFP4 against bf16: " in out
+    record = json.loads(record_file.read_text())
+    assert record["batch"] == 2 and record["new_tokens"] == 5 and record["paths"]["decode"] == "cpu"
+    assert record["model"]["layers"] == example.DEMO_CONFIG["num_hidden_layers"]
+    # A step reads every weight but the embedding table: the projections and lm_head (bf16, or
+    # NVFP4 at ~0.28 of it), the fp32 norms and RoPE frequencies.
+    cfg = example.Config.from_json(example.DEMO_CONFIG)
+    projections = cfg.layers * ((cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim * cfg.hidden
+                                + cfg.heads * cfg.head_dim * cfg.hidden + 3 * cfg.hidden * cfg.intermediate)
+    fp32 = cfg.layers * 2 * cfg.hidden + cfg.hidden + cfg.head_dim // 2
+    dense_bytes = 2 * (projections + cfg.vocab * cfg.hidden) + 4 * fp32
+    assert record["bf16"]["weight_bytes_per_step"] == dense_bytes
+    # NVFP4: half a byte a weight, a byte a block of 16, a float32 global scale a matrix.
+    nvfp4_bytes = projections * 9 // 16 + 4 * 7 * cfg.layers + 2 * cfg.vocab * cfg.hidden + 4 * fp32
+    assert record["nvfp4"]["weight_bytes_per_step"] == nvfp4_bytes
+    for run in ("nvfp4", "bf16"):
+        step = record[run]["ms_per_step"] / 1e3
+        assert record[run]["decode_steps"] == 2 and step > 0
+        assert record[run]["tokens_per_s"] == pytest.approx(2 / step)
+        assert record[run]["weight_gb_per_s"] == pytest.approx(record[run]["weight_bytes_per_step"] / step / 1e9)
+    assert record["speedup_over_bf16"] == pytest.approx(
+        record["nvfp4"]["tokens_per_s"] / record["bf16"]["tokens_per_s"])
+    assert f"{record['nvfp4']['tokens_per_s']:.1f} tokens/s" in out
     for bad in ([], ["--random", "demo", "--prompt-ids", "1,512"]):
         with pytest.raises(SystemExit):
             example.main(bad)
