@@ -4,7 +4,7 @@ A Hugging Face checkpoint directory (config.json + *.safetensors) quantized by N
 llm-compressor (compressed-tensors, nvfp4-pack-quantized) loads with jax_fp4.checkpoint, its NVFP4
 layers prepacked on the host (a bf16 checkpoint with --quantize: jax_fp4.quantize on load); every projection then runs through jax_fp4.matmul: the prompt as one
 prefill (M = batch x prompt length: the fused GEMM or dequantize + GEMM on a GPU), each new token as
-a decode step (M = batch: the decode GEMV), with a KV cache and the layers under lax.scan:
+a decode step (M = batch: the decode GEMV), with a KV cache, one jitted call per token:
 
     python examples/llm_generate.py CHECKPOINT_DIR --prompt "The capital of France is" --max-new-tokens 32
     python examples/llm_generate.py BF16_CHECKPOINT_DIR --quantize --compare-bf16   # NVFP4 against bf16
@@ -14,6 +14,10 @@ a decode step (M = batch: the decode GEMV), with a KV cache and the layers under
 --random draws a model of a preset's (or a config.json's) shapes with random weights on the
 device; --compare-bf16 decodes the same weights dequantized to bf16 through XLA's dot and prints
 the ratio of the decode rates (tokens per second, one jitted call per token, compilation excluded).
+The layers are unrolled by default, each weight its own buffer, which every kernel reads where it
+lies; --scan-layers stacks them under lax.scan instead (one layer compiled), where XLA slices each
+layer's weights out of the stack into a new buffer before its matmul: reading every weight three
+times a step (benchmarks/NOTES.md, thirty-second session).
 
 Architectures: Llama (2, 3 and 3.1's "llama3" RoPE scaling), Mistral, Qwen2 (q/k/v biases) and
 Qwen3 (q/k RMS norms), told apart by the tensors present (sliding-window attention is not applied:
@@ -133,10 +137,12 @@ def projection_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
             "up_proj": (cfg.intermediate, cfg.hidden), "down_proj": (cfg.hidden, cfg.intermediate)}
 
 
-def assemble(cfg: Config, tensors, dtype=jnp.bfloat16, *, quantize: str | None = None) -> dict:
+def assemble(cfg: Config, tensors, dtype=jnp.bfloat16, *, quantize: str | None = None,
+             stack_layers: bool = False) -> dict:
     """The params of `forward` from a checkpoint's tensors (a mapping of Hugging Face names to
-    NVFP4Weight or arrays, as jax_fp4.checkpoint.load_safetensors returns), the per-layer weights
-    stacked for lax.scan. Every layer must be stored alike, as quantized checkpoints are.
+    NVFP4Weight or arrays, as jax_fp4.checkpoint.load_safetensors returns): "layers" a list of
+    per-layer dicts, or with stack_layers one dict of weights with a leading layer axis for
+    lax.scan (every layer must then be stored alike, as quantized checkpoints are).
     quantize: None, or the layout ("spec" / "tiled") into which the decoder layers' dense
     projections are quantized here (a bf16 checkpoint run as NVFP4; lm_head stays dense)."""
     layers = []
@@ -156,19 +162,20 @@ def assemble(cfg: Config, tensors, dtype=jnp.bfloat16, *, quantize: str | None =
         layers.append(layer)
     embed = jnp.asarray(tensors["model.embed_tokens.weight"], dtype)
     head = embed if cfg.tie_embeddings else _projection(tensors, "lm_head", dtype)
-    return {"embed": embed, "layers": _stack(layers), "lm_head": head,
+    return {"embed": embed, "layers": _stack(layers) if stack_layers else layers, "lm_head": head,
             "norm": jnp.asarray(tensors["model.norm.weight"], jnp.float32),
             "inv_freq": jnp.asarray(rope_frequencies(cfg), jnp.float32)}
 
 
-def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled",
-               quantize: bool = False) -> tuple[Config, dict]:
+def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled", quantize: bool = False,
+               stack_layers: bool = False) -> tuple[Config, dict]:
     """config.json and the weights of a checkpoint directory: (config, params). quantize: the
     decoder layers' dense (bf16 / fp16 / fp32) projections are quantized to NVFP4 on load."""
     path = Path(path)
     cfg = Config.from_json(json.loads((path / "config.json").read_text()))
     tensors = ckpt.load_safetensors(path, layout=layout)
-    return cfg, assemble(cfg, tensors, dtype, quantize=layout if quantize else None)
+    return cfg, assemble(cfg, tensors, dtype, quantize=layout if quantize else None,
+                         stack_layers=stack_layers)
 
 
 class RandomTensors(Mapping):
@@ -216,10 +223,12 @@ def _normal(key, shape, scale):
     return jax.random.normal(key, shape, jnp.float32) * scale
 
 
-def random_model(config: dict, *, seed: int = 0, dtype=jnp.bfloat16, layout: str = "tiled"):
+def random_model(config: dict, *, seed: int = 0, dtype=jnp.bfloat16, layout: str = "tiled",
+                 stack_layers: bool = False):
     """(config, params) of a model of this config.json with random weights (`RandomTensors`)."""
     cfg = Config.from_json(config)
-    return cfg, assemble(cfg, RandomTensors(cfg, seed=seed, layout=layout), dtype)
+    return cfg, assemble(cfg, RandomTensors(cfg, seed=seed, layout=layout), dtype,
+                         stack_layers=stack_layers)
 
 
 def dense_twin(params: dict, dtype=jnp.bfloat16) -> dict:
@@ -282,13 +291,18 @@ def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     and the caches [layers, B, T, kv_heads, head_dim] with their keys and values written."""
     positions = start + jnp.arange(tokens.shape[1])
     h = params["embed"][tokens]
+    layer_step = functools.partial(_layer, cfg, params["inv_freq"], positions)
+    if isinstance(params["layers"], dict):  # stacked (assemble's stack_layers): one layer compiled
 
-    def body(h, xs):
-        layer, k_cache, v_cache = xs
-        h, k_cache, v_cache = _layer(cfg, params["inv_freq"], positions, h, layer, k_cache, v_cache)
-        return h, (k_cache, v_cache)
+        def body(h, xs):
+            h, k_layer, v_layer = layer_step(h, *xs)
+            return h, (k_layer, v_layer)
 
-    h, (k_cache, v_cache) = jax.lax.scan(body, h, (params["layers"], k_cache, v_cache))
+        h, (k_cache, v_cache) = jax.lax.scan(body, h, (params["layers"], k_cache, v_cache))
+    else:  # unrolled: every weight passed to its kernel as the buffer it is
+        for i, layer in enumerate(params["layers"]):
+            h, k_layer, v_layer = layer_step(h, layer, k_cache[i], v_cache[i])
+            k_cache, v_cache = k_cache.at[i].set(k_layer), v_cache.at[i].set(v_layer)
     logits = linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"])
     return logits.astype(jnp.float32), k_cache, v_cache
 
@@ -447,6 +461,9 @@ def main(argv=None) -> int:
                         help="quantize a bf16 checkpoint's decoder projections to NVFP4 on load")
     parser.add_argument("--compare-bf16", action="store_true",
                         help="also run the same weights dequantized to bf16 (XLA's dot) and compare")
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="stack the layers under lax.scan (compiles one layer; XLA copies each "
+                             "layer's weights out of the stack a step) instead of unrolling them")
     parser.add_argument("--json", metavar="PATH", help="also write the timings and the setup to this JSON file")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.batch < 1:
@@ -456,17 +473,19 @@ def main(argv=None) -> int:
         path = Path(tmp) if args.demo else Path(args.checkpoint or tmp)
         if args.random:
             config = PRESETS.get(args.random) or json.loads(Path(args.random).read_text())
-            cfg, params = random_model(config, layout=args.layout)
+            cfg, params = random_model(config, layout=args.layout, stack_layers=args.scan_layers)
         else:
             if args.demo:
                 write_demo_checkpoint(path)
-            cfg, params = load_model(path, layout=args.layout, quantize=args.quantize)
+            cfg, params = load_model(path, layout=args.layout, quantize=args.quantize,
+                                     stack_layers=args.scan_layers)
         tokenizer = None if args.random else _tokenizer(path)
         # The baseline of --compare-bf16: the checkpoint's own weights in bf16 where --quantize made
         # the NVFP4 ones (a layer stored in NVFP4 dequantized), else the NVFP4 weights dequantized.
         dense = None
         if args.compare_bf16:
-            dense = dense_twin(load_model(path, layout=args.layout)[1] if args.quantize else params)
+            dense = dense_twin(load_model(path, layout=args.layout, stack_layers=args.scan_layers)[1]
+                               if args.quantize else params)
     if args.prompt_ids or tokenizer is None:
         ids = [int(t) for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
         if not all(0 <= t < cfg.vocab for t in ids):
@@ -480,12 +499,15 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     print(f"model: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}; NVFP4 weights "
           f"{sum(w.nbytes for w in nvfp4) / 2**20:.1f} MiB")
-    if nvfp4:
-        first = jax.tree.map(lambda x: x[0], nvfp4[0])  # layer 0's q_proj: the stacks lead with layers
-        path_of = {m: jax_fp4.dispatch_path(jnp.zeros((m, first.k), params["embed"].dtype), first)
-                   for m in (prompt.size, args.batch)}
+    layers = params["layers"]
+    q_proj = (jax.tree.map(lambda x: x[0], layers["q_proj"]) if isinstance(layers, dict)
+              else layers[0]["q_proj"])  # layer 0's
+    paths = {}
+    if isinstance(q_proj, jax_fp4.NVFP4Weight):
+        paths = {stage: jax_fp4.dispatch_path(jnp.zeros((m, q_proj.k), params["embed"].dtype), q_proj)
+                 for stage, m in (("prefill", prompt.size), ("decode", args.batch))}
         print(f"device: {device.platform} ({device.device_kind}); jax_fp4 path: prefill "
-              f"{path_of[prompt.size]}, decode {path_of[args.batch]}")
+              f"{paths['prefill']}, decode {paths['decode']}")
     print(f"prompt ({len(ids)} tokens): {ids}")
     tokens, timings = generate(cfg, params, prompt, args.max_new_tokens)
     print(f"generated: {tokens[0].tolist()}")
@@ -495,7 +517,7 @@ def main(argv=None) -> int:
               "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
               "model": dataclasses.asdict(cfg), "batch": args.batch, "prompt_tokens": len(ids),
               "new_tokens": args.max_new_tokens, "layout": args.layout,
-              "paths": {"prefill": path_of[prompt.size], "decode": path_of[args.batch]} if nvfp4 else {},
+              "scan_layers": args.scan_layers, "paths": paths,
               "nvfp4": _report("NVFP4 (jax_fp4)", args.batch, timings, params)}
     if args.compare_bf16:
         dense_tokens, dense_timings = generate(cfg, dense, prompt, args.max_new_tokens)

@@ -104,11 +104,11 @@ def _reference_logits(config: dict, t: dict, tokens) -> np.ndarray:
     return norm(h, _as_float(t, "model.norm.weight")) @ _as_float(t, head).T
 
 
-@pytest.mark.parametrize("variant, layout, convention", [
-    ("llama", "tiled", "modelopt"), ("llama3_rope", "spec", "compressed-tensors"),
-    ("qwen2_bias", "tiled", "compressed-tensors"), ("qwen3_qk_norm", "tiled", "modelopt")])
+@pytest.mark.parametrize("variant, layout, convention, stack_layers", [
+    ("llama", "tiled", "modelopt", False), ("llama3_rope", "spec", "compressed-tensors", True),
+    ("qwen2_bias", "tiled", "compressed-tensors", False), ("qwen3_qk_norm", "tiled", "modelopt", True)])
 def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path, variant, layout,
-                                                               convention):
+                                                               convention, stack_layers):
     config = dict(CONFIG, rope_scaling=LLAMA3_SCALING if variant == "llama3_rope" else None)
     rng = np.random.default_rng()
     tensors = example.write_demo_checkpoint(tmp_path, config, seed=int(rng.integers(2**31)),
@@ -116,11 +116,15 @@ def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path
                                             qk_norm=variant == "qwen3_qk_norm", convention=convention)
     stored = example.ckpt.read_safetensors(tmp_path / "model.safetensors")
     assert ("model.layers.1.mlp.down_proj.weight_packed" in stored) == (convention == "compressed-tensors")
-    cfg, params = example.load_model(tmp_path, layout=layout)
-    q_proj = params["layers"]["q_proj"]
+    cfg, params = example.load_model(tmp_path, layout=layout, stack_layers=stack_layers)
+    # Stacked: one dict of [layers, ...] weights (lax.scan); else a dict per layer (unrolled).
+    layer = params["layers"] if stack_layers else params["layers"][1]
+    assert isinstance(params["layers"], dict if stack_layers else list)
+    q_proj = layer["q_proj"]
     assert isinstance(q_proj, jax_fp4.NVFP4Weight) and q_proj.layout == layout
-    assert ("q_proj_bias" in params["layers"]) == (variant == "qwen2_bias")
-    assert ("q_norm" in params["layers"]) == (variant == "qwen3_qk_norm")
+    assert q_proj.packed.shape[0] == cfg.layers if stack_layers else q_proj.packed.ndim == 2
+    assert ("q_proj_bias" in layer) == (variant == "qwen2_bias")
+    assert ("q_norm" in layer) == (variant == "qwen3_qk_norm")
 
     total, prompt_len = 24, 9  # past the llama3 scaling's original 16 positions
     tokens = rng.integers(0, cfg.vocab, size=total)
@@ -158,6 +162,11 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys):
     sequence = np.concatenate([prompt, tokens], axis=1)
     logits, _, _ = example.forward(cfg, params, jnp.asarray(sequence[:, :-1]), 0, *empty)
     np.testing.assert_array_equal(np.argmax(np.asarray(logits)[:, 4:], axis=-1), tokens)
+    # The same model stacked under lax.scan: the same logits but for the bf16 activations' rounding
+    # (XLA fuses the two programs differently).
+    _, stacked = example.load_model(tmp_path, stack_layers=True)
+    scanned, _, _ = example.forward(cfg, stacked, jnp.asarray(sequence[:, :-1]), 0, *empty)
+    assert reference.relative_error(np.asarray(scanned), np.asarray(logits)) < 0.02
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     assert example.main([str(tmp_path), "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "4"]) == 0
@@ -168,12 +177,13 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys):
     # Random weights of a preset's shapes, decoded with NVFP4 and with the same weights in bf16.
     record_file = tmp_path / "timings.json"
     assert example.main(["--random", "demo", "--batch", "2", "--max-new-tokens", "5", "--compare-bf16",
-                         "--json", str(record_file)]) == 0
+                         "--scan-layers", "--json", str(record_file)]) == 0
     out = capsys.readouterr().out
     assert "NVFP4 (jax_fp4): prefill" in out and "batch 2, 2 steps" in out
     assert "bf16 (the same weights dequantized, XLA's dot)" in out and "NVFP4 against bf16: " in out
     record = json.loads(record_file.read_text())
     assert record["batch"] == 2 and record["new_tokens"] == 5 and record["paths"]["decode"] == "cpu"
+    assert record["scan_layers"] is True
     assert record["model"]["layers"] == example.DEMO_CONFIG["num_hidden_layers"]
     # A step reads every weight but the embedding table: the projections and lm_head (bf16, or
     # NVFP4 at ~0.28 of it), the fp32 norms and RoPE frequencies.
@@ -204,15 +214,15 @@ def test_a_bf16_checkpoint_quantized_on_load(example, tmp_path, capsys):
     tensors = example.write_demo_checkpoint(tmp_path, CONFIG, convention="bf16",
                                             seed=int(np.random.default_rng().integers(2**31)))
     cfg, dense = example.load_model(tmp_path)
-    assert not isinstance(dense["layers"]["q_proj"], jax_fp4.NVFP4Weight)
+    assert not isinstance(dense["layers"][0]["q_proj"], jax_fp4.NVFP4Weight)
     _, params = example.load_model(tmp_path, quantize=True)
     for name in ("q_proj", "down_proj"):
-        w = params["layers"][name]
+        w = params["layers"][1][name]
         assert w.layout == "tiled"
         expected = jax_fp4.prepack(jax_fp4.quantize(np.asarray(
             tensors[f"model.layers.1.{'self_attn' if name == 'q_proj' else 'mlp'}.{name}.weight"], np.float32)))
         for got, want in zip(jax.tree.leaves(w), jax.tree.leaves(expected)):
-            np.testing.assert_array_equal(np.asarray(got)[1], np.asarray(want))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not isinstance(params["lm_head"], jax_fp4.NVFP4Weight)
     assert example.main([str(tmp_path), "--quantize", "--compare-bf16", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
