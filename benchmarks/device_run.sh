@@ -258,19 +258,20 @@ for stage in "$@"; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python -m pytest -q -m gpu tests/test_gpu_matmul.py \
         -k rule_edges > "$OUT/rule_edges.log" 2>&1 || status=1
       tail -4 "$OUT/rule_edges.log"
-      SWEEP_M=17,24,32,48 PROBE_SHAPES="2048x16384 1024x16384 4096x14336 4096x11008 2048x8192" \
+      SWEEP_M=17,24,32,48,64 PROBE_SHAPES="2048x16384 1024x16384 4096x14336 4096x11008 2048x8192 1024x8192 1024x4096" \
         bash "$0" gemv-configs || status=1
       DISPATCH_TIMEOUT=200 DISPATCH_LAYOUT=spec DISPATCH_SHAPES=1024x4096,1024x8192 DISPATCH_M=17,32,48,64 \
         bash "$0" dispatch-check || status=1 ;;
     llm)
       # End to end: examples/llm_generate.py on random Llama-3-8B-shaped weights, NVFP4
-      # (jax_fp4) against the same weights in bf16 (XLA's dot), batch 1 and 8, 64 new tokens.
-      # JSON per batch: $OUT/llm_generate_b<batch>.json.
+      # (jax_fp4) against the same weights in bf16 (XLA's dot), batch 1 and 8, 64 new tokens; and
+      # batch 1 with the layers stacked under lax.scan. JSON per run: $OUT/llm_generate_b<batch>.json.
       : > "$OUT/llm_generate.log"
-      for batch in 1 8; do
-        echo "== batch $batch" | tee -a "$OUT/llm_generate.log"
-        timeout 200 python examples/llm_generate.py --random llama3-8b --batch $batch --max-new-tokens 64 \
-          --compare-bf16 --json "$OUT/llm_generate_b$batch.json" \
+      for run in 1 8 "1 --scan-layers"; do
+        echo "== batch $run" | tee -a "$OUT/llm_generate.log"
+        name=$(echo "$run" | tr -d ' -' | sed 's/scanlayers/_scan/')
+        timeout 200 python examples/llm_generate.py --random llama3-8b --batch $run --max-new-tokens 64 \
+          --compare-bf16 --json "$OUT/llm_generate_b$name.json" \
           2>&1 | tee -a "$OUT/llm_generate.log" | grep -E "NVFP4|bf16|path" || status=1
       done ;;
     fused-tests)

@@ -129,9 +129,12 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   // M > 8: each decoded weight fragment feeds two 8-row tiles (one pass over the weight for 16
   // rows instead of two), and two column tiles share each activation fragment (a warp reads 2 KB
   // of activations per KB of weight instead of 4). Prepacked, with the activations loaded just
-  // in time, they run 16 warps per SM like one tile: two tiles wherever their grid has a block
-  // for every other SM (M = 9 / 16: 4096x11008 13.9 / 14.7 us against one tile's 15.3 / 17.3,
-  // 4096x4096 7.8 / 7.8 against 8.1 / 8.8; benchmarks/NOTES.md, twenty-first session). On the
+  // in time, they run 16 warps per SM like one tile: two tiles wherever their grid, 16 rows of M
+  // a block row, has a block for every other SM (M = 9 / 16: 4096x11008 13.9 / 14.7 us against
+  // one tile's 15.3 / 17.3, 4096x4096 7.8 / 7.8 against 8.1 / 8.8; benchmarks/NOTES.md,
+  // twenty-first session; past M = 16 the rows count, on an H100 at M = 24: 2048x16384 two tiles
+  // 19.9 against 22.2 us, 1024x16384 (64 two-tile blocks) one 14.0 against 18.5; thirty-second
+  // session). On the
   // spec layout (12 warps per SM) the rule of M <= 8 below (M = 16: 11008x4096 15.7 against
   // 19.5, 28672x8192 63.7 against 76.5, 24576x4096 27.5 against 34.4, twentieth session).
   // M <= 8: two column tiles where their grid still gives two waves of blocks (11008x4096 10.4
@@ -143,7 +146,7 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   const int row_tiles = m > 8 ? 2 : 1;
   int col_tiles = 1;
   if (m > 8 && tiled) {
-    col_tiles = 2 * GemvCeilDiv(tiles, 2) >= sms ? 2 : 1;
+    col_tiles = 2 * GemvCeilDiv(tiles, 2) * GemvCeilDiv(m_chunks, row_tiles) >= sms ? 2 : 1;
   } else if (GemvCeilDiv(tiles, 2) >= 2 * sms) {
     const int64_t two_tile_blocks = GemvCeilDiv(tiles, 2);
     const int64_t wave = kGemvTwoTileBlocksPerSm * sms;
@@ -181,6 +184,8 @@ static_assert(gemv_launch_config(16, 11008, 4096, 132, true).col_tiles == 2, "")
 static_assert(gemv_launch_config(16, 11008, 4096, 132, true).k_split == 4, "");
 static_assert(gemv_launch_config(16, 4096, 11008, 132, true).col_tiles == 2, "");
 static_assert(gemv_launch_config(16, 4096, 11008, 132, true).k_split == 8, "");
+static_assert(gemv_launch_config(24, 2048, 16384, 132, true).col_tiles == 2, "");
+static_assert(gemv_launch_config(24, 1024, 16384, 132, true).col_tiles == 1, "");
 static_assert(gemv_launch_config(16, 28672, 8192, 132, true).k_split == 2, "");
 static_assert(gemv_launch_config(16, 17408, 5120, 132, true).k_split == 3, "");
 // The spec layout's two-by-two config: 12 warps per SM, blocks of at most 4 warps.
