@@ -274,11 +274,23 @@ for stage in "$@"; do
           --compare-bf16 --json "$OUT/llm_generate_b$name.json" \
           2>&1 | tee -a "$OUT/llm_generate.log" | grep -E "NVFP4|bf16|path" || status=1
       done ;;
+    llm-flags)
+      # Why a decode step of the Llama-3-8B-shaped model with its NVFP4 weights takes longer than the
+      # GEMVs' sum (thirty-second session): batch 1, unrolled layers, under XLA's default command
+      # buffers, with none, and with every kind but custom calls. JSON: $OUT/llm_flags_<i>.json.
+      i=0
+      for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT"; do
+        i=$((i + 1))
+        echo "== XLA_FLAGS=$flags" | tee -a "$OUT/llm_flags.log"
+        XLA_FLAGS="$flags" timeout 150 python examples/llm_generate.py --random llama3-8b --batch 1 \
+          --max-new-tokens 40 --compare-bf16 --json "$OUT/llm_flags_$i.json" \
+          2>&1 | tee -a "$OUT/llm_flags.log" | grep -E "NVFP4|bf16" || status=1
+      done ;;
     fused-tests)
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, fused-ab, tests, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, fused-ab, tests, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm, llm-flags)" >&2; exit 2 ;;
   esac
 done
 exit $status
