@@ -286,11 +286,19 @@ for stage in "$@"; do
           --max-new-tokens 40 --compare-bf16 --json "$OUT/llm_flags_$i.json" \
           2>&1 | tee -a "$OUT/llm_flags.log" | grep -E "NVFP4|bf16" || status=1
       done ;;
+    llm-profile)
+      # The decode step's GPU busy time against its wall time and the host's longest events
+      # (benchmarks/probes/llm_step_host.py), with XLA's default command buffers and with none.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python benchmarks/probes/llm_step_host.py \
+        --json "$OUT/llm_profile_default.json" 2>&1 | tee "$OUT/llm_profile.log" | grep -v "^W" || status=1
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 \
+        python benchmarks/probes/llm_step_host.py --json "$OUT/llm_profile_no_cmd_buffer.json" \
+        2>&1 | tee -a "$OUT/llm_profile.log" | grep -v "^W" || status=1 ;;
     fused-tests)
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, fused-ab, tests, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm, llm-flags)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, fused-ab, tests, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm, llm-flags, llm-profile)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -1,0 +1,134 @@
+"""Is the LLM example's decode step bound by the host? (benchmarks/NOTES.md, thirty-second session)
+
+Builds examples/llm_generate.py's model of a preset's shapes with random weights (layers
+unrolled), compiles its decode step (forward + argmax, caches donated), and prints per run
+(NVFP4 through jax_fp4, then the same weights dequantized to bf16):
+- the compiled program's thunk count: jax_fp4 custom calls, other custom calls, fusions, and
+  the ops XLA wraps into command buffers;
+- per step, over a run of steps launched back to back: the wall time, and from a profile
+  (jax.profiler, read back with jax.profiler.ProfileData) the time the GPU's streams are busy
+  and the host events that take longest. Busy well under wall: the GPU waits for the host.
+
+    python benchmarks/probes/llm_step_host.py --random llama3-8b [--steps 32] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.repo_scripts import load_repo_script  # noqa: E402
+
+llm = load_repo_script("examples/llm_generate.py")
+
+
+def thunk_counts(hlo_text: str) -> dict:
+    """Counts of what the compiled program launches, from its optimized HLO text."""
+    counts = collections.Counter()
+    for line in hlo_text.splitlines():
+        if " custom-call(" in line:
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            name = target.group(1) if target else "?"
+            counts["jax_fp4 custom calls" if name.startswith("jax_fp4") else f"custom call {name}"] += 1
+        elif re.search(r"= \S+ fusion\(", line):
+            counts["fusions"] += 1
+        if "command_buffer" in line and "call(" in line:
+            counts["command buffer calls"] += 1
+    return dict(counts)
+
+
+def time_steps(cfg, params, batch: int, steps: int) -> dict:
+    max_len = 8 + steps + 4
+
+    def step(params, tokens, start, k_cache, v_cache):
+        logits, k_cache, v_cache = llm.forward(cfg, params, tokens, start, k_cache, v_cache)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], k_cache, v_cache
+
+    k_cache, v_cache = llm.empty_cache(cfg, batch, max_len, params["embed"].dtype)
+    token = jnp.ones((batch, 1), jnp.int32)
+    compiled = jax.jit(step, donate_argnums=(3, 4)).lower(params, token, 0, k_cache, v_cache).compile()
+    counts = thunk_counts(compiled.as_text())
+    for i in range(3):  # warm-up
+        token, k_cache, v_cache = compiled(params, token, i, k_cache, v_cache)
+    token.block_until_ready()
+    t0 = time.perf_counter()
+    for i in range(3, 3 + steps):
+        token, k_cache, v_cache = compiled(params, token, i, k_cache, v_cache)
+    token.block_until_ready()
+    wall = (time.perf_counter() - t0) / steps
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for i in range(3 + steps, 3 + 2 * steps):
+            token, k_cache, v_cache = compiled(params, token, i, k_cache, v_cache)
+        token.block_until_ready()
+        jax.profiler.stop_trace()
+        profile = profile_summary(next(Path(trace_dir).rglob("*.xplane.pb")), steps)
+    return {"thunks": counts, "wall_ms_per_step": wall * 1e3, **profile}
+
+
+def _union_ns(intervals) -> int:
+    busy, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    return busy
+
+
+def profile_summary(xplane: Path, steps: int) -> dict:
+    """GPU stream busy time and event count per step; the host's longest events per step."""
+    data = jax.profiler.ProfileData.from_file(str(xplane))
+    gpu, gpu_lines, host = [], {}, collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if plane.name.startswith("/device:GPU"):
+                events = [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+                gpu_lines[line.name] = len(events)
+                if line.name.startswith("Stream"):
+                    gpu += events
+            elif plane.name.startswith("/host:CPU") and line.name != "python":
+                for e in line.events:  # per kind of op: "ffi_call.25" -> "ffi_call"
+                    host[re.sub(r"\.\d+$", "", e.name)[:60]] += e.duration_ns
+    window = (max(b for _, b in gpu) - min(a for a, _ in gpu)) if gpu else 0
+    return {"gpu_busy_ms_per_step": _union_ns(gpu) / steps / 1e6,
+            "gpu_events_per_step": len(gpu) / steps,
+            "gpu_window_ms_per_step": window / steps / 1e6,
+            "gpu_lines": gpu_lines, "host_top_ms_per_step": {name: ns / steps / 1e6 for name, ns in host.most_common(12)}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--random", default="llama3-8b", help="a preset of examples/llm_generate.py")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    cfg, params = llm.random_model(llm.PRESETS[args.random])
+    record = {"device": jax.devices()[0].device_kind, "preset": args.random, "batch": args.batch}
+    for name, model in (("nvfp4", params), ("bf16", llm.dense_twin(params))):
+        record[name] = time_steps(cfg, model, args.batch, args.steps)
+        r = record[name]
+        print(f"{name}: {r['wall_ms_per_step']:.2f} ms a step; GPU busy {r['gpu_busy_ms_per_step']:.2f} ms "
+              f"in {r['gpu_events_per_step']:.0f} events (window {r['gpu_window_ms_per_step']:.2f} ms); "
+              f"thunks {r['thunks']}")
+        for event, ms in r["host_top_ms_per_step"].items():
+            print(f"    host {ms:8.3f} ms  {event}")
+        del model
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
