@@ -275,8 +275,7 @@ for stage in "$@"; do
           2>&1 | tee -a "$OUT/llm_generate.log" | grep -E "NVFP4|bf16|path" || status=1
       done ;;
     llm-flags)
-      # Why a decode step of the Llama-3-8B-shaped model with its NVFP4 weights takes longer than the
-      # GEMVs' sum (thirty-second session): batch 1, unrolled layers, under XLA's default command
+      # The Llama-3-8B-shaped decode step (batch 1, unrolled layers) under XLA's default command
       # buffers, with none, and with every kind but custom calls. JSON: $OUT/llm_flags_<i>.json.
       i=0
       for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT"; do

@@ -15,9 +15,9 @@ a decode step (M = batch: the decode GEMV), with a KV cache, one jitted call per
 device; --compare-bf16 decodes the same weights dequantized to bf16 through XLA's dot and prints
 the ratio of the decode rates (tokens per second, one jitted call per token, compilation excluded).
 The layers are unrolled by default, each weight its own buffer, which every kernel reads where it
-lies; --scan-layers stacks them under lax.scan instead (one layer compiled), where XLA slices each
-layer's weights out of the stack into a new buffer before its matmul: reading every weight three
-times a step (benchmarks/NOTES.md, thirty-second session).
+lies; --scan-layers stacks them under lax.scan instead (one layer compiled), where XLA copies each
+layer's dense weights out of the stack before their dot: on an H100 the bf16 step took 2.5x as
+long that way, the NVFP4 one 1.1x (benchmarks/NOTES.md, thirty-second session).
 
 Architectures: Llama (2, 3 and 3.1's "llama3" RoPE scaling), Mistral, Qwen2 (q/k/v biases) and
 Qwen3 (q/k RMS norms), told apart by the tensors present (sliding-window attention is not applied:
@@ -466,7 +466,7 @@ def main(argv=None) -> int:
                         help="also run the same weights dequantized to bf16 (XLA's dot) and compare")
     parser.add_argument("--scan-layers", action="store_true",
                         help="stack the layers under lax.scan (compiles one layer; XLA copies each "
-                             "layer's weights out of the stack a step) instead of unrolling them")
+                             "layer's dense weights out of the stack every step) instead of unrolling them")
     parser.add_argument("--json", metavar="PATH", help="also write the timings and the setup to this JSON file")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.batch < 1:
