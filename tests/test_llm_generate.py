@@ -232,3 +232,18 @@ def test_a_bf16_checkpoint_quantized_on_load(example, tmp_path, capsys):
 def test_unsupported_rope_scaling_is_refused(example):
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
         example.Config.from_json(dict(CONFIG, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_the_decode_step_probe_counts_the_kernels_it_launches(tmp_path, capsys):
+    """benchmarks/probes/llm_step_host.py on the demo preset: one jax_fp4 call per projection of
+    every layer (lm_head stays dense), none in the bf16 twin, and a profile read back."""
+    probe = load_repo_script("benchmarks/probes/llm_step_host.py")
+    record_file = tmp_path / "probe.json"
+    assert probe.main(["--random", "demo", "--steps", "2", "--json", str(record_file)]) == 0
+    record = json.loads(record_file.read_text())
+    layers = probe.llm.DEMO_CONFIG["num_hidden_layers"]
+    assert record["nvfp4"]["thunks"]["jax_fp4 custom calls"] == 7 * layers
+    assert "jax_fp4 custom calls" not in record["bf16"]["thunks"]
+    for run in ("nvfp4", "bf16"):
+        assert record[run]["wall_ms_per_step"] > 0 and record[run]["host_top_ms_per_step"]
+    assert "nvfp4: " in capsys.readouterr().out

@@ -124,7 +124,6 @@ def main(argv=None) -> int:
               f"thunks {r['thunks']}")
         for event, ms in r["host_top_ms_per_step"].items():
             print(f"    host {ms:8.3f} ms  {event}")
-        del model
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 0
