@@ -312,19 +312,21 @@ def empty_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.bfloat16):
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
+def greedy_step(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
+    """`forward`, then each sequence's next token [B, 1] (argmax of the last position's logits),
+    and the caches."""
+    logits, k_cache, v_cache = forward(cfg, params, tokens, start, k_cache, v_cache)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], k_cache, v_cache
+
+
 def generate(cfg: Config, params: dict, prompt, max_new_tokens: int) -> tuple[np.ndarray, dict]:
     """Greedy continuation of prompt [B, P] (equal lengths): (tokens [B, max_new_tokens], timings).
-    One jitted call per token (forward and argmax), the caches updated in place on GPUs."""
+    One jitted call per token (`greedy_step`), the caches updated in place on GPUs."""
     prompt = jnp.asarray(prompt, jnp.int32)
     batch, length = prompt.shape
     k_cache, v_cache = empty_cache(cfg, batch, length + max_new_tokens, params["embed"].dtype)
-
-    def step(params, tokens, start, k_cache, v_cache):
-        logits, k_cache, v_cache = forward(cfg, params, tokens, start, k_cache, v_cache)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], k_cache, v_cache
-
     donate = (3, 4) if jax.default_backend() != "cpu" else ()  # the caches, updated in place
-    step = jax.jit(step, donate_argnums=donate)
+    step = jax.jit(functools.partial(greedy_step, cfg), donate_argnums=donate)
     t0 = time.perf_counter()
     token, k_cache, v_cache = step(params, prompt, 0, k_cache, v_cache)
     token.block_until_ready()

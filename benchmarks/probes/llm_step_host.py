@@ -3,8 +3,8 @@
 Builds examples/llm_generate.py's model of a preset's shapes with random weights (layers
 unrolled), compiles its decode step (forward + argmax, caches donated), and prints per run
 (NVFP4 through jax_fp4, then the same weights dequantized to bf16):
-- the compiled program's thunk count: jax_fp4 custom calls, other custom calls, fusions, and
-  the ops XLA wraps into command buffers;
+- the compiled program's kernel launches by kind: jax_fp4 custom calls, other custom calls and
+  fusions (command buffers are formed after the HLO, so the profile below tells their effect);
 - per step, over a run of steps launched back to back: the wall time, and from a profile
   (jax.profiler, read back with jax.profiler.ProfileData) the time the GPU's streams are busy
   and the host events that take longest. Busy well under wall: the GPU waits for the host.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import re
 import sys
@@ -42,21 +43,16 @@ def thunk_counts(hlo_text: str) -> dict:
             counts["jax_fp4 custom calls" if name.startswith("jax_fp4") else f"custom call {name}"] += 1
         elif re.search(r"= \S+ fusion\(", line):
             counts["fusions"] += 1
-        if "command_buffer" in line and "call(" in line:
-            counts["command buffer calls"] += 1
     return dict(counts)
 
 
 def time_steps(cfg, params, batch: int, steps: int) -> dict:
     max_len = 8 + steps + 4
 
-    def step(params, tokens, start, k_cache, v_cache):
-        logits, k_cache, v_cache = llm.forward(cfg, params, tokens, start, k_cache, v_cache)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], k_cache, v_cache
-
     k_cache, v_cache = llm.empty_cache(cfg, batch, max_len, params["embed"].dtype)
     token = jnp.ones((batch, 1), jnp.int32)
-    compiled = jax.jit(step, donate_argnums=(3, 4)).lower(params, token, 0, k_cache, v_cache).compile()
+    step = jax.jit(functools.partial(llm.greedy_step, cfg), donate_argnums=(3, 4))
+    compiled = step.lower(params, token, 0, k_cache, v_cache).compile()
     counts = thunk_counts(compiled.as_text())
     for i in range(3):  # warm-up
         token, k_cache, v_cache = compiled(params, token, i, k_cache, v_cache)
