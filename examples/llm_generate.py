@@ -17,7 +17,8 @@ the ratio of the decode rates (tokens per second, one jitted call per token, com
 The layers are unrolled by default, each weight its own buffer, which every kernel reads where it
 lies; --scan-layers stacks them under lax.scan instead (one layer compiled), where XLA copies each
 layer's dense weights out of the stack before their dot: on an H100 the bf16 step took 2.5x as
-long that way, the NVFP4 one 1.1x (benchmarks/NOTES.md, thirty-second session).
+long that way, the NVFP4 one 1.1x (benchmarks/NOTES.md, thirty-second session). Unrolled, each
+layer's KV cache is its own buffer, updated in place.
 
 Architectures: Llama (2, 3 and 3.1's "llama3" RoPE scaling), Mistral, Qwen2 (q/k/v biases) and
 Qwen3 (q/k RMS norms), told apart by the tensors present (sliding-window attention is not applied:
@@ -273,12 +274,16 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), positions[0], axis=1)
     v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), positions[0], axis=1)
 
-    group = cfg.heads // cfg.kv_heads                       # grouped-query attention
-    qg = q.reshape(b, s, cfg.kv_heads, group, cfg.head_dim).astype(jnp.float32)
-    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_cache.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
+    # Grouped-query attention on the caches' own dtype, accumulated in float32: no float32 copy
+    # of the caches to read (an H100 at 1024-2048 new tokens: 3-4% off the step; benchmarks/NOTES.md,
+    # thirty-third session).
+    group = cfg.heads // cfg.kv_heads
+    qg = q.reshape(b, s, cfg.kv_heads, group, cfg.head_dim).astype(k_cache.dtype)
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_cache,
+                        preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
     visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]          # [S, T], causal
-    scores = jnp.where(visible, scores, -jnp.inf)
-    attn = jnp.einsum("bkgst,btkd->bskgd", jax.nn.softmax(scores, axis=-1), v_cache.astype(jnp.float32))
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v_cache.dtype)
+    attn = jnp.einsum("bkgst,btkd->bskgd", probs, v_cache, preferred_element_type=jnp.float32)
     h = h + linear(attn.reshape(b, s, cfg.heads * cfg.head_dim).astype(h.dtype), layer["o_proj"])
 
     x = rms_norm(h, layer["post_attention_layernorm"], cfg.rms_eps)
@@ -288,28 +293,43 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
 
 def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     """Logits [B, S, vocab] (float32) of tokens [B, S] placed at positions start .. start + S - 1,
-    and the caches [layers, B, T, kv_heads, head_dim] with their keys and values written."""
+    and the caches with their keys and values written. The caches are `empty_cache`'s for these
+    params: a list of [B, T, kv_heads, head_dim] arrays per layer for unrolled layers, one
+    [layers, B, T, kv_heads, head_dim] array for stacked ones."""
     positions = start + jnp.arange(tokens.shape[1])
     h = params["embed"][tokens]
     layer_step = functools.partial(_layer, cfg, params["inv_freq"], positions)
-    if isinstance(params["layers"], dict):  # stacked (assemble's stack_layers): one layer compiled
+    stacked = isinstance(params["layers"], dict)
+    if stacked == isinstance(k_cache, (list, tuple)):
+        expected = "one stacked array" if stacked else "a list of arrays, one per layer"
+        raise TypeError(f"forward: k_cache must be {expected} for these params' "
+                        f"{'stacked' if stacked else 'unrolled'} layers (empty_cache makes it), "
+                        f"got {type(k_cache).__name__}")
+    if stacked:  # assemble's stack_layers: one layer compiled, under lax.scan
 
         def body(h, xs):
             h, k_layer, v_layer = layer_step(h, *xs)
             return h, (k_layer, v_layer)
 
         h, (k_cache, v_cache) = jax.lax.scan(body, h, (params["layers"], k_cache, v_cache))
-    else:  # unrolled: every weight passed to its kernel as the buffer it is
+    else:  # unrolled: every weight passed to its kernel as the buffer it is, and each layer's
+        # cache its own buffer, which the step's keys and values update in place (a stacked cache
+        # was copied a layer at a time through .at[i].set: an H100 at batch 1 and 2048 new tokens
+        # took 3.98 ms a step that way, 3.30 this way).
+        k_cache, v_cache = list(k_cache), list(v_cache)
         for i, layer in enumerate(params["layers"]):
-            h, k_layer, v_layer = layer_step(h, layer, k_cache[i], v_cache[i])
-            k_cache, v_cache = k_cache.at[i].set(k_layer), v_cache.at[i].set(v_layer)
+            h, k_cache[i], v_cache[i] = layer_step(h, layer, k_cache[i], v_cache[i])
     logits = linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"])
     return logits.astype(jnp.float32), k_cache, v_cache
 
 
-def empty_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.bfloat16):
-    shape = (cfg.layers, batch, max_len, cfg.kv_heads, cfg.head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+def empty_cache(cfg: Config, params: dict, batch: int, max_len: int):
+    """Zeroed key and value caches for `forward` on these params, in their embedding's dtype."""
+    shape, dtype = (batch, max_len, cfg.kv_heads, cfg.head_dim), params["embed"].dtype
+    if isinstance(params["layers"], dict):
+        return jnp.zeros((cfg.layers, *shape), dtype), jnp.zeros((cfg.layers, *shape), dtype)
+    return ([jnp.zeros(shape, dtype) for _ in range(cfg.layers)],
+            [jnp.zeros(shape, dtype) for _ in range(cfg.layers)])
 
 
 def greedy_step(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
@@ -324,7 +344,7 @@ def generate(cfg: Config, params: dict, prompt, max_new_tokens: int) -> tuple[np
     One jitted call per token (`greedy_step`), the caches updated in place on GPUs."""
     prompt = jnp.asarray(prompt, jnp.int32)
     batch, length = prompt.shape
-    k_cache, v_cache = empty_cache(cfg, batch, length + max_new_tokens, params["embed"].dtype)
+    k_cache, v_cache = empty_cache(cfg, params, batch, length + max_new_tokens)
     donate = (3, 4) if jax.default_backend() != "cpu" else ()  # the caches, updated in place
     step = jax.jit(functools.partial(greedy_step, cfg), donate_argnums=donate)
     t0 = time.perf_counter()

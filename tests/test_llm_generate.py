@@ -133,8 +133,8 @@ def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path
     # Prefill of the prompt, then one token at a time through the cache (teacher-forced), into a
     # cache whose unwritten positions hold large values: they must stay masked.
     forward = jax.jit(example.forward, static_argnums=0)  # compiled once for the prompt, once per token
-    k_cache, v_cache = (jnp.full((cfg.layers, 1, total, cfg.kv_heads, cfg.head_dim), 3e4, jnp.bfloat16)
-                        for _ in range(2))
+    k_cache, v_cache = jax.tree.map(lambda c: jnp.full_like(c, 3e4),
+                                    example.empty_cache(cfg, params, 1, total))
     logits, k_cache, v_cache = forward(cfg, params, jnp.asarray(tokens[None, :prompt_len]), 0,
                                        k_cache, v_cache)
     got = [np.asarray(logits[0])]
@@ -158,15 +158,19 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys):
     tokens, timings = example.generate(cfg, params, prompt, 6)
     assert tokens.shape == (2, 6) and timings["decode_steps"] == 3 and timings["decode_s"] > 0
     # Each generated token is the argmax of the logits of everything before it, recomputed whole.
-    empty = example.empty_cache(cfg, 2, 11)
     sequence = np.concatenate([prompt, tokens], axis=1)
-    logits, _, _ = example.forward(cfg, params, jnp.asarray(sequence[:, :-1]), 0, *empty)
+    logits, _, _ = example.forward(cfg, params, jnp.asarray(sequence[:, :-1]), 0,
+                                   *example.empty_cache(cfg, params, 2, 11))
     np.testing.assert_array_equal(np.argmax(np.asarray(logits)[:, 4:], axis=-1), tokens)
     # The same model stacked under lax.scan: the same logits but for the bf16 activations' rounding
     # (XLA fuses the two programs differently).
     _, stacked = example.load_model(tmp_path, stack_layers=True)
+    empty = example.empty_cache(cfg, stacked, 2, 11)
     scanned, _, _ = example.forward(cfg, stacked, jnp.asarray(sequence[:, :-1]), 0, *empty)
     assert reference.relative_error(np.asarray(scanned), np.asarray(logits)) < 0.02
+    # Each layout of the layers takes its own caches only.
+    with pytest.raises(TypeError, match="k_cache must be a list of arrays, one per layer"):
+        example.forward(cfg, params, jnp.asarray(sequence[:, :-1]), 0, *empty)
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     assert example.main([str(tmp_path), "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "4"]) == 0

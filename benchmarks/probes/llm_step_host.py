@@ -49,7 +49,7 @@ def thunk_counts(hlo_text: str) -> dict:
 def time_steps(cfg, params, batch: int, steps: int) -> dict:
     max_len = 8 + steps + 4
 
-    k_cache, v_cache = llm.empty_cache(cfg, batch, max_len, params["embed"].dtype)
+    k_cache, v_cache = llm.empty_cache(cfg, params, batch, max_len)
     token = jnp.ones((batch, 1), jnp.int32)
     step = jax.jit(functools.partial(llm.greedy_step, cfg), donate_argnums=(3, 4))
     compiled = step.lower(params, token, 0, k_cache, v_cache).compile()
