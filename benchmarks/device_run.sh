@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/device_run.sh first                # the next session's first call, ~5 min (build included)
 #   bash benchmarks/device_run.sh build tests          # the whole GPU suite, 4 processes (570 tests in 215 s, twenty-seventh session; the build ~80 s)
+#   bash benchmarks/device_run.sh build suite          # the tests not marked gpu, on a GPU machine (~560 tests, CPU-bound)
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
@@ -87,6 +88,13 @@ for stage in "$@"; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${GPU_TEST_TIMEOUT:-540}" python -m pytest -q -m gpu tests \
         --durations=20 $([ "$workers" -gt 1 ] && echo "-n $workers") > "$OUT/gpu_tests.log" 2>&1 || status=1
       tail -25 "$OUT/gpu_tests.log" ;;
+    suite)
+      # The rest of README's test command on a GPU machine: the tests not marked gpu, which
+      # tests/conftest.py keeps on the CPU device beside the GPU (never run there before the
+      # thirty-third session). `build tests suite` is the whole suite.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SUITE_TIMEOUT:-400}" python -m pytest -q -m "not gpu" tests \
+        $(python -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8}") > "$OUT/suite.log" 2>&1 || status=1
+      tail -15 "$OUT/suite.log" ;;
     sanitizer)
       # memcheck instruments only jax_fp4's kernels (--kernel-name; XLA's own run at full speed).
       # Unfiltered it took ~2.7 s per test and never finished the quick sweep's 238 tests in one
@@ -297,7 +305,7 @@ for stage in "$@"; do
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, fused-ab, tests, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm, llm-flags, llm-profile)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, fused-ab, tests, suite, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm, llm-flags, llm-profile)" >&2; exit 2 ;;
   esac
 done
 exit $status

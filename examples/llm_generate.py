@@ -521,7 +521,7 @@ def main(argv=None) -> int:
 
     nvfp4 = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, jax_fp4.NVFP4Weight))
              if isinstance(w, jax_fp4.NVFP4Weight)]
-    device = jax.devices()[0]
+    device = next(iter(params["embed"].devices()))  # where the model lives, and so runs
     print(f"model: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}; NVFP4 weights "
           f"{sum(w.nbytes for w in nvfp4) / 2**20:.1f} MiB")
     layers = params["layers"]

@@ -80,13 +80,23 @@ def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None):
                            layout=w.layout)
 
 
+def default_device():
+    """The device jax computes on by default: `jax.default_device`'s where one is set (a device
+    or a platform name), else the default backend's first device."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.devices()[0]
+    return jax.devices(device)[0] if isinstance(device, str) else device
+
+
 def dispatch_path(a, w: NVFP4Weight, *, backend: str | None = None, platform: str | None = None) -> str:
     """The path `matmul(a, w, backend=backend)` takes when lowered for `platform` (default: the
-    default device's platform). `a` may be an array or a jax.ShapeDtypeStruct."""
+    default device's platform, `jax.default_device` honoured). `a` may be an array or a
+    jax.ShapeDtypeStruct."""
     _check_weight(w)
     a = _check_activation(a, w)
     if platform is None:
-        platform = jax.devices()[0].platform
+        platform = default_device().platform
     platform = {"gpu": "cuda"}.get(platform, platform)
     return _primitive.path_for(platform, a.shape, a.dtype, w.packed.shape, w.block_size,
                                _resolve_backend(backend), w.layout)

@@ -50,6 +50,7 @@ import numpy as np
 import jax_fp4
 from jax_fp4 import _ffi
 from jax_fp4._format import E2M1_VALUES
+from jax_fp4._matmul import default_device
 from jax_fp4._prepack import in_layout
 
 MB = 1_000_000
@@ -702,7 +703,7 @@ def markdown_tables(results: dict) -> str:
 
 
 def device_description() -> str:
-    d = jax.devices()[0]
+    d = default_device()
     return f"{d.platform}:{d.device_kind}"
 
 

@@ -6,6 +6,9 @@ works the same with 8 CPU devices (un-sharded programs still run on one device).
 imported earlier (e.g. by a plugin), the flag cannot take effect and the sharding tests skip
 themselves.
 
+One suite on every machine: where a GPU is jax's default, the tests not marked `gpu` still run on
+the CPU device (`jax.default_device`), which is what they check; the `gpu` tests take the GPU.
+
 Replayable fresh inputs: tests draw fresh random inputs with `np.random.default_rng()` (no seed).
 Inside a test those draws come from one seed per test, fresh each run and printed with its failure
 ("random inputs" section), so a failure seen once can be replayed with JAX_FP4_TEST_SEED=<seed>.
@@ -45,6 +48,17 @@ def _test_seed() -> int:
         return int(value)
     except ValueError:
         raise pytest.UsageError(f"{SEED_VARIABLE} must be an integer seed, got {value!r}") from None
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_gpu(request):
+    import jax  # only now: XLA_FLAGS above must be set before jax starts
+
+    if request.node.get_closest_marker("gpu") is not None or jax.default_backend() == "cpu":
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture(autouse=True)

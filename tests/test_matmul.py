@@ -4,6 +4,7 @@
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +233,21 @@ def test_cpu_kernel_is_the_default_on_cpu():
     assert jax_fp4.dispatch_path(a, w, platform="cpu") == "cpu"
     ref_hlo = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="reference")).lower(a, w).as_text()
     assert "jax_fp4_matmul_cpu" not in ref_hlo and "dot_general" in ref_hlo
+
+
+def test_dispatch_path_follows_the_default_device(monkeypatch):
+    """With a GPU first in jax.devices(), jax.default_device(cpu) still makes dispatch_path answer
+    for the CPU, where matmul then runs (a device or a platform name)."""
+    rng = np.random.default_rng()
+    a, w, _, _ = _random_case(rng, (1,), 16, 128, 16, "bfloat16", False)
+    cpu, real_devices = jax.devices("cpu")[0], jax.devices
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="a GPU")
+    monkeypatch.setattr(jax, "devices", lambda backend=None: real_devices(backend) if backend else [gpu])
+    with jax.default_device(None):  # whatever the test session set
+        assert jax_fp4.dispatch_path(a, w) == jax_fp4.dispatch_path(a, w, platform="cuda") != "cpu"
+        for device in (cpu, "cpu"):
+            with jax.default_device(device):
+                assert jax_fp4.dispatch_path(a, w) == "cpu"
 
 
 def test_gpu_backends_refuse_cpu_platform():
