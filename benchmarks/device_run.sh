@@ -5,6 +5,7 @@
 #   bash benchmarks/device_run.sh first                # the next session's first call, ~5 min (build included)
 #   bash benchmarks/device_run.sh build tests          # the whole GPU suite, 4 processes (570 tests in 215 s, twenty-seventh session; the build ~80 s)
 #   bash benchmarks/device_run.sh build suite          # the tests not marked gpu, on a GPU machine (~560 tests, CPU-bound)
+#   bash benchmarks/device_run.sh build multi-gpu      # kind nvidia-h100-x2 or more: sharded across the GPUs
 #   bash benchmarks/device_run.sh build sanitizer fused
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
@@ -95,6 +96,17 @@ for stage in "$@"; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SUITE_TIMEOUT:-400}" python -m pytest -q -m "not gpu" tests \
         $(python -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8}") > "$OUT/suite.log" 2>&1 || status=1
       tail -15 "$OUT/suite.log" ;;
+    multi-gpu)
+      # On a machine of two or more GPUs (run's kind nvidia-h100-x2 and up): the kernels per shard
+      # under jit + NamedSharding, shard_map and pmap (tests/test_gpu_sharding.py), then the
+      # sharded-inference example across the GPUs. Keep NCCL's NVLink multicast off (the image's
+      # NCCL_NVLS_ENABLE=0; KINDS.md).
+      nvidia-smi -L > "$OUT/multi_gpu.log"
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python -m pytest -q -m gpu tests/test_gpu_sharding.py \
+        >> "$OUT/multi_gpu.log" 2>&1 || status=1
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python examples/sharded_inference.py \
+        >> "$OUT/multi_gpu.log" 2>&1 || status=1
+      tail -15 "$OUT/multi_gpu.log" ;;
     sanitizer)
       # memcheck instruments only jax_fp4's kernels (--kernel-name; XLA's own run at full speed).
       # Unfiltered it took ~2.7 s per test and never finished the quick sweep's 238 tests in one
@@ -305,7 +317,7 @@ for stage in "$@"; do
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, fused-ab, tests, suite, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm, llm-flags, llm-profile)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, fused-ab, tests, suite, multi-gpu, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm, llm-flags, llm-profile)" >&2; exit 2 ;;
   esac
 done
 exit $status
