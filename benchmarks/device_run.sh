@@ -10,6 +10,7 @@
 #   SANITIZER_K="tiled" bash benchmarks/device_run.sh build sanitizer   # part of the memcheck sweep
 #   bash benchmarks/device_run.sh build bench          # default sweep + decode step, ~6.5 min (+ targets.md)
 #   bash benchmarks/device_run.sh build llm            # examples/llm_generate.py: 8B shapes, NVFP4 against bf16
+#   LLM_AB_BASE=examples/ab_base_llm_generate.py bash benchmarks/device_run.sh build llm-ab   # ~4 min
 #   DISPATCH_M=9,16,32 bash benchmarks/device_run.sh build dispatch-check   # auto against every backend
 #   (four shapes at 11 M, prepacked: ~3 min; the spec layout at 12 M: ~5 min)
 #   DISPATCH_BACKENDS=gemv,fused,dequant,xla DISPATCH_M=64,256,1024,4096 bash benchmarks/device_run.sh build xla-fusion dispatch-check
@@ -294,6 +295,22 @@ for stage in "$@"; do
           --compare-bf16 --json "$OUT/llm_generate_b$name.json" \
           2>&1 | tee -a "$OUT/llm_generate.log" | grep -E "NVFP4|bf16|path" || status=1
       done ;;
+    llm-ab)
+      # The example against an earlier version of itself (LLM_AB_BASE, a copy of the file that
+      # travels untracked, e.g. `git show REV:examples/llm_generate.py > examples/ab_base_llm_generate.py`),
+      # NVFP4 only, at long contexts where the KV cache and attention weigh: batch 8 with 1024
+      # new tokens, batch 1 with 2048. JSON: $OUT/llm_ab_<base|new>_b<batch>.json.
+      : > "$OUT/llm_ab.log"
+      for run in "8 1024" "1 2048"; do
+        set -- $run
+        for side in base new; do
+          script=examples/llm_generate.py
+          [ "$side" = base ] && script=${LLM_AB_BASE:?LLM_AB_BASE names the base version}
+          echo "== $side: batch $1, $2 new tokens" | tee -a "$OUT/llm_ab.log"
+          timeout 170 python "$script" --random llama3-8b --batch "$1" --max-new-tokens "$2" \
+            --json "$OUT/llm_ab_${side}_b$1.json" 2>&1 | tee -a "$OUT/llm_ab.log" | grep -E "NVFP4|Error" || status=1
+        done
+      done ;;
     llm-flags)
       # The Llama-3-8B-shaped decode step (batch 1, unrolled layers) under XLA's default command
       # buffers, with none, and with every kind but custom calls. JSON: $OUT/llm_flags_<i>.json.
@@ -317,7 +334,7 @@ for stage in "$@"; do
       timeout 240 python -m pytest -q -m gpu tests/test_gpu_fused.py > "$OUT/gpu_fused_tests.log" 2>&1 || status=1
       tail -5 "$OUT/gpu_fused_tests.log" ;;
     *)
-      echo "unknown stage $stage (build, fused-ab, tests, suite, multi-gpu, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm, llm-flags, llm-profile)" >&2; exit 2 ;;
+      echo "unknown stage $stage (build, fused-ab, tests, suite, multi-gpu, sanitizer, fused, bench, pdl-ab, dispatch-check, xla-fusion, profile, gemv-sweep, probe, gemv-configs, gemv-profile, kernel-tests, fused-sweep, fused-tiles, fused-crossovers, fused-profile, fused-tile-n, stream-k, first, fused-tests, llm, llm-ab, llm-flags, llm-profile)" >&2; exit 2 ;;
   esac
 done
 exit $status

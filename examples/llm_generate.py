@@ -262,7 +262,7 @@ def apply_rope(x, positions, inv_freq):
 
 
 def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
-    """One decoder layer on h [B, S, hidden] at positions [S]; caches [B, T, kv_heads, head_dim]."""
+    """One decoder layer on h [B, S, hidden] at positions [S]; caches [B, kv_heads, T, head_dim]."""
     b, s, _ = h.shape
     x = rms_norm(h, layer["input_layernorm"], cfg.rms_eps)
     q = linear(x, layer["q_proj"], layer.get("q_proj_bias")).reshape(b, s, cfg.heads, cfg.head_dim)
@@ -271,19 +271,26 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
     if "q_norm" in layer:
         q, k = rms_norm(q, layer["q_norm"], cfg.rms_eps), rms_norm(k, layer["k_norm"], cfg.rms_eps)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), positions[0], axis=1)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), positions[0], axis=1)
+    # The caches hold each head's positions together ([B, kv_heads, T, head_dim]): the layout of
+    # the attention's batched matmuls, read where it lies. Caches of [B, T, kv_heads, head_dim]
+    # were transposed whole, every layer of every step (XLA's CPU program; benchmarks/NOTES.md,
+    # thirty-third session).
+    k_cache = jax.lax.dynamic_update_slice_in_dim(
+        k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), positions[0], axis=2)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(
+        v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), positions[0], axis=2)
 
-    # Grouped-query attention on the caches' own dtype, accumulated in float32: no float32 copy
-    # of the caches to read (an H100 at 1024-2048 new tokens: 3-4% off the step; benchmarks/NOTES.md,
+    # Grouped-query attention on the caches' own dtype, accumulated in float32 (the product with
+    # the values rounds to that dtype, as the next projection takes it): no float32 copy of the
+    # caches to read (an H100 at 1024-2048 new tokens: 3-4% off the step; benchmarks/NOTES.md,
     # thirty-third session).
     group = cfg.heads // cfg.kv_heads
     qg = q.reshape(b, s, cfg.kv_heads, group, cfg.head_dim).astype(k_cache.dtype)
-    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_cache,
+    scores = jnp.einsum("bskgd,bktd->bkgst", qg, k_cache,
                         preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
-    visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]          # [S, T], causal
+    visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]          # [S, T], causal
     probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v_cache.dtype)
-    attn = jnp.einsum("bkgst,btkd->bskgd", probs, v_cache, preferred_element_type=jnp.float32)
+    attn = jnp.einsum("bkgst,bktd->bskgd", probs, v_cache)
     h = h + linear(attn.reshape(b, s, cfg.heads * cfg.head_dim).astype(h.dtype), layer["o_proj"])
 
     x = rms_norm(h, layer["post_attention_layernorm"], cfg.rms_eps)
@@ -294,8 +301,8 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
 def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     """Logits [B, S, vocab] (float32) of tokens [B, S] placed at positions start .. start + S - 1,
     and the caches with their keys and values written. The caches are `empty_cache`'s for these
-    params: a list of [B, T, kv_heads, head_dim] arrays per layer for unrolled layers, one
-    [layers, B, T, kv_heads, head_dim] array for stacked ones."""
+    params: a list of [B, kv_heads, T, head_dim] arrays per layer for unrolled layers, one
+    [layers, B, kv_heads, T, head_dim] array for stacked ones."""
     positions = start + jnp.arange(tokens.shape[1])
     h = params["embed"][tokens]
     layer_step = functools.partial(_layer, cfg, params["inv_freq"], positions)
@@ -325,7 +332,7 @@ def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
 
 def empty_cache(cfg: Config, params: dict, batch: int, max_len: int):
     """Zeroed key and value caches for `forward` on these params, in their embedding's dtype."""
-    shape, dtype = (batch, max_len, cfg.kv_heads, cfg.head_dim), params["embed"].dtype
+    shape, dtype = (batch, cfg.kv_heads, max_len, cfg.head_dim), params["embed"].dtype
     if isinstance(params["layers"], dict):
         return jnp.zeros((cfg.layers, *shape), dtype), jnp.zeros((cfg.layers, *shape), dtype)
     return ([jnp.zeros(shape, dtype) for _ in range(cfg.layers)],

@@ -252,3 +252,13 @@ def test_the_decode_step_probe_counts_the_kernels_it_launches(tmp_path, capsys):
     for run in ("nvfp4", "bf16"):
         assert record[run]["wall_ms_per_step"] > 0 and record[run]["host_top_ms_per_step"]
     assert "nvfp4: " in capsys.readouterr().out
+
+
+def test_the_decode_step_never_transposes_a_cache(capsys):
+    """benchmarks/probes/llm_step_hlo.py: the caches are stored in the layout of the attention's
+    batched matmuls, so the compiled step moves none of them through a transpose (caches of
+    [B, T, kv_heads, head_dim] were transposed whole, K and V of every layer, every step)."""
+    probe = load_repo_script("benchmarks/probes/llm_step_hlo.py")
+    assert probe.main(["--preset", "demo", "--batch", "2", "--max-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "cache-sized copies / transposes / converts" in out and "transpose(" not in out
