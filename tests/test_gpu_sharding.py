@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_fp4
 from tests import reference
 from tests.repo_scripts import load_repo_script
-from tests.test_sharding import COLLECTIVES, _check, _collectives, _spec
+from tests.test_sharding import COLLECTIVES, _check, _collectives, _put, _spec
 
 
 def _gpus():
@@ -32,10 +32,6 @@ CUDA_TARGETS = ("jax_fp4_gemv_cuda", "jax_fp4_dequant_cuda", "jax_fp4_fused_cuda
 def _mesh(explicit=False):
     kind = AxisType.Explicit if explicit else AxisType.Auto
     return jax.make_mesh((len(GPUS),), ("x",), axis_types=(kind,), devices=GPUS)
-
-
-def _put(x, mesh, spec):
-    return jax.device_put(x, NamedSharding(mesh, spec))
 
 
 def _weight(rng, n, k, mesh, spec, layout):

@@ -17,8 +17,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import llm_generate as llm  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.repo_scripts import load_repo_script  # noqa: E402
+
+llm = load_repo_script("examples/llm_generate.py")
 
 
 def cache_sized_ops(hlo: str, cache_elements: int) -> list[str]:
