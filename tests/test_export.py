@@ -1,6 +1,7 @@
 """jax.export of programs that call jax_fp4: serialized, deserialized and run, on one device, in a
 fresh process, and sharded over 8 CPU devices under Explicit mesh axes."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -32,7 +33,10 @@ def _random_problem(rng, n, k, lead, dtype, layout="spec"):
 
 
 def _export(fn, *args):
-    exported = jax.export.export(jax.jit(fn), disabled_checks=jax_fp4.export_disabled_checks())(*args)
+    # For the CPU by name: export's default platform is jax's default backend, the GPU where there
+    # is one, even under jax.default_device(cpu) (tests/conftest.py).
+    exported = jax.export.export(jax.jit(fn), platforms=("cpu",),
+                                 disabled_checks=jax_fp4.export_disabled_checks())(*args)
     return jax.export.deserialize(exported.serialize())
 
 
@@ -76,13 +80,14 @@ def test_exported_program_runs_in_a_fresh_process(tmp_path: pathlib.Path):
     def layer(a, w, bias):
         return jax.nn.gelu(jax_fp4.matmul(a, w, bias))
 
-    exported = jax.export.export(jax.jit(layer),
+    exported = jax.export.export(jax.jit(layer), platforms=("cpu",),
                                  disabled_checks=jax_fp4.export_disabled_checks())(a, w, bias)
     (tmp_path / "layer.bin").write_bytes(exported.serialize())
     np.savez(tmp_path / "inputs.npz", a=np.asarray(a).view(np.uint16), packed=w.packed,
              scale=w.scale, global_scale=w.global_scale, bias=np.asarray(bias).view(np.uint16))
     subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(tmp_path / "layer.bin"),
-                    str(tmp_path / "inputs.npz"), str(tmp_path / "y.npy")], check=True)
+                    str(tmp_path / "inputs.npz"), str(tmp_path / "y.npy")], check=True,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})  # the CPU beside a GPU too
 
     y = np.load(tmp_path / "y.npy").view(jnp.bfloat16)
     np.testing.assert_array_equal(y, np.asarray(jax.jit(layer)(a, w, bias)))

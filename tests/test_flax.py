@@ -455,7 +455,8 @@ def test_quantized_models_export_and_run_from_the_serialized_program():
     params = fp4nn.quantize_params(_DenseNet().init(jax.random.key(1), x.astype(jnp.float32)))
     apply = jax.jit(_DenseNet(dense=fp4nn.FP4Dense).apply)
     for fn, args in ((run, (leaves, x)), (apply, (params, x))):
-        exported = jax.export.export(fn, disabled_checks=jax_fp4.export_disabled_checks())(*args)
+        exported = jax.export.export(fn, platforms=("cpu",),  # not the GPU beside it, if any
+                                     disabled_checks=jax_fp4.export_disabled_checks())(*args)
         assert "jax_fp4_matmul_cpu" in exported.mlir_module()
         y = jax.export.deserialize(exported.serialize()).call(*args)
         np.testing.assert_array_equal(np.asarray(y), np.asarray(fn(*args)))

@@ -46,8 +46,14 @@ def test_info_names_the_cpu_kernels_instruction_sets():
         assert default == narrow and "plain C++" in narrow
 
 
-def test_paths_reports_auto_as_ranges_of_m(capsys):
-    from jax_fp4 import __main__ as cli
+def test_paths_reports_auto_as_ranges_of_m(capsys, monkeypatch):
+    from jax_fp4 import __main__ as cli, _ffi
+
+    # A build for sm_90a alone (as on the H200 for speed) leaves an A100 to XLA.
+    monkeypatch.setattr(_ffi, "cuda_architectures", lambda: "90a-real")
+    assert cli.paths(4096, 4096, layout="spec", capability=(8, 0), max_m=100) == [(1, 100, "xla")]
+    # Below: a default build's architectures, whatever this build has.
+    monkeypatch.setattr(_ffi, "cuda_architectures", lambda: "")
 
     assert cli.paths(4096, 11008, layout="tiled", capability=(9, 0), max_m=4096) == [
         (1, 32, "gemv"), (33, 1024, "fused"), (1025, 4096, "dequant")]
