@@ -346,6 +346,9 @@ def greedy_step(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], k_cache, v_cache
 
 
+TIMING_WINDOW = 16  # decode steps between the timer's host syncs
+
+
 def generate(cfg: Config, params: dict, prompt, max_new_tokens: int) -> tuple[np.ndarray, dict]:
     """Greedy continuation of prompt [B, P] (equal lengths): (tokens [B, max_new_tokens], timings).
     One jitted call per token (`greedy_step`), the caches updated in place on GPUs."""
@@ -359,20 +362,26 @@ def generate(cfg: Config, params: dict, prompt, max_new_tokens: int) -> tuple[np
     token.block_until_ready()
     prefill_s = time.perf_counter() - t0                   # compilation included
     out, timed_from = [token], 3                           # steps 1-2 compile and warm the decode step
-    t0 = None
+    # The host waits for the GPU every TIMING_WINDOW steps (a few us a step): each window's rate
+    # tells a one-off stall apart from the steady rate (a batch-1 run on the H200 once took 7.4 ms
+    # a step over 61 steps where the same step took 3.1 in the runs around it).
+    marks = []                                             # (step, time) at the window bounds
     for i in range(1, max_new_tokens):
-        if i == timed_from:
+        if i >= timed_from and (i - timed_from) % TIMING_WINDOW == 0:
             token.block_until_ready()
-            t0 = time.perf_counter()
+            marks.append((i, time.perf_counter()))
         token, k_cache, v_cache = step(params, token, length + i - 1, k_cache, v_cache)
         out.append(token)
     token.block_until_ready()
-    decode_s = time.perf_counter() - t0 if t0 is not None else 0.0
+    if marks:
+        marks.append((max_new_tokens, time.perf_counter()))
+    decode_s = marks[-1][1] - marks[0][1] if marks else 0.0
+    windows = [(t1 - t0) / (i1 - i0) for (i0, t0), (i1, t1) in zip(marks, marks[1:])]
     # Joined only now: the first concatenate of this many tokens compiles a program, which inside
     # the timed loop added ~4 ms a step to the first of two runs on the H100 (thirty-second session).
     tokens = np.concatenate([np.asarray(t) for t in out], axis=1)
     return tokens, {"prefill_s": prefill_s, "decode_s": decode_s,
-                    "decode_steps": max(max_new_tokens - timed_from, 0)}
+                    "decode_steps": max(max_new_tokens - timed_from, 0), "window_s_per_step": windows}
 
 
 # ---- the demo checkpoint and the command line -----------------------------------------------------
@@ -467,12 +476,16 @@ def _report(name: str, batch: int, timings: dict, params: dict) -> dict:
               "weight_bytes_per_step": weight_bytes}
     if steps:
         step_s = timings["decode_s"] / steps
+        windows = [w * 1e3 for w in timings.get("window_s_per_step", [])]
         record.update(ms_per_step=step_s * 1e3, tokens_per_s=batch / step_s,
-                      weight_gb_per_s=weight_bytes / step_s / 1e9)
+                      weight_gb_per_s=weight_bytes / step_s / 1e9, window_ms_per_step=windows)
+    spread = (f"; {TIMING_WINDOW}-step windows {min(record['window_ms_per_step']):.2f}-"
+              f"{max(record['window_ms_per_step']):.2f} ms a step"
+              if steps and len(record["window_ms_per_step"]) > 1 else "")
     print(f"{name}: prefill {record['prefill_ms']:.0f} ms (compilation included)"
           + (f"; decode {record['tokens_per_s']:.1f} tokens/s ({record['ms_per_step']:.2f} ms a step, "
-             f"batch {batch}, {steps} steps; weights read at {record['weight_gb_per_s']:.1f} GB/s)"
-             if steps else ""))
+             f"batch {batch}, {steps} steps{spread}; weights read at "
+             f"{record['weight_gb_per_s']:.1f} GB/s)" if steps else ""))
     return record
 
 

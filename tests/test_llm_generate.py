@@ -149,7 +149,7 @@ def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path
         assert reference.relative_error(got[p], expected[p]) < 0.05, f"position {p}"
 
 
-def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys):
+def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypatch):
     config = dict(CONFIG, tie_word_embeddings=True)
     example.write_demo_checkpoint(tmp_path, config, seed=int(np.random.default_rng().integers(2**31)))
     cfg, params = example.load_model(tmp_path)
@@ -157,6 +157,13 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys):
     prompt = np.random.default_rng().integers(0, cfg.vocab, size=(2, 5))
     tokens, timings = example.generate(cfg, params, prompt, 6)
     assert tokens.shape == (2, 6) and timings["decode_steps"] == 3 and timings["decode_s"] > 0
+    # The timed steps (3..7 of 8) in windows of 2, 2 and 1 step, which add up to the whole.
+    monkeypatch.setattr(example, "TIMING_WINDOW", 2)
+    tokens8, timings8 = example.generate(cfg, params, prompt, 8)
+    np.testing.assert_array_equal(tokens8[:, :6], tokens)
+    windows = timings8["window_s_per_step"]
+    assert timings8["decode_steps"] == 5 and len(windows) == 3 and min(windows) > 0
+    assert 2 * windows[0] + 2 * windows[1] + windows[2] == pytest.approx(timings8["decode_s"])
     # Each generated token is the argmax of the logits of everything before it, recomputed whole.
     sequence = np.concatenate([prompt, tokens], axis=1)
     logits, _, _ = example.forward(cfg, params, jnp.asarray(sequence[:, :-1]), 0,
