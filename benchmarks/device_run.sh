@@ -302,13 +302,13 @@ for stage in "$@"; do
       # new tokens, batch 1 with 2048. JSON: $OUT/llm_ab_<base|new>_b<batch>.json.
       : > "$OUT/llm_ab.log"
       for run in "8 1024" "1 2048"; do
-        set -- $run
+        read -r batch new_tokens <<< "$run"
         for side in base new; do
           script=examples/llm_generate.py
           [ "$side" = base ] && script=${LLM_AB_BASE:?LLM_AB_BASE names the base version}
-          echo "== $side: batch $1, $2 new tokens" | tee -a "$OUT/llm_ab.log"
-          timeout 170 python "$script" --random llama3-8b --batch "$1" --max-new-tokens "$2" \
-            --json "$OUT/llm_ab_${side}_b$1.json" 2>&1 | tee -a "$OUT/llm_ab.log" | grep -E "NVFP4|Error" || status=1
+          echo "== $side: batch $batch, $new_tokens new tokens" | tee -a "$OUT/llm_ab.log"
+          timeout 170 python "$script" --random llama3-8b --batch "$batch" --max-new-tokens "$new_tokens" \
+            --json "$OUT/llm_ab_${side}_b$batch.json" 2>&1 | tee -a "$OUT/llm_ab.log" | grep -E "NVFP4|Error" || status=1
         done
       done ;;
     llm-flags)

@@ -32,12 +32,16 @@ def _random_problem(rng, n, k, lead, dtype, layout="spec"):
     return (a, w, bias), ref
 
 
-def _export(fn, *args):
+def _export_for_cpu(fn, *args):
     # For the CPU by name: export's default platform is jax's default backend, the GPU where there
     # is one, even under jax.default_device(cpu) (tests/conftest.py).
-    exported = jax.export.export(jax.jit(fn), platforms=("cpu",),
-                                 disabled_checks=jax_fp4.export_disabled_checks())(*args)
-    return jax.export.deserialize(exported.serialize())
+    return jax.export.export(jax.jit(fn), platforms=("cpu",),
+                             disabled_checks=jax_fp4.export_disabled_checks())(*args)
+
+
+def _export(fn, *args):
+    """`fn` exported for the CPU, serialized and deserialized."""
+    return jax.export.deserialize(_export_for_cpu(fn, *args).serialize())
 
 
 def _check(y, ref, dtype):
@@ -80,9 +84,7 @@ def test_exported_program_runs_in_a_fresh_process(tmp_path: pathlib.Path):
     def layer(a, w, bias):
         return jax.nn.gelu(jax_fp4.matmul(a, w, bias))
 
-    exported = jax.export.export(jax.jit(layer), platforms=("cpu",),
-                                 disabled_checks=jax_fp4.export_disabled_checks())(a, w, bias)
-    (tmp_path / "layer.bin").write_bytes(exported.serialize())
+    (tmp_path / "layer.bin").write_bytes(_export_for_cpu(layer, a, w, bias).serialize())
     np.savez(tmp_path / "inputs.npz", a=np.asarray(a).view(np.uint16), packed=w.packed,
              scale=w.scale, global_scale=w.global_scale, bias=np.asarray(bias).view(np.uint16))
     subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(tmp_path / "layer.bin"),
