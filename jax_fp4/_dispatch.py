@@ -48,10 +48,12 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native", "x
 #   Beyond that shape ("Twenty-seventh session", dispatch_check_tiled_narrow*_session27_h200): the
 #   GEMV ahead or within 5% at M = 24-32 on 1024x16384 and 2048x8192, 17-32 on 4096x14336; behind on
 #   2048x16384 from M = 24 (by 3-19%; one column tile per warp there: NOTES.md), a known miss.
-# - 16 < M <= 64 on small prepacked weights, N <= 1024 and K <= 8192: the GEMV. There the fused
-#   GEMM's time is set by K, not by the weight's size (~10 us at K = 4096, ~14 at 8192): the GEMV
-#   10-71% ahead at M = 20-64 on 1024x8192 and 1024x4096; at K = 16384 (1024x16384) the fused GEMM
-#   11% ahead at M = 48.
+# - 16 < M <= 64 on small weights, N <= 1024 and K <= 8192, where the GEMV runs on tensor cores:
+#   the GEMV. There the fused GEMM's time is set by K, not by the weight's size (~10 us at K = 4096,
+#   ~14 at 8192): prepacked, the GEMV 10-71% ahead at M = 20-64 on 1024x8192 and 1024x4096 (H200);
+#   on the spec layout 15-74% ahead at M = 17-64 on the same two shapes (thirty-fifth session, an
+#   H100: results/sweeps/dispatch_check_spec_small_session35_h100.json); at K = 16384
+#   (1024x16384, prepacked) the fused GEMM 11% ahead at M = 48.
 # - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
 #   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
 #   1.00-1.11x (benchmarks/results/sweeps/crossover_{fused,dequant}_session15_h200.json).
@@ -72,7 +74,7 @@ DECODE_MAX_M = 8
 GEMV_MAX_M = 16
 GEMV_MAX_M_WITHOUT_FUSED = 64  # GEMV_MAX_M where the fused GEMM cannot run (gemv_on_tensor_cores)
 GEMV_MAX_M_NARROW_LONG = 32  # GEMV_MAX_M on prepacked weights with N <= NARROW_N and K >= LONG_K
-GEMV_MAX_M_SMALL = 64  # GEMV_MAX_M on prepacked weights with N <= SMALL_N and K <= LONG_K
+GEMV_MAX_M_SMALL = 64  # GEMV_MAX_M with N <= SMALL_N and K <= LONG_K (GEMV on tensor cores)
 SMALL_N = 1024
 NARROW_N = 4096
 WIDE_N = 8192
@@ -167,7 +169,7 @@ def auto_gemv_max_m(p: Problem, capability) -> int:
     """The largest M at which "auto" takes the GEMV (where the fused GEMM does not win first)."""
     if fused_unsupported_reason(p, capability) is not None and gemv_on_tensor_cores(p, capability):
         return GEMV_MAX_M_WITHOUT_FUSED
-    if p.tiled and p.n <= SMALL_N and p.k <= LONG_K:
+    if p.n <= SMALL_N and p.k <= LONG_K and (p.tiled or gemv_on_tensor_cores(p, capability)):
         return GEMV_MAX_M_SMALL
     narrow_long = p.tiled and p.n <= NARROW_N and p.k >= LONG_K
     return GEMV_MAX_M_NARROW_LONG if narrow_long else GEMV_MAX_M

@@ -36,7 +36,8 @@ def cuda_device(monkeypatch):
     return set_capability
 
 
-def _case(m, n=64, k=256, dtype=jnp.bfloat16):
+# N = 1088: just past the small-weight rule (N <= 1024: the GEMV to M = 64), N % 32 == 0 (native).
+def _case(m, n=1088, k=256, dtype=jnp.bfloat16):
     rng = np.random.default_rng()
     packed, scale, gs = reference.random_weight(rng, n, k)
     return jnp.asarray(rng.standard_normal((m, k)), dtype), jax_fp4.NVFP4Weight(packed, scale, gs)
@@ -66,12 +67,13 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
     a, w = _case(33, n=4096, k=8192)
     assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_fused_cuda"]
-    # M = 17-64: the GEMV on small prepacked weights (N <= 1024, K <= 8192).
+    # M = 17-64: the GEMV on small weights (N <= 1024, K <= 8192), either layout.
     a, w = _case(64, n=1024, k=8192)
     assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_gemv_cuda"]
-    assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
+    assert _targets(matmul, a, w) == ["jax_fp4_gemv_cuda"]
     a, w = _case(65, n=1024, k=8192)
     assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_fused_cuda"]
+    assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
     a, w = _case(64, n=1040, k=4096)
     assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_fused_cuda"]
     # M = 1025-2048: the fused GEMM on large wide weights (N >= 8192, N * K >= 3 * 2^24) only.

@@ -4,8 +4,9 @@ The expected path is restated here from the rules in README/spec: empty first, t
 backend (or a clear ValueError), else on CUDA: the fused Hopper GEMM on compute capability 9.x
 (block 16, K % 128 == 0) for 9 <= M <= 16 when N >= 8192 and K >= 8192 on prepacked weights
 (not spec-layout ones), and past the GEMV's range up to M = 1024 (M = 2048 when N >= 8192 and
-N * K >= 3 * 2^24); otherwise gemv for M <= 16, or on prepacked weights M <= 64 with N <= 1024
-and K <= 8192 and M <= 32 with N <= 4096 and K >= 8192, or M <= 64 where the fused GEMM cannot run
+N * K >= 3 * 2^24); otherwise gemv for M <= 16, or M <= 64 with N <= 1024 and K <= 8192 (prepacked,
+or where the GEMV runs on tensor cores), or on prepacked weights M <= 32 with N <= 4096 and
+K >= 8192, or M <= 64 where the fused GEMM cannot run
 and the GEMV runs on tensor cores (sm_80+, K % 128 == 0 or prepacked) (block 16, K % 32 == 0,
 fp16/bf16), native only when enabled on compute
 capability 12.x, past M = 16 (block 16, K and N % 32 == 0), dequant for fp16/bf16,
@@ -57,7 +58,7 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, 
             gemv_max = 16
         elif not fused_ok and tensor_cores:
             gemv_max = 64
-        elif tiled and n <= 1024 and k <= 8192:
+        elif n <= 1024 and k <= 8192 and (tiled or tensor_cores):
             gemv_max = 64
         else:
             gemv_max = 32 if tiled and n <= 4096 and k >= 8192 else 16

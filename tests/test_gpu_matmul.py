@@ -88,8 +88,10 @@ RULE_EDGES = [
     (32, 4096, 8192, "tiled", "gemv"),     # narrow prepacked weight, long rows: the GEMV to M = 32
     (33, 4096, 8192, "tiled", "fused"),
     (32, 4096, 8192, "spec", "fused"),
-    (64, 1024, 8192, "tiled", "gemv"),     # small prepacked weight: the GEMV to M = 64
+    (64, 1024, 8192, "tiled", "gemv"),     # small weight, either layout: the GEMV to M = 64
+    (64, 1024, 8192, "spec", "gemv"),
     (65, 1024, 8192, "tiled", "fused"),
+    (65, 1024, 8192, "spec", "fused"),
     (64, 1040, 4096, "tiled", "fused"),
     (1100, 12288, 4096, "spec", "fused"),  # N >= 8192, N * K >= 3 * 2^24: the fused GEMM to M = 2048
     (1100, 8192, 4096, "spec", "dequant"),
