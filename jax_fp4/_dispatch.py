@@ -54,6 +54,11 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native", "x
 #   on the spec layout 15-74% ahead at M = 17-64 on the same two shapes (thirty-fifth session, an
 #   H100: results/sweeps/dispatch_check_spec_small_session35_h100.json); at K = 16384
 #   (1024x16384, prepacked) the fused GEMM 11% ahead at M = 48.
+# - 16 < M <= 32 on spec-layout weights of at most 2^23 elements (N * K), where the GEMV runs on
+#   tensor cores: the GEMV. The same H100 session's checks (dispatch_check_spec_small2/3_session35):
+#   the GEMV 1.21-1.54x ahead at M = 17-32 on 2048x2048, 1536x4096 and 2048x4096; past 2^23 the
+#   two within 2% at M = 32 (2048x8192, 3072x4096), the GEMV 7-16% ahead at M = 17 only; at M = 64
+#   the fused GEMM ahead on 2048x4096 and larger. Prepacked weights of these sizes: not measured.
 # - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
 #   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
 #   1.00-1.11x (benchmarks/results/sweeps/crossover_{fused,dequant}_session15_h200.json).
@@ -75,7 +80,9 @@ GEMV_MAX_M = 16
 GEMV_MAX_M_WITHOUT_FUSED = 64  # GEMV_MAX_M where the fused GEMM cannot run (gemv_on_tensor_cores)
 GEMV_MAX_M_NARROW_LONG = 32  # GEMV_MAX_M on prepacked weights with N <= NARROW_N and K >= LONG_K
 GEMV_MAX_M_SMALL = 64  # GEMV_MAX_M with N <= SMALL_N and K <= LONG_K (GEMV on tensor cores)
+GEMV_MAX_M_SMALL_SPEC = 32  # GEMV_MAX_M on spec-layout weights with N * K <= SMALL_WEIGHT
 SMALL_N = 1024
+SMALL_WEIGHT = 1 << 23
 NARROW_N = 4096
 WIDE_N = 8192
 LONG_K = 8192
@@ -171,6 +178,8 @@ def auto_gemv_max_m(p: Problem, capability) -> int:
         return GEMV_MAX_M_WITHOUT_FUSED
     if p.n <= SMALL_N and p.k <= LONG_K and (p.tiled or gemv_on_tensor_cores(p, capability)):
         return GEMV_MAX_M_SMALL
+    if not p.tiled and p.n * p.k <= SMALL_WEIGHT and gemv_on_tensor_cores(p, capability):
+        return GEMV_MAX_M_SMALL_SPEC
     narrow_long = p.tiled and p.n <= NARROW_N and p.k >= LONG_K
     return GEMV_MAX_M_NARROW_LONG if narrow_long else GEMV_MAX_M
 

@@ -36,8 +36,10 @@ def cuda_device(monkeypatch):
     return set_capability
 
 
-# N = 1088: just past the small-weight rule (N <= 1024: the GEMV to M = 64), N % 32 == 0 (native).
-def _case(m, n=1088, k=256, dtype=jnp.bfloat16):
+# 2112 x 4096: past both small-weight rules (N <= 1024 and K <= 8192: the GEMV to M = 64; on the
+# spec layout N * K <= 2^23: to M = 32), so that auto takes the fused GEMM from M = 17; N % 32 == 0
+# (native).
+def _case(m, n=2112, k=4096, dtype=jnp.bfloat16):
     rng = np.random.default_rng()
     packed, scale, gs = reference.random_weight(rng, n, k)
     return jnp.asarray(rng.standard_normal((m, k)), dtype), jax_fp4.NVFP4Weight(packed, scale, gs)
@@ -76,6 +78,11 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
     a, w = _case(64, n=1040, k=4096)
     assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_fused_cuda"]
+    # M = 17-32: the GEMV on spec-layout weights of at most 2^23 elements.
+    a, w = _case(32, n=2048, k=4096)
+    assert _targets(matmul, a, w) == ["jax_fp4_gemv_cuda"]
+    assert _targets(matmul, a, jax_fp4.prepack(w)) == ["jax_fp4_fused_cuda"]
+    assert _targets(matmul, *_case(33, n=2048, k=4096)) == ["jax_fp4_fused_cuda"]
     # M = 1025-2048: the fused GEMM on large wide weights (N >= 8192, N * K >= 3 * 2^24) only.
     a, w = _case(2048, n=8192, k=8192)
     assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]

@@ -5,7 +5,8 @@ backend (or a clear ValueError), else on CUDA: the fused Hopper GEMM on compute 
 (block 16, K % 128 == 0) for 9 <= M <= 16 when N >= 8192 and K >= 8192 on prepacked weights
 (not spec-layout ones), and past the GEMV's range up to M = 1024 (M = 2048 when N >= 8192 and
 N * K >= 3 * 2^24); otherwise gemv for M <= 16, or M <= 64 with N <= 1024 and K <= 8192 (prepacked,
-or where the GEMV runs on tensor cores), or on prepacked weights M <= 32 with N <= 4096 and
+or where the GEMV runs on tensor cores), or M <= 32 on spec-layout weights with N * K <= 2^23
+where the GEMV runs on tensor cores, or on prepacked weights M <= 32 with N <= 4096 and
 K >= 8192, or M <= 64 where the fused GEMM cannot run
 and the GEMV runs on tensor cores (sm_80+, K % 128 == 0 or prepacked) (block 16, K % 32 == 0,
 fp16/bf16), native only when enabled on compute
@@ -27,7 +28,7 @@ from jax_fp4._dispatch import Problem, select_path
 CAPABILITIES = [None, (7, 5), (8, 0), (9, 0), (10, 0), (12, 0)]
 DTYPES = [np.dtype("float16"), np.dtype(ml_dtypes.bfloat16), np.dtype("float32")]
 MS = [0, 1, 8, 9, 11, 12, 16, 17, 32, 33, 64, 65, 256, 257, 512, 1024, 1025, 2048, 2049, 4096]
-NS = [0, 33, 1024, 1040, 4096, 4097, 8192, 12288]
+NS = [0, 33, 1024, 1040, 2048, 4096, 4097, 8192, 12288]
 KS, BLOCKS = [0, 48, 64, 4096, 5120, 8192, 16384], [16, 32, 7]
 
 
@@ -60,6 +61,8 @@ def _expected(platform, backend, cap, native_env, has_cuda, m, n, k, bs, dtype, 
             gemv_max = 64
         elif n <= 1024 and k <= 8192 and (tiled or tensor_cores):
             gemv_max = 64
+        elif not tiled and tensor_cores and n * k <= 2**23:
+            gemv_max = 32
         else:
             gemv_max = 32 if tiled and n <= 4096 and k >= 8192 else 16
         fused_max = 2048 if n >= 8192 and n * k >= 3 * 2**24 else 1024

@@ -93,6 +93,9 @@ RULE_EDGES = [
     (65, 1024, 8192, "tiled", "fused"),
     (65, 1024, 8192, "spec", "fused"),
     (64, 1040, 4096, "tiled", "fused"),
+    (32, 2048, 4096, "spec", "gemv"),      # spec layout, N * K <= 2^23: the GEMV to M = 32
+    (33, 2048, 4096, "spec", "fused"),
+    (32, 2112, 4096, "spec", "fused"),
     (1100, 12288, 4096, "spec", "fused"),  # N >= 8192, N * K >= 3 * 2^24: the fused GEMM to M = 2048
     (1100, 8192, 4096, "spec", "dequant"),
 ]
@@ -138,7 +141,7 @@ def test_quickstart_mlp_on_gpu():
     _check(y, np.asarray(x, np.float64) @ deq.T, "bfloat16")
 
 
-@pytest.mark.parametrize("m, n, k, layout", [(1, 256, 4096, "tiled"), (64, 256, 4096, "spec"),
+@pytest.mark.parametrize("m, n, k, layout", [(1, 256, 4096, "tiled"), (64, 2112, 4096, "spec"),
                                              (2048, 128, 256, "spec")])
 def test_exported_program_runs_its_kernel(m, n, k, layout):
     """jax.export on the GPU: the program keeps the kernel auto picked (its FFI target in the
