@@ -2,7 +2,7 @@
 # One call on the lent H200 (the `device` tool): build, GPU tests, memcheck, benchmarks.
 # Logs and JSON go under $OUT (at most 8 files come back). Pick the stages that fit the call:
 #
-#   bash benchmarks/device_run.sh first                # the next session's first call, ~5 min (build included)
+#   bash benchmarks/device_run.sh first                # the next session's first call, ~8 min (build included; 10 files: tar them)
 #   bash benchmarks/device_run.sh build tests          # the whole GPU suite, 4 processes (570 tests in 215 s, twenty-seventh session; the build ~80 s)
 #   bash benchmarks/device_run.sh build suite          # the tests not marked gpu, on a GPU machine (~560 tests, CPU-bound)
 #   bash benchmarks/device_run.sh build multi-gpu      # kind nvidia-h100-x2 or more: sharded across the GPUs
@@ -146,11 +146,13 @@ for stage in "$@"; do
       # Issue 7's dispatch target by the bench's method: per row every backend forced and auto's
       # pick, the verdict within 5% (benchmarks/dispatch_check.py). DISPATCH_LAYOUT (default tiled),
       # DISPATCH_SHAPES / DISPATCH_M (the script's defaults: the four prefill shapes, M = 1-4096).
+      # DISPATCH_NAME (default dispatch_check): the output files' name, for several runs in a call.
+      name=${DISPATCH_NAME:-dispatch_check}
       timeout "${DISPATCH_TIMEOUT:-540}" python benchmarks/dispatch_check.py --layout "${DISPATCH_LAYOUT:-tiled}" \
         ${DISPATCH_SHAPES:+--shapes "$DISPATCH_SHAPES"} ${DISPATCH_M:+--m "$DISPATCH_M"} \
         ${DISPATCH_BACKENDS:+--backends "$DISPATCH_BACKENDS"} \
-        --json "$OUT/dispatch_check.json" > "$OUT/dispatch_check.md" 2> "$OUT/dispatch_check.log" || status=1
-      tail -1 "$OUT/dispatch_check.md" ;;
+        --json "$OUT/$name.json" > "$OUT/$name.md" 2> "$OUT/$name.log" || status=1
+      tail -1 "$OUT/$name.md" ;;
     xla-fusion)
       # The xla path's compiled program on this GPU: Triton GEMM / cuBLAS, weight materialized or not.
       timeout 240 python benchmarks/xla_fusion_check.py --layout "${DISPATCH_LAYOUT:-tiled}" \
@@ -270,19 +272,23 @@ for stage in "$@"; do
         --ms ${STREAM_K_MS:-80,128,192,256,512,1024} --json "$OUT/stream_k.json" 2>&1 \
         | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|" | tee "$OUT/stream_k.log" ;;
     first)
-      # The first call prepared for the next session with a device (benchmarks/NOTES.md, "Next" of
-      # the twenty-seventh to thirtieth sessions): the build; auto at the dispatch rules' edges
-      # against the float64 reference (never run on a GPU yet); every GEMV launch config at
-      # M = 17-48 on narrow long-K weights (two column tiles on 2048x16384?); the small-weight GEMV
-      # rule on the spec layout. The default sweep (`build bench`) is the call after it.
+      # The first call prepared for the next session with an H200 (benchmarks/NOTES.md, "Next" of
+      # the thirty-fifth session), ~6 min: the build; auto at the dispatch rules' edges against the
+      # float64 reference; the LLM example at batch 1 (the thirty-fourth session's one 7.43 ms run:
+      # its 16-step windows tell a stall from the rate); the two small-weight GEMV rules, measured
+      # on an H100 and the spec layout only, on both layouts at the sizes around their bounds.
       bash "$0" build || exit 1
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python -m pytest -q -m gpu tests/test_gpu_matmul.py \
         -k rule_edges > "$OUT/rule_edges.log" 2>&1 || status=1
       tail -4 "$OUT/rule_edges.log"
-      SWEEP_M=17,24,32,48,64 PROBE_SHAPES="2048x16384 1024x16384 4096x14336 4096x11008 2048x8192 1024x8192 1024x4096" \
-        bash "$0" gemv-configs || status=1
-      DISPATCH_TIMEOUT=200 DISPATCH_LAYOUT=spec DISPATCH_SHAPES=1024x4096,1024x8192 DISPATCH_M=17,32,48,64 \
-        bash "$0" dispatch-check || status=1 ;;
+      timeout 150 python examples/llm_generate.py --random llama3-8b --batch 1 --max-new-tokens 64 \
+        --compare-bf16 --json "$OUT/llm_generate_b1.json" 2>&1 | tee "$OUT/llm_generate.log" \
+        | grep -E "NVFP4|bf16" || status=1
+      for layout in spec tiled; do
+        DISPATCH_NAME=dispatch_check_$layout DISPATCH_TIMEOUT=200 DISPATCH_LAYOUT=$layout \
+          DISPATCH_SHAPES=1024x8192,1536x4096,2048x2048,2048x4096,3072x4096 DISPATCH_M=17,32,64 \
+          bash "$0" dispatch-check || status=1
+      done ;;
     llm)
       # End to end: examples/llm_generate.py on random Llama-3-8B-shaped weights, NVFP4
       # (jax_fp4) against the same weights in bf16 (XLA's dot), batch 1 and 8, 64 new tokens; and
