@@ -281,9 +281,7 @@ for stage in "$@"; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python -m pytest -q -m gpu tests/test_gpu_matmul.py \
         -k rule_edges > "$OUT/rule_edges.log" 2>&1 || status=1
       tail -4 "$OUT/rule_edges.log"
-      timeout 150 python examples/llm_generate.py --random llama3-8b --batch 1 --max-new-tokens 64 \
-        --compare-bf16 --json "$OUT/llm_generate_b1.json" 2>&1 | tee "$OUT/llm_generate.log" \
-        | grep -E "NVFP4|bf16" || status=1
+      LLM_RUNS=1 bash "$0" llm || status=1
       for layout in spec tiled; do
         DISPATCH_NAME=dispatch_check_$layout DISPATCH_TIMEOUT=200 DISPATCH_LAYOUT=$layout \
           DISPATCH_SHAPES=1024x8192,1536x4096,2048x2048,2048x4096,3072x4096 DISPATCH_M=17,32,64 \
@@ -293,8 +291,10 @@ for stage in "$@"; do
       # End to end: examples/llm_generate.py on random Llama-3-8B-shaped weights, NVFP4
       # (jax_fp4) against the same weights in bf16 (XLA's dot), batch 1 and 8, 64 new tokens; and
       # batch 1 with the layers stacked under lax.scan. JSON per run: $OUT/llm_generate_b<batch>.json.
+      # LLM_RUNS: the runs, ';'-separated (default "1;8;1 --scan-layers").
       : > "$OUT/llm_generate.log"
-      for run in 1 8 "1 --scan-layers"; do
+      IFS=';' read -r -a runs <<< "${LLM_RUNS:-1;8;1 --scan-layers}"
+      for run in "${runs[@]}"; do
         echo "== batch $run" | tee -a "$OUT/llm_generate.log"
         name=$(echo "$run" | tr -d ' -' | sed 's/scanlayers/_scan/')
         timeout 200 python examples/llm_generate.py --random llama3-8b --batch $run --max-new-tokens 64 \

@@ -174,11 +174,12 @@ def gemv_on_tensor_cores(p: Problem, capability) -> bool:
 
 def auto_gemv_max_m(p: Problem, capability) -> int:
     """The largest M at which "auto" takes the GEMV (where the fused GEMM does not win first)."""
-    if fused_unsupported_reason(p, capability) is not None and gemv_on_tensor_cores(p, capability):
+    tensor_cores = gemv_on_tensor_cores(p, capability)
+    if fused_unsupported_reason(p, capability) is not None and tensor_cores:
         return GEMV_MAX_M_WITHOUT_FUSED
-    if p.n <= SMALL_N and p.k <= LONG_K and (p.tiled or gemv_on_tensor_cores(p, capability)):
+    if p.n <= SMALL_N and p.k <= LONG_K and (p.tiled or tensor_cores):
         return GEMV_MAX_M_SMALL
-    if not p.tiled and p.n * p.k <= SMALL_WEIGHT and gemv_on_tensor_cores(p, capability):
+    if not p.tiled and p.n * p.k <= SMALL_WEIGHT and tensor_cores:
         return GEMV_MAX_M_SMALL_SPEC
     narrow_long = p.tiled and p.n <= NARROW_N and p.k >= LONG_K
     return GEMV_MAX_M_NARROW_LONG if narrow_long else GEMV_MAX_M
