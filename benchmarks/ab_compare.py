@@ -1,5 +1,5 @@
 """Compares the sides of an A/B call (`device_run.sh fused-ab`: fused_timing.py JSON; `pdl-ab`:
-`python -m jax_fp4.bench --json`; one file per side, in the order they ran): each shape's time per
+`python -m bench --json`; one file per side, in the order they ran): each shape's time per
 side, how far the base sides drifted apart, and a verdict for the new side that counts only what
 lies outside that drift.
 
@@ -23,7 +23,7 @@ import sys
 
 def load_side(path: str, variant: str) -> dict[tuple[int, int, int], float]:
     """(n, k, m) -> microseconds of `variant` in one fused_timing.py JSON, or of jax_fp4 in one
-    `python -m jax_fp4.bench --json` file (its "rows"; `variant` does not apply)."""
+    `python -m bench --json` file (its "rows"; `variant` does not apply)."""
     results = json.loads(pathlib.Path(path).read_text())
     if "rows" in results:
         return {(r["n"], r["k"], r["m"]): float(r["us"]) for r in results["rows"]}
@@ -91,7 +91,7 @@ def markdown(rows: list[dict], n_bases: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+",
-                        help="fused_timing.py (or jax_fp4.bench) JSON per side, in run order")
+                        help="fused_timing.py (or bench) JSON per side, in run order")
     parser.add_argument("--sides", help="comma-separated base/new per file (default: from names)")
     parser.add_argument("--variant", default="fused", help="the timed variant (default fused)")
     args = parser.parse_args(argv)

@@ -121,7 +121,7 @@ for stage in "$@"; do
       python benchmarks/fused_timing.py --json "$OUT/fused_h200.json" > "$OUT/fused_timing.log" 2>&1 || status=1
       tail -25 "$OUT/fused_timing.log" ;;
     bench)
-      python -m jax_fp4.bench --layout "${BENCH_LAYOUT:-tiled}" --passes "${BENCH_PASSES:-2}" --decode-step --json "$OUT/h200.json" > "$OUT/bench.log" 2>&1 || status=1
+      python -m bench --layout "${BENCH_LAYOUT:-tiled}" --passes "${BENCH_PASSES:-2}" --decode-step --json "$OUT/h200.json" > "$OUT/bench.log" 2>&1 || status=1
       tail -50 "$OUT/bench.log"
       python benchmarks/targets.py "$OUT/h200.json" > "$OUT/targets.md" && tail -1 "$OUT/targets.md" ;;
     pdl-ab)
@@ -136,7 +136,7 @@ for stage in "$@"; do
         i=$((i + 1))
         side=$([ "$flag" = 1 ] && echo new || echo base)
         echo "== $i JAX_FP4_PDL=$flag" | tee -a "$OUT/pdl_ab.log"
-        JAX_FP4_PDL=$flag timeout 200 python -m jax_fp4.bench --layout tiled --m "${PDL_M:-1,8,32,64}" \
+        JAX_FP4_PDL=$flag timeout 200 python -m bench --layout tiled --m "${PDL_M:-1,8,32,64}" \
           --shapes "${PDL_SHAPES:-11008x4096,4096x11008,17408x5120}" --decode-step \
           --json "$OUT/pdl_ab_${i}_$side.json" 2>&1 | grep -E "^ +[0-9]+x|jax_fp4 \(|bf16 jnp" \
           | tee -a "$OUT/pdl_ab.log" || status=1
@@ -171,12 +171,12 @@ for stage in "$@"; do
       # heuristic's pick (empty).
       for cfg in "" 1,2 1,3 1,4 1,6 1,8 2,2 2,3 2,4 2,8; do
         echo "== M=1,8 col_tiles,k_split = ${cfg:-heuristic}"
-        JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m jax_fp4.bench --backend gemv --m 1,8 --repeats 5 --layout "${BENCH_LAYOUT:-tiled}" \
+        JAX_FP4_GEMV_CONFIG=$cfg timeout 60 python -m bench --backend gemv --m 1,8 --repeats 5 --layout "${BENCH_LAYOUT:-tiled}" \
           --shapes 11008x4096,4096x11008,17408x5120,5120x17408,28672x8192 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee "$OUT/gemv_sweep.log"
       for cfg in "" 1,1 1,2 1,4 2,1 2,2; do
         echo "== lm_head M=4 col_tiles,k_split = ${cfg:-heuristic}"
-        JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m jax_fp4.bench --backend gemv --m 4 --repeats 5 --layout "${BENCH_LAYOUT:-tiled}" \
+        JAX_FP4_GEMV_CONFIG=$cfg timeout 40 python -m bench --backend gemv --m 4 --repeats 5 --layout "${BENCH_LAYOUT:-tiled}" \
           --shapes 248320x2048 2>&1 | grep -E "^ +[0-9]+x" | cut -c1-60
       done | tee -a "$OUT/gemv_sweep.log" ;;
     probe)
@@ -230,7 +230,7 @@ for stage in "$@"; do
           2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ \|"
       done | tee "$OUT/fused_tiles.log" ;;
     fused-crossovers)
-      # What the dispatch thresholds of jax_fp4/_dispatch.py rest on: the GEMV against the fused
+      # What the dispatch thresholds of jax_fp4/dispatch.py rest on: the GEMV against the fused
       # GEMM at M = 9..16, and the fused GEMM against dequantize + cuBLAS at M = 256..1024.
       { timeout 150 python benchmarks/fused_timing.py --variants bf16,fused,gemv --ms 9,12,16 \
           --json "$OUT/crossovers_small_m.json"

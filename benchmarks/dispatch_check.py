@@ -5,7 +5,7 @@ of the fastest of gemv / fused / dequant at every M), measured with the bench's 
 
 Each row (shape, M) times every backend of --backends that can serve it (one that the dispatch
 refuses at trace time, e.g. fused on a GPU that is not a Hopper, is left out) and auto's own pick,
-all on the same weights and activations: `jax_fp4.bench`'s chains of distinct weights rotating
+all on the same weights and activations: `bench`'s chains of distinct weights rotating
 beyond the cache, per-matmul time by chain differencing. With --passes P the backends take turns P times and each
 keeps its median. The verdict: auto's time over the fastest backend's, within --tolerance or not.
 
@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp4
-from jax_fp4 import _dispatch, bench
+import bench
+from jax_fp4 import dispatch as _dispatch
 
 DEFAULT_BACKENDS = ("gemv", "fused", "dequant")
 DEFAULT_TOLERANCE = 1.05  # issue 7: "the fastest ... within 5%"

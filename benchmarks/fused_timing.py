@@ -28,7 +28,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_fp4 import _fused, _layout
+from jax_fp4 import fused as _fused, layout as _layout
 
 FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
@@ -51,7 +51,7 @@ TILED = False  # --layout tiled: the weights prepacked, every kernel told so (se
 
 def register_targets() -> str:
     """Checks that the package registered the fused and dequant targets."""
-    from jax_fp4 import _ffi
+    from jax_fp4 import ffi as _ffi
 
     got = _ffi.REGISTERED_TARGETS.get("CUDA", [])
     if FUSED not in got or DEQUANT not in got:
@@ -83,7 +83,7 @@ def dequantize(a, packed, scale, gs):
 
 def dequant_call(a, packed, scale, gs):
     # jax_fp4's "dequant" path as it was first written (f32 [M, N] result, then the cast); with a
-    # bias it still is (_primitive._dequant).
+    # bias it still is (lowering._dequant).
     w = dequantize(a, packed, scale, gs)
     return jnp.matmul(a, w.T, preferred_element_type=jnp.float32).astype(a.dtype)
 

@@ -1,4 +1,4 @@
-"""Where a `python -m jax_fp4.bench --json` run stands against the H200 targets of issue 4 (decode
+"""Where a `python -m bench --json` run stands against the H200 targets of issue 4 (decode
 GEMV) and issue 7 (fused prefill GEMM): one Markdown row per target and measured row.
 
     python benchmarks/targets.py benchmarks/results/h200.json
@@ -153,7 +153,7 @@ def summary(found: list[Check]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", help="a `python -m jax_fp4.bench --json` file")
+    parser.add_argument("results", help="a `python -m bench --json` file")
     parser.add_argument("--dispatch", metavar="JSON", nargs="+", default=[],
                         help="benchmarks/dispatch_check.py --json files")
     args = parser.parse_args(argv)

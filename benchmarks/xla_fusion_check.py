@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fp4
-from jax_fp4 import bench
+import bench
 
 GEMMS = (("triton", "__triton_gemm"), ("cublas", "__cublas$"), ("cudnn", "__cudnn$"))
 

@@ -5,14 +5,15 @@
     y = jax_fp4.matmul(a, w, bias)          # a [..., K] fp16/bf16 -> y [..., N]
 """
 
-from jax_fp4 import _ffi  # noqa: F401  (importing it registers the FFI targets)
-from jax_fp4._dispatch import BACKENDS, GEMV_MAX_M
-from jax_fp4._export import export_disabled_checks
-from jax_fp4._format import NVFP4Weight, dequantize, pack_codes, quantize, unpack_codes
-from jax_fp4._matmul import dispatch_path, matmul
-from jax_fp4._native import PrepackedNVFP4Weight
-from jax_fp4._prepack import prepack, unprepack
-from jax_fp4._primitive import nvfp4_matmul_p
+from jax_fp4 import ffi as _ffi  # noqa: F401  (importing it registers the FFI targets)
+from jax_fp4.dispatch import BACKENDS, GEMV_MAX_M
+from jax_fp4.export import export_disabled_checks
+from jax_fp4.format import NVFP4Weight, dequantize, pack_codes, unpack_codes
+from jax_fp4.quantization import quantize
+from jax_fp4.ops import dispatch_path, matmul
+from jax_fp4.native import PrepackedNVFP4Weight
+from jax_fp4.prepacking import prepack, unprepack
+from jax_fp4.ops import nvfp4_matmul_p
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ def info() -> str:
     import jaxlib
 
     import jax_fp4
-    from jax_fp4 import _ffi
+    from jax_fp4 import ffi as _ffi
 
     lines = [
         f"jax_fp4 {jax_fp4.__version__}",
@@ -34,7 +34,7 @@ def paths(n: int, k: int, *, layout: str, capability: tuple[int, int], dtype: st
     """The CUDA path `auto` picks for an N x K weight on a GPU of `capability`, as ranges of M:
     [(first M, last M, path), ...] for M = 1..max_m (the dispatch rules only, no device needed),
     with the CUDA architectures of this build (of a default build where this one has none)."""
-    from jax_fp4 import _dispatch, _ffi
+    from jax_fp4 import dispatch as _dispatch, ffi as _ffi
 
     architectures = _ffi.cuda_architectures() or _ffi.DEFAULT_CUDA_ARCHITECTURES
 
@@ -51,7 +51,7 @@ def paths(n: int, k: int, *, layout: str, capability: tuple[int, int], dtype: st
 
 
 def _capability(text: str) -> tuple[int, int]:
-    from jax_fp4 import _dispatch
+    from jax_fp4 import dispatch as _dispatch
 
     try:
         return _dispatch.parse_capability(text)
@@ -62,15 +62,15 @@ def _capability(text: str) -> tuple[int, int]:
 def paths_report(args) -> str:
     capability, source = args.capability, "given"
     if capability is None:
-        from jax_fp4 import _dispatch, _primitive
+        from jax_fp4 import dispatch as _dispatch, lowering as _lowering
 
-        capability = _primitive.cuda_capability()
+        capability = _lowering.cuda_capability()
         source = (_dispatch.CAPABILITY_ENV if _dispatch.env_capability() is not None
                   else "this machine's GPU")
         if capability is None:
             raise SystemExit("paths: no CUDA device here; name the GPU with --capability "
                              "(9.0: H100 / H200, 8.0: A100, 12.0: RTX 50xx)")
-    n, k = args.shape.n, args.shape.k
+    n, k = args.shape
     ranges = paths(n, k, layout=args.layout, capability=capability, dtype=args.dtype,
                    native=args.native, max_m=args.max_m)
     lines = [f"auto for N x K = {n}x{k}, {args.layout} layout, {args.dtype}, compute capability "
@@ -80,14 +80,23 @@ def paths_report(args) -> str:
     return "\n".join(lines)
 
 
+def _weight_shape(text: str) -> tuple[int, int]:
+    """'4096x11008' -> (4096, 11008): a weight's N x K."""
+    try:
+        n, k = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is NxK, e.g. 4096x11008; got {text!r}") from None
+    if n <= 0 or k <= 0 or k % 2:
+        raise argparse.ArgumentTypeError(f"N and K must be positive and K even; got {text!r}")
+    return n, k
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_fp4", description=__doc__)
     commands = parser.add_subparsers(dest="command")
     commands.add_parser("info", help="versions, CUDA architectures and FFI targets (the default)")
-    from jax_fp4.bench import parse_shape
-
     p = commands.add_parser("paths", help="the path auto takes for an N x K weight at every M")
-    p.add_argument("shape", type=parse_shape, help="the weight's N x K, e.g. 4096x11008")
+    p.add_argument("shape", type=_weight_shape, help="the weight's N x K, e.g. 4096x11008")
     p.add_argument("--layout", choices=("spec", "tiled"), default="spec",
                    help="tiled: a jax_fp4.prepack'ed weight (default spec)")
     p.add_argument("--capability", type=_capability, default=None,

@@ -38,8 +38,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jax_fp4._format import LAYOUTS, NVFP4Weight
-from jax_fp4._prepack import in_layout, unprepack
+from jax_fp4.format import LAYOUTS, NVFP4Weight
+from jax_fp4.prepacking import in_layout, unprepack
 
 __all__ = [
     "CheckpointError",

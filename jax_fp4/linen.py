@@ -29,11 +29,11 @@ from flax import linen as nn
 from flax.core import meta
 from flax.core.frozen_dict import FrozenDict
 
-from jax_fp4._format import NVFP4Weight
-from jax_fp4._prepack import prepack
-from jax_fp4._layers import (check_calibration_method, compute_dtype, input_square_sums,
+from jax_fp4.format import NVFP4Weight
+from jax_fp4.prepacking import prepack
+from jax_fp4.flax_common import (check_calibration_method, compute_dtype, input_square_sums,
                              layer_importance, quantize_kernel)
-from jax_fp4._matmul import matmul
+from jax_fp4.ops import matmul
 
 __all__ = ["FP4Dense", "calibrate", "params_from_weight", "quantize_params", "weight_from_params"]
 

@@ -36,12 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_fp4._format import NVFP4Weight
-from jax_fp4._layout import tiled_layout_unsupported
-from jax_fp4._prepack import prepack, unprepack
-from jax_fp4._layers import (check_calibration_method, compute_dtype, input_square_sums,
+from jax_fp4.format import NVFP4Weight
+from jax_fp4.layout import tiled_layout_unsupported
+from jax_fp4.prepacking import prepack, unprepack
+from jax_fp4.flax_common import (check_calibration_method, compute_dtype, input_square_sums,
                              layer_importance, quantize_kernel)
-from jax_fp4._matmul import matmul
+from jax_fp4.ops import matmul
 
 __all__ = ["FP4Linear", "QuantizedWeight", "calibrate", "export_weights", "load_weights", "quantize_model"]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fp4
-from jax_fp4 import _ffi, _native
+from jax_fp4 import ffi as _ffi, native as _native
 from tests import reference
 
 

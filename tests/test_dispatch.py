@@ -22,8 +22,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_fp4 import _dispatch
-from jax_fp4._dispatch import Problem, select_path
+from jax_fp4 import dispatch as _dispatch
+from jax_fp4.dispatch import Problem, select_path
 
 CAPABILITIES = [None, (7, 5), (8, 0), (9, 0), (10, 0), (12, 0)]
 DTYPES = [np.dtype("float16"), np.dtype(ml_dtypes.bfloat16), np.dtype("float32")]

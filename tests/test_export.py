@@ -100,7 +100,7 @@ def test_one_artifact_for_this_cpu_and_an_h200(monkeypatch):
     """Export for ("cpu", "cuda") on a machine without the GPU: JAX_FP4_CUDA_CAPABILITY names it,
     so the CUDA branch holds the kernel auto picks on an H200 (the fused GEMM at M = 64), and the
     artifact runs here through its CPU branch."""
-    from jax_fp4 import _ffi, _native
+    from jax_fp4 import ffi as _ffi, native as _native
 
     monkeypatch.setattr(_native, "device_capability", lambda device=None: None)
     monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)    # a CUDA build (CI's is)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_fp4
-from jax_fp4._format import e2m1_to_float32, e4m3_to_float32
+from jax_fp4.format import e2m1_to_float32, e4m3_to_float32
 from tests import reference
 
 E2M1_BY_HAND = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]

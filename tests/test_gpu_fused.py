@@ -21,7 +21,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax_fp4 import _ffi, _fused, _layout
+from jax_fp4 import ffi as _ffi, fused as _fused, layout as _layout
 from tests import chains, reference
 
 TARGET = "jax_fp4_fused_cuda"

@@ -42,7 +42,7 @@ DEQUANT = "jax_fp4_dequant_cuda"
 
 # Importing jax_fp4 registers its FFI targets (the package's CUDA module).
 import jax_fp4  # noqa: E402,F401
-from jax_fp4 import _layout  # noqa: E402
+from jax_fp4 import layout as _layout  # noqa: E402
 
 DTYPES = ["float16", "bfloat16"]
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}

@@ -83,7 +83,7 @@ def test_prepacked_weights_on_every_backend(lead, dtype):
             np.testing.assert_array_equal(y, np.asarray(f(a, w, bias)), err_msg=backend)
 
 
-# The H200 dispatch rules' edges (jax_fp4/_dispatch.py): (M, N, K, layout, auto's path on sm_90).
+# The H200 dispatch rules' edges (jax_fp4/dispatch.py): (M, N, K, layout, auto's path on sm_90).
 RULE_EDGES = [
     (32, 4096, 8192, "tiled", "gemv"),     # narrow prepacked weight, long rows: the GEMV to M = 32
     (33, 4096, 8192, "tiled", "fused"),

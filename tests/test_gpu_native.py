@@ -1,7 +1,7 @@
 """The native SM120 path's CUDA targets, on whatever CUDA device is present.
 
 - jax_fp4_quantize_activation_cuda: bit-exact against the NumPy model
-  (jax_fp4._native.quantize_activation_reference), dynamic and static scales, plain and swizzled
+  (jax_fp4.native.quantize_activation_reference), dynamic and static scales, plain and swizzled
   scale layouts, non-finite and all-zero inputs, padding bytes 0;
 - jax_fp4_swizzle_scales_cuda: against the NumPy layout model and the jnp prepack;
 - jax_fp4_native_sm120_cuda: on a device that is not compute capability 12.x it must answer a
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fp4
-from jax_fp4 import _ffi, _native
+from jax_fp4 import ffi as _ffi, native as _native
 from tests import reference
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jax_fp4 import _ffi
+from jax_fp4 import ffi as _ffi
 from tests.cpu_features import cpu_flags, cpu_has_avx512
 
 
@@ -47,7 +47,7 @@ def test_info_names_the_cpu_kernels_instruction_sets():
 
 
 def test_paths_reports_auto_as_ranges_of_m(capsys, monkeypatch):
-    from jax_fp4 import __main__ as cli, _ffi
+    from jax_fp4 import __main__ as cli, ffi as _ffi
 
     # A build for sm_90a alone (as on the H200 for speed) leaves an A100 to XLA.
     monkeypatch.setattr(_ffi, "cuda_architectures", lambda: "90a-real")
@@ -93,7 +93,7 @@ def test_paths_rejects_bad_arguments(argv, message, capsys):
 
 def test_paths_without_a_gpu_asks_for_the_capability():
     from jax_fp4 import __main__ as cli
-    from jax_fp4 import _native
+    from jax_fp4 import native as _native
 
     if _native.device_capability() is not None:
         pytest.skip("this machine has a CUDA device: paths reads its capability")
@@ -128,7 +128,7 @@ def test_the_compiled_architectures_are_read_by_the_dispatch():
     parses, and a default build runs on an H200 and has nothing for a T4."""
     import re
 
-    from jax_fp4 import _dispatch
+    from jax_fp4 import dispatch as _dispatch
 
     if not _ffi.has_cuda_kernels():
         pytest.skip("a build without CUDA kernels")

@@ -1,4 +1,4 @@
-"""The decode GEMV's tiled layout (jax_fp4/_layout.py) and `jax_fp4.prepack(w)`, on any machine.
+"""The decode GEMV's tiled layout (jax_fp4/layout.py) and `jax_fp4.prepack(w)`, on any machine.
 
 The byte map is checked element by element against the layout's definition written as loops, and
 the GEMV's decode of the tiled words (DecodeTiled in ffi/cuda/gemv_mma.cuh) is modelled bit for
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jax_fp4
-from jax_fp4 import _layout, _native
-from jax_fp4._format import E2M1_VALUES
+from jax_fp4 import layout as _layout, native as _native
+from jax_fp4.format import E2M1_VALUES
 from tests import reference
 
 

@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jax_fp4 import _dispatch, _native
+from jax_fp4 import dispatch as _dispatch, native as _native
 
 CAPABILITIES = [None, (7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1),
                 (13, 0)]

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp4
-from jax_fp4 import _sharding
+from jax_fp4 import sharding as _sharding
 from tests import reference
 from tests.repo_scripts import load_repo_script
 

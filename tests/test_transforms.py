@@ -282,10 +282,10 @@ def test_quantized_weight_is_not_differentiable():
         jax.grad(lambda w: jnp.sum(jax_fp4.matmul(a, w)))(w)      # packed codes are uint8
     # The primitive's own transpose rule refuses a linear packed/scale operand.
     from jax.interpreters import ad
-    from jax_fp4 import _primitive
+    from jax_fp4 import ops as _ops
     ct = jnp.ones((2, 8), jnp.float32)
     with pytest.raises(TypeError, match="quantized weight .* not differentiable"):
-        _primitive._transpose(ct, a, ad.UndefinedPrimal(jax.core.ShapedArray((8, 16), jnp.uint8)),
+        _ops._transpose(ct, a, ad.UndefinedPrimal(jax.core.ShapedArray((8, 16), jnp.uint8)),
                               w.scale, w.global_scale, block_size=16, backend="auto",
                               layout="spec", has_bias=False, has_swizzled=False)
 

@@ -1,6 +1,6 @@
 """Quick timing of the CPU kernel (backend="cpu") on one weight: median of jitted calls, spec and
 tiled layouts, bf16 activations. For A/B checks of ffi/cpu/matmul.cc variants on this machine;
-`python -m jax_fp4.bench --backend cpu` is the full measurement (bandwidth, bf16 baseline).
+`python -m bench --backend cpu` is the full measurement (bandwidth, bf16 baseline).
 
     python benchmarks/probes/cpu_kernel_timing.py --shape 4096x4096 --m 1,8,64 --repeats 15
 """

@@ -24,7 +24,7 @@ import re
 
 import numpy as np
 
-from jax_fp4 import _fused, _native
+from jax_fp4 import fused as _fused, native as _native
 
 BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native", "xla")
 
@@ -35,7 +35,7 @@ BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native", "x
 # - M <= 8: the decode GEMV.
 # - 9 <= M <= 16: the GEMV (two column and two row tiles per warp), except on prepacked (layout
 #   "tiled") wide weights with long rows, N >= 8192 and K >= 8192, where the fused GEMM wins.
-#   `python -m jax_fp4.bench` with both backends forced in one call ("Twenty-second session",
+#   `python -m bench` with both backends forced in one call ("Twenty-second session",
 #   results/sweeps/bench_m9_16_session22_h200.log): prepacked, the fused GEMM 6-19% faster on
 #   28672x8192 and the GEMV 0-7% on 17408x5120 (kernel-only chains, fused_timing.py, had the GEMV
 #   ahead on both, and on K = 4096 by 7-30%: "Twenty-first session"); on the spec layout, whose

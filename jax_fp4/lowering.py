@@ -1,14 +1,13 @@
-"""The `nvfp4_matmul` primitive and all its rules: abstract eval, per-platform lowering, batching,
-JVP and transpose.
+"""Lowering of the `nvfp4_matmul` primitive: the implementation of each path, and the rule that
+picks one per platform from static shapes (`dispatch.select_path`).
 
 Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale uint8 [N, ceil(K/bs)],
 global_scale float32 [], bias [N] (a's dtype) when has_bias, and the prepacked SM120 scales
-(`prepack`) when has_swizzled. Result: [..., N] in a's dtype. Static `layout`: the byte order of
-packed and scale ("spec" or "tiled", jax_fp4/_layout.py); the kernels (CPU, tensor-core GEMV,
-dequant, fused) read "tiled" directly, the reference, xla, native and scalar-GEMV paths through
-the inverse transform.
-The lowering picks a path from static shapes (`_dispatch.select_path`); the chosen path shows in
-the HLO as the FFI custom-call target, or, for pure-JAX paths, as a `jax_fp4/<path>` op name.
+(`prepack`) when has_swizzled. Static `layout`: the byte order of packed and scale ("spec" or
+"tiled", jax_fp4/layout.py); the kernels (CPU, tensor-core GEMV, dequant, fused) read "tiled"
+directly, the reference, xla, native and scalar-GEMV paths through the inverse transform.
+The chosen path shows in the HLO as the FFI custom-call target, or, for pure-JAX paths, as a
+`jax_fp4/<path>` op name.
 """
 
 from __future__ import annotations
@@ -19,55 +18,18 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import mlir
 
-from jax_fp4 import _dispatch, _explicit_axes, _ffi, _fused, _layout, _native, _sharding
-from jax_fp4._format import NVFP4Weight, dense_weight
-
-nvfp4_matmul_p = Primitive("nvfp4_matmul")
+from jax_fp4 import dispatch as _dispatch, ffi as _ffi, fused as _fused, layout as _layout
+from jax_fp4 import native as _native, sharding as _sharding
+from jax_fp4.format import NVFP4Weight, dense_weight
 
 
-def bind(a, packed, scale, global_scale, bias, *, block_size: int, backend: str,
-         swizzled_scale=None, layout: str = "spec"):
-    """Bind the primitive; `bias` and `swizzled_scale` (prepacked SM120 scales) may be None.
-    Operands must already be validated."""
-    operands = (a, packed, scale, global_scale) + tuple(
-        x for x in (bias, swizzled_scale) if x is not None)
-    return nvfp4_matmul_p.bind(*operands, block_size=block_size, backend=backend, layout=layout,
-                               has_bias=bias is not None, has_swizzled=swizzled_scale is not None)
-
-
-def _split(operands, has_bias, has_swizzled):
+def split_operands(operands, has_bias, has_swizzled):
     """The operand tuple -> (a, packed, scale, global_scale, bias or None, swizzled or None)."""
     a, packed, scale, global_scale, *rest = operands
     bias = rest.pop(0) if has_bias else None
     return a, packed, scale, global_scale, bias, (rest.pop(0) if has_swizzled else None)
-
-
-# ---- abstract evaluation ------------------------------------------------------------------------
-
-def _abstract_eval(*operands, **params):
-    del params
-    a, packed = operands[0], operands[1]
-    shape = a.shape[:-1] + (packed.shape[0],)
-    sharding = _sharding.result_sharding(a, packed)  # only under explicit mesh axes
-    if sharding is None:
-        return jax.core.ShapedArray(shape, a.dtype)
-    return jax.core.ShapedArray(shape, a.dtype, sharding=sharding)
-
-
-nvfp4_matmul_p.def_abstract_eval(_abstract_eval)
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_bind(**params):
-    return jax.jit(functools.partial(nvfp4_matmul_p.bind, **params))
-
-
-# Eager (un-jitted) calls compile the primitive alone, like any jnp operation.
-nvfp4_matmul_p.def_impl(lambda *operands, **params: _jitted_bind(**params)(*operands))
-_sharding.register_primitive(nvfp4_matmul_p)  # the lowering needs the devices (partitioning)
 
 
 # ---- path implementations (traced inside the lowering) ----------------------------------------
@@ -77,7 +39,7 @@ def _empty(a, packed, scale, global_scale, bias, *, block_size, **_):
     return out if bias is None else out + bias
 
 
-def _dense(packed, scale, global_scale, block_size, layout="spec", dtype=jnp.float32):
+def dense(packed, scale, global_scale, block_size, layout="spec", dtype=jnp.float32):
     """The dequantized weight [N, K]: computed in float32 and rounded once to `dtype` (float32 for
     the reference decomposition and dA, the activations' dtype for the xla path)."""
     return dense_weight(NVFP4Weight.tree_unflatten((block_size, layout), (packed, scale, global_scale)),
@@ -92,7 +54,7 @@ def _times_transposed(a, w, **kwargs):
 
 
 def _reference(a, packed, scale, global_scale, bias, *, block_size, **_):
-    w = _dense(packed, scale, global_scale, block_size)
+    w = dense(packed, scale, global_scale, block_size)
     y = _times_transposed(a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
@@ -152,7 +114,7 @@ def _dequant(a, packed, scale, global_scale, bias, *, block_size, tiled=False, *
 def _xla(a, packed, scale, global_scale, bias, *, block_size, **_):
     # The dequant path's weight (same rounding), made by XLA: XLA may fuse it into its GEMM's
     # operand instead of writing it to memory (dequantize is elementwise, no table lookup).
-    return _dot_dequantized(a, _dense(packed, scale, global_scale, block_size, dtype=a.dtype), bias)
+    return _dot_dequantized(a, dense(packed, scale, global_scale, block_size, dtype=a.dtype), bias)
 
 
 def _dot_dequantized(a, w, bias):
@@ -249,7 +211,7 @@ def _lowering(ctx, *operands, block_size, backend, layout, has_bias, has_swizzle
                                has_bias=has_bias, tiled=layout == "tiled")
 
     def lowered(*ops):
-        *five, swizzled = _split(ops, has_bias, has_swizzled)
+        *five, swizzled = split_operands(ops, has_bias, has_swizzled)
         # Only the native SM120 path reads prepacked (swizzled) scales; the others ignore them.
         extra = {"swizzled_scale": swizzled} if path == "native" and swizzled is not None else {}
         with jax.named_scope(f"jax_fp4/{path}"):
@@ -258,89 +220,10 @@ def _lowering(ctx, *operands, block_size, backend, layout, has_bias, has_swizzle
     return mlir.lower_fun(lowered, multiple_results=False)(ctx, *operands)
 
 
-# Other platforms (no kernels) lower to the pure-JAX paths: xla, or reference for float32.
-mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="other"))
-mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="cpu"), platform="cpu")
-mlir.register_lowering(nvfp4_matmul_p, functools.partial(_lowering, platform="cuda"), platform="cuda")
-
-
-# ---- batching -----------------------------------------------------------------------------------
-
-def _batch(operands, dims, **params):
-    a_dim, weight_dims = dims[0], dims[1:]
-    if all(d is None for d in weight_dims):
-        # vmap over activations only: the batch axis joins the leading (M) axes.
-        a = jnp.moveaxis(operands[0], a_dim, 0)
-        return nvfp4_matmul_p.bind(a, *operands[1:], **params), 0
-    # vmap over stacked weights (experts, layers) or biases: one matmul per weight, in a loop.
-    size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
-    batched = [jnp.moveaxis(x, d, 0) if d is not None else None
-               for x, d in zip(operands, dims)]
-
-    def one(sliced):
-        ops = [s if b is not None else x for x, s, b in zip(operands, sliced, batched)]
-        return nvfp4_matmul_p.bind(*ops, **params)
-
-    xs = [b if b is not None else jnp.zeros((size,), jnp.int8) for b in batched]
-    return jax.lax.map(one, xs), 0
-
-
-batching.primitive_batchers[nvfp4_matmul_p] = _batch
-
-
-# ---- autodiff -----------------------------------------------------------------------------------
-# y = gs * (a @ D^T) + bias with D the block-scaled codes: linear in (a, bias) for a fixed global
-# scale, and linear in the global scale for fixed a. The packed codes and block scales are integer
-# data and have no tangent.
-
-def _is_zero(t):
-    return type(t) is ad.Zero
-
-
-def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzled):
-    a, packed, scale, global_scale, bias, swizzled = _split(primals, has_bias, has_swizzled)
-    da, _, _, dgs, dbias, _ = _split(tangents, has_bias, has_swizzled)
-    weight = dict(block_size=block_size, backend=backend, swizzled_scale=swizzled, layout=layout)
-    y = bind(a, packed, scale, global_scale, bias, **weight)
-    out_tangents = []
-    dbias = None if dbias is None or _is_zero(dbias) else dbias
-    if not _is_zero(da):
-        out_tangents.append(bind(da, packed, scale, global_scale, dbias, **weight))
-    elif dbias is not None:  # only the bias moves: no matmul needed
-        out_tangents.append(_explicit_axes.typed_like(jnp.broadcast_to(dbias, y.shape), jax.typeof(y)))
-    if not _is_zero(dgs):
-        out_tangents.append(bind(a, packed, scale, dgs, None, **weight))
-    if not out_tangents:
-        return y, ad.Zero.from_primal_value(y)
-    return y, functools.reduce(jnp.add, out_tangents)
-
-
-def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzled):
-    a, packed, scale, global_scale, bias, swizzled = _split(operands, has_bias, has_swizzled)
-    if ad.is_undefined_primal(packed) or ad.is_undefined_primal(scale):
-        raise TypeError("jax_fp4: the quantized weight (packed codes, block scales) is not differentiable")
-    if _is_zero(ct):
-        ct = jnp.zeros(ct.aval.shape, ct.aval.dtype)
-    ct_a = ct_gs = ct_bias = None
-    if ad.is_undefined_primal(global_scale):
-        # y is linear in gs: dL/dgs = sum(ct * y(gs=1)), with `a` a known primal here.
-        unit = bind(a, packed, scale, jnp.float32(1), None, block_size=block_size, backend=backend,
-                    swizzled_scale=swizzled, layout=layout)
-        ct_gs = jnp.sum(ct.astype(jnp.float32) * unit.astype(jnp.float32))
-    else:
-        if ad.is_undefined_primal(a):
-            w = _dense(packed, scale, global_scale, block_size, layout)
-            # Under explicit mesh axes a column-parallel weight makes N, the contracted axis here,
-            # sharded on both sides: dA must be typed like a (the sum over N's shards is implied).
-            ct_a = jnp.matmul(ct.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST,
-                              out_sharding=_explicit_axes.explicit_type(a.aval)).astype(a.aval.dtype)
-        if has_bias and ad.is_undefined_primal(bias):
-            ct_bias = jnp.sum(ct.astype(jnp.float32), axis=tuple(range(ct.ndim - 1))).astype(
-                bias.aval.dtype)
-            ct_bias = _explicit_axes.typed_like(ct_bias, bias.aval)
-    result = [ct_a, None, None, ct_gs]
-    return result + ([ct_bias] if has_bias else []) + ([None] if has_swizzled else [])
-
-
-ad.primitive_jvps[nvfp4_matmul_p] = _jvp
-ad.primitive_transposes[nvfp4_matmul_p] = _transpose
+def register(primitive) -> None:
+    """Register the lowerings of `primitive`; other platforms (no kernels) lower to the pure-JAX
+    paths: xla, or reference for float32."""
+    mlir.register_lowering(primitive, functools.partial(_lowering, platform="other"))
+    for platform in ("cpu", "cuda"):
+        mlir.register_lowering(primitive, functools.partial(_lowering, platform=platform),
+                               platform=platform)

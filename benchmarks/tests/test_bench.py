@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark machinery (jax_fp4.bench) on tiny shapes: not a timed test."""
+"""Smoke test of the benchmark machinery (bench) on tiny shapes: not a timed test."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jax_fp4
-from jax_fp4 import _ffi, bench
+import bench
+from jax_fp4 import ffi as _ffi
 
 ROW_FIELDS = ("path", "m", "n", "k", "dtype", "us", "tbps", "tflops", "speedup_vs_bf16",
               "speedup_vs_naive", "bf16_us", "naive_us", "read_bw_tbps", "fraction_of_read_bw",

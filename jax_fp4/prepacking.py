@@ -1,20 +1,20 @@
 """`prepack` / `unprepack`: weight layouts prepared once at load time for a kernel path.
 
-  target="tiled"  the tiled layout (jax_fp4/_layout.py): the packed codes and block scales
+  target="tiled"  the tiled layout (jax_fp4/layout.py): the packed codes and block scales
                   reordered (same shapes and bytes). The CUDA GEMV, fused GEMM and dequant kernels
                   and the CPU kernel read it directly (the CUDA ones faster than the spec layout
                   on the H200); the reference and native paths transform it back inside the
                   program (on SM120 with the native path, use target="sm120").
   target="sm120"  the native Blackwell SM120 path's swizzled scales, kept beside the plain ones
-                  (jax_fp4/_native.py).
+                  (jax_fp4/native.py).
 """
 
 from __future__ import annotations
 
 import jax
 
-from jax_fp4 import _layout, _native
-from jax_fp4._format import NVFP4Weight, spec_arrays
+from jax_fp4 import layout as _layout, native as _native
+from jax_fp4.format import NVFP4Weight, spec_arrays
 
 TARGETS = ("tiled", "sm120")
 

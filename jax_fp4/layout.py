@@ -35,7 +35,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp4._explicit_axes import by_row_tiles
+from jax_fp4.explicit_axes import by_row_tiles
 
 TILE_ROWS = 16
 WINDOW = 128  # K elements per window (kGemvWindow)

@@ -8,7 +8,7 @@ Two things jax.export needs from a library of custom calls:
     that runs it must `import jax_fp4` first (which registers them), with the same kernel ABI.
 
 Multi-device programs export when their mesh axes are Explicit (`jax.make_mesh`'s default): the
-kernels are then laid out by shard_map from the sharding types (jax_fp4/_sharding.py). Under
+kernels are then laid out by shard_map from the sharding types (jax_fp4/sharding.py). Under
 Auto axes the partitioning rules are Python callbacks, which jax.export cannot serialize.
 """
 
@@ -18,9 +18,9 @@ import json
 
 import jax
 
-from jax_fp4 import _ffi
-from jax_fp4._format import NVFP4Weight
-from jax_fp4._native import PrepackedNVFP4Weight
+from jax_fp4 import ffi as _ffi
+from jax_fp4.format import NVFP4Weight
+from jax_fp4.native import PrepackedNVFP4Weight
 
 
 def export_disabled_checks() -> list:

@@ -1,4 +1,4 @@
-"""Benchmark jax_fp4.matmul against what JAX users get today: `python -m jax_fp4.bench`.
+"""Benchmark jax_fp4.matmul against what JAX users get today: `python -m bench`.
 
 For every (shape N x K, M, dtype) row, measured in the same run:
 
@@ -48,10 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp4
-from jax_fp4 import _ffi
-from jax_fp4._format import E2M1_VALUES
-from jax_fp4._matmul import default_device
-from jax_fp4._prepack import in_layout
+from jax_fp4 import ffi as _ffi
+from jax_fp4.format import E2M1_VALUES
+from jax_fp4.ops import default_device
+from jax_fp4.prepacking import in_layout
 
 MB = 1_000_000
 GB = 1_000_000_000
@@ -760,7 +760,7 @@ def _shape_list(text: str) -> list[Shape]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jax_fp4.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=_int_list, default=None,
                    help=f"M values, e.g. '1,8,64' (default {','.join(map(str, DEFAULT_M))})")

@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jax_fp4._explicit_axes import by_row_tiles
-from jax_fp4._format import NVFP4Weight, scale_as_bytes
+from jax_fp4.explicit_axes import by_row_tiles
+from jax_fp4.format import NVFP4Weight, scale_as_bytes
 
 NATIVE_ENV = "JAX_FP4_NATIVE_SM120"
 QUANTIZE_ACTIVATION_TARGET = "jax_fp4_quantize_activation_cuda"

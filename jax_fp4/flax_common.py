@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_fp4._format import quantize
+from jax_fp4.quantization import quantize
 
 
 def quantize_kernel(kernel, block_size, method="modelopt", importance=None):

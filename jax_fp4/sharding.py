@@ -48,7 +48,7 @@ Limits:
   - Under Auto axes, jax.export of a multi-device program fails ("serialization of host_callbacks
     is not yet implemented": custom_partitioning's rules are Python callbacks), and so does
     lowering for an AbstractMesh (the rule needs the devices). Export under Explicit axes, or of a
-    single-device program, works (jax_fp4/_export.py).
+    single-device program, works (jax_fp4/export.py).
   - A mesh mixing Explicit and Auto axes takes custom_partitioning; the result's type carries
     its Explicit axes only.
   - JAX_FP4_CUSTOM_PARTITIONING=0 switches the rules off (for comparison and debugging).
@@ -66,9 +66,9 @@ from jax._src import dispatch as _jax_dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_fp4 import _dispatch, _fused
-from jax_fp4._dispatch import env_flag
-from jax_fp4._explicit_axes import (axes_size, explicit_entries, explicit_type, spec_axes,
+from jax_fp4 import dispatch as _dispatch, fused as _fused
+from jax_fp4.dispatch import env_flag
+from jax_fp4.explicit_axes import (axes_size, explicit_entries, explicit_type, spec_axes,
                                     spec_entry, typed_mesh)
 
 def register_primitive(prim) -> None:
