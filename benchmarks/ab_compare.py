@@ -1,7 +1,8 @@
-"""Compares the sides of an A/B call (`device_run.sh fused-ab`: fused_timing.py JSON; `pdl-ab`:
-`python -m bench --json`; one file per side, in the order they ran): each shape's time per
-side, how far the base sides drifted apart, and a verdict for the new side that counts only what
-lies outside that drift.
+"""Compares the sides of an A/B run: two builds (or two settings) timed in one device call, base,
+new, base, each side a `benchmarks/fused_timing.py --json` or `benchmarks/bench.py --json` file,
+given in the order they ran. Prints each shape's time per side, how far the base sides drifted
+apart, and a verdict for the new side that counts only what lies outside that drift (identical
+code can time up to ~15% apart between runs, so a base on both sides shows the drift).
 
     python benchmarks/ab_compare.py fused_ab_1_base.json fused_ab_2_new.json fused_ab_3_base.json
 
@@ -23,7 +24,7 @@ import sys
 
 def load_side(path: str, variant: str) -> dict[tuple[int, int, int], float]:
     """(n, k, m) -> microseconds of `variant` in one fused_timing.py JSON, or of jax_fp4 in one
-    `python -m bench --json` file (its "rows"; `variant` does not apply)."""
+    `benchmarks/bench.py --json` file (its "rows"; `variant` does not apply)."""
     results = json.loads(pathlib.Path(path).read_text())
     if "rows" in results:
         return {(r["n"], r["k"], r["m"]): float(r["us"]) for r in results["rows"]}

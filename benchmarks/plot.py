@@ -1,4 +1,4 @@
-"""Plot a `python -m bench --json PATH` result: one PNG per (shape, dtype).
+"""Plot a `python benchmarks/bench.py --json PATH` result: one PNG per (shape, dtype).
 
     pip install 'jax_fp4[plot]'        # matplotlib
     python benchmarks/plot.py results.json --out plots/
@@ -109,7 +109,7 @@ def plot_results(results: dict, out_dir: str, max_m_bw: int = 64) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json", help="results written by python -m bench --json")
+    parser.add_argument("json", help="results written by benchmarks/bench.py --json")
     parser.add_argument("--out", default="plots", help="output folder (default: plots/)")
     parser.add_argument("--max-m-bw", type=int, default=64, help="largest M on the TB/s panel")
     args = parser.parse_args(argv)

@@ -1,10 +1,10 @@
 """Runs each jax_fp4 CUDA kernel once per case, for Nsight Compute to profile (kernel-only time
-with a cold L2, launch shape, stall reasons). Run on the H200 under ncu, e.g.
+with a cold L2, launch shape, stall reasons). Run it under ncu, e.g.
 
     ncu --clock-control none -k regex:"Gemv|Fused" --section SpeedOfLight --section LaunchStats \
         --section Occupancy --section WarpStateStats python benchmarks/profile_kernels.py
 
-Cases are "backend:M:NxK" (default: the decode GEMV and the fused GEMM at the shapes NOTES.md
+Cases are "backend:M:NxK" (default: the decode GEMV and the fused GEMM at the shapes docs/design.md
 discusses). Every case runs twice (compile + warm) before the profiled third call. `--layout
 tiled` prepacks the weights (jax_fp4.prepack), as the default bench sweep times them.
 """
@@ -37,7 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=DEFAULT_CASES, help="backend:M:NxK,...")
     ap.add_argument("--layout", choices=("spec", "tiled"), default="spec",
-                    help="weights in the spec's layout or prepacked (N % 16 == 0, K % 128 == 0)")
+                    help="weights in the spec's layout or prepacked (N %% 16 == 0, K %% 128 == 0)")
     args = ap.parse_args()
     for case in args.cases.split(","):
         backend, m, shape = case.split(":")

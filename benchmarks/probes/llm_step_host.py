@@ -1,4 +1,4 @@
-"""Is the LLM example's decode step bound by the host? (benchmarks/NOTES.md, thirty-second session)
+"""Is the LLM example's decode step bound by the host?
 
 Builds examples/llm_generate.py's model of a preset's shapes with random weights (layers
 unrolled), compiles its decode step (forward + argmax, caches donated), and prints per run

@@ -79,7 +79,7 @@ def test_sides_from_flag_and_bad_input(ab, tmp_path, capsys):
 
 
 def test_bench_json_sides(ab, tmp_path, capsys):
-    """`python -m bench --json` files (the pdl-ab stage): jax_fp4's `us` per row."""
+    """`benchmarks/bench.py --json` files: jax_fp4's `us` per row."""
     rng = np.random.default_rng()
     times = rng.uniform(5, 500, (3, len(SHAPES)))
     paths = []

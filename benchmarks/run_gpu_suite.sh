@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build jax_fp4 for this machine's GPU, run the GPU tests, then the default benchmark sweep.
+#
+#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench] [OUTDIR]
+#
+# Run from the repository root, in the Python environment to test (jax with CUDA installed).
+# OUTDIR (default ./gpu_suite_out) receives build.log, tests.log, bench.log and bench.json.
+set -uo pipefail
+
+build=1 only="" out=""
+while (($#)); do
+  case "$1" in
+    --skip-build) build=0 ;;
+    --only) only="${2:?--only takes tests or bench}"; shift ;;
+    -h|--help) sed -n 2,6p "$0"; exit 0 ;;
+    *) out="$1" ;;
+  esac
+  shift
+done
+case "$only" in ""|tests|bench) ;; *) echo "--only takes tests or bench, got '$only'" >&2; exit 2 ;; esac
+out="${out:-./gpu_suite_out}"
+mkdir -p "$out"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+status=0
+
+if ((build)); then
+  cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
+  [[ -n "$cap" ]] || { echo "nvidia-smi reports no GPU" >&2; exit 1; }
+  arch="${cap}-real"
+  [[ "$cap" == 90 || "$cap" == 120 ]] && arch="${cap}a-real"  # wgmma / SM120 GEMM need the "a" target
+  echo "== build for sm_$cap ($arch)"
+  JAX_FP4_CUDA=ON CMAKE_ARGS="-DJAX_FP4_CUDA_ARCHITECTURES=$arch" \
+    python -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 \
+    || { echo "build failed: $out/build.log" >&2; tail -20 "$out/build.log" >&2; exit 1; }
+  python -m jax_fp4 info 2>&1 | tee -a "$out/build.log"
+fi
+
+if [[ -z "$only" || "$only" == tests ]]; then
+  echo "== GPU tests"
+  workers=()
+  python -c "import xdist" 2>/dev/null && workers=(-n 4)
+  python -m pytest -q -m gpu "${workers[@]}" tests 2>&1 | tee "$out/tests.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+fi
+
+if [[ -z "$only" || "$only" == bench ]]; then
+  echo "== benchmark (default sweep and decode step)"
+  python benchmarks/bench.py --layout tiled --decode-step --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+fi
+
+echo "== logs in $out"
+exit $status
