@@ -1,4 +1,4 @@
-"""Benchmark jax_fp4.matmul against what JAX users get today: `python -m bench`.
+"""Benchmark jax_fp4.matmul against what JAX users get today: `python benchmarks/bench.py`.
 
 For every (shape N x K, M, dtype) row, measured in the same run:
 
@@ -13,7 +13,7 @@ For every (shape N x K, M, dtype) row, measured in the same run:
             over a uint32 buffer of that size (READ_KERNELS). What the memory system delivers to an
             XLA kernel of that size: the yardstick for `fraction_of_read_bw` and `floor_us`.
 
-Method (NOTES.md section 6; benchmarks/README.md has the details): each variant runs as a jitted
+Method (benchmarks/README.md has the details): each variant runs as a jitted
 chain of L layers, each layer with its own weight and activation, so that the weights rotate through
 several times the 60 MB L2 and no layer reads another's weight from cache. Every layer's output passes an optimization barrier and one
 element of it joins a scalar sum, so XLA can neither drop nor shrink any matmul. Two chains, L1 < L2
@@ -41,7 +41,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +88,7 @@ DEFAULT_SHAPES = (
     Shape(4096, 11008),
     Shape(17408, 5120),
     Shape(28672, 8192),
-    Shape(5120, 17408, max_m=8),    # decode-only: the remaining shape of issue 4's GEMV targets
+    Shape(5120, 17408, max_m=8),    # decode-only: a down projection with long rows
     Shape(248320, 2048, max_m=8),   # lm_head
 )
 QUICK_SHAPES = (Shape(256, 512), Shape(512, 256))
@@ -241,10 +241,39 @@ def naive_dequantize(w: jax_fp4.NVFP4Weight, dtype) -> jax.Array:
     return values * scale * w.global_scale.astype(dtype)
 
 
-def fp4_layer(backend: str | None) -> Callable:
+def fp4_layer(backend: str | None, tuning: jax_fp4.KernelTuning | None = None) -> Callable:
     def jax_fp4_matmul(a, w):
-        return jax_fp4.matmul(a, w, backend=backend)
+        return jax_fp4.matmul(a, w, backend=backend, tuning=tuning)
     return jax_fp4_matmul
+
+
+def parse_tuning(text: str | None) -> jax_fp4.KernelTuning | None:
+    """'fused_tile_m=64,programmatic_launch=1' -> KernelTuning(fused_tile_m=64,
+    programmatic_launch=True): the kernel choices a measurement fixes (None for an empty text).
+    Booleans take 0/1/true/false; fused_warp_specialized and fused_stream_k also 'auto' (None)."""
+    if not text:
+        return None
+    fields = {f.name: f for f in dataclasses.fields(jax_fp4.KernelTuning)}
+    values = {}
+    for item in text.split(","):
+        name, eq, raw = item.strip().partition("=")
+        if not eq or name not in fields:
+            raise ValueError(f"tuning: expected NAME=VALUE with NAME one of {sorted(fields)}, "
+                             f"got {item!r}")
+        raw = raw.strip().lower()
+        if name in ("fused_warp_specialized", "fused_stream_k", "programmatic_launch"):
+            booleans = {"1": True, "true": True, "0": False, "false": False}
+            if name != "programmatic_launch":
+                booleans["auto"] = None
+            if raw not in booleans:
+                raise ValueError(f"tuning: {name} takes {'/'.join(booleans)}, got {raw!r}")
+            values[name] = booleans[raw]
+        else:
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                raise ValueError(f"tuning: {name} takes an integer, got {raw!r}") from None
+    return jax_fp4.KernelTuning(**values)
 
 
 def dense_layer(a, w):
@@ -396,6 +425,7 @@ class Settings:
     dtype_name: str = "bf16"
     backend: str | None = None
     layout: str = "spec"      # "tiled": the jax_fp4 weights prepacked (where the shape allows)
+    tuning: jax_fp4.KernelTuning | None = None  # kernel choices fixed for the jax_fp4 matmuls
     repeats: int = 10
     warmup: int = 2
     min_time_s: float = 0.2   # time at least this long per chain pair (more repeats, up to 10x)
@@ -465,7 +495,8 @@ class Bench:
             path = jax_fp4.dispatch_path(acts[0], run_ws[0], backend=s.backend)
             passes = []
             for _ in range(s.passes):
-                passes.append((self._time(chain_of(fp4_layer(s.backend)), (acts, run_ws), l1, l2),
+                layer = fp4_layer(s.backend, s.tuning)
+                passes.append((self._time(chain_of(layer), (acts, run_ws), l1, l2),
                                self._time(chain_of(dense_layer), (acts, dense_ws), l1, l2),
                                self._time(chain_of(naive_layer), (acts, fp4_ws), l1, l2)))
             fp4, dense, naive = (median_pass(variant) for variant in zip(*passes))
@@ -481,7 +512,7 @@ class Bench:
     def laid_out(self, w: jax_fp4.NVFP4Weight) -> jax_fp4.NVFP4Weight:
         return in_layout(w, self.settings.layout)
 
-    def decode_step(self, model: "DecodeModel") -> "DecodeResult":
+    def decode_step(self, model: DecodeModel) -> DecodeResult:
         return run_decode_step(self, model)
 
 
@@ -602,7 +633,7 @@ def run_decode_step(bench: Bench, model: DecodeModel) -> DecodeResult:
         return t, e2e
 
     laid_out = [jax.tree_util.tree_map(bench.laid_out, m, is_leaf=_is_weight) for m in (fp4_1, fp4_2)]
-    fp4, fp4_e2e = measure(fp4_layer(s.backend), laid_out)
+    fp4, fp4_e2e = measure(fp4_layer(s.backend, s.tuning), laid_out)
     dense, dense_e2e = measure(dense_layer, [dense1, dense2])
     naive, naive_e2e = measure(naive_layer, [fp4_1, fp4_2])
     path = jax_fp4.dispatch_path(xs[0], fp4_1[1], backend=s.backend)
@@ -726,6 +757,7 @@ def results_json(rows: Sequence[Row], reads: Sequence[ReadBandwidth], decode: De
         "cpu_kernel_builds": _ffi.cpu_kernel_builds(),  # what the `cpu` path ran on this CPU
         "dtype": settings.dtype_name,
         "backend": settings.backend or "auto",
+        "tuning": None if settings.tuning is None else dataclasses.asdict(settings.tuning),
         "layout": settings.layout,
         "repeats": settings.repeats,
         "passes": settings.passes,
@@ -759,8 +791,15 @@ def _shape_list(text: str) -> list[Shape]:
     return [parse_shape(x) for x in text.replace(",", " ").split()]
 
 
+def _tuning(text: str) -> jax_fp4.KernelTuning | None:
+    try:
+        return parse_tuning(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=_int_list, default=None,
                    help=f"M values, e.g. '1,8,64' (default {','.join(map(str, DEFAULT_M))})")
@@ -769,6 +808,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
     p.add_argument("--backend", choices=[b for b in jax_fp4.BACKENDS], default=None,
                    help="force a jax_fp4 backend (default: auto dispatch)")
+    p.add_argument("--tuning", type=_tuning, default=None,
+                   help="fix kernel choices of the jax_fp4 matmuls (jax_fp4.KernelTuning fields), "
+                        "e.g. 'fused_tile_m=64,programmatic_launch=1' (default: the heuristics)")
     p.add_argument("--layout", choices=("spec", "tiled"), default="spec",
                    help="weight layout of the jax_fp4 matmuls: 'tiled' prepacks them "
                         "(jax_fp4.prepack, the layout the CUDA kernels read fastest) where the shape "
@@ -816,7 +858,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = args.cache_mb * MB if args.cache_mb is not None else (
         QUICK_CACHE_BYTES if args.quick else DEFAULT_CACHE_BYTES)
     settings = Settings(
-        dtype_name=args.dtype, backend=args.backend, layout=args.layout,
+        dtype_name=args.dtype, backend=args.backend, layout=args.layout, tuning=args.tuning,
         repeats=args.repeats if args.repeats is not None else (5 if args.quick else 10),
         warmup=args.warmup, passes=args.passes,
         min_time_s=args.min_time if args.min_time is not None else (0.0 if args.quick else 0.2),

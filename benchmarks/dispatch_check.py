@@ -1,5 +1,5 @@
-"""Does `auto` pick the fastest jax_fp4 backend? Issue 7's dispatch target (the default within 5%
-of the fastest of gemv / fused / dequant at every M), measured with the bench's method.
+"""Does `auto` pick the fastest jax_fp4 backend? The dispatch's goal (the default within 5% of the
+fastest of gemv / fused / dequant at every M), measured with the bench's method.
 
     python benchmarks/dispatch_check.py --layout tiled --m 9,16,32,1024,2048 --json dispatch.json
 
@@ -11,9 +11,10 @@ keeps its median. The verdict: auto's time over the fastest backend's, within --
 
     python benchmarks/dispatch_check.py --rejudge dispatch.json [more.json ...] --json rejudged.json
 
-judges earlier runs' times again with this checkout's dispatch rules (auto's pick on an H200,
-compute capability 9.0), as one table: every backend was timed, so a rule changed after a run is
-checked against the same measurements without the GPU.
+judges earlier runs' times again with this checkout's dispatch rules (auto's pick by
+`jax_fp4.dispatch.plan` for the run's GPU: its device kind's table entry, compute capability 9.0
+unless --capability says otherwise), as one table: every backend was timed, so a rule changed
+after a run is checked against the same measurements without the GPU.
 """
 
 from __future__ import annotations
@@ -27,18 +28,19 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
+import bench
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_fp4
-import bench
 from jax_fp4 import dispatch as _dispatch
+from jax_fp4.config import parse_capability
 
 DEFAULT_BACKENDS = ("gemv", "fused", "dequant")
-DEFAULT_TOLERANCE = 1.05  # issue 7: "the fastest ... within 5%"
+DEFAULT_TOLERANCE = 1.05  # auto within 5% of the fastest backend
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_M = "1,8,9,12,16,17,32,64,128,256,512,1024,2048,4096"
 
@@ -113,10 +115,20 @@ def check_shape(shape: bench.Shape, ms: Sequence[int], backends: Sequence[str], 
         del acts
 
 
-def rejudged(row: dict, dtype: str, tolerance: float, capability=(9, 0)) -> Verdict:
-    """A verdict of a dispatch_check.py JSON row with auto's pick by this checkout's rules."""
-    auto = _dispatch.auto_cuda_path(row["m"], row["n"], row["k"], dtype=bench.DTYPES[dtype],
-                                    tiled=row["layout"] == "tiled", capability=capability)
+def device_kind_of(device: str | None) -> str | None:
+    """The device kind of a run's "device" entry ("gpu:NVIDIA H200" -> "NVIDIA H200")."""
+    if not device:
+        return None
+    return device.partition(":")[2] or None
+
+
+def rejudged(row: dict, dtype: str, tolerance: float, capability=(9, 0),
+             device_kind: str | None = None) -> Verdict:
+    """A verdict of a dispatch_check.py JSON row with auto's pick by this checkout's rules, for a
+    GPU of `capability` and `device_kind` (None: the capability's table entry)."""
+    problem = _dispatch.Problem(m=row["m"], n=row["n"], k=row["k"], block_size=16,
+                                dtype=np.dtype(bench.DTYPES[dtype]), tiled=row["layout"] == "tiled")
+    auto = _dispatch.plan(problem, _dispatch.cuda_target(capability, device_kind=device_kind)).path
     if auto not in row["us"]:
         raise ValueError(f"row {row['n']}x{row['k']} M = {row['m']}: the rules pick {auto!r}, "
                          f"which that run did not time (it timed {sorted(row['us'])})")
@@ -150,6 +162,13 @@ def summary(verdicts: Sequence[Verdict], tolerance: float) -> str:
             f"{len(verdicts)} rows")
 
 
+def _capability(text: str) -> tuple[int, int]:
+    try:
+        return parse_capability(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"NxK list (default {DEFAULT_SHAPES})")
@@ -169,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--rejudge", metavar="JSON", nargs="+",
                    help="judge earlier --json runs' times with the current rules; times nothing")
+    p.add_argument("--capability", type=_capability, default=(9, 0),
+                   help="--rejudge: the compute capability the runs' GPU has (default 9.0)")
     return p
 
 
@@ -178,7 +199,9 @@ def write_json(path: str, header: dict, verdicts: Sequence[Verdict]) -> None:
 
 def rejudge_main(args, command: str) -> int:
     runs = [json.loads(open(path).read()) for path in args.rejudge]
-    verdicts = [rejudged(row, run["dtype"], args.tolerance) for run in runs for row in run["rows"]]
+    verdicts = [rejudged(row, run["dtype"], args.tolerance, capability=args.capability,
+                         device_kind=device_kind_of(run.get("device")))
+                for run in runs for row in run["rows"]]
     shapes = list(dict.fromkeys((v.n, v.k) for v in verdicts))  # the runs' shape order, then M
     verdicts.sort(key=lambda v: (v.layout, shapes.index((v.n, v.k)), v.m))
     if args.json:

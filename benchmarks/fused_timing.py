@@ -9,6 +9,7 @@ batch of back-to-back calls, divided by the number of matmuls.
     python benchmarks/fused_timing.py [--shapes 11008x4096,4096x11008] [--ms 16,64,256] [--json PATH]
     python benchmarks/fused_timing.py --variants bf16,fused,gemv --ms 16,32,64,128
     python benchmarks/fused_timing.py --layout tiled ...   # prepacked weights (jax_fp4.prepack)
+    python benchmarks/fused_timing.py --tuning fused_split=3 ...   # fixed kernel choices
     python benchmarks/fused_timing.py --plot-from results/fused_h200.json --png plots/fused.png
 
 Needs jax_fp4 built with its CUDA module (both targets registered) and an sm_90 device.
@@ -17,36 +18,40 @@ Needs jax_fp4 built with its CUDA module (both targets registered) and an sm_90 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import os
 import statistics
 import time
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jax_fp4 import fused as _fused, layout as _layout
+import jax_fp4
+from jax_fp4 import fused as _fused
+from jax_fp4 import layout as _layout
 
 FUSED = "jax_fp4_fused_cuda"
 DEQUANT = "jax_fp4_dequant_cuda"
 GEMV = "jax_fp4_gemv_cuda"
-# Variants that are `fused` run under an environment override (read by the kernel on each call):
+# Variants that are `fused` with a kernel choice fixed (FFI attributes, jax_fp4.KernelTuning):
 # the multistage kernel at every tile or the warp-specialized one (64-row tiles and up: M > 32),
 # 128 weight rows per CTA at the 128-row tile (M = 65-128), and cluster split-K or stream-K forced
 # for the warp-specialized kernel (stream-K: M > 64 only).
-ENV_VARIANTS = {"fused_multistage": ("JAX_FP4_FUSED_WARP_SPECIALIZED", "0"),
-                "fused_ws": ("JAX_FP4_FUSED_WARP_SPECIALIZED", "1"),
-                "fused_tile_n128": ("JAX_FP4_FUSED_TILE_N", "128"),
-                "fused_cluster": ("JAX_FP4_FUSED_STREAM_K", "0"),
-                "fused_stream_k": ("JAX_FP4_FUSED_STREAM_K", "1")}
-VARIANTS = ("bf16", "dequant", "dequant16", "fused", *ENV_VARIANTS, "fused_own_a", "gemv")
+TUNED_VARIANTS = {"fused_multistage": {"fused_warp_specialized": False},
+                  "fused_ws": {"fused_warp_specialized": True},
+                  "fused_tile_n128": {"fused_tile_n": 128},
+                  "fused_cluster": {"fused_stream_k": False},
+                  "fused_stream_k": {"fused_stream_k": True}}
+VARIANTS = ("bf16", "dequant", "dequant16", "fused", *TUNED_VARIANTS, "fused_own_a", "gemv")
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_MS = "16,32,64,128,256,512,1024,2048,4096"
 CHAIN_BYTES = 200e6  # each chain's fp4 weights exceed the 60 MB L2 about 3x
 TILED = False  # --layout tiled: the weights prepacked, every kernel told so (set once by main)
+TUNING = jax_fp4.KernelTuning()  # --tuning: the kernel choices of every variant (set once by main)
 
 
 def register_targets() -> str:
@@ -59,20 +64,27 @@ def register_targets() -> str:
     return "package"
 
 
-def fused_call(a, packed, scale, gs):
+def _attributes(attributes: dict) -> dict:
+    return {k: v if isinstance(v, bool) else np.int64(v) for k, v in attributes.items()}
+
+
+def fused_call(a, packed, scale, gs, tuning=None):
     (m, k), n = a.shape, packed.shape[0]
+    tuning = TUNING if tuning is None else tuning
     call = jax.ffi.ffi_call(FUSED, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                     jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),),
                                                          jnp.float32)))
     y, _ = call(_fused.to_fragment_order(a, TILED), packed, scale, gs, jnp.zeros((0,), a.dtype),
-                block_size=np.int64(16), tiled=TILED)
+                block_size=np.int64(16), tiled=TILED, **_attributes(tuning.fused_attributes()))
     return y
 
 
 def gemv_call(a, packed, scale, gs):
+    # The tensor-core kernel (K % 128 == 0 here, sm_90).
     call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype))
     return call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16),
-                use_mma=True, tiled=TILED, row_tiling=True)
+                tiled=TILED, tensor_cores=True, row_tiling=True,
+                **_attributes(TUNING.gemv_attributes()))
 
 
 def dequantize(a, packed, scale, gs):
@@ -119,7 +131,7 @@ def write_json(path, dev, dtype, records):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"device": dev.device_kind, "dtype": dtype.name, "jax": jax.__version__,
-                   "layout": "tiled" if TILED else "spec",
+                   "layout": "tiled" if TILED else "spec", "tuning": dataclasses.asdict(TUNING),
                    "method": "jitted chain of distinct weights, median of 5 batches, per matmul",
                    "records": records}, f, indent=1)
 
@@ -173,14 +185,23 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layout", choices=("spec", "tiled"), default="spec",
                     help="weights in the spec's layout or prepacked (tiled: N %% 16 == 0, K %% 128 == 0)")
+    ap.add_argument("--tuning", default=None,
+                    help="kernel choices for every variant (jax_fp4.KernelTuning fields), e.g. "
+                         "'fused_split=3,programmatic_launch=1'; a tuned variant's own field wins")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fused_timing.json"))
     args = ap.parse_args()
     if args.plot_from:
         plot(args.plot_from, args.png)
         return
     source = register_targets()
-    global TILED
+    global TILED, TUNING
     TILED = args.layout == "tiled"
+    import bench  # benchmarks/ is this script's directory: on sys.path
+
+    try:
+        TUNING = bench.parse_tuning(args.tuning) or jax_fp4.KernelTuning()
+    except ValueError as err:
+        raise SystemExit(f"--tuning: {err}") from None
     dtype = jnp.dtype(args.dtype)
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -214,9 +235,12 @@ def main():
         def chain_fused(a, ws):
             return [fused_call(a, *w) for w in ws]
 
-        # chain_fused as its own executable per override: XLA may capture the calls in a command
-        # buffer on the first run, and an executable recorded under one setting replays it later.
-        env_chains = {v: jax.jit(lambda a, ws: [fused_call(a, *w) for w in ws]) for v in ENV_VARIANTS}
+        # One executable per tuned variant: the kernel choices are attributes of its calls.
+        tuned_chains = {
+            v: jax.jit(functools.partial(
+                lambda a, ws, tuning: [fused_call(a, *w, tuning=tuning) for w in ws],
+                tuning=dataclasses.replace(TUNING, **fields)))
+            for v, fields in TUNED_VARIANTS.items()}
 
         @jax.jit
         def chain_fused_own_a(acts, ws):
@@ -247,26 +271,17 @@ def main():
                 fn, ws = {"fused": (chain_fused, weights), "dequant": (chain_dequant, weights),
                           "dequant16": (chain_dequant16, weights), "bf16": (chain_bf16, w16),
                           "gemv": (chain_gemv, weights), "fused_own_a": (None, weights),
-                          **{e: (env_chains[e], weights) for e in ENV_VARIANTS}}[v]
+                          **{e: (tuned_chains[e], weights) for e in TUNED_VARIANTS}}[v]
                 if v == "fused_own_a":
                     fn, a_arg = chain_fused_own_a, [a * (1.0 + 2.0**-8 * i) for i in range(n_mm)]
                 else:
                     a_arg = a
-                env_name, env_value = ENV_VARIANTS.get(v, (None, None))
-                saved = os.environ.get(env_name) if env_name else None
                 try:
-                    if env_name:
-                        os.environ[env_name] = env_value
                     sec, spread = time_chain(fn, (a_arg, ws), n_mm)
                 except Exception as err:  # report and keep going
                     print(f"  {v} N={n} K={k} M={m}: FAILED {type(err).__name__}: {err}", flush=True)
                     row[f"{v}_us"] = None
                     continue
-                finally:
-                    if env_name and saved is None:
-                        os.environ.pop(env_name, None)
-                    elif env_name:
-                        os.environ[env_name] = saved
                 row[f"{v}_us"] = sec * 1e6
                 row[f"{v}_spread"] = spread
                 row[f"{v}_tflops"] = 2.0 * m * n * k / sec / 1e12

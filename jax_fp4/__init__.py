@@ -6,14 +6,14 @@
 """
 
 from jax_fp4 import ffi as _ffi  # noqa: F401  (importing it registers the FFI targets)
+from jax_fp4.config import KernelTuning
 from jax_fp4.dispatch import BACKENDS, GEMV_MAX_M
 from jax_fp4.export import export_disabled_checks
 from jax_fp4.format import NVFP4Weight, dequantize, pack_codes, unpack_codes
-from jax_fp4.quantization import quantize
-from jax_fp4.ops import dispatch_path, matmul
 from jax_fp4.native import PrepackedNVFP4Weight
+from jax_fp4.ops import dispatch_path, matmul, nvfp4_matmul_p
 from jax_fp4.prepacking import prepack, unprepack
-from jax_fp4.ops import nvfp4_matmul_p
+from jax_fp4.quantization import quantize
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,7 @@ def __getattr__(name):
 __all__ = [
     "BACKENDS",
     "GEMV_MAX_M",
+    "KernelTuning",
     "NVFP4Weight",
     "dequantize",
     "dispatch_path",

@@ -1,10 +1,13 @@
-"""Choosing the kernel for one matmul from static shapes: pure functions, tested on any machine.
+"""Choosing the kernel for one matmul from static shapes: a table of measured crossovers per GPU
+and layout, and one function, `plan`, that turns (problem, target, backend) into a path and the
+GEMV's kernel variant. Pure: tested on any machine, no device needed.
 
 Paths:
   empty      M, N or K is zero: no kernel, zeros (+ bias) or an empty array.
   reference  the pure-JAX decomposition (dequantize to float32, dot at HIGHEST precision).
   cpu        the fused C++ FFI handler (decode + dot, fp32 accumulation).
-  gemv       CUDA fused decode GEMV for small M (block_size 16, K % 32 == 0, fp16/bf16).
+  gemv       CUDA fused decode GEMV for small M (block_size 16, K % 32 == 0, fp16/bf16), on tensor
+             cores (sm_80+, K % 128 == 0 or a prepacked weight) or the scalar kernel.
   fused      CUDA fused NVFP4 x fp16/bf16 GEMM for Hopper (sm_90a), no dequantized copy: the
              mid-M range on compute capability 9.x (block_size 16, K % 128 == 0).
   dequant    CUDA dequantize kernel into an fp16/bf16 [N, K] buffer, then XLA's dot (cuBLAS).
@@ -14,85 +17,136 @@ Paths:
              build without CUDA kernels, or a GPU none of the compiled architectures runs on).
   native     CUDA W4A4 SM120 (Blackwell GeForce) CUTLASS GEMM: activations quantized to NVFP4;
              only when JAX_FP4_NATIVE_SM120=1 (or forced) on compute capability 12.x.
+
+The crossovers are `Crossovers` entries in TABLES (keyed by the device kind JAX reports), with
+CAPABILITY_FALLBACK for GPUs of a measured compute capability under another name, and DEFAULT
+for the rest. Each number's measurement is in its comment; docs/design.md gives the reasoning
+and benchmarks/RESULTS.md the tables. `python benchmarks/tune_dispatch.py` measures a new GPU
+and prints its entry.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 
 import numpy as np
 
-from jax_fp4 import fused as _fused, native as _native
+from jax_fp4 import fused as _fused
+from jax_fp4 import native as _native
 
 BACKENDS = ("auto", "reference", "cpu", "gemv", "dequant", "fused", "native", "xla")
 
-# The "auto" thresholds, from the crossovers measured on the H200 (benchmarks/NOTES_fused.md,
-# "Eighth session"; benchmarks/results/sweeps/fused_bm256_crossovers_h200.json and
-# fused_load_hoist_h200.json; since the twenty-third session benchmarks/dispatch_check.py, every
-# backend timed by the bench's method: `bash benchmarks/device_run.sh build dispatch-check`):
-# - M <= 8: the decode GEMV.
-# - 9 <= M <= 16: the GEMV (two column and two row tiles per warp), except on prepacked (layout
-#   "tiled") wide weights with long rows, N >= 8192 and K >= 8192, where the fused GEMM wins.
-#   `python -m bench` with both backends forced in one call ("Twenty-second session",
-#   results/sweeps/bench_m9_16_session22_h200.log): prepacked, the fused GEMM 6-19% faster on
-#   28672x8192 and the GEMV 0-7% on 17408x5120 (kernel-only chains, fused_timing.py, had the GEMV
-#   ahead on both, and on K = 4096 by 7-30%: "Twenty-first session"); on the spec layout, whose
-#   fused GEMM runs these M 1.6-1.8x slower than prepacked, the GEMV 16-33% faster on both
-#   (bench_spec_m9_16_session22_h200.log).
-# - 16 < M <= 32 on prepacked weights with N <= 4096 and K >= 8192: still the GEMV.
-#   benchmarks/dispatch_check.py ("Twenty-third session", results/sweeps/dispatch_check_*_session23_h200)
-#   on 4096x11008, two calls: the GEMV 4-11% ahead at M = 17, 24 and 32, the fused GEMM 29% at M = 48;
-#   on 5120x17408 and on the spec layout the fused GEMM leads from M = 17 on (by 20-40%).
-#   Beyond that shape ("Twenty-seventh session", dispatch_check_tiled_narrow*_session27_h200): the
-#   GEMV ahead or within 5% at M = 24-32 on 1024x16384 and 2048x8192, 17-32 on 4096x14336; behind on
-#   2048x16384 from M = 24 (by 3-19%; one column tile per warp there: NOTES.md), a known miss.
-# - 16 < M <= 64 on small weights, N <= 1024 and K <= 8192, where the GEMV runs on tensor cores:
-#   the GEMV. There the fused GEMM's time is set by K, not by the weight's size (~10 us at K = 4096,
-#   ~14 at 8192): prepacked, the GEMV 10-71% ahead at M = 20-64 on 1024x8192 and 1024x4096 (H200);
-#   on the spec layout 15-74% ahead at M = 17-64 on the same two shapes (thirty-fifth session, an
-#   H100: results/sweeps/dispatch_check_spec_small_session35_h100.json); at K = 16384
-#   (1024x16384, prepacked) the fused GEMM 11% ahead at M = 48.
-# - 16 < M <= 32 on spec-layout weights of at most 2^23 elements (N * K), where the GEMV runs on
-#   tensor cores: the GEMV. The same H100 session's checks (dispatch_check_spec_small2/3_session35):
-#   the GEMV 1.21-1.54x ahead at M = 17-32 on 2048x2048, 1536x4096 and 2048x4096; past 2^23 the
-#   two within 2% at M = 32 (2048x8192, 3072x4096), the GEMV 7-16% ahead at M = 17 only; at M = 64
-#   the fused GEMM ahead on 2048x4096 and larger. Prepacked weights of these sizes: not measured.
-# - 16 < M <= 1024: the fused GEMM (M = 256: 1.2-1.8x faster than dequantize + cuBLAS). With
-#   stream-K (fourteenth and fifteenth sessions) M = 512 is 1.18-1.37x faster and M = 1024
-#   1.00-1.11x (benchmarks/results/sweeps/crossover_{fused,dequant}_session15_h200.json).
-# - 1024 < M <= 2048: the fused GEMM on large wide weights (N >= 8192 and N * K >= 3 * 2^24),
-#   dequantize + cuBLAS otherwise. dispatch_check.py, both layouts: at M = 1536-2048 the fused GEMM
-#   2-13% ahead on 28672x8192 and 17408x5120, dequantize + cuBLAS 3-12% ahead on 11008x4096 and
-#   4096x11008 at M = 2048; at M = 3072 the two within 5% on 17408x5120, dequant 4% ahead on 28672x8192.
-#   The twenty-seventh session: 14336x4096 (N * K = 3.5 * 2^24) the fused GEMM 6% ahead at M = 1536
-#   and 1% at 2048, 11008x4096 (2.7 * 2^24) the two within 1% at M = 2048: the bound between them.
-# - larger M: dequantize + cuBLAS (M = 4096: the fused GEMM 1.05-1.37x slower).
-# - Where the fused GEMM cannot run (not a Hopper GPU, or a shape it does not take) and the GEMV
-#   runs on tensor cores: the GEMV to M = 64, before dequantize + cuBLAS. Not measured off the
-#   H200; there, both forced, the GEMV was 1.4-3.4x faster than dequantize + cuBLAS at M = 17-64 on
-#   the four prefill shapes and 1.04-1.25x slower at M = 128 (dispatch_check_tiled_session23_h200).
-#   In bytes the GEMV moves less on any GPU: it reads the 0.56-byte weight once per 16 rows
-#   (4x at M = 64, from L2 where it fits), dequantize + cuBLAS moves ~4.6 bytes per weight.
+# M <= 8 is decode: the GEMV keeps it on every GPU (the native path and the fused GEMM's
+# wide-weight rule start above it).
 DECODE_MAX_M = 8
-GEMV_MAX_M = 16
-GEMV_MAX_M_WITHOUT_FUSED = 64  # GEMV_MAX_M where the fused GEMM cannot run (gemv_on_tensor_cores)
-GEMV_MAX_M_NARROW_LONG = 32  # GEMV_MAX_M on prepacked weights with N <= NARROW_N and K >= LONG_K
-GEMV_MAX_M_SMALL = 64  # GEMV_MAX_M with N <= SMALL_N and K <= LONG_K (GEMV on tensor cores)
-GEMV_MAX_M_SMALL_SPEC = 32  # GEMV_MAX_M on spec-layout weights with N * K <= SMALL_WEIGHT
-SMALL_N = 1024
-SMALL_WEIGHT = 1 << 23
-NARROW_N = 4096
-WIDE_N = 8192
-LONG_K = 8192
-FUSED_MAX_M = 1024
-FUSED_MAX_M_LARGE = 2048  # FUSED_MAX_M on weights with N >= WIDE_N and N * K >= LARGE_WEIGHT
-LARGE_WEIGHT = 3 << 24
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossovers:
+    """Where "auto" moves from one CUDA path to the next, for one GPU and one weight layout.
+
+    The GEMV's range is the largest bound of the rules that apply (None: no such rule); past it
+    the fused GEMM up to its bound where it can serve, then dequantize + cuBLAS. "Tensor cores":
+    the GEMV runs its mma.sync kernel (`gemv_tensor_cores`).
+    """
+
+    gemv_max_m: int                            # the GEMV on any weight
+    gemv_max_m_without_fused: int              # ... no fused GEMM for it, GEMV on tensor cores
+    gemv_max_m_small: int | None = None        # ... N <= small_n, K <= long_k, tensor cores
+    gemv_max_m_small_weight: int | None = None  # ... N * K <= small_weight, tensor cores
+    gemv_max_m_narrow_long: int | None = None  # ... N <= narrow_n and K >= long_k
+    fused_min_m_wide_long: int | None = None   # the fused GEMM from here: N >= wide_n, K >= long_k
+    fused_max_m: int = 0                       # the fused GEMM past the GEMV to here (0: never)
+    fused_max_m_large: int = 0                 # ... N >= wide_n and N * K >= large_weight
+    small_n: int = 0
+    small_weight: int = 0
+    narrow_n: int = 0
+    wide_n: int = 0
+    long_k: int = 0
+    large_weight: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One GPU's crossovers: `spec` for weights in the spec's layout, `tiled` for prepacked ones."""
+
+    spec: Crossovers
+    tiled: Crossovers
+
+    def for_layout(self, tiled: bool) -> Crossovers:
+        return self.tiled if tiled else self.spec
+
+
+# Hopper, measured on the H200 except where a line says H100; the H100 runs the same kernels
+# with the same ranking on the shapes checked on both (the small-weight rules are its numbers).
+HOPPER_SPEC = Crossovers(
+    # M = 9-16: the GEMV 16-33% ahead of the fused GEMM on 28672x8192 and 17408x5120 (H200).
+    gemv_max_m=16,
+    # the GEMV 1.4-3.4x faster than dequantize + cuBLAS at M = 17-64, 1.04-1.25x slower at 128.
+    gemv_max_m_without_fused=64,
+    # the GEMV 15-74% ahead of the fused GEMM at M = 17-64 on 1024x8192 and 1024x4096 (H100).
+    gemv_max_m_small=64,
+    # the GEMV 1.21-1.54x ahead at M = 17-32 on 2048x2048, 1536x4096, 2048x4096 (H100).
+    gemv_max_m_small_weight=32,
+    # the fused GEMM 1.2-1.8x (M = 256) to 1.00-1.11x (M = 1024) faster than dequant (H200).
+    fused_max_m=1024,
+    # M = 1536-2048: the fused GEMM 2-13% ahead on 28672x8192 and 17408x5120 (H200).
+    fused_max_m_large=2048,
+    # up to here the fused GEMM's time is set by K (~10 us at 4096, ~14 at 8192), not by N.
+    small_n=1024,
+    # past 2^23 elements the GEMV is within 2% at M = 32 (2048x8192, 3072x4096; H100).
+    small_weight=1 << 23,
+    # prepacked, the GEMV ahead or within 5% at M = 17-32 on 4096x11008 and 4096x14336 (H200).
+    narrow_n=4096,
+    # the fused GEMM's M = 9-16 lead is on 28672x8192; 4096x11008 keeps the GEMV (H200).
+    wide_n=8192,
+    # at K = 16384 (1024x16384) the fused GEMM is 11% ahead at M = 48 (H200).
+    long_k=8192,
+    # 11008x4096 (2.7 * 2^24) within 1% at M = 2048, 14336x4096 (3.5 * 2^24) fused ahead.
+    large_weight=3 << 24,
+)
+HOPPER_TILED = dataclasses.replace(
+    HOPPER_SPEC,
+    # M = 9-16: the GEMV 0-7% ahead on 17408x5120 (the fused GEMM's rule takes wider ones).
+    gemv_max_m=16,
+    # the GEMV 10-71% ahead of the fused GEMM at M = 20-64 on 1024x8192 and 1024x4096 (H200).
+    gemv_max_m_small=64,
+    # prepacked weights of at most 2^23 elements have no timings of their own: no rule.
+    gemv_max_m_small_weight=None,
+    # the GEMV 4-11% ahead at M = 17-32 on 4096x11008, the fused GEMM 29% at M = 48 (H200).
+    gemv_max_m_narrow_long=32,
+    # prepacked, the fused GEMM 6-19% faster than the GEMV at M = 9-16 on 28672x8192 (H200).
+    fused_min_m_wide_long=DECODE_MAX_M + 1,
+)
+HOPPER = Entry(spec=HOPPER_SPEC, tiled=HOPPER_TILED)
+
+# GPUs not in the table: the GEMV's decode range, no fused GEMM (it needs sm_90a, whose GPUs
+# are in the table), dequantize + cuBLAS past it; the GEMV to M = 64 where it runs on tensor
+# cores, as it moves ~8x fewer bytes than dequantize + cuBLAS there (0.56 bytes per weight read
+# once per 16 rows against ~4.6 bytes; 1.4-3.4x faster on the H200).
+_DEFAULT_CROSSOVERS = Crossovers(gemv_max_m=16, gemv_max_m_without_fused=64)
+DEFAULT = Entry(spec=_DEFAULT_CROSSOVERS, tiled=_DEFAULT_CROSSOVERS)
+
+TABLES: dict[str, Entry] = {
+    "NVIDIA H200": HOPPER,
+    "NVIDIA H100 80GB HBM3": HOPPER,
+}
+CAPABILITY_FALLBACK: dict[tuple[int, int], Entry] = {
+    (9, 0): HOPPER,  # other Hopper parts (H100 PCIe / NVL, GH200) and JAX_FP4_CUDA_CAPABILITY=9.0
+}
+
+# The M up to which "auto" takes the GEMV (where it serves) on every GPU and layout.
+GEMV_MAX_M = min(c.gemv_max_m for e in (*TABLES.values(), DEFAULT) for c in (e.spec, e.tiled))
+
+
+def entry_for(device_kind: str | None, capability) -> Entry:
+    """The table entry of a GPU: by its device kind, else its compute capability, else DEFAULT."""
+    if device_kind in TABLES:
+        return TABLES[device_kind]
+    return CAPABILITY_FALLBACK.get(None if capability is None else tuple(capability), DEFAULT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,40 +161,29 @@ class Problem:
     tiled: bool = False  # the weight is prepacked (layout "tiled")
 
 
-def env_flag(name: str, default: bool) -> bool:
-    """A boolean environment variable: 0/1/true/false/yes/no/on/off; anything else is an error."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"environment variable {name} must be a boolean (0/1/true/false/yes/no), got {raw!r}")
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the matmul is lowered for. `capability`, `device_kind` (as JAX reports it, None when
+    unknown or overridden), `has_cuda_kernels` (jax_fp4's CUDA kernels run there:
+    cuda_kernels_run_on), `native_enabled` (JAX_FP4_NATIVE_SM120) and `gemv_mma`
+    (JAX_FP4_GEMV_MMA) matter only on 'cuda'."""
+
+    platform: str
+    capability: tuple[int, int] | None = None
+    device_kind: str | None = None
+    has_cuda_kernels: bool = False
+    native_enabled: bool = False
+    gemv_mma: bool = True
+
+    @property
+    def crossovers(self) -> Entry:
+        return entry_for(self.device_kind, self.capability)
 
 
-CAPABILITY_ENV = "JAX_FP4_CUDA_CAPABILITY"
-
-
-def parse_capability(text: str) -> tuple[int, int]:
-    """'9.0' -> (9, 0); ValueError for anything but MAJOR.MINOR."""
-    major, dot, minor = text.strip().partition(".")
-    if not (dot and major.isdigit() and minor.isdigit()):
-        raise ValueError(f"expected MAJOR.MINOR (e.g. 9.0), got {text!r}")
-    return int(major), int(minor)
-
-
-def env_capability() -> tuple[int, int] | None:
-    """JAX_FP4_CUDA_CAPABILITY ("9.0"): the GPU the CUDA lowering picks kernels for in place of
-    this machine's (None when unset), for exporting a program for a GPU this machine lacks."""
-    raw = os.environ.get(CAPABILITY_ENV, "")
-    if not raw.strip():
-        return None
-    try:
-        return parse_capability(raw)
-    except ValueError as err:
-        raise ValueError(f"environment variable {CAPABILITY_ENV}: {err}") from None
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    path: str
+    gemv_tensor_cores: bool = False  # path "gemv": its mma.sync kernel (else the scalar one)
 
 
 def gemv_unsupported_reason(p: Problem) -> str | None:
@@ -166,32 +209,33 @@ def fused_unsupported_reason(p: Problem, capability) -> str | None:
     return _fused.fused_supported(p.m, p.n, p.k, p.block_size, p.dtype)
 
 
-def gemv_on_tensor_cores(p: Problem, capability) -> bool:
+def gemv_tensor_cores(p: Problem, target: Target) -> bool:
     """Whether the GEMV runs its tensor-core (mma.sync) kernel: sm_80+ on 128-wide K windows (the
-    tiled layout has them by construction); the scalar kernel otherwise."""
-    return capability is not None and tuple(capability) >= (8, 0) and (p.tiled or p.k % 128 == 0)
+    tiled layout has them by construction), unless JAX_FP4_GEMV_MMA=0; the scalar kernel
+    otherwise. The one place this is decided: the lowering passes it to the kernel."""
+    cap = target.capability
+    return (target.platform == "cuda" and target.gemv_mma and cap is not None
+            and tuple(cap) >= (8, 0) and (p.tiled or p.k % 128 == 0))
 
 
-def auto_gemv_max_m(p: Problem, capability) -> int:
-    """The largest M at which "auto" takes the GEMV (where the fused GEMM does not win first)."""
-    tensor_cores = gemv_on_tensor_cores(p, capability)
-    if fused_unsupported_reason(p, capability) is not None and tensor_cores:
-        return GEMV_MAX_M_WITHOUT_FUSED
-    if p.n <= SMALL_N and p.k <= LONG_K and (p.tiled or tensor_cores):
-        return GEMV_MAX_M_SMALL
-    if not p.tiled and p.n * p.k <= SMALL_WEIGHT and tensor_cores:
-        return GEMV_MAX_M_SMALL_SPEC
-    narrow_long = p.tiled and p.n <= NARROW_N and p.k >= LONG_K
-    return GEMV_MAX_M_NARROW_LONG if narrow_long else GEMV_MAX_M
+def gemv_max_m(p: Problem, c: Crossovers, *, tensor_cores: bool, fused_serves: bool) -> int:
+    """The largest M at which "auto" takes the GEMV: the largest bound of the rules that apply."""
+    rules = [(c.gemv_max_m, True),
+             (c.gemv_max_m_without_fused, tensor_cores and not fused_serves),
+             (c.gemv_max_m_small, tensor_cores and p.n <= c.small_n and p.k <= c.long_k),
+             (c.gemv_max_m_small_weight, tensor_cores and p.n * p.k <= c.small_weight),
+             (c.gemv_max_m_narrow_long, p.n <= c.narrow_n and p.k >= c.long_k)]
+    return max(bound for bound, applies in rules if applies and bound is not None)
 
 
-def auto_prefers_fused(p: Problem, capability) -> bool:
-    """Whether "auto" takes the fused GEMM over the GEMV / dequant for this shape (where it can
-    run at all): the measured crossovers above."""
-    if p.m <= auto_gemv_max_m(p, capability):
-        return p.m > DECODE_MAX_M and p.tiled and p.n >= WIDE_N and p.k >= LONG_K
-    large = p.n >= WIDE_N and p.n * p.k >= LARGE_WEIGHT
-    return p.m <= (FUSED_MAX_M_LARGE if large else FUSED_MAX_M)
+def prefers_fused(p: Problem, c: Crossovers, gemv_bound: int) -> bool:
+    """Whether "auto" takes the fused GEMM (where it can serve) over the GEMV / dequant."""
+    wide = p.n >= c.wide_n
+    if p.m <= gemv_bound:
+        return c.fused_min_m_wide_long is not None and p.m >= c.fused_min_m_wide_long and (
+            wide and p.k >= c.long_k)
+    large = wide and p.n * p.k >= c.large_weight
+    return p.m <= (c.fused_max_m_large if large else c.fused_max_m)
 
 
 _PLATFORM_OF = {"cpu": "cpu", "gemv": "cuda", "dequant": "cuda", "fused": "cuda", "native": "cuda"}
@@ -233,16 +277,14 @@ def cuda_kernels_run_on(architectures: str, capability) -> bool:
     return False
 
 
-def auto_cuda_path(m: int, n: int, k: int, *, dtype, tiled: bool, capability,
-                   native_enabled: bool = False, block_size: int = 16,
-                   architectures: str = "") -> str:
-    """The path "auto" takes on a CUDA device of `capability` (major, minor) with jax_fp4's kernels
-    compiled for `architectures` (empty: for that device): the rules alone, no device needed
-    (`python -m jax_fp4 paths`, dispatch_check.py)."""
-    problem = Problem(m=m, n=n, k=k, block_size=block_size, dtype=np.dtype(dtype), tiled=tiled)
-    return select_path("cuda", "auto", problem,
-                       has_cuda_kernels=cuda_kernels_run_on(architectures, capability),
-                       capability=capability, native_enabled=native_enabled)
+def cuda_target(capability, *, device_kind: str | None = None, architectures: str = "",
+                native_enabled: bool = False, gemv_mma: bool = True) -> Target:
+    """A CUDA device of `capability` with jax_fp4's kernels compiled for `architectures` (empty:
+    for that device): for judging the rules without the device (`python -m jax_fp4 paths`,
+    benchmarks/dispatch_check.py)."""
+    return Target("cuda", capability=capability, device_kind=device_kind,
+                  has_cuda_kernels=cuda_kernels_run_on(architectures, capability),
+                  native_enabled=native_enabled, gemv_mma=gemv_mma)
 
 
 def _check_platform(backend: str, platform: str, has_cuda_kernels: bool) -> None:
@@ -254,37 +296,42 @@ def _check_platform(backend: str, platform: str, has_cuda_kernels: bool) -> None
         raise ValueError(f"backend={backend!r} needs platform {needed!r}, but {why}")
 
 
-def select_path(platform: str, backend: str, p: Problem, *, has_cuda_kernels: bool,
-                capability: tuple[int, int] | None = None, native_enabled: bool = False) -> str:
-    """The path for one matmul lowered for `platform` ('cpu', 'cuda', ...).
+def plan(p: Problem, target: Target, backend: str = "auto") -> Plan:
+    """The path of one matmul lowered for `target`, and the GEMV's kernel variant. A forced
+    `backend` that cannot serve it raises ValueError with the reason."""
+    tensor_cores = gemv_tensor_cores(p, target)
+    path = _path(p, target, backend, tensor_cores)
+    return Plan(path, gemv_tensor_cores=path == "gemv" and tensor_cores)
 
-    `has_cuda_kernels`: jax_fp4's CUDA kernels can run on this device (compiled in, and for its
-    architecture: cuda_kernels_run_on). `capability` is the CUDA device's (major, minor) and
-    `native_enabled` the value of JAX_FP4_NATIVE_SM120; all three matter only on 'cuda'.
-    """
+
+def _path(p: Problem, target: Target, backend: str, tensor_cores: bool) -> str:
     check_backend(backend, p)
     if p.m == 0 or p.n == 0 or p.k == 0:
         return "empty"
     if backend in ("reference", "xla"):  # plain JAX: any platform
         return backend
+    capability = target.capability
     if backend != "auto":
-        _check_platform(backend, platform, has_cuda_kernels)
+        _check_platform(backend, target.platform, target.has_cuda_kernels)
         if backend == "native":  # raises ValueError with the reason when it cannot run
-            _native.native_path_applies(capability, native_enabled, "native", p.m, p.n, p.k,
-                                        p.block_size, p.dtype)
+            _native.native_path_applies(capability, target.native_enabled, "native", p.m, p.n,
+                                        p.k, p.block_size, p.dtype)
         elif backend == "fused" and (reason := fused_unsupported_reason(p, capability)):
             raise ValueError(f"backend='fused' cannot serve this matmul: {reason}")
         return backend
-    if platform == "cpu":
+    if target.platform == "cpu":
         return "cpu"
-    if platform == "cuda" and has_cuda_kernels:
-        if auto_prefers_fused(p, capability) and fused_unsupported_reason(p, capability) is None:
+    if target.platform == "cuda" and target.has_cuda_kernels:
+        c = target.crossovers.for_layout(p.tiled)
+        fused_serves = fused_unsupported_reason(p, capability) is None
+        # The native path, opted into, keeps everything past the GEMV's decode range.
+        native = _native.native_path_applies(capability, target.native_enabled, "auto", p.m, p.n,
+                                             p.k, p.block_size, p.dtype)
+        bound = c.gemv_max_m if native else gemv_max_m(p, c, tensor_cores=tensor_cores,
+                                                       fused_serves=fused_serves)
+        if fused_serves and prefers_fused(p, c, bound):
             return "fused"
-        # The native path, opted into, keeps everything past GEMV_MAX_M.
-        native = _native.native_path_applies(capability, native_enabled, "auto", p.m, p.n, p.k,
-                                             p.block_size, p.dtype)
-        gemv_max_m = GEMV_MAX_M if native else auto_gemv_max_m(p, capability)
-        if gemv_unsupported_reason(p) is None and p.m <= gemv_max_m:
+        if gemv_unsupported_reason(p) is None and p.m <= bound:
             return "gemv"
         if native:
             return "native"

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import jax
 
+
+from jax_fp4 import config
+
 _CPU_MODULE = "_jax_fp4_cpu"
 
 
@@ -88,8 +91,8 @@ DEFAULT_CUDA_ARCHITECTURES = "80-real;90a-real;120a-real;80-virtual"
 
 def cpu_kernel_builds() -> str:
     """The instruction sets the `cpu` path's kernel runs on this CPU (chosen at run time), e.g.
-    'x86-64-v4 (AVX-512) GEMM, x86-64-v3 (AVX2, FMA) decode'."""
-    return _jax_fp4_cpu.kernel_builds()
+    'x86-64-v4 (AVX-512) GEMM, x86-64-v3 (AVX2, FMA) decode' (JAX_FP4_CPU_AVX512 honoured)."""
+    return _jax_fp4_cpu.kernel_builds(config.cpu_avx512())
 
 
 def cuda_architectures() -> str:

@@ -1,5 +1,5 @@
 """Static facts of the fused sm_90 NVFP4 GEMM (FFI target "jax_fp4_fused_cuda"): pure functions,
-kept in sync with ffi/cuda/fused_gemm.h, usable (and tested) on any machine.
+kept in sync with ffi/cuda/fused/fused.h, usable (and tested) on any machine.
 
 The target takes (a [M, K] f16/bf16 in fragment K order (`to_fragment_order`), packed u8 [N, K/2], scale u8 [N, K/16], global_scale f32 [1],
 bias [N] or [0]) and returns (y [M, N] in a's dtype, workspace f32 [fused_workspace_elems(m, n, k)]),
@@ -29,7 +29,7 @@ def to_fragment_order(a, tiled: bool = False):
     """The activation [..., K] with K permuted inside each 64-element block as the fused kernel
     reads it: result[..., 64 b + k_log] = a[..., 64 b + p(k_log)], where
     k_log = 32 sb + 16 j1 + 8 j0 + 2 t + o  <->  p = 16 t + 8 sb + 4 o + 2 j1 + j0
-    (ffi/cuda/fused_gemm.cu, "Fragment K order": it lets every lane decode whole packed words);
+    (ffi/cuda/fused/kernels.cuh, "Fragment K order": it lets every lane decode whole packed words);
     for weights in the tiled layout (tiled=True) p = 16 t + 8 sb + 4 j0 + 2 j1 + o.
     A reshape and a transpose (NumPy or jax arrays); K must be a multiple of 64."""
     *lead, k = a.shape

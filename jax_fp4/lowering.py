@@ -1,5 +1,5 @@
 """Lowering of the `nvfp4_matmul` primitive: the implementation of each path, and the rule that
-picks one per platform from static shapes (`dispatch.select_path`).
+picks one per platform from static shapes (`dispatch.plan`).
 
 Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale uint8 [N, ceil(K/bs)],
 global_scale float32 [], bias [N] (a's dtype) when has_bias, and the prepacked SM120 scales
@@ -7,7 +7,9 @@ global_scale float32 [], bias [N] (a's dtype) when has_bias, and the prepacked S
 "tiled", jax_fp4/layout.py); the kernels (CPU, tensor-core GEMV, dequant, fused) read "tiled"
 directly, the reference, xla, native and scalar-GEMV paths through the inverse transform.
 The chosen path shows in the HLO as the FFI custom-call target, or, for pure-JAX paths, as a
-`jax_fp4/<path>` op name.
+`jax_fp4/<path>` op name. Everything a kernel is told comes as FFI attributes decided here: the
+GEMV's kernel variant (`dispatch.plan`), the user switches (jax_fp4/config.py), and the static
+`tuning` (config.KernelTuning, None: the kernels' heuristics).
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_fp4 import dispatch as _dispatch, ffi as _ffi, fused as _fused, layout as _layout
-from jax_fp4 import native as _native, sharding as _sharding
+from jax_fp4 import config as _config
+from jax_fp4 import dispatch as _dispatch
+from jax_fp4 import ffi as _ffi
+from jax_fp4 import fused as _fused
+from jax_fp4 import layout as _layout
+from jax_fp4 import native as _native
+from jax_fp4 import sharding as _sharding
 from jax_fp4.format import NVFP4Weight, dense_weight
 
 
@@ -76,32 +83,29 @@ def _bias_operand(bias, dtype):
     return jnp.zeros((0,), dtype) if bias is None else bias
 
 
-CPU_AVX512_ENV = "JAX_FP4_CPU_AVX512"
+def _int_attributes(attributes: dict) -> dict:
+    """FFI attributes: Python ints as int64 (bools stay bools)."""
+    return {name: value if isinstance(value, bool) else np.int64(value)
+            for name, value in attributes.items()}
 
 
 @_as_2d
-def _cpu(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
-    # The kernel reads this itself, once per process (both builds give the same bits); checked
-    # here so that a bad value is an error, not silently "on".
-    _dispatch.env_flag(CPU_AVX512_ENV, True)
+def _cpu(a, packed, scale, global_scale, bias, *, block_size, tiled=False, avx512=True, **_):
     out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
     call = jax.ffi.ffi_call("jax_fp4_matmul_cpu", out)
     return call(a, packed, scale, global_scale, _bias_operand(bias, a.dtype),
-                block_size=np.int64(block_size), tiled=tiled)
+                block_size=np.int64(block_size), tiled=tiled, avx512=avx512)
 
 
 @_as_2d
-def _gemv(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
+def _gemv(a, packed, scale, global_scale, bias, *, block_size, tiled=False, tensor_cores=False,
+          row_tiling=True, tuning=None, **_):
     out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
     call = jax.ffi.ffi_call("jax_fp4_gemv_cuda", out)
+    tuning = _config.DEFAULT_TUNING if tuning is None else tuning
     return call(a, packed, scale, global_scale, _bias_operand(bias, a.dtype),
-                block_size=np.int64(block_size), use_mma=gemv_uses_mma(), tiled=tiled,
-                row_tiling=_dispatch.env_flag("JAX_FP4_GEMV_ROW_TILING", True))
-
-
-def gemv_uses_mma() -> bool:
-    """JAX_FP4_GEMV_MMA: the tensor-core GEMV (the only one that reads the tiled layout)."""
-    return _dispatch.env_flag("JAX_FP4_GEMV_MMA", True)
+                block_size=np.int64(block_size), tiled=tiled, tensor_cores=tensor_cores,
+                row_tiling=row_tiling, **_int_attributes(tuning.gemv_attributes()))
 
 
 def _dequant(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
@@ -121,20 +125,22 @@ def _dot_dequantized(a, w, bias):
     """a @ w^T (+ bias) by XLA's dot, w [N, K] in a's dtype."""
     if bias is None:
         # cuBLAS accumulates in fp32 and rounds once in its epilogue; asking for an f32 [M, N]
-        # result and casting measured 5-14% slower at M >= 512 on the H200 (fused_h200.json).
+        # result and casting measured 5-14% slower at M >= 512 on the H200 (benchmarks/RESULTS.md).
         return _times_transposed(a, w)
     y = _times_transposed(a, w, preferred_element_type=jnp.float32)
     return (y + bias.astype(jnp.float32)).astype(a.dtype)
 
 
 @_as_2d
-def _fused_gemm(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
+def _fused_gemm(a, packed, scale, global_scale, bias, *, block_size, tiled=False, tuning=None, **_):
     m, n, k = a.shape[0], packed.shape[0], a.shape[1]
     outs = (jax.ShapeDtypeStruct((m, n), a.dtype),
             jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),), jnp.float32))
+    tuning = _config.DEFAULT_TUNING if tuning is None else tuning
     y, _ = jax.ffi.ffi_call(_fused.TARGET, outs)(
         _fused.to_fragment_order(a, tiled), packed, scale, global_scale,
-        _bias_operand(bias, a.dtype), block_size=np.int64(block_size), tiled=tiled)
+        _bias_operand(bias, a.dtype), block_size=np.int64(block_size), tiled=tiled,
+        **_int_attributes(tuning.fused_attributes()))
     return y
 
 
@@ -154,8 +160,10 @@ def _reading_spec_layout(impl):
 def _reading_tiled_layout(impl):
     """`impl` (a kernel with a `tiled` flag) reading the tiled layout itself."""
     @functools.wraps(impl)
-    def wrapped(a, packed, scale, global_scale, bias, *, block_size, **_):
-        return impl(a, packed, scale, global_scale, bias, block_size=block_size, tiled=True)
+    def wrapped(a, packed, scale, global_scale, bias, *, block_size, **kwargs):
+        kwargs.pop("tiled", None)
+        return impl(a, packed, scale, global_scale, bias, block_size=block_size, tiled=True,
+                    **kwargs)
     return wrapped
 
 
@@ -167,16 +175,25 @@ _TILED_PATHS.update(empty=_empty, cpu=_reading_tiled_layout(_cpu), gemv=_reading
                     dequant=_reading_tiled_layout(_dequant), fused=_reading_tiled_layout(_fused_gemm))
 
 
-def _impl_for(path: str, layout: str, platform: str):
-    """The implementation of `path` for operands in `layout`."""
+def _impl_for(plan: _dispatch.Plan, layout: str):
+    """The implementation of `plan`'s path for operands in `layout`."""
     if layout == "spec":
-        return _PATHS[path]
-    if path == "gemv":
-        # The tiled layout is the tensor-core kernel's (sm_80+); the scalar one reads the spec's.
-        capability = cuda_capability() if platform == "cuda" else None
-        if not (gemv_uses_mma() and capability is not None and capability >= (8, 0)):
-            return _SCALAR_GEMV_ON_TILED
-    return _TILED_PATHS[path]
+        return _PATHS[plan.path]
+    if plan.path == "gemv" and not plan.gemv_tensor_cores:
+        return _SCALAR_GEMV_ON_TILED  # the tiled layout is the tensor-core kernel's
+    return _TILED_PATHS[plan.path]
+
+
+def _kernel_attributes(plan: _dispatch.Plan, tuning) -> dict:
+    """The static keyword arguments of `plan`'s path implementation: its FFI attributes."""
+    if plan.path == "cpu":
+        return dict(avx512=_config.cpu_avx512())
+    if plan.path == "gemv":
+        return dict(tensor_cores=plan.gemv_tensor_cores, row_tiling=_config.gemv_row_tiling(),
+                    tuning=tuning)
+    if plan.path == "fused":
+        return dict(tuning=tuning)
+    return {}
 
 
 def problem_of(a_shape, a_dtype, packed_shape, block_size, layout) -> _dispatch.Problem:
@@ -188,27 +205,49 @@ def problem_of(a_shape, a_dtype, packed_shape, block_size, layout) -> _dispatch.
 def cuda_capability():
     """The compute capability the CUDA lowering picks kernels for: JAX_FP4_CUDA_CAPABILITY when
     set (exporting for another GPU), else this machine's first GPU's (None without one)."""
-    return _dispatch.env_capability() or _native.device_capability()
+    return _config.cuda_capability_override() or _native.device_capability()
 
 
-def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout) -> str:
-    on_cuda = platform == "cuda"
-    capability = cuda_capability() if on_cuda else None
+def cuda_device_kind():
+    """The device kind whose crossovers the CUDA lowering uses: this machine's first GPU's, or
+    None (JAX_FP4_CUDA_CAPABILITY set, or no GPU): the capability's entry then."""
+    if _config.cuda_capability_override() is not None:
+        return None
+    return _native.device_kind()
+
+
+def target_for(platform: str) -> _dispatch.Target:
+    """The dispatch's view of `platform` ('cpu', 'cuda' or another) on this machine."""
+    if platform != "cuda":
+        return _dispatch.Target(platform)
+    capability = cuda_capability()
     # Kernels this GPU can run: an older GPU than the architectures compiled in takes the xla path.
     has_kernels = _ffi.has_cuda_kernels() and _dispatch.cuda_kernels_run_on(
         _ffi.cuda_architectures(), capability)
-    return _dispatch.select_path(platform, backend,
-                                 problem_of(a_shape, a_dtype, packed_shape, block_size, layout),
-                                 has_cuda_kernels=has_kernels, capability=capability,
-                                 native_enabled=on_cuda and _dispatch.env_flag(_native.NATIVE_ENV, False))
+    return _dispatch.Target("cuda", capability=capability, device_kind=cuda_device_kind(),
+                            has_cuda_kernels=has_kernels, native_enabled=_config.native_sm120(),
+                            gemv_mma=_config.gemv_tensor_cores())
 
 
-def _lowering(ctx, *operands, block_size, backend, layout, has_bias, has_swizzled, platform):
+def plan_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout) -> _dispatch.Plan:
+    return _dispatch.plan(problem_of(a_shape, a_dtype, packed_shape, block_size, layout),
+                          target_for(platform), backend)
+
+
+def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout) -> str:
+    return plan_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout).path
+
+
+def _lowering(ctx, *operands, block_size, backend, layout, has_bias, has_swizzled, tuning=None,
+              platform):
     a_aval, packed_aval = ctx.avals_in[0], ctx.avals_in[1]
-    path = path_for(platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend,
+    plan = plan_for(platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend,
                     layout)
-    impl = _sharding.wrap_impl(ctx, path, _impl_for(path, layout, platform), block_size=block_size,
-                               has_bias=has_bias, tiled=layout == "tiled")
+    path = plan.path
+    attributes = _kernel_attributes(plan, tuning)
+    impl = _sharding.wrap_impl(ctx, path, _impl_for(plan, layout), block_size=block_size,
+                               has_bias=has_bias, tiled=layout == "tiled",
+                               impl_kwargs=tuple(sorted(attributes.items())))
 
     def lowered(*ops):
         *five, swizzled = split_operands(ops, has_bias, has_swizzled)

@@ -42,18 +42,19 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jax_fp4 import config as _config
 from jax_fp4.explicit_axes import by_row_tiles
 from jax_fp4.format import NVFP4Weight, scale_as_bytes
 
-NATIVE_ENV = "JAX_FP4_NATIVE_SM120"
+NATIVE_ENV = _config.NATIVE_SM120_ENV  # "JAX_FP4_NATIVE_SM120"
 QUANTIZE_ACTIVATION_TARGET = "jax_fp4_quantize_activation_cuda"
 SWIZZLE_SCALES_TARGET = "jax_fp4_swizzle_scales_cuda"
 NATIVE_GEMM_TARGET = "jax_fp4_native_sm120_cuda"
 
 NATIVE_BLOCK_SIZE = 16
 NATIVE_MIN_M = 9  # M <= 8 stays with the decode GEMV (spec section 3)
-ACTIVATION_PARTIALS = 1024  # == kActivationPartials (ffi/cuda/native_sm120.h)
-NATIVE_WORKSPACE_BYTES = 4096  # == kNativeWorkspaceBytes (ffi/cuda/native_sm120.h)
+ACTIVATION_PARTIALS = 1024  # == kActivationPartials (ffi/cuda/native_sm120/handlers.h)
+NATIVE_WORKSPACE_BYTES = 4096  # == kNativeWorkspaceBytes (ffi/cuda/native_sm120/handlers.h)
 
 # The SM1xx "128x4" scale atom: 128 rows x 4 k-blocks in 512 bytes.
 SF_ATOM_ROWS = 128
@@ -246,8 +247,8 @@ def native_path_applies(capability, env_enabled: bool, backend, m: int, n: int, 
     - backend "native" forces it for any non-empty matmul, and raises ValueError with the reason
       when it cannot run (wrong device, block size, K, N or dtype);
     - backend None/"auto" takes it only when `env_enabled` (JAX_FP4_NATIVE_SM120=1), M > 8 (the
-      decode GEMV keeps at least M <= 8; the dispatcher tries it first, up to GEMV_MAX_M), and the
-      device and shapes qualify;
+      decode GEMV keeps at least M <= 8; the dispatcher tries the GEMV first, up to its table's
+      gemv_max_m), and the device and shapes qualify;
     - any other forced backend never takes it.
     Empty matmuls (M, N or K zero) never take it: the empty path serves them.
     """
@@ -264,13 +265,17 @@ def native_path_applies(capability, env_enabled: bool, backend, m: int, n: int, 
     return native_unsupported_reason(capability, m, n, k, block_size, dtype) is None
 
 
+def _first_gpu():
+    try:
+        return next((d for d in jax.devices() if d.platform == "gpu"), None)
+    except RuntimeError:
+        return None
+
+
 def device_capability(device=None):
     """(major, minor) compute capability of a CUDA device (default: the first one), or None."""
     if device is None:
-        try:
-            device = next((d for d in jax.devices() if d.platform == "gpu"), None)
-        except RuntimeError:
-            return None
+        device = _first_gpu()
         if device is None:
             return None
     text = getattr(device, "compute_capability", None)
@@ -278,6 +283,16 @@ def device_capability(device=None):
         return None
     major, _, minor = str(text).partition(".")
     return int(major), int(minor or 0)
+
+
+def device_kind(device=None) -> str | None:
+    """The device kind JAX reports for a CUDA device (default: the first one), e.g. "NVIDIA H200",
+    or None: the key of the dispatch's crossover table (jax_fp4/dispatch.py)."""
+    if device is None:
+        device = _first_gpu()
+        if device is None:
+            return None
+    return getattr(device, "device_kind", None) or None
 
 
 # ---- prepack (spec section 7) -------------------------------------------------------------------

@@ -17,21 +17,25 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from jax_fp4 import dispatch as _dispatch, explicit_axes as _explicit_axes, lowering as _lowering
+from jax_fp4 import dispatch as _dispatch
+from jax_fp4 import explicit_axes as _explicit_axes
+from jax_fp4 import lowering as _lowering
 from jax_fp4 import sharding as _sharding
+from jax_fp4.config import KernelTuning
 from jax_fp4.format import NVFP4Weight, scale_as_bytes
 
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
 
 
 def bind(a, packed, scale, global_scale, bias, *, block_size: int, backend: str,
-         swizzled_scale=None, layout: str = "spec"):
+         swizzled_scale=None, layout: str = "spec", tuning: KernelTuning | None = None):
     """Bind the primitive; `bias` and `swizzled_scale` (prepacked SM120 scales) may be None.
-    Operands must already be validated."""
+    Operands must already be validated; `tuning` is static (None: the kernels' heuristics)."""
     operands = (a, packed, scale, global_scale) + tuple(
         x for x in (bias, swizzled_scale) if x is not None)
     return nvfp4_matmul_p.bind(*operands, block_size=block_size, backend=backend, layout=layout,
-                               has_bias=bias is not None, has_swizzled=swizzled_scale is not None)
+                               has_bias=bias is not None, has_swizzled=swizzled_scale is not None,
+                               tuning=tuning)
 
 
 # ---- abstract evaluation ------------------------------------------------------------------------
@@ -49,7 +53,7 @@ def _abstract_eval(*operands, **params):
 nvfp4_matmul_p.def_abstract_eval(_abstract_eval)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_bind(**params):
     return jax.jit(functools.partial(nvfp4_matmul_p.bind, **params))
 
@@ -93,10 +97,11 @@ def _is_zero(t):
     return type(t) is ad.Zero
 
 
-def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzled):
+def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzled, tuning=None):
     a, packed, scale, global_scale, bias, swizzled = _lowering.split_operands(primals, has_bias, has_swizzled)
     da, _, _, dgs, dbias, _ = _lowering.split_operands(tangents, has_bias, has_swizzled)
-    weight = dict(block_size=block_size, backend=backend, swizzled_scale=swizzled, layout=layout)
+    weight = dict(block_size=block_size, backend=backend, swizzled_scale=swizzled, layout=layout,
+                  tuning=tuning)
     y = bind(a, packed, scale, global_scale, bias, **weight)
     out_tangents = []
     dbias = None if dbias is None or _is_zero(dbias) else dbias
@@ -111,7 +116,7 @@ def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzl
     return y, functools.reduce(jnp.add, out_tangents)
 
 
-def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzled):
+def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzled, tuning=None):
     a, packed, scale, global_scale, bias, swizzled = _lowering.split_operands(operands, has_bias, has_swizzled)
     if ad.is_undefined_primal(packed) or ad.is_undefined_primal(scale):
         raise TypeError("jax_fp4: the quantized weight (packed codes, block scales) is not differentiable")
@@ -121,7 +126,7 @@ def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzle
     if ad.is_undefined_primal(global_scale):
         # y is linear in gs: dL/dgs = sum(ct * y(gs=1)), with `a` a known primal here.
         unit = bind(a, packed, scale, jnp.float32(1), None, block_size=block_size, backend=backend,
-                    swizzled_scale=swizzled, layout=layout)
+                    swizzled_scale=swizzled, layout=layout, tuning=tuning)
         ct_gs = jnp.sum(ct.astype(jnp.float32) * unit.astype(jnp.float32))
     else:
         if ad.is_undefined_primal(a):
@@ -189,7 +194,15 @@ def _resolve_backend(backend) -> str:
     return backend
 
 
-def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None):
+def _check_tuning(tuning) -> KernelTuning | None:
+    if tuning is not None and not isinstance(tuning, KernelTuning):
+        raise TypeError(f"matmul: tuning must be a jax_fp4.KernelTuning or None, got "
+                        f"{type(tuning).__name__}")
+    return tuning
+
+
+def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None,
+           tuning: KernelTuning | None = None):
     """Y = A @ dequant(W)^T (+ bias).
 
     Args:
@@ -199,6 +212,9 @@ def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None):
       backend: None/"auto" picks a path from static shapes; one of BACKENDS ("reference", "xla",
         "cpu", "gemv", "dequant", "fused", "native") forces one, and raises ValueError if it
         cannot serve these shapes or this platform.
+      tuning: a jax_fp4.KernelTuning fixing kernel choices (tile sizes, split-K, launch mode) in
+        place of the kernels' heuristics, for measurements; None (the default) leaves them be.
+        Paths without those choices ignore it.
 
     Returns:
       [..., N] in a's dtype.
@@ -207,12 +223,13 @@ def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None):
     a = _check_activation(a, w)
     bias = _check_bias(bias, w, a.dtype)
     backend = _resolve_backend(backend)
+    tuning = _check_tuning(tuning)
     _dispatch.check_backend(backend, _lowering.problem_of(a.shape, a.dtype, w.packed.shape, w.block_size,
                                                            w.layout))
     return bind(a, w.packed, scale_as_bytes(w.scale), jnp.asarray(w.global_scale, jnp.float32),
-                           bias, block_size=w.block_size, backend=backend,
-                           swizzled_scale=getattr(w, "swizzled_scale", None),  # prepack(target="sm120")
-                           layout=w.layout)
+                bias, block_size=w.block_size, backend=backend,
+                swizzled_scale=getattr(w, "swizzled_scale", None),  # prepack(target="sm120")
+                layout=w.layout, tuning=tuning)
 
 
 def default_device():

@@ -45,8 +45,8 @@ Everything else traces the kernel as before:
   - the pure-JAX paths (reference, xla, empty): XLA partitions them natively.
 
 Limits:
-  - Under Auto axes, jax.export of a multi-device program fails ("serialization of host_callbacks
-    is not yet implemented": custom_partitioning's rules are Python callbacks), and so does
+  - Under Auto axes, jax.export of a multi-device program fails (custom_partitioning's rules are
+    Python callbacks, which jax.export cannot serialize), and so does
     lowering for an AbstractMesh (the rule needs the devices). Export under Explicit axes, or of a
     single-device program, works (jax_fp4/export.py).
   - A mesh mixing Explicit and Auto axes takes custom_partitioning; the result's type carries
@@ -64,12 +64,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch as _jax_dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jax_fp4 import dispatch as _dispatch, fused as _fused
-from jax_fp4.dispatch import env_flag
-from jax_fp4.explicit_axes import (axes_size, explicit_entries, explicit_type, spec_axes,
-                                    spec_entry, typed_mesh)
+from jax_fp4 import config as _config
+from jax_fp4 import dispatch as _dispatch
+from jax_fp4 import fused as _fused
+from jax_fp4.explicit_axes import (
+    axes_size,
+    explicit_entries,
+    explicit_type,
+    spec_axes,
+    spec_entry,
+    typed_mesh,
+)
+
 
 def register_primitive(prim) -> None:
     """custom_partitioning needs the device assignment while lowering; jit passes it only when the
@@ -149,7 +158,7 @@ def _on_local_shards(run, k_axes):
     return local
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k_check=None,
              tiled=False):
     """custom_partitioning around `impl` for one static configuration."""
@@ -248,13 +257,29 @@ def _needs_rule(ctx) -> bool:
     return False
 
 
-def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool, tiled: bool = False):
+@functools.cache
+def _with_kwargs(impl, impl_kwargs):
+    """`impl` with static keyword arguments bound: one function per (impl, kwargs), so the
+    partitioning rules, cached per function, are made once for each."""
+    kwargs = dict(impl_kwargs)
+
+    @functools.wraps(impl)
+    def bound(*args, **more):
+        return impl(*args, **kwargs, **more)
+    return bound
+
+
+def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool, tiled: bool = False,
+              impl_kwargs: tuple = ()):
     """The implementation the lowering should trace: `impl`, or `impl` under the partitioning
     rules when `path` is a kernel path lowered into a multi-device program. `tiled`: the weight
-    operands are in the tiled layout."""
+    operands are in the tiled layout. `impl_kwargs`: ((name, value), ...) of hashable static
+    keyword arguments `impl` gets on every call (the kernel's attributes)."""
+    if impl_kwargs:
+        impl = _with_kwargs(impl, tuple(impl_kwargs))
     if path not in KERNEL_PATHS:
         return impl
-    if not env_flag("JAX_FP4_CUSTOM_PARTITIONING", True):
+    if not _config.custom_partitioning():
         return impl  # debugging switch: XLA then gathers the operands, as for any opaque call
     a_aval = ctx.avals_in[0]
     local_k_check = _local_k_check(path, block_size, np.dtype(a_aval.dtype))
@@ -300,7 +325,7 @@ def by_sharding_types(impl, a_aval, packed_aval, out_aval, *, block_size: int, h
     return call
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _local_k_check(path: str, block_size: int, dtype):
     """The path's own limits on K (e.g. gemv: K % 32 == 0), applied to a row-parallel K slice:
     the path was chosen for the whole K."""

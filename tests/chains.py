@@ -1,14 +1,14 @@
 """Jitted chains of jax_fp4.matmul calls, each fed the previous call's output: what the
-programmatic-dependent-launch tests (JAX_FP4_PDL) run with and without the flag."""
+programmatic-dependent-launch tests run with and without
+`KernelTuning(programmatic_launch=True)`."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_fp4
 
@@ -25,7 +25,8 @@ def chain_weights(random_weight, dims=CHAIN_DIMS):
     return weights
 
 
-def matmul_chain(a, weights, *, backend: str, tiled: bool) -> list[np.ndarray]:
+def matmul_chain(a, weights, *, backend: str, tiled: bool,
+                 tuning: jax_fp4.KernelTuning | None = None) -> list[np.ndarray]:
     """Every layer's output of one jitted chain (a fresh function: a new trace and kernel launch)."""
     ws = [jax_fp4.NVFP4Weight(jnp.asarray(p), jnp.asarray(s), jnp.asarray(g)) for p, s, g in weights]
     if tiled:
@@ -35,17 +36,15 @@ def matmul_chain(a, weights, *, backend: str, tiled: bool) -> list[np.ndarray]:
     def chain(x, ws):
         outs = []
         for w in ws:
-            x = jax_fp4.matmul(x, w, backend=backend)
+            x = jax_fp4.matmul(x, w, backend=backend, tuning=tuning)
             outs.append(x)
         return outs
 
     return [np.asarray(y) for y in chain(jnp.asarray(a), ws)]
 
 
-def plain_and_programmatic(monkeypatch, a, weights, *, backend: str, tiled: bool):
-    """The chain's outputs with JAX_FP4_PDL=0, then with JAX_FP4_PDL=1."""
-    runs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("JAX_FP4_PDL", flag)
-        runs.append(matmul_chain(a, weights, backend=backend, tiled=tiled))
-    return runs
+def plain_and_programmatic(a, weights, *, backend: str, tiled: bool):
+    """The chain's outputs with plain launches, then with programmatic dependent launches."""
+    return [matmul_chain(a, weights, backend=backend, tiled=tiled,
+                         tuning=jax_fp4.KernelTuning(programmatic_launch=flag))
+            for flag in (False, True)]

@@ -1,4 +1,4 @@
-"""Test session setup.
+"""Test setup shared by every test file.
 
 8 host (CPU) devices, so the sharding tests can build meshes: XLA reads XLA_FLAGS once, when jax
 initialises its backends, so this must run before any test module imports jax. Every other test
@@ -8,6 +8,13 @@ themselves.
 
 One suite on every machine: where a GPU is jax's default, the tests not marked `gpu` still run on
 the CPU device (`jax.default_device`), which is what they check; the `gpu` tests take the GPU.
+
+The devices present: a test that takes the `device` fixture runs once per device kind, as
+`test[cpu]` and `test[gpu]`, with that device as jax's default while it runs. The `gpu` instance
+carries the `gpu` marker (`pytest -m gpu` selects it) and skips where jax sees no CUDA device. The
+fixture's value (tests/_helpers.py's Device) names the platform and the compute capability, so a
+test states its device-specific expectations (the path auto takes, the kernels it may force) from
+it. A test that parametrizes `device` itself keeps its own list.
 
 Replayable fresh inputs: tests draw fresh random inputs with `np.random.default_rng()` (no seed).
 Inside a test those draws come from one seed per test, fresh each run and printed with its failure
@@ -48,6 +55,42 @@ def _test_seed() -> int:
         return int(value)
     except ValueError:
         raise pytest.UsageError(f"{SEED_VARIABLE} must be an integer seed, got {value!r}") from None
+
+
+DEVICE_KINDS = (pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu))
+
+
+def pytest_generate_tests(metafunc):
+    if "device" not in metafunc.fixturenames:
+        return
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if "device" in names:
+            return
+    metafunc.parametrize("device", DEVICE_KINDS, indirect=True)
+
+
+@pytest.fixture
+def device(request):
+    """The device the test body runs on ("cpu" or "gpu", from the parametrization), as jax's
+    default device."""
+    import jax
+
+    from tests._helpers import Device, gpus
+
+    kind = getattr(request, "param", "cpu")
+    if kind == "gpu":
+        found = gpus()
+        if not found:
+            pytest.skip("needs a CUDA device")
+        chosen = found[0]
+    elif kind == "cpu":
+        chosen = jax.devices("cpu")[0]
+    else:
+        raise ValueError(f"device must be 'cpu' or 'gpu', got {kind!r}")
+    with jax.default_device(chosen):
+        yield Device(chosen)
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_fp4
 from tests import reference
@@ -100,14 +101,16 @@ def test_one_artifact_for_this_cpu_and_an_h200(monkeypatch):
     """Export for ("cpu", "cuda") on a machine without the GPU: JAX_FP4_CUDA_CAPABILITY names it,
     so the CUDA branch holds the kernel auto picks on an H200 (the fused GEMM at M = 64), and the
     artifact runs here through its CPU branch."""
-    from jax_fp4 import ffi as _ffi, native as _native
+    from jax_fp4 import ffi as _ffi
+    from jax_fp4 import native as _native
 
     monkeypatch.setattr(_native, "device_capability", lambda device=None: None)
     monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)    # a CUDA build (CI's is)
     monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.DEFAULT_CUDA_ARCHITECTURES)
     monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "9.0")
     rng = np.random.default_rng()
-    # N = 1088: past the small-weight rule (N <= 1024 takes the GEMV to M = 64).
+    # N = 1088: past the small-N rule of the H200 entry (dispatch.TABLES: N <= small_n takes the
+    # GEMV to gemv_max_m_small); M = 64 is past its other GEMV bounds.
     args, ref = _random_problem(rng, 1088, 256, (64,), "bfloat16")
     exported = jax.export.export(jax.jit(jax_fp4.matmul), platforms=("cpu", "cuda"),
                                  disabled_checks=jax_fp4.export_disabled_checks())(*args)

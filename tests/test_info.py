@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jax_fp4 import ffi as _ffi
-from tests.cpu_features import cpu_flags, cpu_has_avx512
+from tests._helpers import cpu_flags, cpu_has_avx512
 
 
 def test_info_lists_versions_and_registered_targets():
@@ -47,7 +47,8 @@ def test_info_names_the_cpu_kernels_instruction_sets():
 
 
 def test_paths_reports_auto_as_ranges_of_m(capsys, monkeypatch):
-    from jax_fp4 import __main__ as cli, ffi as _ffi
+    from jax_fp4 import __main__ as cli
+    from jax_fp4 import ffi as _ffi
 
     # A build for sm_90a alone (as on the H200 for speed) leaves an A100 to XLA.
     monkeypatch.setattr(_ffi, "cuda_architectures", lambda: "90a-real")

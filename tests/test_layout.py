@@ -1,7 +1,7 @@
 """The decode GEMV's tiled layout (jax_fp4/layout.py) and `jax_fp4.prepack(w)`, on any machine.
 
 The byte map is checked element by element against the layout's definition written as loops, and
-the GEMV's decode of the tiled words (DecodeTiled in ffi/cuda/gemv_mma.cuh) is modelled bit for
+the GEMV's decode of the tiled words (DecodeTiled in ffi/cuda/gemv/mma.cuh) is modelled bit for
 bit in NumPy: every fragment slot must hold exactly the E2M1 value the mma pairs with it.
 """
 

@@ -1,4 +1,7 @@
-"""jax_fp4.matmul on the CPU paths against the float64 reference, plus its bad-input catalogue."""
+"""jax_fp4.matmul through the public API against the float64 reference, on each device present
+(the `device` fixture: CPU always, a CUDA device where jax sees one): the default dispatch and every
+backend the device serves, the CPU kernel across its blocking, and the bad-input catalogue. The
+kernels' own sweeps on the GPU are tests/test_gemv_kernel.py's and tests/test_fused_gemm.py's."""
 
 
 import os
@@ -13,7 +16,9 @@ import pytest
 
 import jax_fp4
 from tests import reference
-from tests.cpu_features import cpu_has_avx512
+from tests._helpers import check as _check
+from tests._helpers import cpu_has_avx512, weight_rounding_reference
+from tests._helpers import random_case as _random_case
 
 CPU_BACKENDS = ("auto", "cpu", "reference", "xla")
 
@@ -24,37 +29,20 @@ def cpu_backends(dtype):
     return [b for b in CPU_BACKENDS if b != "xla" or np.dtype(dtype) != np.float32]
 
 
-def _random_case(rng, lead, n, k, block_size, dtype, with_bias):
-    packed, scale, gs = reference.random_weight(rng, n, k, block_size)
-    w = jax_fp4.NVFP4Weight(packed, scale, gs, block_size=block_size)
-    a = rng.standard_normal(lead + (k,)).astype(np.float32)
-    a = jnp.asarray(a, dtype)
-    bias = jnp.asarray(rng.standard_normal(n), dtype) if with_bias else None
-    ref = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, block_size,
-                           None if bias is None else np.asarray(bias, np.float64))
-    return a, w, bias, ref
-
-
-def weight_rounding_reference(a, w, bias):
-    """The float64 product with the weight the dequantizing paths (xla, and dequant on CUDA)
-    multiply: rounded to a's dtype. With few terms that cancel, that rounding alone can exceed
-    the output's tolerance, so for those paths it is part of the model, not of the error."""
-    w = jax_fp4.unprepack(w) if w.layout == "tiled" else w
-    return reference.matmul(np.asarray(a, np.float64), w.packed, w.scale_bytes, w.global_scale,
-                            w.block_size, None if bias is None else np.asarray(bias, np.float64),
-                            weight_dtype=a.dtype)
-
-
-def _check(y, ref, dtype):
-    y = np.asarray(y)
-    assert y.shape == ref.shape and y.dtype == np.dtype(dtype)
-    y64 = y.astype(np.float64)
-    assert np.isfinite(y64).all(), "non-finite output: an element was not written or overflowed"
-    assert reference.relative_error(y64, ref) < reference.TOLERANCE[np.dtype(dtype).name]
-    # Element-wise too: every element holds its own dot product (no stale or swapped elements).
-    eps = {"bfloat16": 2**-7, "float16": 2**-10, "float32": 2**-20}[np.dtype(dtype).name]
-    scale = np.abs(ref).max() if ref.size else 1.0
-    np.testing.assert_allclose(y64, ref, rtol=2 * eps, atol=4 * eps * scale)
+def backends(device, a, w):
+    """The backends that serve this matmul on `device`. On CUDA: dequant and xla take fp16/bf16
+    only, the GEMV block_size 16 and K % 32 == 0, the fused GEMM (sm_90) K % 128 == 0 as well."""
+    if not device.is_gpu:
+        return cpu_backends(a.dtype)
+    names = ["auto", "reference"]
+    if np.dtype(a.dtype) == np.float32:
+        return names
+    names += ["dequant", "xla"]
+    if w.block_size == 16 and w.k % 32 == 0:
+        names.append("gemv")
+    if device.is_hopper and w.block_size == 16 and w.k % 128 == 0:
+        names.append("fused")
+    return names
 
 
 SHAPES = [
@@ -71,15 +59,40 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("lead, n, k, block_size", SHAPES)
+# The GPU's paths: (leading dims of a, N, K, block_size).
+GPU_SHAPES = [
+    ((1,), 100, 4096, 16),      # decode: gemv (mma)
+    ((4,), 129, 160, 16),       # gemv scalar (K % 128 != 0)
+    ((2, 3), 64, 256, 16),      # leading dims
+    ((9,), 33, 256, 16),        # just past the GEMV: dequant
+    ((65,), 1000, 512, 16),
+    ((17,), 21, 50, 16),        # K % 32 != 0: dequant
+    ((3,), 8, 42, 7),           # odd block size: dequant
+    ((1000,), 48, 128, 32),
+]
+
+
+@pytest.mark.parametrize("lead, n, k, block_size", SHAPES + GPU_SHAPES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matmul_matches_reference(lead, n, k, block_size, dtype, with_bias):
+def test_matmul_matches_reference(device, lead, n, k, block_size, dtype, with_bias):
+    """Every backend the device serves against the float64 reference, and (fp16 / bf16) against
+    backend="reference" within rounding."""
     rng = np.random.default_rng()
     a, w, bias, ref = _random_case(rng, lead, n, k, block_size, dtype, with_bias)
-    for backend in cpu_backends(dtype):
+    results = {}
+    for backend in backends(device, a, w):
         y = jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend=backend))(a, w, bias)
-        _check(y, weight_rounding_reference(a, w, bias) if backend == "xla" else ref, dtype)
+        rounds_weight = backend in ("dequant", "xla")
+        _check(y, weight_rounding_reference(a, w, bias) if rounds_weight else ref, dtype)
+        results[backend] = np.asarray(y, np.float64)
+    if dtype == "float32":
+        return
+    eps = {"bfloat16": 2**-7, "float16": 2**-10}[dtype]
+    scale = np.abs(results["reference"]).max() if ref.size else 1.0
+    for backend, y in results.items():  # each forced backend equals "reference" within rounding
+        np.testing.assert_allclose(y, results["reference"], rtol=2 * eps, atol=4 * eps * scale,
+                                   err_msg=backend)
 
 
 # The CPU kernel's blocking (ffi/cpu/matmul.cc): units of 480 rows of M against 64 weight rows,
@@ -143,8 +156,8 @@ np.save(sys.argv[2], np.asarray(y))
 ])
 def test_cpu_avx512_and_avx2_panel_products_agree(tmp_path, m, n, k, block_size, layout):
     # The AVX-512 build (12 x 32 outputs a micro-kernel call) runs the same fused multiply-adds in
-    # the same order per output as the AVX2 build (6 x 16): the same bits. JAX_FP4_CPU_AVX512=0,
-    # read once per process, runs the AVX2 one in a fresh process.
+    # the same order per output as the AVX2 build (6 x 16): the same bits. JAX_FP4_CPU_AVX512=0
+    # runs the AVX2 one, here in a fresh process (nothing of this one's traces or caches).
     rng = np.random.default_rng()
     a, w, bias, ref = _random_case(rng, (m,), n, k, block_size, "float32", True)
     np.savez(tmp_path / "case.npz", a=np.asarray(a), bias=np.asarray(bias), packed=w.packed,
@@ -168,14 +181,14 @@ def test_cpu_avx512_switch_rejects_bad_values(monkeypatch):
 
 
 @pytest.mark.parametrize("m", list(range(0, 65, 7)) + [64])
-def test_matmul_sweep_over_m(m):
+def test_matmul_sweep_over_m(device, m):
     rng = np.random.default_rng()
     a, w, bias, ref = _random_case(rng, (m,), 45, 80, 16, "bfloat16", True)
     y = jax.jit(jax_fp4.matmul)(a, w, bias)
     _check(y, ref, "bfloat16")
 
 
-def test_eager_call_and_vmap_over_activations():
+def test_eager_call_and_vmap_over_activations(device):
     rng = np.random.default_rng()
     a, w, bias, ref = _random_case(rng, (4, 6), 24, 64, 16, "float16", True)
     _check(jax_fp4.matmul(a, w, bias), ref, "float16")  # un-jitted
@@ -243,7 +256,7 @@ def test_dispatch_path_follows_the_default_device(monkeypatch):
     cpu, real_devices = jax.devices("cpu")[0], jax.devices
     gpu = types.SimpleNamespace(platform="gpu", device_kind="a GPU")
     monkeypatch.setattr(jax, "devices", lambda backend=None: real_devices(backend) if backend else [gpu])
-    with jax.default_device(None):  # whatever the test session set
+    with jax.default_device(None):  # whatever the test setup set
         assert jax_fp4.dispatch_path(a, w) == jax_fp4.dispatch_path(a, w, platform="cuda") != "cpu"
         for device in (cpu, "cpu"):
             with jax.default_device(device):
@@ -256,6 +269,110 @@ def test_gpu_backends_refuse_cpu_platform():
     for backend in ("gemv", "dequant"):
         with pytest.raises(ValueError, match=backend):
             jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend=backend)).lower(a, w)
+
+
+@pytest.mark.parametrize("lead", [(1,), (3,), (8,), (2, 8), (16,), (17,), (64,), (600,)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_prepacked_weights_on_every_backend(device, lead, dtype):
+    """jax_fp4.prepack(w) (the tiled layout): the CPU kernel and the GEMV read it, the other paths
+    transform it back; every backend against the float64 reference, and equal to the same backend
+    on the spec layout (bit for bit where the kernel is the same: all but the GEMV, auto, and the
+    pure-JAX xla and reference paths, whose programs XLA compiles, and may fuse, differently for
+    the two layouts: XLA's CPU dot rounded one float16 output of 112 x 512 one ulp apart)."""
+    rng = np.random.default_rng()
+    a, w, bias, ref = _random_case(rng, lead, 112, 512, 16, dtype, with_bias=len(lead) == 1)
+    p = jax_fp4.prepack(w)
+    for backend in backends(device, a, w):
+        f = jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend=backend))
+        y = np.asarray(f(a, p, bias))
+        _check(y, weight_rounding_reference(a, w, bias) if backend == "xla" and not device.is_gpu
+               else ref, dtype)
+        if backend not in ("gemv", "auto", "xla", "reference"):
+            np.testing.assert_array_equal(y, np.asarray(f(a, w, bias)), err_msg=backend)
+
+
+# The H200 dispatch rules' edges (jax_fp4/dispatch.py): (M, N, K, layout, auto's path on sm_90).
+RULE_EDGES = [
+    (32, 4096, 8192, "tiled", "gemv"),     # narrow prepacked weight, long rows: the GEMV to M = 32
+    (33, 4096, 8192, "tiled", "fused"),
+    (32, 4096, 8192, "spec", "fused"),
+    (64, 1024, 8192, "tiled", "gemv"),     # small weight, either layout: the GEMV to M = 64
+    (64, 1024, 8192, "spec", "gemv"),
+    (65, 1024, 8192, "tiled", "fused"),
+    (65, 1024, 8192, "spec", "fused"),
+    (64, 1040, 4096, "tiled", "fused"),
+    (32, 2048, 4096, "spec", "gemv"),      # spec layout, N * K <= 2^23: the GEMV to M = 32
+    (33, 2048, 4096, "spec", "fused"),
+    (32, 2112, 4096, "spec", "fused"),
+    (1100, 12288, 4096, "spec", "fused"),  # N >= 8192, N * K >= 3 * 2^24: the fused GEMM to M = 2048
+    (1100, 8192, 4096, "spec", "dequant"),
+]
+
+
+@pytest.mark.parametrize("m, n, k, layout, hopper_path", RULE_EDGES)
+def test_auto_at_the_dispatch_rule_edges(device, m, n, k, layout, hopper_path):
+    """Auto's pick on either side of each rule, against the float64 reference (the path itself
+    checked on the CPU, where it is the CPU kernel, and on a Hopper GPU, where the rules come
+    from)."""
+    rng = np.random.default_rng()
+    a, w, bias, ref = _random_case(rng, (m,), n, k, 16, "bfloat16", with_bias=True)
+    if layout == "tiled":
+        w = jax_fp4.prepack(w)
+    if not device.is_gpu:
+        assert jax_fp4.dispatch_path(a, w) == "cpu"
+    elif device.is_hopper:
+        assert jax_fp4.dispatch_path(a, w) == hopper_path
+    _check(jax.jit(jax_fp4.matmul)(a, w, bias), ref, "bfloat16")
+
+
+def test_float32_activations_path(device):
+    """fp32 activations: the CPU kernel on the CPU; on CUDA, whose kernels take fp16 / bf16, the
+    reference path."""
+    rng = np.random.default_rng()
+    a, w, bias, ref = _random_case(rng, (3,), 40, 64, 16, "float32", True)
+    assert jax_fp4.dispatch_path(a, w) == ("reference" if device.is_gpu else "cpu")
+    _check(jax_fp4.matmul(a, w, bias), ref, "float32")
+
+
+def test_reruns_are_bit_identical(device):
+    rng = np.random.default_rng()
+    for m in (1, 8, 64):
+        a, w, bias, _ = _random_case(rng, (m,), 1024, 2048, 16, "bfloat16", True)
+        f = jax.jit(jax_fp4.matmul)
+        first = np.asarray(f(a, w, bias)).view(np.uint16)
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(f(a, w, bias)).view(np.uint16), first)
+
+
+def test_quickstart_mlp(device):
+    rng = np.random.default_rng()
+    w = rng.standard_normal((256, 128)).astype(np.float32)
+    q = jax_fp4.quantize(w)
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
+    y = jax.jit(jax_fp4.matmul)(x, q)
+    deq = reference.dequantize(q.packed, q.scale_bytes, q.global_scale, 16)
+    _check(y, np.asarray(x, np.float64) @ deq.T, "bfloat16")
+
+
+@pytest.mark.parametrize("m, n, k, layout", [(1, 256, 4096, "tiled"), (64, 2112, 4096, "spec"),
+                                             (2048, 128, 256, "spec")])
+def test_exported_program_runs_its_kernel(device, m, n, k, layout):
+    """jax.export on the device: the program keeps the kernel auto picked (its FFI target in the
+    module) and the exported call gives the live call's bits (tests/test_export.py: serialization
+    and the CPU side's disabled checks)."""
+    rng = np.random.default_rng()
+    a, w, bias, ref = _random_case(rng, (m,), n, k, 16, "bfloat16", with_bias=True)
+    if layout == "tiled":
+        w = jax_fp4.prepack(w)
+    path = jax_fp4.dispatch_path(a, w)
+    live = jax.jit(jax_fp4.matmul)
+    exported = jax.export.export(live, disabled_checks=jax_fp4.export_disabled_checks())(a, w, bias)
+    target = f"jax_fp4_{path}_cuda" if device.is_gpu else "jax_fp4_matmul_cpu"
+    assert target in exported.mlir_module()
+    y = exported.call(a, w, bias)
+    _check(y, weight_rounding_reference(a, w, bias) if path == "dequant" else ref, "bfloat16")
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint16),
+                                  np.asarray(live(a, w, bias)).view(np.uint16))
 
 
 # ---- bad input: clear errors at trace time, naming the argument -----------------------------
@@ -297,6 +414,41 @@ def test_matmul_bad_backend_and_unservable_forced_backend():
             jax_fp4.matmul(jnp.ones((2, 48), jnp.float32), w, backend=backend)
 
 
+# Values outside each KernelTuning field's set: rejected where it is built, naming the field.
+BAD_TUNINGS = [
+    *[("fused_split", v) for v in (9, -1, 100)],
+    *[("fused_tile_m", v) for v in (8, 48, 512, -16)],
+    *[("fused_tile_n", v) for v in (64, 512, -128)],
+    *[("fused_warp_specialized", v) for v in (2, -1, "yes")],
+    *[("fused_stream_k", v) for v in (2, -1, "on")],
+    *[("gemv_col_tiles", v) for v in (3, 4, -1)],
+    *[("gemv_k_split", v) for v in (-1, -4)],
+    *[("gemv_rows_per_block", v) for v in (3, 8, -1)],
+    *[("programmatic_launch", v) for v in (2, "yes")],
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_TUNINGS)
+def test_kernel_tuning_rejects_malformed_values(field, value):
+    """A malformed kernel choice is an error naming the field, not silently ignored."""
+    with pytest.raises(ValueError, match=field):
+        jax_fp4.KernelTuning(**{field: value})
+
+
+def test_kernel_tuning_is_static_and_hashable():
+    """matmul's `tuning` is a static parameter: equal tunings hash alike, and it reaches the
+    kernels of the CUDA paths only (the CPU kernel gives the same bits with and without it)."""
+    tuning = jax_fp4.KernelTuning(fused_tile_m=64, gemv_col_tiles=2, programmatic_launch=True)
+    assert hash(tuning) == hash(jax_fp4.KernelTuning(fused_tile_m=64, gemv_col_tiles=2,
+                                                     programmatic_launch=True))
+    assert jax_fp4.KernelTuning is jax_fp4.config.KernelTuning
+    w = _weight(k=128)
+    a = jnp.ones((2, 128), jnp.bfloat16)
+    plain = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="cpu"))(a, w)
+    tuned = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="cpu", tuning=tuning))(a, w)
+    np.testing.assert_array_equal(np.asarray(tuned), np.asarray(plain))
+
+
 def test_stacked_weight_needs_a_transform():
     ws = jax_fp4.quantize(np.random.default_rng().standard_normal((2, 8, 32)).astype(np.float32))
     with pytest.raises(ValueError, match="stacked"):
@@ -311,12 +463,12 @@ def test_cpu_handler_validates_operands():
     with pytest.raises(Exception, match="scale must be"):
         jax.block_until_ready(call(jnp.ones((2, 32), jnp.float32), w.packed, np.zeros((8, 1), np.uint8),
                                    w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(16),
-                                   tiled=False))
+                                   tiled=False, avx512=False))
     with pytest.raises(Exception, match="block_size must be positive"):
         jax.block_until_ready(call(jnp.ones((2, 32), jnp.float32), w.packed, w.scale_bytes,
                                    w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(0),
-                                   tiled=False))
+                                   tiled=False, avx512=False))
     with pytest.raises(Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128"):
         jax.block_until_ready(call(jnp.ones((2, 32), jnp.float32), w.packed, w.scale_bytes,
                                    w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(16),
-                                   tiled=True))
+                                   tiled=True, avx512=False))

@@ -16,7 +16,7 @@ sentence, and a mean Spearman correlation of each sentence's similarities to the
 import numpy as np
 import pytest
 
-from tests.repo_scripts import load_repo_script
+from tests._helpers import load_repo_script
 
 pytest.importorskip("flax")
 pytest.importorskip("tokenizers")

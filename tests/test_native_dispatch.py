@@ -14,7 +14,8 @@ import itertools
 import numpy as np
 import pytest
 
-from jax_fp4 import dispatch as _dispatch, native as _native
+from jax_fp4 import config as _config
+from jax_fp4 import native as _native
 
 CAPABILITIES = [None, (7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1),
                 (13, 0)]
@@ -100,15 +101,15 @@ def test_forced_native_serves_small_m():
                                           ("", False), ("no", False)])
 def test_env_flag(monkeypatch, raw, expected):
     monkeypatch.setenv(_native.NATIVE_ENV, raw)
-    assert _dispatch.env_flag(_native.NATIVE_ENV, False) is expected
+    assert _config.env_flag(_native.NATIVE_ENV, False) is expected
 
 
 def test_env_flag_default_and_garbage(monkeypatch):
     monkeypatch.delenv(_native.NATIVE_ENV, raising=False)
-    assert _dispatch.env_flag(_native.NATIVE_ENV, False) is False
+    assert _config.env_flag(_native.NATIVE_ENV, False) is False
     monkeypatch.setenv(_native.NATIVE_ENV, "maybe")
     with pytest.raises(ValueError, match="JAX_FP4_NATIVE_SM120"):
-        _dispatch.env_flag(_native.NATIVE_ENV, False)
+        _config.env_flag(_native.NATIVE_ENV, False)
 
 
 def test_device_capability_parsing():

@@ -1,8 +1,11 @@
-"""Sharded inference on 8 CPU devices (tests/conftest.py sets the device count).
+"""Sharded inference on 8 CPU devices (tests/conftest.py sets the device count), and on every
+CUDA device of the machine (marked `gpu`; skipped below two CUDA devices).
 
 Each sharding pattern is checked three ways: values against the float64 NumPy reference on fresh
 random inputs, the output sharding, and facts read from the compiled (partitioned) HLO: which
-collectives XLA inserted and the per-device shapes the kernel custom call runs on.
+collectives XLA inserted and the per-device shapes the kernel custom call runs on. On the GPUs the
+CUDA kernels run per shard under jit + NamedSharding (Auto and Explicit mesh axes), shard_map and
+pmap, with the same checks but the kernel's per-device shapes.
 """
 
 import re
@@ -11,17 +14,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_fp4
 from jax_fp4 import sharding as _sharding
 from tests import reference
-from tests.repo_scripts import load_repo_script
+from tests._helpers import gpus, load_repo_script
 
-pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8 or jax.devices()[0].platform != "cpu",
-    reason="needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 set before "
-           "jax is imported; tests/conftest.py does it)")
+EIGHT_CPUS = jax.device_count() >= 8 and jax.devices()[0].platform == "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _needs_its_devices(request):
+    """The CPU tests need 8 CPU devices as jax's devices; the `gpu` tests two or more GPUs."""
+    if request.node.get_closest_marker("gpu") is not None:
+        found = len(gpus())
+        if found < 2:
+            pytest.skip(f"needs two or more CUDA devices, found {found}")
+    elif not EIGHT_CPUS:
+        pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 set "
+                    "before jax is imported; tests/conftest.py does it)")
 
 KERNEL = "jax_fp4_matmul_cpu"
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -657,3 +670,135 @@ def test_plan_for_the_tiled_layout():
     _, _, k_axes, why = _sharding.plan(mesh, (8, 256), sh(), sh(None, "model"), n=128, k=256,
                                        block_size=16, tiled=True)
     assert k_axes == () and "hold all of K" in why[0]
+
+
+# ---- the CUDA kernels on every GPU of the machine ---------------------------------------------------
+
+CUDA_TARGETS = ("jax_fp4_gemv_cuda", "jax_fp4_dequant_cuda", "jax_fp4_fused_cuda")
+
+
+def _gpu_mesh(explicit=False):
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    found = gpus()
+    return jax.make_mesh((len(found),), ("x",), axis_types=(kind,), devices=found)
+
+
+def _gpu_weight(rng, n, k, mesh, spec, layout):
+    """A random weight in `layout`, its arrays placed by the logical [N, K] `spec`, and its
+    float64 dequantization."""
+    packed, scale, gs = reference.random_gpu_weight(rng, n, k)
+    w = jax_fp4.NVFP4Weight(packed, scale, gs)
+    if layout == "tiled":
+        w = jax_fp4.prepack(w)
+    w64 = reference.dequantize(packed, scale, gs, 16)
+    return jax.device_put(w, w.shardings(NamedSharding(mesh, spec))), w64
+
+
+def _cuda_kernels(hlo: str) -> set:
+    return {t for t in CUDA_TARGETS if f'custom_call_target="{t}"' in hlo}
+
+
+# Decode (the GEMV), the fused GEMM's range and a prefill past it, per shard.
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 48, 640])
+@pytest.mark.parametrize("layout", ["spec", "tiled"])
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+def test_column_parallel_runs_the_kernels_per_gpu(m, layout, explicit):
+    rng = np.random.default_rng()
+    mesh = _gpu_mesh(explicit)
+    n, k = 256 * len(gpus()), 1024
+    w, w64 = _gpu_weight(rng, n, k, mesh, P("x", None), layout)
+    a = _put(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), mesh, P())
+    bias = _put(jnp.asarray(rng.standard_normal(n), jnp.bfloat16), mesh, P("x"))
+    f = jax.jit(jax_fp4.matmul)
+    hlo = f.lower(a, w, bias).compile().as_text()
+    y = f(a, w, bias)
+    _check(y, np.asarray(a, np.float64) @ w64.T + np.asarray(bias, np.float64), "bfloat16")
+    assert _spec(y) == (None, "x")
+    assert _collectives(hlo) == dict.fromkeys(COLLECTIVES, 0)
+    assert _cuda_kernels(hlo), "no jax_fp4 CUDA kernel in the partitioned program"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 48])
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+def test_row_parallel_is_one_all_reduce_on_gpus(m, explicit):
+    rng = np.random.default_rng()
+    mesh = _gpu_mesh(explicit)
+    n, k = 384, 512 * len(gpus())                                   # K shards of 512: whole blocks
+    w, w64 = _gpu_weight(rng, n, k, mesh, P(None, "x"), "spec")
+    a = _put(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), mesh, P(None, "x"))
+    bias_np = 50.0 * rng.standard_normal(n)                       # added per shard would show
+    bias = _put(jnp.asarray(bias_np, jnp.bfloat16), mesh, P())
+    f = jax.jit(jax_fp4.matmul)
+    hlo = f.lower(a, w, bias).compile().as_text()
+    y = f(a, w, bias)
+    _check(y, np.asarray(a, np.float64) @ w64.T + np.asarray(bias, np.float64), "bfloat16")
+    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
+    assert _cuda_kernels(hlo)
+
+
+@pytest.mark.gpu
+def test_data_parallel_decode_keeps_the_batch_sharded():
+    rng = np.random.default_rng()
+    mesh = _gpu_mesh()
+    n, k = 1000, 2048                                             # ragged N: the spec layout
+    w, w64 = _gpu_weight(rng, n, k, mesh, P(), "spec")
+    # The path is picked from the global M (here <= 16 on up to 8 GPUs: the GEMV), run on each
+    # GPU's rows.
+    a = _put(jnp.asarray(rng.standard_normal((2 * len(gpus()), k)), jnp.float16), mesh, P("x", None))
+    f = jax.jit(jax_fp4.matmul)
+    hlo = f.lower(a, w).compile().as_text()
+    y = f(a, w)
+    _check(y, np.asarray(a, np.float64) @ w64.T, "float16")
+    assert _spec(y) == ("x", None)
+    assert _collectives(hlo) == dict.fromkeys(COLLECTIVES, 0)
+    assert _cuda_kernels(hlo) == {"jax_fp4_gemv_cuda"}
+
+
+@pytest.mark.gpu
+def test_shard_map_tensor_parallel_mlp_on_gpus():
+    rng = np.random.default_rng()
+    mesh = _gpu_mesh()
+    d, h = 512, 1024 * len(gpus())
+    up, up64 = _gpu_weight(rng, h, d, mesh, P("x", None), "tiled")
+    down, down64 = _gpu_weight(rng, d, h, mesh, P(None, "x"), "spec")
+    x = jnp.asarray(rng.standard_normal((6, d)), jnp.bfloat16)
+
+    def local(x, up, down):  # x replicated; up: this GPU's rows of h, down: its columns
+        hid = jax.nn.relu(jax_fp4.matmul(x, up))
+        return jax.lax.psum(jax_fp4.matmul(hid, down).astype(jnp.float32), "x")
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), up.shardings(P("x", None)),
+                                                          down.shardings(P(None, "x"))),
+                              out_specs=P()))
+    y = f(x, up, down)
+    # The hidden activations are rounded to bf16 between the two matmuls, as the kernels see them.
+    hid = np.maximum(np.asarray(x, np.float64) @ up64.T, 0)
+    hid = np.asarray(jnp.asarray(hid, jnp.bfloat16), np.float64)
+    _check(y, hid @ down64.T, "bfloat16")
+
+
+@pytest.mark.gpu
+def test_pmap_runs_the_kernels_per_gpu():
+    rng = np.random.default_rng()
+    count, n, k = len(gpus()), 300, 1024
+    a = jnp.asarray(rng.standard_normal((count, 3, k)), jnp.bfloat16)
+    stacked = [reference.random_gpu_weight(rng, n, k) for _ in range(count)]
+    ws = jax_fp4.NVFP4Weight(*(np.stack(x) for x in zip(*stacked)))
+    y = jax.pmap(jax_fp4.matmul, devices=gpus())(a, ws)
+    assert {d.platform for d in y.sharding.device_set} == {"gpu"}
+    ref = np.stack([np.asarray(a[i], np.float64) @ reference.dequantize(*stacked[i], 16).T
+                    for i in range(count)])
+    _check(y, ref, "bfloat16")
+
+
+@pytest.mark.gpu
+def test_sharded_inference_example_on_gpus():
+    example = load_repo_script("examples/sharded_inference.py")
+    facts = example.main(verbose=False)
+    assert facts["mesh"]["data"] * facts["mesh"]["model"] == len(gpus())
+    for name in ("jit + NamedSharding", "shard_map", "explicit axes, exported"):
+        assert facts[name]["relative_error"] < reference.TOLERANCE["bfloat16"]
+        expected = int(facts["mesh"]["model"] > 1)                # the row-parallel sum
+        assert facts[name]["collectives"] == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": expected}

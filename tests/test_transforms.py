@@ -12,7 +12,7 @@ import pytest
 
 import jax_fp4
 from tests import reference
-from tests.repo_scripts import load_repo_script
+from tests._helpers import load_repo_script
 
 TOL = reference.TOLERANCE
 

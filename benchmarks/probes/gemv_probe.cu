@@ -1,4 +1,5 @@
-// Which limit holds the decode GEMV back? (benchmarks/NOTES.md, "Third H200 session".)
+// Which limit holds the decode GEMV back? (docs/design.md discusses the readings; numbers in
+// benchmarks/RESULTS.md.)
 //
 // Times, kernel-only with CUDA events, the production tensor-core GEMV at M = 1 (bf16) against
 // variants that each take one suspect away:
@@ -17,10 +18,10 @@
 //   gemv_adjacent    the previous production kernel: two accumulator chains and the previous
 //                    decode (adjacent-element pairs: PRMT, shift and two masks per pair) instead
 //                    of split pairs (decode_e2m1_split_pair)
-//   gemv             the production one-tile kernel, GemvMmaKernel<bf16, 1> (one accumulator
+//   gemv             the production one-tile kernel, GemvMmaKernel<bf16, 1, 1> (one accumulator
 //                    chain), at the heuristic's k_split, with the 256-byte L2 prefetch it gets
 //                    at k_split > 1 (gemv_no_l2: without)
-//   gemv_2tiles      GemvMmaKernel<bf16, 2> (two column tiles per warp share the activations):
+//   gemv_2tiles      GemvMmaKernel<bf16, 2, 1> (two column tiles per warp share the activations):
 //                    what the heuristic launches at M = 1 when the column grid allows it
 //   gemv_prepacked_decode  the tiled layout's decode (DecodeTiled: 8 instead of 13 ALU
 //                    instructions per word, no activation permutes) on the spec addressing
@@ -34,13 +35,14 @@
 //   gemv ~ no_decode >> loads  -> the mma loop itself (instructions, dependency latency)
 //   gemv >> no_decode          -> the decode
 //   loads_occ5 ~ gemv >> loads -> bytes in flight, or the smaller L1 (the hold shrinks both;
-//                                 more warps did not speed up the GEMV: NOTES.md, tenth session)
+//                                 more warps do not speed up the GEMV: docs/design.md)
 //   loads ~ gemv >> loads_bulk -> the loads' path (L1 miss tracking): a TMA-fed kernel pays
 //   loads >> loads_prepacked   -> the access pattern: a prepacked layout pays
 //
 // Weights rotate through copies totalling > 4x the L2, so every call reads HBM. Values are
-// arbitrary (timing only). Built by CMake next to the CUDA module (build/<wheel tag>/gemv_probe);
-// run by `bash benchmarks/device_run.sh build probe`.
+// arbitrary (timing only). Built by CMake next to the CUDA module with -DJAX_FP4_BUILD_PROBES=ON
+// (build/<wheel tag>/gemv_probe);
+// built with the CMake option JAX_FP4_BUILD_PROBES=ON.
 // Usage: gemv_probe [NxK ...]   (default: 11008x4096 4096x11008 28672x8192)
 // GEMV_PROBE_KSPLITS=3,6,... adds rows gemv_k<s> and gemv_c2_k<s>: the kernel with 1 / 2
 // accumulator chains at k_split s instead of the heuristic's.
@@ -58,7 +60,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/gemv_mma.cuh"
+#include "cuda/gemv/launch.cuh"
 #include "cuda/ptx.cuh"
 
 namespace jax_fp4 {
@@ -66,6 +68,20 @@ namespace cuda {
 namespace {
 
 using T = __nv_bfloat16;
+
+// GemvMmaKernel with the probe's knobs: any Decode policy (the production kernel's follows its
+// layout) and Chains accumulator chains (production: 1), under the production launch bounds.
+template <typename U, int CT, int RT = 1, typename Decode = DecodeE2M1, int Chains = 1,
+          int L2PrefetchBytes = 0, bool Tiled = false>
+__global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
+                                  GemvMmaShape{CT, RT, Tiled}.min_blocks_per_sm())
+    ProbeGemvKernel(const U* __restrict__ a, const uint8_t* __restrict__ packed,
+                    const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                    const U* __restrict__ bias, U* __restrict__ y, int64_t m, int64_t n,
+                    int64_t k) {
+  GemvMmaMainloop<U, CT, RT, Decode, Chains, L2PrefetchBytes, Tiled>(a, packed, scale,
+                                                                     global_scale, bias, y, m, n, k);
+}
 
 // Keeps the loaded words alive without storing them: the condition is never true in practice.
 __device__ __forceinline__ void Sink(uint32_t fold, uint32_t* sink) {
@@ -311,7 +327,9 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   float* const gs = buffers.gs;
   uint32_t* const sink = buffers.sink;
 
-  const GemvLaunchConfig cfg = gemv_launch_config(1, n, k, num_sms, /*tiled=*/false);
+  GemvResidentWarps warps{};
+  CHECK_CUDA((GetGemvResidentWarps<T, false>(&warps)));
+  const GemvLaunchConfig cfg = gemv_launch_config(1, n, k, num_sms, /*tiled=*/false, warps);
   const int k_split = cfg.k_split;
   const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvTileCols)));
   const dim3 block(32 * k_split);
@@ -368,7 +386,7 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     };
     add("loads_bulk", launch);
   }
-  // A GemvMmaKernel instance (M = 1) with col_tiles tiles per warp and `split` warps per block.
+  // A ProbeGemvKernel instance (M = 1) with col_tiles tiles per warp and `split` warps per block.
   const auto add_gemv = [&](const std::string& name, auto kernel, int col_tiles, int split) {
     const dim3 kernel_grid(static_cast<unsigned>(CeilDiv(n, col_tiles * kGemvTileCols)));
     const size_t smem = GemvMmaSmemBytes(col_tiles, split);
@@ -377,37 +395,37 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
                                                 nullptr, y, 1, n, k);
     }, resident(kernel, 32 * split, smem));
   };
-  add_gemv("no_decode", GemvMmaKernel<T, 1, 1, DecodeNone>, 1, k_split);
-  add_gemv("gemv_adjacent", GemvMmaKernel<T, 1, 1, DecodeAdjacentPairs, 2>, 1, k_split);
+  add_gemv("no_decode", ProbeGemvKernel<T, 1, 1, DecodeNone>, 1, k_split);
+  add_gemv("gemv_adjacent", ProbeGemvKernel<T, 1, 1, DecodeAdjacentPairs, 2>, 1, k_split);
   // As launched (k_split > 1: 256-byte L2 prefetch of the weights), and without the prefetch.
-  add_gemv("gemv", GemvMmaKernel<T, 1, 1, DecodeE2M1, 1, 256>, 1, k_split);
-  add_gemv("gemv_no_l2", GemvMmaKernel<T, 1>, 1, k_split);
+  add_gemv("gemv", ProbeGemvKernel<T, 1, 1, DecodeE2M1, 1, 256>, 1, k_split);
+  add_gemv("gemv_no_l2", ProbeGemvKernel<T, 1>, 1, k_split);
   if (cfg.col_tiles == 2) {  // the heuristic's pick at M = 1 where the column grid allows
-    add_gemv("gemv_2tiles", GemvMmaKernel<T, 2, 1, DecodeE2M1, 1, 256>, 2, k_split);
+    add_gemv("gemv_2tiles", ProbeGemvKernel<T, 2, 1, DecodeE2M1, 1, 256>, 2, k_split);
   }
-  add_gemv("gemv_prepacked_decode", GemvMmaKernel<T, 1, 1, DecodeTiled, 1, 256>, 1, k_split);
+  add_gemv("gemv_prepacked_decode", ProbeGemvKernel<T, 1, 1, DecodeTiled, 1, 256>, 1, k_split);
   if (cfg.col_tiles == 2) {
-    add_gemv("gemv_2tiles_prepacked_decode", GemvMmaKernel<T, 2, 1, DecodeTiled, 1, 256>, 2,
+    add_gemv("gemv_2tiles_prepacked_decode", ProbeGemvKernel<T, 2, 1, DecodeTiled, 1, 256>, 2,
              k_split);
   }
   // The tiled layout's addressing in the full kernel, with the split-pair decode (timing only:
   // those values are not decoded correctly) and with its own decode (the production kernel on
   // prepacked weights).
-  add_gemv("gemv_tiled", GemvMmaKernel<T, 1, 1, DecodeE2M1, 1, 256, true>, 1, k_split);
-  add_gemv("gemv_tiled_prepacked_decode", GemvMmaKernel<T, 1, 1, DecodeTiled, 1, 256, true>, 1,
+  add_gemv("gemv_tiled", ProbeGemvKernel<T, 1, 1, DecodeE2M1, 1, 256, true>, 1, k_split);
+  add_gemv("gemv_tiled_prepacked_decode", ProbeGemvKernel<T, 1, 1, DecodeTiled, 1, 256, true>, 1,
            k_split);
   if (cfg.col_tiles == 2) {
     add_gemv("gemv_2tiles_tiled_prepacked_decode",
-             GemvMmaKernel<T, 2, 1, DecodeTiled, 1, 256, true>, 2, k_split);
+             ProbeGemvKernel<T, 2, 1, DecodeTiled, 1, 256, true>, 2, k_split);
   }
-  add_gemv("gemv_c2", GemvMmaKernel<T, 1, 1, DecodeE2M1, 2>, 1, k_split);
-  add_gemv("gemv_c4", GemvMmaKernel<T, 1, 1, DecodeE2M1, 4>, 1, k_split);
+  add_gemv("gemv_c2", ProbeGemvKernel<T, 1, 1, DecodeE2M1, 2>, 1, k_split);
+  add_gemv("gemv_c4", ProbeGemvKernel<T, 1, 1, DecodeE2M1, 4>, 1, k_split);
   if (const char* splits = std::getenv("GEMV_PROBE_KSPLITS")) {
     for (const char* p = splits; *p != '\0';) {
       const int s = std::atoi(p);
       if (s >= 1 && s <= kGemvMaxWarpsPerBlock) {
-        add_gemv("gemv_k" + std::to_string(s), GemvMmaKernel<T, 1>, 1, s);
-        add_gemv("gemv_c2_k" + std::to_string(s), GemvMmaKernel<T, 1, 1, DecodeE2M1, 2>, 1, s);
+        add_gemv("gemv_k" + std::to_string(s), ProbeGemvKernel<T, 1>, 1, s);
+        add_gemv("gemv_c2_k" + std::to_string(s), ProbeGemvKernel<T, 1, 1, DecodeE2M1, 2>, 1, s);
       }
       while (*p != '\0' && *p != ',') ++p;
       if (*p == ',') ++p;
@@ -422,7 +440,7 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
 }
 
 // GEMV_PROBE_SWEEP_M=1,2,4,8,16: instead of the probe rows, the production kernel on prepacked
-// weights (GemvMmaKernel<bf16, CT, RT, DecodeTiled, 1, L2, true>, what jax_fp4.prepack's weights
+// weights (GemvMmaKernel<bf16, CT, RT, L2, true>, decoded by DecodeTiled: what jax_fp4.prepack's weights
 // run) at each M and every launch config (col_tiles 1 and 2, with two row tiles at M > 8;
 // k_split 1..16 within the warp budget, non-powers of two included), the
 // heuristic's pick starred: the table gemv_launch_config rests on.
@@ -442,8 +460,10 @@ void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms)
   const float stream_us = TimeUs([&](int c) { b.LaunchStream(c, num_sms); }, copies, 20);
   std::printf("%6lldx%-6lld stream %8.2f us %6.2f TB/s\n", static_cast<long long>(n),
               static_cast<long long>(k), stream_us, bytes / (stream_us * 1e-6) / 1e12);
+  GemvResidentWarps warps{};
+  CHECK_CUDA((GetGemvResidentWarps<T, true>(&warps)));
   for (int m : ms) {
-    const GemvLaunchConfig pick = gemv_launch_config(m, n, k, num_sms, /*tiled=*/true);
+    const GemvLaunchConfig pick = gemv_launch_config(m, n, k, num_sms, /*tiled=*/true, warps);
     float best = 1e30f;
     std::string line;
     for (int ct : {1, 2}) {

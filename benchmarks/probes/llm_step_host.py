@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.repo_scripts import load_repo_script  # noqa: E402
+from tests._helpers import load_repo_script  # noqa: E402
 
 llm = load_repo_script("examples/llm_generate.py")
 

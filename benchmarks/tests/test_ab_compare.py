@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.repo_scripts import load_repo_script
+from tests._helpers import load_repo_script
 
 SHAPES = [(11008, 4096, 128), (4096, 11008, 256), (28672, 8192, 1024)]
 

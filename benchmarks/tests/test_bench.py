@@ -6,13 +6,13 @@ import json
 import math
 import statistics
 
+import bench
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_fp4
-import bench
 from jax_fp4 import ffi as _ffi
 
 ROW_FIELDS = ("path", "m", "n", "k", "dtype", "us", "tbps", "tflops", "speedup_vs_bf16",

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.repo_scripts import load_repo_script
+from tests._helpers import load_repo_script
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,54 @@ def test_rejudge_refuses_a_pick_the_run_did_not_time(dc, tmp_path):
     src.write_text(json.dumps(run))
     with pytest.raises(ValueError, match="did not time"):
         dc.main(["--rejudge", str(src)])
+
+
+# ---- benchmarks/tune_dispatch.py: a table entry from timings ------------------------------------
+
+@pytest.fixture(scope="module")
+def tune():
+    return load_repo_script("benchmarks/tune_dispatch.py")
+
+
+def _timings(tune, n, k, us_by_m):
+    return [tune.Timing(n, k, m, us) for m, us in us_by_m.items()]
+
+
+def test_tune_derives_each_bound_from_where_its_backend_leads(tune):
+    from jax_fp4 import dispatch as _dispatch
+    template = _dispatch.HOPPER_SPEC
+    plain = (template.small_n + 2048, template.long_k // 2)    # past both small rules
+    small = (template.small_n, template.long_k)                 # the small-N rule's
+    large = (template.wide_n, template.long_k)                  # wide, long and large
+
+    def curve(gemv_to, fused_to):
+        # the GEMV fastest up to gemv_to, the fused GEMM to fused_to, dequant after
+        return {m: {"gemv": 1.0 if m <= gemv_to else 3.0, "fused": 2.0 if m <= fused_to else 4.0,
+                    "dequant": 2.5 + (m <= fused_to)} for m in (1, 8, 12, 16, 24, 32, 64, 128, 1024,
+                                                                 2048, 4096)}
+    timings = (_timings(tune, *plain, curve(16, 1024)) + _timings(tune, *small, curve(64, 1024))
+               + _timings(tune, *large, curve(12, 2048)))
+    findings = []
+    c = tune.derive(timings, template, 1.0, findings, "spec")
+    assert (c.gemv_max_m, c.gemv_max_m_small, c.fused_max_m, c.fused_max_m_large) == (
+        16, 64, 1024, 2048)
+    assert c.fused_min_m_wide_long == 16  # the fused GEMM leads from M = 16 on the wide shape
+    assert c.gemv_max_m_without_fused == 1024  # the GEMV against dequant alone, on every shape
+    assert c.small_n == template.small_n and c.long_k == template.long_k  # thresholds kept
+    assert any(f.startswith("spec.gemv_max_m_small_weight: no timing") for f in findings)
+    literal = tune.entry_literal("Test GPU", _dispatch.Entry(spec=c, tiled=c))
+    ns = {"Entry": _dispatch.Entry, "Crossovers": _dispatch.Crossovers}
+    assert eval("{" + literal + "}", ns) == {"Test GPU": _dispatch.Entry(spec=c, tiled=c)}
+
+
+def test_tune_cpu_smoke_run(tune, tmp_path, capsys):
+    """On a CPU none of gemv / fused / dequant runs: the entry keeps this device's current one."""
+    out = tmp_path / "tune.json"
+    assert tune.main(["--quick", "--shapes", "128x256", "--m", "1,17", "--passes", "1",
+                      "--repeats", "2", "--warmup", "1", "--json", str(out),
+                      "--device-kind", "Test CPU"]) == 0
+    text = capsys.readouterr().out
+    assert "'Test CPU': Entry(" in text and "gemv_max_m=" in text
+    result = json.loads(out.read_text())
+    assert result["device_kind"] == "Test CPU" and set(result["timings"]) == {"spec", "tiled"}
+    assert [t["m"] for t in result["timings"]["spec"]] == [1, 17]

@@ -7,7 +7,7 @@ import csv
 import numpy as np
 import pytest
 
-from tests.repo_scripts import load_repo_script
+from tests._helpers import load_repo_script
 REASONS = ["barrier", "dispatch", "long_sb", "wait"]
 
 

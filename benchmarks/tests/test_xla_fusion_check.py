@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.repo_scripts import load_repo_script
+from tests._helpers import load_repo_script
 
 CUBLAS_MODULE = """HloModule jit_f
 %dequantize (p0: u8[8,8]) -> bf16[8,16] {

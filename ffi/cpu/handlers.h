@@ -7,12 +7,14 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_fp4 {
-// The instruction sets the CPU kernel runs on this CPU, e.g. "x86-64-v3 (AVX2, FMA)": its builds
-// are chosen at run time, and the AVX2 and plain builds differ in the last bits (FMA).
-std::string CpuKernelBuilds();
+// The instruction sets the CPU kernel runs on this CPU, e.g. "x86-64-v3 (AVX2, FMA)", for calls
+// whose `avx512` attribute is `avx512`: its builds are chosen at run time, and the AVX2 and plain
+// builds differ in the last bits (FMA).
+std::string CpuKernelBuilds(bool avx512);
 }  // namespace jax_fp4
 
-// Fused decode + dot: (a [M,K], packed, scale, global_scale, bias [N] or [0]) -> y [M,N].
+// Fused decode + dot: (a [M,K], packed, scale, global_scale, bias [N] or [0]) -> y [M,N];
+// attrs block_size, tiled, avx512.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4MatmulCpu);
 
 #endif  // JAX_FP4_CPU_HANDLERS_H_

@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cctype>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -80,6 +79,7 @@ struct MatmulJob {
   ffi::DataType dtype = ffi::DataType::F32;
   float global_scale = 1.0f;
   bool tiled = false;  // packed / scale in the tiled layout (block_size 16, K % 128 == 0)
+  bool avx512 = true;  // the AVX-512 panel product where the CPU has it (attribute avx512)
 
   int64_t m_blocks = 0;   // units along M
   int64_t num_units = 0;  // m_blocks x weight panels
@@ -440,26 +440,21 @@ __attribute__((target("arch=x86-64-v4"))) void PanelProductWide(const float* a, 
   }
 }
 
-// Whether the CPU runs the AVX-512 build, unless JAX_FP4_CPU_AVX512 is 0 / false / no / off
-// (read once; for tests and benchmarks, since both builds give the same bits; jax_fp4 checks the
-// value when it lowers a matmul for the CPU).
-bool UseAvx512() {
-  static const bool use = [] {
-    if (!__builtin_cpu_supports("x86-64-v4")) return false;
-    const char* raw = std::getenv("JAX_FP4_CPU_AVX512");
-    std::string value = raw != nullptr ? raw : "";
-    for (char& ch : value) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    return !(value == "0" || value == "false" || value == "no" || value == "off");
-  }();
-  return use;
+// Whether this CPU can run the AVX-512 build (checked once per process).
+bool CpuHasAvx512() {
+  static const bool has = __builtin_cpu_supports("x86-64-v4");
+  return has;
 }
 #endif
 
-// c[mb, nc] += a[mb, kc] @ panel over the panel's groups: AVX-512 where the CPU has it.
+// c[mb, nc] += a[mb, kc] @ panel over the panel's groups: AVX-512 where `avx512` (the call's
+// attribute) asks for it and the CPU has it. Both builds give the same bits.
 void PanelProduct(const float* a, int64_t lda, int64_t mb, const float* panel, int64_t kc,
-                  int64_t groups, float* c, int64_t ldc) {
+                  int64_t groups, float* c, int64_t ldc, bool avx512) {
 #ifdef JAX_FP4_CPU_HAS_AVX512_BUILD
-  if (UseAvx512()) return PanelProductWide(a, lda, mb, panel, kc, groups, c, ldc);
+  if (avx512 && CpuHasAvx512()) return PanelProductWide(a, lda, mb, panel, kc, groups, c, ldc);
+#else
+  (void)avx512;
 #endif
   PanelProductNarrow(a, lda, mb, panel, kc, groups, c, ldc);
 }
@@ -549,7 +544,8 @@ void ComputeUnit(const MatmulJob& job, int64_t unit, Scratch& scratch) {
       DecodeProduct(job, a, job.k, mb, n0, rows, k0, kc, scratch.c.data(), ldc);
     } else {
       DecodePanel(job, n0, rows, k0, kc, scratch.panel.data());
-      PanelProduct(a, job.k, mb, scratch.panel.data(), kc, groups, scratch.c.data(), ldc);
+      PanelProduct(a, job.k, mb, scratch.panel.data(), kc, groups, scratch.c.data(), ldc,
+                   job.avx512);
     }
   }
   for (int64_t i = 0; i < mb; ++i) {
@@ -577,7 +573,8 @@ void Work(const std::shared_ptr<MatmulJob>& job) {
 ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
                          ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::U8> scale,
                          ffi::Buffer<ffi::F32> global_scale, ffi::AnyBuffer bias,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t block_size, bool tiled) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t block_size, bool tiled,
+                         bool avx512) {
   MatmulShape shape;
   const std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
@@ -607,6 +604,7 @@ ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
   job->y = y->untyped_data();
   job->global_scale = global_scale.typed_data()[0];
   job->tiled = tiled;
+  job->avx512 = avx512;
   job->m_blocks = (shape.m + kBlockRows - 1) / kBlockRows;
   job->num_units = job->m_blocks * ((shape.n + kPanelRows - 1) / kPanelRows);
 
@@ -623,10 +621,10 @@ ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
 
 }  // namespace
 
-std::string CpuKernelBuilds() {
+std::string CpuKernelBuilds(bool avx512) {
   std::string builds;
 #ifdef JAX_FP4_CPU_HAS_AVX512_BUILD
-  if (UseAvx512()) builds = "x86-64-v4 (AVX-512) GEMM, ";
+  if (avx512 && CpuHasAvx512()) builds = "x86-64-v4 (AVX-512) GEMM, ";
 #endif
 #ifdef JAX_FP4_CPU_HAS_AVX2_BUILD
 #if __GNUC__ >= 12
@@ -651,4 +649,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4MatmulCpu, jax_fp4::MatmulCpuImpl,
                                   .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
                                   .Ret<ffi::AnyBuffer>()          // y [M, N]
                                   .Attr<int64_t>("block_size")
-                                  .Attr<bool>("tiled"));          // weight in the tiled layout
+                                  .Attr<bool>("tiled")            // weight in the tiled layout
+                                  .Attr<bool>("avx512"));         // AVX-512 panel product if the CPU has it

@@ -1,4 +1,4 @@
-// Host-side helpers shared by the CUDA FFI handlers (gemv.cu, dequant.cu, fused_gemm.cu).
+// Host-side helpers shared by the CUDA FFI handlers (gemv/, fused/, dequant.cu).
 #ifndef JAX_FP4_CUDA_COMMON_CUH_
 #define JAX_FP4_CUDA_COMMON_CUH_
 
@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -117,33 +116,6 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
   config.attrs = &attribute;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
-}
-
-// A measurement override read on each call: unset or empty leaves *forced as it is; otherwise the
-// value must be a plain decimal integer (digits only: no sign, no spaces, which strtol would
-// take) that `valid` accepts. Anything else: an error message naming the variable (returned).
-inline std::string ReadOverride(const char* name, bool (*valid)(long), const std::string& expected,
-                                int* forced) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return "";
-  long value = 0;
-  const char* c = env;
-  for (; *c >= '0' && *c <= '9' && c - env < 9; ++c) value = 10 * value + (*c - '0');
-  if (c == env || *c != '\0' || !valid(value)) {
-    return std::string(name) + " must be " + expected + ", got '" + env + "'";
-  }
-  *forced = static_cast<int>(value);
-  return "";
-}
-
-// JAX_FP4_PDL=1 asks for programmatic dependent launches where a kernel supports them; 0 or unset
-// for plain ones (ReadOverride).
-inline std::string ProgrammaticLaunchOverride(bool* on) {
-  int value = 0;
-  const std::string bad =
-      ReadOverride("JAX_FP4_PDL", [](long v) { return v == 0 || v == 1; }, "0 or 1", &value);
-  *on = value == 1;
-  return bad;
 }
 
 }  // namespace cuda

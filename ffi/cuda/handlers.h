@@ -1,12 +1,14 @@
 // XLA FFI handlers of the CUDA module. Plain declarations: module.cc (C++, nanobind) includes this
-// header and never sees CUDA; the handlers are defined in gemv.cu and dequant.cu.
+// header and never sees CUDA; the handlers are defined in gemv/handler.cu and dequant.cu (the
+// fused GEMM's in fused/fused.h, the native SM120 path's in native_sm120/handlers.h).
 #ifndef JAX_FP4_CUDA_HANDLERS_H_
 #define JAX_FP4_CUDA_HANDLERS_H_
 
 #include "xla/ffi/api/ffi.h"
 
 // Fused decode GEMV: (a [M,K] f16/bf16, packed [N,K/2] u8, scale [N,K/16] u8, global_scale f32[1],
-// bias [N] or [0]) -> y [M,N]; attrs block_size (== 16), use_mma, row_tiling. K % 32 == 0.
+// bias [N] or [0]) -> y [M,N]; attrs block_size (== 16), tiled, tensor_cores, row_tiling,
+// col_tiles, k_split, rows_per_block, programmatic. K % 32 == 0.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GemvCuda);
 
 // Dequantize: (packed [N,K/2] u8, scale [N,ceil(K/bs)] u8, global_scale f32[1]) -> w [N,K]

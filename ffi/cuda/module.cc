@@ -8,8 +8,8 @@
 
 #include "cuda/handlers.h"
 #include "jax_fp4/ffi_capsule.h"
-#include "cuda/native_sm120.h"
-#include "cuda/fused_gemm.h"
+#include "cuda/fused/fused.h"
+#include "cuda/native_sm120/handlers.h"
 
 namespace nb = nanobind;
 

@@ -73,7 +73,7 @@ JAX_FP4_HD uint32_t packed_code(const uint8_t* packed_row, int64_t k) {
   return (packed_row[k >> 1] >> ((k & 1) * 4)) & 0xFu;
 }
 
-// The tiled layout of jax_fp4.prepack (jax_fp4/_layout.py has the definition; N % 16 == 0,
+// The tiled layout of jax_fp4.prepack (jax_fp4/layout.py has the definition; N % 16 == 0,
 // K % 128 == 0, block size 16; W = K / 128 windows). Row r sits in 16-row tile r / 16, row half
 // (r / 8) % 2, lane group g = r % 8.
 // Byte offset of row r's 16 packed bytes of window w, quarter t (elements 128 w + 32 t .. + 31).

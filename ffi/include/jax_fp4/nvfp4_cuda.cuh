@@ -1,7 +1,7 @@
 // Device-only packed NVFP4 decode helpers for the CUDA kernels (bit tricks on top of nvfp4.h).
 //
 // nvfp4.h is the definition of the format; everything here computes the same values with fewer
-// instructions and is checked against it by tests/test_gpu_kernels.py (through the kernels).
+// instructions and is checked against it by tests/test_gemv_kernel.py (through the kernels).
 // No cuda_fp4.h conversion intrinsics (emulated in software on sm_90) and no run-time-indexed
 // local arrays: every helper works on whole 32-bit registers.
 //
@@ -22,17 +22,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/ptx.cuh"  // prmt, cvt_f16x2_e4m3x2, ld_stream_u4 (every inline PTX is there)
 #include "jax_fp4/nvfp4.h"
 
 namespace jax_fp4 {
 namespace cuda {
-
-// Byte permute (prmt.b32): result byte i = byte sel_nibble_i of the 8-byte value {hi:lo}.
-__device__ __forceinline__ uint32_t prmt(uint32_t lo, uint32_t hi, uint32_t sel) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
-  return r;
-}
 
 template <typename T>
 struct HalfTraits;
@@ -137,7 +131,7 @@ __device__ __forceinline__ uint32_t split_activation_pair(uint32_t lo, uint32_t 
   return prmt(lo, hi, (j & 1) ? 0x7632u : 0x5410u);
 }
 
-// The tiled layout (jax_fp4/_layout.py: jax_fp4.prepack's) keeps a word's elements in adjacent
+// The tiled layout (jax_fp4/layout.py: jax_fp4.prepack's) keeps a word's elements in adjacent
 // pairs p = (2p, 2p + 1): pair 0 at the bf16 positions (mantissa 6, exponent 7-8, sign 15; +16 for
 // the odd element), pairs 1 and 2 rotated left by 3 and 6 bits, pair 3 at bits {4, 0, 1, 3} (+16),
 // which one multiply by 0x1084 (copies shifted by 2, 7 and 12 that do not overlap) carries to
@@ -181,8 +175,7 @@ __device__ __forceinline__ void e4m3x2_scale_pairs(uint32_t bytes, uint32_t& lo,
   using Tr = HalfTraits<T>;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   // sm_89+: one cvt turns both E4M3 bytes into an exact fp16 pair (NaN stays NaN).
-  uint32_t h2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<unsigned short>(bytes)));
+  const uint32_t h2 = cvt_f16x2_e4m3x2(bytes);
   if constexpr (std::is_same_v<T, __half>) {
     const uint32_t scaled = Tr::pair_mul(h2, 0x58005800u);  // x {128, 128}: <= 57344, exact
     lo = prmt(scaled, 0u, 0x1010u);
@@ -198,25 +191,6 @@ __device__ __forceinline__ void e4m3x2_scale_pairs(uint32_t bytes, uint32_t& lo,
   lo = Tr::pair_from_floats(s0, s0);
   hi = Tr::pair_from_floats(s1, s1);
 #endif
-}
-
-// Streaming 16-byte load (read once: do not keep it in L1, where activations live).
-// L2PrefetchBytes = 256: a miss fetches the 256 bytes around the address into L2 (the L2::256B
-// prefetch-size hint), for loads whose neighbours other warps are about to read.
-template <int L2PrefetchBytes = 0>
-__device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
-  static_assert(L2PrefetchBytes == 0 || L2PrefetchBytes == 256, "no hint, or 256 bytes");
-  uint4 r;
-  if constexpr (L2PrefetchBytes == 256) {
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-  } else {
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-  }
-  return r;
 }
 
 // Read-only cached 16-byte load (activations: re-read by many warps).

@@ -1,42 +1,51 @@
 """The fused sm_90 NVFP4 GEMM (FFI target jax_fp4_fused_cuda) called directly through
-jax.ffi.ffi_call, against the independent float64 reference in tests/reference.py.
+jax.ffi.ffi_call, against the independent float64 reference in tests/reference.py: its activation
+tiles, weight tiles, split-K, warp-specialized and stream-K kernels, each forced through the
+kernel's attributes (jax_fp4.KernelTuning), and a host model of its index algebra.
 
-Needs a compute-capability-9.0 CUDA device; skipped otherwise. The target comes from the package's
-CUDA module. Inputs are
-fresh random draws on every run; outputs are poisoned with NaN before each call and every check
-rejects NaN where none is expected, so an unwritten element fails.
+The kernel tests need a compute-capability-9.0 CUDA device (marked `gpu`; skipped otherwise); the
+model tests run anywhere. The target comes from the package's CUDA module. Inputs are fresh random
+draws on every run; outputs are poisoned with NaN before each call and every check rejects NaN
+where none is expected, so an unwritten element fails.
 
 JAX_FP4_GPU_TEST_QUICK=1 shrinks the sweep (used under compute-sanitizer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
-from jax_fp4 import ffi as _ffi, fused as _fused, layout as _layout
-from tests import chains, reference
+import jax_fp4
+from jax_fp4 import KernelTuning
+from jax_fp4 import ffi as _ffi
+from jax_fp4 import fused as _fused
+from jax_fp4 import layout as _layout
+from tests import reference
+from tests._helpers import (
+    CHAIN_DIMS,
+    DTYPES,
+    NP_DTYPES,
+    SPECIAL_SCALES,
+    chain_weights,
+    fused_attributes,
+    has_sm90,
+    plain_and_programmatic,
+    poison,
+)
 
 TARGET = "jax_fp4_fused_cuda"
 QUICK = os.environ.get("JAX_FP4_GPU_TEST_QUICK", "") not in ("", "0")
 
 
-def _sm90() -> bool:
-    try:
-        gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    except Exception:
-        return False
-    return bool(gpus) and str(getattr(gpus[0], "compute_capability", "")) == "9.0"
-
-
-HAS_SM90 = _sm90()
+HAS_SM90 = has_sm90()
 HAS_TARGET = TARGET in _ffi.REGISTERED_TARGETS.get("CUDA", [])
 
 
@@ -47,22 +56,14 @@ def needs_sm90(fn):
     fn = pytest.mark.skipif(not HAS_SM90, reason="needs a compute capability 9.0 CUDA device")(fn)
     return pytest.mark.gpu(fn)
 
-DTYPES = ["float16", "bfloat16"]
-NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
-# Zero, subnormals, -0, negative scales mixed into random weights.
-SPECIAL_SCALES = np.array([0x00, 0x01, 0x07, 0x08, 0x80, 0xB8, 0x81, 0x3F, 0x30], np.uint8)
 
 
-def _poison(shape, dtype):
-    """Leave NaN in the memory the next same-sized allocation will most likely get."""
-    p = jnp.full(shape, jnp.nan, dtype)
-    p.block_until_ready()
-    del p
-
-
-def fused(a, packed, scale, gs, bias=None, *, block_size=16, tiled=False):
-    """The fused target on spec-layout packed / scale (tiled=True: handed the tiled layout)."""
+def fused(a, packed, scale, gs, bias=None, *, block_size=16, tiled=False, tuning=None,
+          attributes=None):
+    """The fused target on spec-layout packed / scale (tiled=True: handed the tiled layout), with
+    the attributes of `tuning` (None: the heuristics), overridden by `attributes`."""
     a = jnp.asarray(a)
     m, k = a.shape
     n = packed.shape[0]
@@ -71,12 +72,13 @@ def fused(a, packed, scale, gs, bias=None, *, block_size=16, tiled=False):
     if tiled:
         packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
     ws = _fused.fused_workspace_elems(m, n, k)
-    _poison((m, n), a.dtype)
+    poison((m, n), a.dtype)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                      jax.ShapeDtypeStruct((ws,), jnp.float32)))
     y, _ = call(_fused.to_fragment_order(a, tiled), jnp.asarray(packed), jnp.asarray(scale),
                 jnp.asarray(gs, jnp.float32).reshape(1), jnp.asarray(bias),
-                block_size=np.int64(block_size), tiled=bool(tiled))
+                block_size=np.int64(block_size), tiled=bool(tiled),
+                **{**fused_attributes(tuning), **(attributes or {})})
     return np.asarray(y)
 
 
@@ -208,39 +210,39 @@ def test_bad_arguments_are_rejected():
 
 
 @needs_sm90
-@pytest.mark.parametrize("split", ["1", "3", "8"])
-def test_forced_split_matches_reference(split, monkeypatch):
-    """JAX_FP4_FUSED_SPLIT forces the split-K factor (read on every call): every forced split,
-    clamped to the K stages, gives the reference result."""
+@pytest.mark.parametrize("split", [1, 3, 8])
+def test_forced_split_matches_reference(split):
+    """KernelTuning(fused_split=...) forces the split-K factor: every forced split, clamped to the
+    K stages, gives the reference result."""
     rng = np.random.default_rng()
     m, n, k = 24, 300, 1024
     packed, scale, gs = random_weight(rng, n, k)
     a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
-    monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", split)
-    check_close(fused(a, packed, scale, gs), a, packed, scale, gs, None, "bfloat16")
+    y = fused(a, packed, scale, gs, tuning=KernelTuning(fused_split=split))
+    check_close(y, a, packed, scale, gs, None, "bfloat16")
 
 
 @needs_sm90
-@pytest.mark.parametrize("tile_m", ["16", "32", "64", "128", "256"])
+@pytest.mark.parametrize("tile_m", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("m", [1, 16, 33, 70, 300])
-def test_forced_tile_matches_reference(tile_m, m, monkeypatch):
-    """JAX_FP4_FUSED_TILE_M forces the activation rows per CTA: each tile, with one and with
+def test_forced_tile_matches_reference(tile_m, m):
+    """KernelTuning(fused_tile_m=...) forces the activation rows per CTA: each tile, with one and with
     several M tiles per weight tile (ragged last tile), and split-K, gives the reference result."""
     rng = np.random.default_rng()
     n, k = 520, 1024
     packed, scale, gs = random_weight(rng, n, k, special=True)
     a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
     bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
-    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", tile_m)
-    check_close(fused(a, packed, scale, gs, bias), a, packed, scale, gs, bias, "bfloat16")
+    y = fused(a, packed, scale, gs, bias, tuning=KernelTuning(fused_tile_m=tile_m))
+    check_close(y, a, packed, scale, gs, bias, "bfloat16")
 
 
 @needs_sm90
-@pytest.mark.parametrize("tile_m", ["64", "128", "256"])
+@pytest.mark.parametrize("tile_m", [64, 128, 256])
 @pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_warp_specialized_equals_multistage(tile_m, tiled, dtype, monkeypatch):
-    """From 64 activation rows per CTA two kernels serve (JAX_FP4_FUSED_WARP_SPECIALIZED): the
+def test_warp_specialized_equals_multistage(tile_m, tiled, dtype):
+    """From 64 activation rows per CTA two kernels serve (fused_warp_specialized): the
     warp-specialized one (a copying warpgroup, mbarrier stages) and the multistage one. Both
     match the reference on ragged M and N with cluster split-K, and each other bit for bit (the
     same wgmma sequence per CTA and the same reduction order)."""
@@ -248,53 +250,50 @@ def test_warp_specialized_equals_multistage(tile_m, tiled, dtype, monkeypatch):
     n, k = 528, 1152
     packed, scale, gs = random_weight(rng, n, k, special=True)
     bias = rng.standard_normal(n).astype(NP_DTYPES[dtype])
-    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", tile_m)
-    monkeypatch.setenv("JAX_FP4_FUSED_STREAM_K", "0")  # both kernels: cluster split-K
-    for m, split in ((1, "1"), (70, "3"), (300, "")):
+    for m, split in ((1, 1), (70, 3), (300, 0)):  # split 0: the heuristic's
         a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
-        monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", split)
         ys = {}
-        for ws in ("1", "0"):
-            monkeypatch.setenv("JAX_FP4_FUSED_WARP_SPECIALIZED", ws)
-            ys[ws] = fused(a, packed, scale, gs, bias, tiled=tiled)
-        check_close(ys["1"], a, packed, scale, gs, bias, dtype)
-        np.testing.assert_array_equal(ys["1"].view(np.uint16), ys["0"].view(np.uint16))
+        for ws in (True, False):
+            # both kernels: cluster split-K
+            tuning = KernelTuning(fused_tile_m=tile_m, fused_stream_k=False, fused_split=split,
+                                  fused_warp_specialized=ws)
+            ys[ws] = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
+        check_close(ys[True], a, packed, scale, gs, bias, dtype)
+        np.testing.assert_array_equal(ys[True].view(np.uint16), ys[False].view(np.uint16))
 
 
 @needs_sm90
-@pytest.mark.parametrize("warp_specialized", ["1", "0"])
+@pytest.mark.parametrize("warp_specialized", [True, False])
 @pytest.mark.parametrize("tiled", [False, True])
-def test_tile_n_128_equals_default_tile(warp_specialized, tiled, monkeypatch):
-    """JAX_FP4_FUSED_TILE_N=128: 128 weight rows per CTA at the 128-row activation tile (twice the
+def test_tile_n_128_equals_default_tile(warp_specialized, tiled):
+    """fused_tile_n=128: 128 weight rows per CTA at the 128-row activation tile (twice the
     CTAs of the default 256). Each output is the same wgmma sequence and, at a forced split, the
     same reduction: equal to the reference and bit-identical to the default tile."""
     rng = np.random.default_rng()
     n, k = 528, 1152  # ragged against both tiles; N % 16 == 0 for the tiled layout
     packed, scale, gs = random_weight(rng, n, k, special=True)
     bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
-    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", "128")
-    monkeypatch.setenv("JAX_FP4_FUSED_WARP_SPECIALIZED", warp_specialized)
-    for m, split in ((70, "1"), (200, "3")):
+    for m, split in ((70, 1), (200, 3)):
         a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
-        monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", split)
-        monkeypatch.setenv("JAX_FP4_FUSED_TILE_N", "128")
-        y = fused(a, packed, scale, gs, bias, tiled=tiled)
-        monkeypatch.setenv("JAX_FP4_FUSED_TILE_N", "256")
-        y_default = fused(a, packed, scale, gs, bias, tiled=tiled)
+        tuning = KernelTuning(fused_tile_m=128, fused_warp_specialized=warp_specialized,
+                              fused_split=split, fused_tile_n=128)
+        y = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
+        tuning = dataclasses.replace(tuning, fused_tile_n=256)
+        y_default = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
         check_close(y, a, packed, scale, gs, bias, "bfloat16")
         np.testing.assert_array_equal(y.view(np.uint16), y_default.view(np.uint16))
 
 
-# Stream-K (JAX_FP4_FUSED_STREAM_K=1): (M, N, K, activation tile, weight tile) where the CTAs'
+# Stream-K (fused_stream_k=True): (M, N, K, activation tile, weight tile) where the CTAs'
 # runs are single K stages of tiles split 9 ways, mixes of whole and partial tiles (136 tiles of 2
 # stages over at most 132 CTAs: runs of 3 stages store a whole tile mid-run, from registers: paired
 # 4-byte stores with one 64-row weight tile per warpgroup, 2-byte ones with two), the same with
 # N % 4 != 0 (2-byte stores; spec layout only, the tiled one needs N % 16 == 0), and runs crossing
 # several tiles.
-STREAM_K_CASES = [(70, 528, 1152, "128", "256"), (200, 528, 1152, "128", "128"),
-                  (300, 528, 1152, "256", "128"), (1000, 4240, 256, "256", "128"),
-                  (1000, 4240, 256, "128", "256"), (1000, 4234, 256, "256", "128"),
-                  (129, 8208, 384, "128", "256"), (65, 144, 11008, "64", "256")]
+STREAM_K_CASES = [(70, 528, 1152, 128, 256), (200, 528, 1152, 128, 128),
+                  (300, 528, 1152, 256, 128), (1000, 4240, 256, 256, 128),
+                  (1000, 4240, 256, 128, 256), (1000, 4234, 256, 256, 128),
+                  (129, 8208, 384, 128, 256), (65, 144, 11008, 64, 256)]
 
 
 @needs_sm90
@@ -302,7 +301,7 @@ STREAM_K_CASES = [(70, 528, 1152, "128", "256"), (200, 528, 1152, "128", "128"),
     (*case, tiled) for case in STREAM_K_CASES for tiled in (False, True)
     if not (tiled and case[1] % 16)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_stream_k_matches_reference(m, n, k, tile_m, tile_n, tiled, dtype, monkeypatch):
+def test_stream_k_matches_reference(m, n, k, tile_m, tile_n, tiled, dtype):
     """Stream-K splits the tiles' K stages evenly over one CTA per SM; partial tiles meet in the
     workspace, where each tile's owner (the run holding its K stage 0) adds them to its own in CTA
     order. Equal to the reference on ragged M and N (bias, fp16 and bf16, both layouts), and
@@ -311,103 +310,99 @@ def test_stream_k_matches_reference(m, n, k, tile_m, tile_n, tiled, dtype, monke
     packed, scale, gs = random_weight(rng, n, k, special=True)
     bias = rng.standard_normal(n).astype(NP_DTYPES[dtype])
     a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
-    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", tile_m)
-    monkeypatch.setenv("JAX_FP4_FUSED_WARP_SPECIALIZED", "1")
-    if tile_m == "128":
-        monkeypatch.setenv("JAX_FP4_FUSED_TILE_N", tile_n)
-    monkeypatch.setenv("JAX_FP4_FUSED_STREAM_K", "1")
-    y = fused(a, packed, scale, gs, bias, tiled=tiled)
+    tuning = KernelTuning(fused_tile_m=tile_m, fused_warp_specialized=True, fused_stream_k=True,
+                          fused_tile_n=tile_n if tile_m == 128 else 0)
+    y = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
     check_close(y, a, packed, scale, gs, bias, dtype)
-    again = fused(a, packed, scale, gs, bias, tiled=tiled)
+    again = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
     np.testing.assert_array_equal(y.view(np.uint16), again.view(np.uint16))
-    monkeypatch.setenv("JAX_FP4_FUSED_STREAM_K", "0")  # cluster split-K on the same problem
-    check_close(fused(a, packed, scale, gs, bias, tiled=tiled), a, packed, scale, gs, bias, dtype)
+    tuning = dataclasses.replace(tuning, fused_stream_k=False)  # cluster split-K, same problem
+    y = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
+    check_close(y, a, packed, scale, gs, bias, dtype)
 
 
 @needs_sm90
-def test_stream_k_needs_its_workspace_and_kernel(monkeypatch):
-    """JAX_FP4_FUSED_STREAM_K=1 where stream-K cannot run is an error, not a silent fallback."""
+def test_stream_k_needs_its_workspace_and_kernel():
+    """fused_stream_k=True where stream-K cannot run is an error, not a silent fallback."""
     rng = np.random.default_rng()
     packed, scale, gs = random_weight(rng, 256, 256)
-    monkeypatch.setenv("JAX_FP4_FUSED_STREAM_K", "1")
-    for m, env in ((40, {}), (100, {"JAX_FP4_FUSED_SPLIT": "2"}),
-                   (100, {"JAX_FP4_FUSED_WARP_SPECIALIZED": "0"})):
+    for m, more in ((40, {}), (100, {"fused_split": 2}), (100, {"fused_warp_specialized": False})):
         a = rng.standard_normal((m, 256)).astype(np.float16)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        with pytest.raises(Exception, match="JAX_FP4_FUSED_STREAM_K=1 needs"):
-            fused(a, packed, scale, gs)
-        for name in env:
-            monkeypatch.delenv(name)
+        with pytest.raises(Exception, match=r"(?i)stream_k\W*(=\W*)?(1|true)\W* needs"):
+            fused(a, packed, scale, gs, tuning=KernelTuning(fused_stream_k=True, **more))
 
 
 @needs_sm90
-def test_warp_specialized_needs_the_64_row_tile(monkeypatch):
+def test_warp_specialized_needs_the_64_row_tile():
     """The 16- and 32-row tiles have the multistage kernel only: asking for the other is an error."""
     rng = np.random.default_rng()
     packed, scale, gs = random_weight(rng, 256, 256)
-    monkeypatch.setenv("JAX_FP4_FUSED_WARP_SPECIALIZED", "1")
+    tuning = KernelTuning(fused_warp_specialized=True)
     for m in (16, 20):  # the 16- and 32-row tiles
         a = rng.standard_normal((m, 256)).astype(np.float16)
-        with pytest.raises(Exception, match="JAX_FP4_FUSED_WARP_SPECIALIZED=1 needs 64-row"):
-            fused(a, packed, scale, gs)
+        with pytest.raises(Exception, match=r"(?i)warp_specialized\W*(=\W*)?(1|true)\W* needs 64-row"):
+            fused(a, packed, scale, gs, tuning=tuning)
     a = rng.standard_normal((40, 256)).astype(np.float16)  # the 64-row tile serves it
-    check_close(fused(a, packed, scale, gs), a, packed, scale, gs, None, "float16")
+    check_close(fused(a, packed, scale, gs, tuning=tuning), a, packed, scale, gs, None, "float16")
 
 
 @needs_sm90
-def test_tile_n_128_needs_the_128_row_tile(monkeypatch):
+def test_tile_n_128_needs_the_128_row_tile():
+    """A weight tile forced at an activation tile other than 128 rows is an error from the kernel
+    call, directly and through jax_fp4.matmul (KernelTuning validates each field alone; the
+    combination is the kernel's to check)."""
     rng = np.random.default_rng()
     packed, scale, gs = random_weight(rng, 256, 256)
-    for m, tile_n in ((40, "128"), (300, "256")):  # 64- and 256-row activation tiles
+    for m, tile_n in ((40, 128), (300, 256)):  # 64- and 256-row activation tiles
         a = rng.standard_normal((m, 256)).astype(np.float16)
-        monkeypatch.setenv("JAX_FP4_FUSED_TILE_N", tile_n)
-        with pytest.raises(Exception,
-                           match=f"JAX_FP4_FUSED_TILE_N={tile_n} needs 128-row activation tiles"):
-            fused(a, packed, scale, gs)
+        message = rf"(?i)tile_n\W*(=\W*)?{tile_n}\W* needs 128-row activation tiles"
+        with pytest.raises(Exception, match=message):
+            fused(a, packed, scale, gs, tuning=KernelTuning(fused_tile_n=tile_n))
+    w = jax_fp4.NVFP4Weight(packed, scale, gs)
+    a = jnp.asarray(rng.standard_normal((40, 256)), jnp.bfloat16)
+    tuning = KernelTuning(fused_tile_m=64, fused_tile_n=128)
+    with pytest.raises(Exception, match=r"(?i)tile_n\W*(=\W*)?128\W* needs 128-row activation tiles"):
+        jax.block_until_ready(jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="fused",
+                                                                 tuning=tuning))(a, w))
 
 
-_SPLIT_ERROR = "JAX_FP4_FUSED_SPLIT must be an integer in 1..8"
-_TILE_ERROR = "JAX_FP4_FUSED_TILE_M must be one of 16, 32, 64, 128, 256"
-_WS_ERROR = "JAX_FP4_FUSED_WARP_SPECIALIZED must be 0 or 1"
-_TILE_N_ERROR = "JAX_FP4_FUSED_TILE_N must be 128 or 256"
-_STREAM_K_ERROR = "JAX_FP4_FUSED_STREAM_K must be 0 or 1"
+# Values outside each field's set: KernelTuning rejects them where it is built
+# (tests/test_matmul.py); the handler checks the attributes it is handed too.
+BAD_ATTRIBUTES = [
+    *[("split", np.int64(v)) for v in (9, -1)],
+    *[("tile_m", np.int64(v)) for v in (8, 48, 512)],
+    *[("tile_n", np.int64(v)) for v in (64, 512)],
+    *[("warp_specialized", np.int64(v)) for v in (2, -2)],
+    *[("stream_k", np.int64(v)) for v in (2, -2)],
+]
 
 
 @needs_sm90
-@pytest.mark.parametrize("variable, value, message", [
-    *[("JAX_FP4_FUSED_SPLIT", v, _SPLIT_ERROR) for v in ("0", "9", "-1", "2x", "x", " ", " 2", "+2")],
-    *[("JAX_FP4_FUSED_TILE_M", v, _TILE_ERROR) for v in ("0", "8", "48", "512", "x", " ")],
-    *[("JAX_FP4_FUSED_WARP_SPECIALIZED", v, _WS_ERROR) for v in ("2", "-1", "yes", " ")],
-    *[("JAX_FP4_FUSED_TILE_N", v, _TILE_N_ERROR) for v in ("64", "512", "x")],
-    *[("JAX_FP4_FUSED_STREAM_K", v, _STREAM_K_ERROR) for v in ("2", "-1", "on")],
-    *[("JAX_FP4_PDL", v, "JAX_FP4_PDL must be 0 or 1") for v in ("2", "yes", " 1")],
-])
-def test_malformed_override_is_an_error(variable, value, message, monkeypatch):
-    """A malformed tuning override is an error naming the variable, not silently ignored."""
+@pytest.mark.parametrize("attribute, value", BAD_ATTRIBUTES)
+def test_malformed_attribute_is_an_error(attribute, value):
+    """An attribute outside its set is an error from the kernel call naming the attribute and the
+    value."""
     rng = np.random.default_rng()
     packed, scale, gs = random_weight(rng, 64, 256)
     a = rng.standard_normal((8, 256)).astype(np.float16)
-    monkeypatch.setenv(variable, value)
-    with pytest.raises(Exception, match=message):
-        fused(a, packed, scale, gs)
+    with pytest.raises(Exception, match=rf"{attribute}\b.*{int(value)}"):
+        fused(a, packed, scale, gs, attributes={attribute: value})
 
 
 @needs_sm90
 @pytest.mark.parametrize("m", [32, 80, 300])
 @pytest.mark.parametrize("tiled", [False, True], ids=["spec", "tiled"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_programmatic_launch_chain(m, tiled, dtype, monkeypatch):
-    """JAX_FP4_PDL=1: each fused GEMM of a jitted chain, whose activations are the previous one's
+def test_programmatic_launch_chain(m, tiled, dtype):
+    """KernelTuning(programmatic_launch=True): each fused GEMM of a jitted chain, whose activations are the previous one's
     output, may be scheduled while that one still runs and must wait for it (multistage,
     warp-specialized with cluster split-K, stream-K: whatever the defaults pick at these M). The
-    chain (tests/chains.py) starts with a large layer. Same bits as plain launches; every layer within the
+    chain (tests/_helpers.py's matmul_chain) starts with a large layer. Same bits as plain launches; every layer within the
     element-wise bound of the float64 reference on the input it was given."""
     rng = np.random.default_rng()
-    weights = chains.chain_weights(lambda n, k: random_weight(rng, n, k))
-    a = rng.standard_normal((m, chains.CHAIN_DIMS[0])).astype(NP_DTYPES[dtype])
-    plain, programmatic = chains.plain_and_programmatic(monkeypatch, a, weights, backend="fused",
-                                                        tiled=tiled)
+    weights = chain_weights(lambda n, k: random_weight(rng, n, k))
+    a = rng.standard_normal((m, CHAIN_DIMS[0])).astype(NP_DTYPES[dtype])
+    plain, programmatic = plain_and_programmatic(a, weights, backend="fused", tiled=tiled)
     x = a
     for i, ((packed, scale, gs), y, y_pdl) in enumerate(zip(weights, plain, programmatic)):
         np.testing.assert_array_equal(y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}")
@@ -447,19 +442,17 @@ def test_tiled_exact_arithmetic_bit_for_bit(m, n, k, dtype):
 
 
 @needs_sm90
-@pytest.mark.parametrize("tile_m, split", [("16", "1"), ("32", "3"), ("64", "8"), ("128", ""),
-                                           ("256", "2")])
-def test_tiled_forced_tiles_and_splits(tile_m, split, monkeypatch):
+@pytest.mark.parametrize("tile_m, split", [(16, 1), (32, 3), (64, 8), (128, 0), (256, 2)])
+def test_tiled_forced_tiles_and_splits(tile_m, split):
     rng = np.random.default_rng()
     n, k = 528, 1024
     packed, scale, gs = random_weight(rng, n, k, special=True)
     bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
-    monkeypatch.setenv("JAX_FP4_FUSED_TILE_M", tile_m)
-    monkeypatch.setenv("JAX_FP4_FUSED_SPLIT", split)
+    tuning = KernelTuning(fused_tile_m=tile_m, fused_split=split)
     for m in (1, 33, 300):
         a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
-        check_close(fused(a, packed, scale, gs, bias, tiled=True), a, packed, scale, gs, bias,
-                    "bfloat16")
+        check_close(fused(a, packed, scale, gs, bias, tiled=True, tuning=tuning), a, packed, scale,
+                    gs, bias, "bfloat16")
 
 
 @needs_sm90
@@ -472,7 +465,7 @@ def test_tiled_rejects_ragged_n():
     with pytest.raises(Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
                                         "got block_size 16, N = 40"):
         np.asarray(call(a, packed, scale, jnp.asarray([gs]), jnp.zeros((0,), a.dtype),
-                        block_size=np.int64(16), tiled=True)[0])
+                        block_size=np.int64(16), tiled=True, **fused_attributes())[0])
 
 
 def test_tiled_fragment_order_is_the_spec_order_with_o_and_j0_swapped():
@@ -737,7 +730,7 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
     (70, 272, 384, "bfloat16", 128, 3, True, 128, None),
     (300, 140, 256, "float16", 256, 2, False, 128, None),
     (270, 144, 256, "bfloat16", 256, 1, True, 128, None),
-    # 128 weight rows per CTA at the 128-row tile (JAX_FP4_FUSED_TILE_N=128)
+    # 128 weight rows per CTA at the 128-row tile (fused_tile_n=128)
     (70, 272, 384, "bfloat16", 128, 3, True, 128, 128),
     (130, 300, 256, "float16", 128, 2, False, 256, 128),
 ])

@@ -25,7 +25,7 @@
 #include <new>
 #include <string>
 
-#include "cuda/native_sm120.h"
+#include "cuda/native_sm120/handlers.h"
 #include "jax_fp4/validate.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -1,5 +1,7 @@
-"""The CUDA FFI targets (jax_fp4_gemv_cuda, jax_fp4_dequant_cuda) called directly through
-jax.ffi.ffi_call, against the independent float64 reference in tests/reference.py.
+"""The GEMV and dequantize CUDA kernels (FFI targets jax_fp4_gemv_cuda, jax_fp4_dequant_cuda) called
+directly through jax.ffi.ffi_call, against the independent float64 reference in tests/reference.py:
+both GEMV variants (tensor-core and scalar), each launch configuration forced through the kernel's
+attributes (jax_fp4.KernelTuning), both weight layouts.
 
 Every test needs a CUDA device and is skipped without one. Inputs are fresh random draws on every
 run; output buffers are poisoned with NaN before each call (a NaN array of the same size is
@@ -14,24 +16,25 @@ from __future__ import annotations
 import math
 import os
 
-import ml_dtypes
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
+from tests import reference
+from tests._helpers import (
+    CHAIN_DIMS,
+    DTYPES,
+    NP_DTYPES,
+    SPECIAL_SCALES,
+    chain_weights,
+    gemv_attributes,
+    gpus,
+    plain_and_programmatic,
+    poison,
+)
 
-from tests import chains, reference
-
-
-def _has_cuda() -> bool:
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except Exception:  # no backend at all
-        return False
-
-
-HAS_CUDA = _has_cuda()
+HAS_CUDA = bool(gpus())
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 
 QUICK = os.environ.get("JAX_FP4_GPU_TEST_QUICK", "") not in ("", "0")
@@ -42,41 +45,35 @@ DEQUANT = "jax_fp4_dequant_cuda"
 
 # Importing jax_fp4 registers its FFI targets (the package's CUDA module).
 import jax_fp4  # noqa: E402,F401
+from jax_fp4 import KernelTuning  # noqa: E402
 from jax_fp4 import layout as _layout  # noqa: E402
 
-DTYPES = ["float16", "bfloat16"]
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 NORM_TOL = {"float16": 2e-3, "bfloat16": 1e-2}
-# Zero, subnormals, -0, negative scales (448 = 0x7E is in the dequant tests: in a long random dot
-# product it can overflow fp16).
-SPECIAL_SCALES = np.array([0x00, 0x01, 0x07, 0x08, 0x80, 0xB8, 0x81, 0x3F, 0x30], np.uint8)
-NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+# SPECIAL_SCALES leave out 448 (0x7E, in the dequant tests): in a long random dot product it can
+# overflow fp16.
 
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
 
 
-def _poison(shape, dtype):
-    """Leave NaN in the memory the next same-sized allocation will most likely get."""
-    p = jnp.full(shape, jnp.nan, dtype)
-    p.block_until_ready()
-    del p
-
-
 def gemv(a, packed, scale, gs, bias, *, use_mma=True, row_tiling=True, block_size=16,
-         tiled=False):
+         tiled=False, tuning=None, attributes=None):
     """The GEMV target on spec-layout packed / scale; tiled=True hands it the same weight in the
-    tiled layout (jax_fp4.prepack's)."""
-    m, n = a.shape[0], packed.shape[0]
+    tiled layout (jax_fp4.prepack's). use_mma: the tensor-core kernel where it can run (else the
+    scalar one); `tuning`: the launch configuration (None: the heuristic); `attributes` override
+    the call's attributes."""
+    m, n, k = a.shape[0], packed.shape[0], a.shape[1]
+    attrs = gemv_attributes(k, use_mma=use_mma, row_tiling=row_tiling, tiled=tiled, tuning=tuning)
     if bias is None:
         bias = jnp.zeros((0,), a.dtype)
     if tiled:
         packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
-    _poison((m, n), a.dtype)
+    poison((m, n), a.dtype)
     call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((m, n), a.dtype))
-    y = call(a, packed, scale, gs, bias, block_size=np.int64(block_size), use_mma=bool(use_mma),
-             tiled=bool(tiled), row_tiling=bool(row_tiling))
+    y = call(a, packed, scale, gs, bias, block_size=np.int64(block_size),
+             **{**attrs, **(attributes or {})})
     return np.asarray(y)
 
 
@@ -85,7 +82,7 @@ def dequant(packed, scale, gs, dtype, block_size, tiled=False):
     n, k = packed.shape[0], 2 * packed.shape[1]
     if tiled:
         packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
-    _poison((n, k), dtype)
+    poison((n, k), dtype)
     call = jax.ffi.ffi_call(DEQUANT, jax.ShapeDtypeStruct((n, k), jnp.dtype(dtype)))
     return np.asarray(call(packed, scale, gs, block_size=np.int64(block_size), tiled=bool(tiled)))
 
@@ -233,60 +230,80 @@ def test_gemv_exact_bitwise(m, n, k, dtype):
                     err_msg=f"M={m} N={n} K={k} mma={use_mma} rt={row_tiling} bias={with_bias}")
 
 
+def launch_config(config: str) -> KernelTuning:
+    """KernelTuning of "col_tiles,k_split[,rows_per_block]"."""
+    fields = ("gemv_col_tiles", "gemv_k_split", "gemv_rows_per_block")
+    return KernelTuning(**dict(zip(fields, (int(v) for v in config.split(",")))))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", ["1,1", "1,2", "1,3", "1,6", "1,8", "1,16", "2,1", "2,3", "2,8",
                                     "1,4,1", "1,4,2", "1,4,4", "2,16", "2,6,2", "1,16,4"])
-def test_gemv_every_launch_config(config, dtype, monkeypatch):
-    """Every kernel variant (col_tiles, k_split, rows_per_block), forced through the debug
-    override JAX_FP4_GEMV_CONFIG, on exact inputs: all must match the reference bit for bit.
+def test_gemv_every_launch_config(config, dtype):
+    """Every kernel variant (col_tiles, k_split, rows_per_block), forced through
+    KernelTuning(gemv_col_tiles, gemv_k_split, gemv_rows_per_block), on exact inputs: all must match the reference bit for bit.
     ("2,16": k_split is clamped into the block's 16-warp budget; at M = 9 and 17 the "2,..."
     configs run two column tiles with two row tiles, whose budget on this, the spec, layout is
     4 warps; test_gemv_tiled_every_launch_config runs them prepacked, where it is 8.)"""
     rng = np.random.default_rng()
-    monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)
+    tuning = launch_config(config)
     for m, n, k in ((3, 70, 1024), (9, 37, 512), (1, 5, 128), (17, 45, 2816)):
         a, packed, scale, gs, bias = exact_problem(rng, m, n, k, dtype, with_bias=True)
         expected = as_dtype(reference_gemv(a, packed, scale, gs, bias), dtype)
         for use_mma in (True, False):
-            y = gemv(a, packed, scale, gs, bias, use_mma=use_mma, row_tiling=True)
+            y = gemv(a, packed, scale, gs, bias, use_mma=use_mma, row_tiling=True, tuning=tuning)
             np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16),
                                           err_msg=f"config={config} M={m} N={n} K={k} mma={use_mma}")
 
 
-MALFORMED_OVERRIDES = (
-    [("JAX_FP4_GEMV_CONFIG", "2,8,4", value, "JAX_FP4_GEMV_CONFIG must be col_tiles,k_split")
-     for value in ["3,1", "4,1", "1", "1,0", "1,4,3", "1,4,1,1", "1,4,", "x"]]
-    + [("JAX_FP4_PDL", "1", value, "JAX_FP4_PDL must be 0 or 1") for value in ["2", "yes", " 1"]])
+# (attribute, a valid value, an invalid value): the handler checks the attributes it is handed.
+BAD_ATTRIBUTES = (
+    [("col_tiles", 2, v) for v in (3, 4, -1)]
+    + [("k_split", 4, v) for v in (-1,)]
+    + [("rows_per_block", 4, v) for v in (3, 8, -1)])
 
 
-@pytest.mark.parametrize("variable, valid, value, message", MALFORMED_OVERRIDES)
-def test_gemv_override_rejects_malformed_values(variable, valid, value, message, monkeypatch):
-    """A malformed override is an error, not silently ignored (which also shows that the handler
-    reads it on every call, so the tests that set it do run what they name)."""
+@pytest.mark.parametrize("attribute, valid, value", BAD_ATTRIBUTES)
+def test_gemv_attributes_reject_malformed_values(attribute, valid, value):
+    """An attribute outside its set is an error from the kernel call naming the attribute (the
+    valid value runs: the handler reads the attribute on every call, so the tests that set it do
+    run what they name)."""
     rng = np.random.default_rng()
     a, packed, scale, gs, _ = random_problem(rng, 2, 40, 256, "bfloat16", with_bias=False)
-    monkeypatch.setenv(variable, valid)
-    check_close(gemv(a, packed, scale, gs, None), reference_gemv(a, packed, scale, gs, None),
-                "bfloat16", f"{variable}={valid}")
-    monkeypatch.setenv(variable, value)
-    with pytest.raises(Exception, match=message):
-        gemv(a, packed, scale, gs, None)
+    for use_mma in (True, False):
+        y = gemv(a, packed, scale, gs, None, use_mma=use_mma,
+                 attributes={attribute: np.int64(valid)})
+        check_close(y, reference_gemv(a, packed, scale, gs, None), "bfloat16",
+                    f"{attribute}={valid} mma={use_mma}")
+        with pytest.raises(Exception, match=attribute):
+            gemv(a, packed, scale, gs, None, use_mma=use_mma, attributes={attribute: np.int64(value)})
+
+
+def test_gemv_variant_the_handler_cannot_run_is_an_error():
+    """The handler runs the variant dispatch decided, never another: the tensor-core kernel on the
+    spec layout with K % 128 != 0, or the scalar kernel on the tiled layout, is an error."""
+    rng = np.random.default_rng()
+    a, packed, scale, gs, _ = random_problem(rng, 2, 48, 160, "bfloat16", with_bias=False)
+    with pytest.raises(Exception, match="tensor_cores"):
+        gemv(a, packed, scale, gs, None, attributes={"tensor_cores": True})
+    a, packed, scale, gs, _ = random_problem(rng, 2, 48, 256, "bfloat16", with_bias=False)
+    with pytest.raises(Exception, match="tensor_cores"):
+        gemv(a, packed, scale, gs, None, tiled=True, attributes={"tensor_cores": False})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tiled", [False, True], ids=["spec", "tiled"])
 @pytest.mark.parametrize("m", [1, 9])
-def test_gemv_programmatic_launch_chain(m, tiled, dtype, monkeypatch):
-    """JAX_FP4_PDL=1 (sm_90+): each GEMV of a jitted chain, whose activations are the previous
+def test_gemv_programmatic_launch_chain(m, tiled, dtype):
+    """KernelTuning(programmatic_launch=True) (sm_90+): each GEMV of a jitted chain, whose activations are the previous
     GEMV's output, may be scheduled while that one still runs and must wait for it. The chain
-    (tests/chains.py) starts with a large layer, so the next one is in flight long before its
+    (tests/chains.py's) starts with a large layer, so the next one is in flight long before its
     input is ready. Same bits as plain launches; every layer matches the float64 reference on the
     input it was given."""
     rng = np.random.default_rng()
-    weights = chains.chain_weights(lambda n, k: reference.random_weight(rng, n, k))
-    a = as_dtype(rng.standard_normal((m, chains.CHAIN_DIMS[0])), dtype)
-    plain, programmatic = chains.plain_and_programmatic(monkeypatch, a, weights, backend="gemv",
-                                                        tiled=tiled)
+    weights = chain_weights(lambda n, k: reference.random_weight(rng, n, k))
+    a = as_dtype(rng.standard_normal((m, CHAIN_DIMS[0])), dtype)
+    plain, programmatic = plain_and_programmatic(a, weights, backend="gemv", tiled=tiled)
     x = a
     for i, (w, y, y_pdl) in enumerate(zip(weights, plain, programmatic)):
         np.testing.assert_array_equal(y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}")
@@ -365,8 +382,8 @@ def test_gemv_under_jit_and_graphs():
 
     @jax.jit
     def f(a, packed, scale, gs, bias):
-        y = call(a * 1, packed, scale, gs, bias, block_size=np.int64(16), use_mma=True,
-                 tiled=False, row_tiling=True)
+        y = call(a * 1, packed, scale, gs, bias, block_size=np.int64(16),
+                 **gemv_attributes(512))
         return y, y.astype(jnp.float32).sum()
 
     for _ in range(3):
@@ -404,13 +421,13 @@ def test_gemv_tiled_exact_bitwise(m, n, k, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", ["1,1", "1,6", "1,8", "2,1", "2,3", "2,8", "1,4,2", "1,16,4"])
-def test_gemv_tiled_every_launch_config(config, dtype, monkeypatch):
+def test_gemv_tiled_every_launch_config(config, dtype):
     rng = np.random.default_rng()
-    monkeypatch.setenv("JAX_FP4_GEMV_CONFIG", config)
+    tuning = launch_config(config)
     for m, n, k in ((3, 80, 1024), (9, 48, 512), (1, 16, 128), (17, 112, 2816)):
         a, packed, scale, gs, bias = exact_problem(rng, m, n, k, dtype, with_bias=True)
         expected = as_dtype(reference_gemv(a, packed, scale, gs, bias), dtype)
-        y = gemv(a, packed, scale, gs, bias, tiled=True)
+        y = gemv(a, packed, scale, gs, bias, tiled=True, tuning=tuning)
         np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16),
                                       err_msg=f"tiled config={config} M={m} N={n} K={k}")
 
@@ -463,7 +480,7 @@ def test_gemv_tiled_rejects_untileable_shapes():
     with pytest.raises(Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
                                         "got block_size 16, N = 40"):
         np.asarray(call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16),
-                        use_mma=True, tiled=True, row_tiling=True))
+                        **gemv_attributes(256, tiled=True)))
 
 
 # ---------------------------------------------------------------------------------------------

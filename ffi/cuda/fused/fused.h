@@ -7,14 +7,16 @@
 // workspace of WorkspaceElems(M, N, K) elements: the stream-K decomposition's partial tiles and
 // per-tile arrival counters (M > 64); empty otherwise (split-K inside a thread-block cluster
 // reduces on chip through distributed shared memory).
-// Attribute: block_size (int64, must be 16).
+// Attributes: block_size (int64, must be 16), tiled (bool), and the tuning attributes split,
+// tile_m, tile_n (0 = the heuristic), warp_specialized, stream_k (-1 = the heuristic) and
+// programmatic (bool); see fused/handler.cu.
 //
-// Constraints (the handler returns InvalidArgument otherwise; jax_fp4/_fused.py mirrors them):
+// Constraints (the handler returns InvalidArgument otherwise; jax_fp4/fused.py mirrors them):
 //   a is f16 or bf16, block_size == 16, K % 128 == 0 and K > 0, M >= 1, N >= 1,
 //   ceil(M / 128) <= 65535, M, N, K < 2^31, a / packed 16-byte aligned, scale 8-byte aligned,
 //   and the device is compute capability 9.0 (the kernel is built for sm_90a only).
-#ifndef JAX_FP4_CUDA_FUSED_GEMM_H_
-#define JAX_FP4_CUDA_FUSED_GEMM_H_
+#ifndef JAX_FP4_CUDA_FUSED_FUSED_H_
+#define JAX_FP4_CUDA_FUSED_FUSED_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -37,7 +39,7 @@ inline constexpr int64_t kStreamKTileElems = 128 * 256;   // the largest CTA til
 // per stream-K CTA and one int32 arrival counter per tile; 0 up to M = 64. A bound over the tiles
 // the kernel may use (128 x 256 and 256 x 128); the launch checks the size it needs and keeps to
 // cluster split-K if it does not fit.
-// A pure function of the shape, kept in sync with jax_fp4/_fused.py:fused_workspace_elems.
+// A pure function of the shape, kept in sync with jax_fp4/fused.py:fused_workspace_elems.
 inline constexpr int64_t WorkspaceElems(int64_t m, int64_t n, int64_t k) {
   if (m <= 64) return 0;
   const int64_t m128 = (m + 127) / 128, n128 = (n + 127) / 128;
@@ -49,7 +51,7 @@ inline constexpr int64_t WorkspaceElems(int64_t m, int64_t n, int64_t k) {
 }  // namespace fused
 }  // namespace jax_fp4
 
-// (a, packed, scale, global_scale, bias) -> (y, workspace); attr block_size.
+// (a, packed, scale, global_scale, bias) -> (y, workspace); attributes above.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4FusedCuda);
 
-#endif  // JAX_FP4_CUDA_FUSED_GEMM_H_
+#endif  // JAX_FP4_CUDA_FUSED_FUSED_H_

@@ -1,6 +1,6 @@
-// Device code of the tensor-core decode GEMV (GemvMmaKernel), included by gemv.cu (the FFI
-// handler and its launcher) and by benchmarks/probes/gemv_probe.cu (which times it against
-// load-only and decode-free variants of itself). See gemv.cu for the kernel family.
+// Device code of the tensor-core decode GEMV (GemvMmaKernel, sm_80+): the fragment layout, the
+// loads, the decode policies, the mma loop and the k_split epilogue. Launched by
+// ffi/cuda/gemv/launch.cuh; benchmarks/probes/gemv_probe.cu times variants of it.
 #ifndef JAX_FP4_CUDA_GEMV_MMA_CUH_
 #define JAX_FP4_CUDA_GEMV_MMA_CUH_
 
@@ -12,32 +12,13 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/gemv/common.cuh"
 #include "cuda/ptx.cuh"
 #include "jax_fp4/gemv_config.h"
 #include "jax_fp4/nvfp4_cuda.cuh"
 
 namespace jax_fp4 {
 namespace cuda {
-
-template <int I>
-__device__ __forceinline__ uint32_t Word(const uint4& v) {
-  static_assert(I >= 0 && I < 4, "");
-  return I == 0 ? v.x : (I == 1 ? v.y : (I == 2 ? v.z : v.w));
-}
-
-__device__ __forceinline__ int64_t Min64(int64_t x, int64_t y) { return x < y ? x : y; }
-
-__device__ __forceinline__ uint32_t LoadScalePair(const uint8_t* p) {
-  return *reinterpret_cast<const uint16_t*>(p);  // 2-byte aligned: K / 16 is even
-}
-
-template <typename T>
-__device__ __forceinline__ void StoreOutput(T* y, const T* bias, int64_t n, int64_t row,
-                                            int64_t col, float acc, float gs) {
-  using Tr = HalfTraits<T>;
-  const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.0f;
-  y[row * n + col] = Tr::from_float(fmaf(acc, gs, b));
-}
 
 //------------------------------------------------------------------------------------------------
 // Tensor-core kernel.
@@ -69,26 +50,6 @@ __device__ __forceinline__ void StoreOutput(T* y, const T* bias, int64_t n, int6
 // tile, for RT tiles of 8 activation rows (each decoded weight fragment feeds RT mma);
 // k_split = blockDim.x / 32 warps of a block (any count up to 16 / CT) take windows warp,
 // warp + k_split, ... and reduce in shared memory in a fixed order.
-template <typename T>
-__device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-#endif
-}
-
 template <int CT, int RT>
 struct MmaFragments {
   uint4 w[CT][2];      // packed weight, rows g and g + 8 of each column tile
@@ -116,7 +77,7 @@ __device__ __forceinline__ void LoadActivations(uint4 (&dst)[RT][4], const T* (&
 
 // Loads one window's fragments at the current pointers, then advances them by `step` windows
 // (the activations only if LoadAct).
-// Tiled: the weight in the tiled layout (jax_fp4/_layout.py), [16-row tile][window][h][lane][16 B]
+// Tiled: the weight in the tiled layout (jax_fp4/layout.py), [16-row tile][window][h][lane][16 B]
 // and scales [tile][window][lane][rows g, g + 8: 2 x 2 B], so a warp's window is one 1 KB run and
 // one 128 B run (only wp[ct][0] / sp[ct][0] are used).
 template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled = false, bool LoadAct = true>
@@ -321,19 +282,25 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // (GemvMmaShape).
 // L2PrefetchBytes (0 or 256): the L2 prefetch size of the weight loads. 256 pays when k_split > 1,
 // where the block's other warps read the neighbouring windows of the same rows at the same time
-// (1-4% at M = 1 on the H200); a lone warp walking its row gained nothing from it
-// (benchmarks/NOTES.md, ninth session).
+// (1-4% at M = 1 on the H200); a lone warp walking its row gains nothing from it.
 // Tiled: the weight is in the tiled layout (MmaLoad; N % 16 == 0), decoded by DecodeTiled.
-template <typename T, int CT, int RT = 1, typename Decode = DecodeE2M1, int Chains = 1,
-          int L2PrefetchBytes = 0, bool Tiled = false>
-__global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
-                                  GemvMmaShape{CT, RT, Tiled}.min_blocks_per_sm())
-    GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
-                  const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
-                  const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
+//
+// The whole kernel, as a device function: GemvMmaKernel below runs it with the decode of its
+// layout and one accumulator chain; benchmarks/probes/gemv_probe.cu instantiates it with other
+// Decode policies (no decode, the older adjacent-pair decode, a layout's decode on the other
+// layout's addressing) and Chains = 2 or 4 (independent accumulators per window, MmaCompute) in
+// kernels of its own, under the same launch bounds.
+template <typename T, int CT, int RT, typename Decode, int Chains, int L2PrefetchBytes, bool Tiled>
+__device__ __forceinline__ void GemvMmaMainloop(const T* __restrict__ a,
+                                                const uint8_t* __restrict__ packed,
+                                                const uint8_t* __restrict__ scale,
+                                                const float* __restrict__ global_scale,
+                                                const T* __restrict__ bias, T* __restrict__ y,
+                                                int64_t m, int64_t n, int64_t k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  // Under a programmatic dependent launch (JAX_FP4_PDL): every operand may come from the previous
-  // kernel, so nothing is loaded before it has finished; the next kernel may be scheduled now.
+  // Under a programmatic dependent launch (attribute programmatic): every operand may come from
+  // the previous kernel, so nothing is loaded before it has finished; the next kernel may be
+  // scheduled now.
   WaitForPrerequisiteGrids();
   AllowDependentLaunch();
   extern __shared__ float reduce_buf[];  // [k_split][CT * 4][32], only when k_split > 1
@@ -406,12 +373,12 @@ __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
     }
 
     // Two register buffers: the loads of the next window are in flight during this one's math.
-    // (A third, loads two windows ahead, measured slower: benchmarks/NOTES.md, sixth session.)
+    // (A third, loads two windows ahead, measures slower: docs/design.md.)
     // Except that two column and two row tiles on the tiled layout load a window's activations
     // right before its math (L1/L2 hits, shared by every column tile): one activation buffer's
     // 32 registers instead of two holds the warp to 128 registers and 16 warps per SM instead of
-    // 168 and 12 (GemvMmaShape; M = 9-16 10-24% faster, benchmarks/NOTES.md, twenty-first
-    // session). The weight still comes one window ahead.
+    // 168 and 12 (GemvMmaShape; M = 9-16 10-24% faster on the H200). The weight still comes one
+    // window ahead.
     constexpr bool kActJit = GemvMmaShape{CT, RT, Tiled}.activations_just_in_time();
     auto act_jit = [&](MmaFragments<CT, RT>& f) {
       if constexpr (kActJit) LoadActivations<T, RT>(f.a, ap, k_split);
@@ -446,26 +413,20 @@ __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
 #endif
 }
 
-constexpr int64_t kMaxGridY = 65535;  // grid.y limit: M chunks beyond it are strided
+// The decode of each weight layout: split pairs (spec) or the tiled layout's adjacent pairs.
+template <bool Tiled>
+using GemvLayoutDecode = std::conditional_t<Tiled, DecodeTiled, DecodeE2M1>;
 
-// The production launch of GemvMmaKernel for a weight in the spec or (Tiled) the tiled layout: CT
-// column tiles and RT row tiles per warp, k_split warps per block (the 256-byte L2 prefetch only
-// when k_split > 1, see above); `programmatic`: a programmatic dependent launch (sm_90+).
-// Shared by gemv.cu's handler and the probe's config sweep.
-template <typename T, int CT, int RT, bool Tiled>
-cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* packed,
-                            const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
-                            int64_t n, int64_t k, int k_split, bool programmatic = false) {
-  using Decode = std::conditional_t<Tiled, DecodeTiled, DecodeE2M1>;
-  const int64_t tiles = CeilDiv(n, kGemvTileCols);
-  const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
-                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
-  const dim3 block(32 * k_split);
-  const size_t smem = GemvMmaSmemBytes(CT, k_split);
-  auto* kernel = k_split > 1 ? GemvMmaKernel<T, CT, RT, Decode, 1, 256, Tiled>
-                             : GemvMmaKernel<T, CT, RT, Decode, 1, 0, Tiled>;
-  return LaunchKernel(kernel, grid, block, smem, stream, programmatic, a, packed, scale, gs, bias,
-                      y, m, n, k);
+// The production tensor-core kernel: CT column tiles and RT row tiles per warp, the weight in the
+// spec or (Tiled) the tiled layout, L2PrefetchBytes (0 or 256) on the weight loads.
+template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled>
+__global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
+                                  GemvMmaShape{CT, RT, Tiled}.min_blocks_per_sm())
+    GemvMmaKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                  const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                  const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
+  GemvMmaMainloop<T, CT, RT, GemvLayoutDecode<Tiled>, 1, L2PrefetchBytes, Tiled>(
+      a, packed, scale, global_scale, bias, y, m, n, k);
 }
 
 }  // namespace cuda

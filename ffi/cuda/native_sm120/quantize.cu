@@ -27,7 +27,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/native_sm120.h"
+#include "cuda/native_sm120/handlers.h"
 #include "jax_fp4/validate.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -1,0 +1,152 @@
+// Host side of the CUDA decode GEMV: the resident warps of each tensor-core kernel instance (the
+// occupancy API, for the launch heuristic of jax_fp4/gemv_config.h) and the launches of both
+// kernels. Included by the handler (ffi/cuda/gemv/handler.cu) and benchmarks/probes/gemv_probe.cu.
+#ifndef JAX_FP4_CUDA_GEMV_LAUNCH_CUH_
+#define JAX_FP4_CUDA_GEMV_LAUNCH_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/gemv/common.cuh"
+#include "cuda/gemv/mma.cuh"
+#include "cuda/gemv/scalar.cuh"
+#include "jax_fp4/gemv_config.h"
+
+namespace jax_fp4 {
+namespace cuda {
+
+// The production launch of GemvMmaKernel for a weight in the spec or (Tiled) the tiled layout: CT
+// column tiles and RT row tiles per warp, k_split warps per block (the 256-byte L2 prefetch only
+// when k_split > 1, see GemvMmaKernel); `programmatic`: a programmatic dependent launch (sm_90+).
+// Shared by the handler (LaunchGemv) and the probe's config sweep.
+template <typename T, int CT, int RT, bool Tiled>
+cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* packed,
+                            const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
+                            int64_t n, int64_t k, int k_split, bool programmatic = false) {
+  const int64_t tiles = CeilDiv(n, kGemvTileCols);
+  const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
+                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
+  const dim3 block(32 * k_split);
+  const size_t smem = GemvMmaSmemBytes(CT, k_split);
+  auto* kernel = k_split > 1 ? GemvMmaKernel<T, CT, RT, 256, Tiled>
+                             : GemvMmaKernel<T, CT, RT, 0, Tiled>;
+  return LaunchKernel(kernel, grid, block, smem, stream, programmatic, a, packed, scale, gs, bias,
+                      y, m, n, k);
+}
+
+// Warps of GemvMmaKernel<T, CT, RT, *, Tiled> resident per SM on the current device, from the
+// occupancy API with one-warp blocks (the kernel's registers decide: no static shared memory, and
+// the dynamic k_split buffer is a few KB). Of the two L2-prefetch instances (k_split 1 and > 1)
+// the smaller. Queried once per device and cached; like GetDeviceInfo, legal during graph capture.
+template <typename T, int CT, int RT, bool Tiled>
+cudaError_t GemvInstanceResidentWarps(int* warps) {
+  int with_prefetch = 0, without = 0;
+  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &with_prefetch, GemvMmaKernel<T, CT, RT, 256, Tiled>, 32, 0);
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&without, GemvMmaKernel<T, CT, RT, 0, Tiled>,
+                                                        32, 0);
+  }
+  *warps = std::min(with_prefetch, without);
+  return err;
+}
+
+// The resident warps of the four tensor-core instances of dtype T and one layout
+// (GemvResidentWarps, gemv_config.h), cached per device.
+template <typename T, bool Tiled>
+cudaError_t GetGemvResidentWarps(GemvResidentWarps* out) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<uint32_t> cache[kMaxDevices];  // 8 bits per instance; 0 = not queried yet
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cached = device >= 0 && device < kMaxDevices;
+  const uint32_t packed = cached ? cache[device].load(std::memory_order_relaxed) : 0u;
+  if (packed != 0) {
+    *out = GemvResidentWarps{static_cast<int>(packed & 0xFFu),
+                             static_cast<int>((packed >> 8) & 0xFFu),
+                             static_cast<int>((packed >> 16) & 0xFFu),
+                             static_cast<int>(packed >> 24)};
+    return cudaSuccess;
+  }
+  GemvResidentWarps warps{};
+  if ((err = GemvInstanceResidentWarps<T, 1, 1, Tiled>(&warps.one_tile)) != cudaSuccess) return err;
+  if ((err = GemvInstanceResidentWarps<T, 2, 1, Tiled>(&warps.two_col_tiles)) != cudaSuccess) return err;
+  if ((err = GemvInstanceResidentWarps<T, 1, 2, Tiled>(&warps.two_row_tiles)) != cudaSuccess) return err;
+  if ((err = GemvInstanceResidentWarps<T, 2, 2, Tiled>(&warps.two_by_two)) != cudaSuccess) return err;
+  // At least one warp each (the launch bounds guarantee a block fits), at most 255 (8 bits).
+  for (int* w : {&warps.one_tile, &warps.two_col_tiles, &warps.two_row_tiles, &warps.two_by_two}) {
+    *w = std::min(std::max(*w, 1), 255);
+  }
+  *out = warps;
+  if (cached) {
+    cache[device].store(static_cast<uint32_t>(warps.one_tile) |
+                            (static_cast<uint32_t>(warps.two_col_tiles) << 8) |
+                            (static_cast<uint32_t>(warps.two_row_tiles) << 16) |
+                            (static_cast<uint32_t>(warps.two_by_two) << 24),
+                        std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
+
+template <typename T, int CT, int RT = 1>
+cudaError_t LaunchMma(cudaStream_t stream, bool tiled, const T* a, const uint8_t* packed,
+                      const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
+                      int64_t n, int64_t k, int k_split, bool programmatic) {
+  return tiled ? LaunchMmaLayout<T, CT, RT, true>(stream, a, packed, scale, gs, bias, y, m, n, k,
+                                                  k_split, programmatic)
+               : LaunchMmaLayout<T, CT, RT, false>(stream, a, packed, scale, gs, bias, y, m, n, k,
+                                                   k_split, programmatic);
+}
+
+template <typename T, int R>
+cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
+                         const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
+                         int64_t n, int64_t k) {
+  const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvScalarColsPerBlock)),
+                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, R), kMaxGridY)));
+  GemvScalarKernel<T, R><<<grid, 32 * kGemvScalarColsPerBlock, 0, stream>>>(a, packed, scale, gs,
+                                                                             bias, y, m, n, k);
+  return cudaGetLastError();
+}
+
+// The tensor-core kernel (tensor_cores: validated by the handler) or the scalar one, with the
+// launch config `cfg`.
+template <typename T>
+cudaError_t LaunchGemv(cudaStream_t stream, const void* a, const uint8_t* packed,
+                       const uint8_t* scale, const float* gs, const void* bias, void* y, int64_t m,
+                       int64_t n, int64_t k, bool tensor_cores, bool tiled, bool row_tiling,
+                       const GemvLaunchConfig& cfg, bool programmatic) {
+  const T* at = static_cast<const T*>(a);
+  const T* bt = static_cast<const T*>(bias);
+  T* yt = static_cast<T*>(y);
+  if (tensor_cores) {
+    const int ks = cfg.k_split;
+    const bool pdl = programmatic;
+    if (row_tiling && cfg.row_tiles == 2) {
+      return cfg.col_tiles == 2
+                 ? LaunchMma<T, 2, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl)
+                 : LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl);
+    }
+    return cfg.col_tiles == 2
+               ? LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl)
+               : LaunchMma<T, 1>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl);
+  }
+  const int rows = row_tiling ? cfg.rows_per_block : 1;
+  switch (rows) {
+    case 4: return LaunchScalar<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k);
+    case 2: return LaunchScalar<T, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k);
+    default: return LaunchScalar<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k);
+  }
+}
+
+}  // namespace cuda
+}  // namespace jax_fp4
+
+#endif  // JAX_FP4_CUDA_GEMV_LAUNCH_CUH_

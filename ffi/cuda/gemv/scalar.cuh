@@ -1,0 +1,125 @@
+// The scalar decode GEMV (GemvScalarKernel, any K % 32 == 0): a warp per output column, 32 K
+// elements per lane per step, RowsPerBlock rows of M sharing each decoded weight.
+#ifndef JAX_FP4_CUDA_GEMV_SCALAR_CUH_
+#define JAX_FP4_CUDA_GEMV_SCALAR_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/gemv/common.cuh"
+#include "cuda/ptx.cuh"
+#include "jax_fp4/gemv_config.h"
+#include "jax_fp4/nvfp4_cuda.cuh"
+
+namespace jax_fp4 {
+namespace cuda {
+
+template <typename T, int R>
+__device__ __forceinline__ void ScalarRow(float& acc, const T* ap, const float (&wf)[32], float s0,
+                                          float s1) {
+  using Tr = HalfTraits<T>;
+  uint4 av[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) av[i] = ld_u4(ap + 8 * i);
+  float lo = 0.0f, hi = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t words[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 x = Tr::pair_to_float2(words[j]);
+      const int e = 8 * i + 2 * j;  // element index within the lane's 32
+      if (e < 16) {
+        lo = fmaf(x.x, wf[e], lo);
+        lo = fmaf(x.y, wf[e + 1], lo);
+      } else {
+        hi = fmaf(x.x, wf[e], hi);
+        hi = fmaf(x.y, wf[e + 1], hi);
+      }
+    }
+  }
+  acc = fmaf(lo, s0, acc);
+  acc = fmaf(hi, s1, acc);
+}
+
+template <typename T, int R>
+__global__ void __launch_bounds__(32 * kGemvScalarColsPerBlock)
+    GemvScalarKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                     const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                     const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
+  const int lane = threadIdx.x & 31;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kGemvScalarColsPerBlock + (threadIdx.x >> 5);
+  if (col >= n) return;  // warp-uniform
+  const int64_t chunks = k / 32;
+  const uint8_t* wrow = packed + col * (k / 2);
+  const uint8_t* srow = scale + col * (k / 16);
+  const int64_t tiles = CeilDiv(m, R);
+
+  for (int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+    const int64_t m0 = tile * R;
+    const int rows = static_cast<int>(Min64(R, m - m0));
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+
+    int64_t c = lane;
+    uint4 q = make_uint4(0u, 0u, 0u, 0u);
+    uint32_t sb = 0;
+    if (c < chunks) {
+      q = ld_stream_u4(wrow + 16 * c);
+      sb = LoadScalePair(srow + 2 * c);
+    }
+    for (; c < chunks; c += 32) {
+      uint4 qn = make_uint4(0u, 0u, 0u, 0u);
+      uint32_t sbn = 0;
+      if (c + 32 < chunks) {  // next chunk's weight in flight during this one's math
+        qn = ld_stream_u4(wrow + 16 * (c + 32));
+        sbn = LoadScalePair(srow + 2 * (c + 32));
+      }
+      // Block scales * 2^14 (the fp16 decode below is e2m1 * 2^-14); NaN bytes give NaN.
+      const float s0 = e4m3_to_float_fast(sb & 0xFFu) * 16384.0f;
+      const float s1 = e4m3_to_float_fast(sb >> 8) * 16384.0f;
+      float wf[32];
+      const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t q4 = qw[j] << 4;
+        const float2 p0 = HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 0>(qw[j], q4));
+        const float2 p1 = HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 1>(qw[j], q4));
+        const float2 p2 = HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 2>(qw[j], q4));
+        const float2 p3 = HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 3>(qw[j], q4));
+        wf[8 * j + 0] = p0.x; wf[8 * j + 1] = p0.y;
+        wf[8 * j + 2] = p1.x; wf[8 * j + 3] = p1.y;
+        wf[8 * j + 4] = p2.x; wf[8 * j + 5] = p2.y;
+        wf[8 * j + 6] = p3.x; wf[8 * j + 7] = p3.y;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r < rows) ScalarRow<T, R>(acc[r], a + (m0 + r) * k + 32 * c, wf, s0, s1);
+      }
+      q = qn;
+      sb = sbn;
+    }
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+    }
+    if (lane == 0) {
+      const float gs = __ldg(global_scale);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r < rows) StoreOutput(y, bias, n, m0 + r, col, acc[r], gs);
+      }
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace jax_fp4
+
+#endif  // JAX_FP4_CUDA_GEMV_SCALAR_CUH_
