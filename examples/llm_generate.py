@@ -2,9 +2,10 @@
 
 A Hugging Face checkpoint directory (config.json + *.safetensors) quantized by NVIDIA ModelOpt or
 llm-compressor (compressed-tensors, nvfp4-pack-quantized) loads with jax_fp4.checkpoint, its NVFP4
-layers prepacked on the host (a bf16 checkpoint with --quantize: jax_fp4.quantize on load); every projection then runs through jax_fp4.matmul: the prompt as one
-prefill (M = batch x prompt length: the fused GEMM or dequantize + GEMM on a GPU), each new token as
-a decode step (M = batch: the decode GEMV), with a KV cache, one jitted call per token:
+layers prepacked on the host (a bf16 checkpoint with --quantize: jax_fp4.quantize on load); every
+projection then runs through jax_fp4.matmul: the prompt as one prefill (M = batch x prompt
+length: the fused GEMM or dequantize + GEMM on a GPU), each new token as a decode step (M = batch:
+the decode GEMV), with a KV cache, one jitted call per token:
 
     python examples/llm_generate.py CHECKPOINT_DIR --prompt "The capital of France is" --max-new-tokens 32
     python examples/llm_generate.py BF16_CHECKPOINT_DIR --quantize --compare-bf16   # NVFP4 against bf16
@@ -17,14 +18,21 @@ the ratio of the decode rates (tokens per second, one jitted call per token, com
 The layers are unrolled by default, each weight its own buffer, which every kernel reads where it
 lies; --scan-layers stacks them under lax.scan instead (one layer compiled), where XLA copies each
 layer's dense weights out of the stack before their dot: on an H100 the bf16 step took 2.5x as
-long that way, the NVFP4 one 1.1x (benchmarks/NOTES.md, thirty-second session). Unrolled, each
-layer's KV cache is its own buffer, updated in place.
+long that way, the NVFP4 one 1.1x (benchmarks/RESULTS.md). Unrolled, each layer's KV cache is its
+own buffer, updated in place.
 
 Architectures: Llama (2, 3 and 3.1's "llama3" RoPE scaling), Mistral, Qwen2 (q/k/v biases) and
 Qwen3 (q/k RMS norms), told apart by the tensors present (sliding-window attention is not applied:
 exact while the sequence fits the window). Embeddings, norms and any layer the
 checkpoint keeps in bf16 (often lm_head) stay dense. With `tokenizers` installed and a
 tokenizer.json beside the weights the prompt is text, otherwise token ids (`--prompt-ids 1,2,3`).
+
+config.json: the RoPE settings are read from "rope_parameters" (transformers 5, which current
+ModelOpt and llm-compressor exports use) or from the top-level "rope_theta" and "rope_scaling"
+(older files); RoPE types other than "default" and "llama3" are refused with an error rather than
+run with the wrong frequencies. Each projection's true in_features (hidden_size,
+intermediate_size, the head counts) is passed to the loader, which drops the zero padding ModelOpt
+adds to a K that is not a multiple of 16 and logs what it dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import logging
 import math
 import sys
 import tempfile
@@ -64,24 +73,60 @@ class Config:
     tie_embeddings: bool
 
     @classmethod
-    def from_json(cls, config: dict) -> "Config":
+    def from_json(cls, config: dict) -> Config:
         heads = config["num_attention_heads"]
-        scaling = config.get("rope_scaling")
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "default"):
-                raise ValueError(f"config.json: rope_scaling type {kind!r} is not supported (llama3 only)")
-            scaling = None if kind == "default" else (
-                "llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                float(scaling["high_freq_factor"]), float(scaling["original_max_position_embeddings"]))
+        theta, scaling = rope_settings(config)
         return cls(
             hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
             kv_heads=config.get("num_key_value_heads", heads),
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             intermediate=config["intermediate_size"], vocab=config["vocab_size"],
             rms_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(config.get("rope_theta", 10000.0)), rope_scaling=scaling,
+            rope_theta=theta, rope_scaling=scaling,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+ROPE_TYPES = ("default", "llama3")  # the RoPE types rope_frequencies implements
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_settings(config: dict) -> tuple[float, tuple | None]:
+    """(rope_theta, rope_scaling) of a config.json in either form: transformers 5's
+    "rope_parameters" ({"rope_theta", "rope_type", and the type's parameters}; per layer type
+    where the model has several, accepted here when all are the same), or the older top-level
+    "rope_theta" with "rope_scaling" (None or {"rope_type" / "type", ...}). "rope_parameters"
+    wins where both are given. A RoPE type other than ROPE_TYPES, or a partial rotary factor,
+    raises ValueError: running it as plain RoPE moves the logits silently."""
+    params = config.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):  # one entry per layer type
+        if len({json.dumps(v, sort_keys=True) for v in params.values()}) > 1:
+            raise ValueError(f"config.json: rope_parameters differ by layer type ({', '.join(params)}); "
+                             "this example applies one RoPE to every layer")
+        params = next(iter(params.values()))
+    legacy = config.get("rope_scaling") or {}
+    if not isinstance(legacy, dict):
+        raise ValueError(f"config.json: rope_scaling must be an object or null, got {legacy!r}")
+    merged = {**legacy, **(params or {})}
+    theta = merged.get("rope_theta", config.get("rope_theta"))
+    theta = 10000.0 if theta is None else float(theta)
+    kind = merged.get("rope_type", merged.get("type")) or "default"
+    where = "rope_parameters" if params else "rope_scaling"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"config.json: RoPE type {kind!r} ({where}) is not supported: this example "
+                         f"implements {' and '.join(map(repr, ROPE_TYPES))}, and any other would give "
+                         "wrong logits")
+    partial = merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor {partial} is not supported (RoPE on "
+                         "the whole head only)")
+    if kind == "default":
+        return theta, None
+    missing = [key for key in _LLAMA3_KEYS if key not in merged]
+    if missing:
+        raise ValueError(f"config.json: the llama3 RoPE scaling ({where}) lacks {missing}")
+    return theta, ("llama3", *(float(merged[key]) for key in _LLAMA3_KEYS))
 
 
 def rope_frequencies(cfg: Config) -> np.ndarray:
@@ -138,6 +183,16 @@ def projection_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
             "up_proj": (cfg.intermediate, cfg.hidden), "down_proj": (cfg.hidden, cfg.intermediate)}
 
 
+def in_features(cfg: Config) -> dict[str, int]:
+    """Each projection's true K (in_features) by layer name, as config.json implies it: what the
+    loader needs to strip the zero padding ModelOpt adds to a K that is not a multiple of 16."""
+    shapes = projection_shapes(cfg)
+    out = {f"model.layers.{i}.{'self_attn' if name in _ATTENTION else 'mlp'}.{name}": k
+           for i in range(cfg.layers) for name, (_, k) in shapes.items()}
+    out["lm_head"] = cfg.hidden
+    return out
+
+
 def assemble(cfg: Config, tensors, dtype=jnp.bfloat16, *, quantize: str | None = None,
              stack_layers: bool = False) -> dict:
     """The params of `forward` from a checkpoint's tensors (a mapping of Hugging Face names to
@@ -174,7 +229,7 @@ def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled", quantize: boo
     decoder layers' dense (bf16 / fp16 / fp32) projections are quantized to NVFP4 on load."""
     path = Path(path)
     cfg = Config.from_json(json.loads((path / "config.json").read_text()))
-    tensors = ckpt.load_safetensors(path, layout=layout)
+    tensors = ckpt.load_safetensors(path, layout=layout, in_features=in_features(cfg))
     return cfg, assemble(cfg, tensors, dtype, quantize=layout if quantize else None,
                          stack_layers=stack_layers)
 
@@ -273,8 +328,7 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     # The caches hold each head's positions together ([B, kv_heads, T, head_dim]): the layout of
     # the attention's batched matmuls, read where it lies. Caches of [B, T, kv_heads, head_dim]
-    # were transposed whole, every layer of every step (XLA's CPU program; benchmarks/NOTES.md,
-    # thirty-third session).
+    # were transposed whole, every layer of every step (XLA's CPU program; docs/design.md).
     k_cache = jax.lax.dynamic_update_slice_in_dim(
         k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), positions[0], axis=2)
     v_cache = jax.lax.dynamic_update_slice_in_dim(
@@ -282,8 +336,7 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
 
     # Grouped-query attention on the caches' own dtype, accumulated in float32 (the product with
     # the values rounds to that dtype, as the next projection takes it): no float32 copy of the
-    # caches to read (an H100 at 1024-2048 new tokens: 3-4% off the step; benchmarks/NOTES.md,
-    # thirty-third session).
+    # caches to read (an H100 at 1024-2048 new tokens: 3-4% off the step; benchmarks/RESULTS.md).
     group = cfg.heads // cfg.kv_heads
     qg = q.reshape(b, s, cfg.kv_heads, group, cfg.head_dim).astype(k_cache.dtype)
     scores = jnp.einsum("bskgd,bktd->bkgst", qg, k_cache,
@@ -378,7 +431,7 @@ def generate(cfg: Config, params: dict, prompt, max_new_tokens: int) -> tuple[np
     decode_s = marks[-1][1] - marks[0][1] if marks else 0.0
     windows = [(t1 - t0) / (i1 - i0) for (i0, t0), (i1, t1) in zip(marks, marks[1:])]
     # Joined only now: the first concatenate of this many tokens compiles a program, which inside
-    # the timed loop added ~4 ms a step to the first of two runs on the H100 (thirty-second session).
+    # the timed loop added ~4 ms a step to the first of two runs on the H100.
     tokens = np.concatenate([np.asarray(t) for t in out], axis=1)
     return tokens, {"prefill_s": prefill_s, "decode_s": decode_s,
                     "decode_steps": max(max_new_tokens - timed_from, 0), "window_s_per_step": windows}
@@ -490,16 +543,18 @@ def _report(name: str, batch: int, timings: dict, params: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python examples/llm_generate.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, *.safetensors)")
     source.add_argument("--demo", action="store_true", help="write, read back and run a small random model")
     source.add_argument("--random", metavar="PRESET|CONFIG_JSON",
                         help=f"random weights for a config.json or a preset ({', '.join(PRESETS)}): timing")
-    parser.add_argument("--prompt", default="The capital of France is")
+    parser.add_argument("--prompt", default="The capital of France is",
+                        help="the prompt text (needs `tokenizers` and a tokenizer.json beside the weights)")
     parser.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (the prompt repeated)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated greedily")
     parser.add_argument("--layout", choices=("spec", "tiled"), default="tiled",
                         help="the NVFP4 weights' layout (tiled: prepacked on load where the shape allows)")
     parser.add_argument("--quantize", action="store_true",
@@ -511,6 +566,9 @@ def main(argv=None) -> int:
                              "layer's dense weights out of the stack every step) instead of unrolling them")
     parser.add_argument("--json", metavar="PATH", help="also write the timings and the setup to this JSON file")
     args = parser.parse_args(argv)
+    # The loader says where it dropped a K padding (ModelOpt's, for a K not a multiple of 16).
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("jax_fp4.checkpoint").setLevel(logging.INFO)
     if args.max_new_tokens < 1 or args.batch < 1:
         parser.error("--max-new-tokens and --batch must be at least 1")
 

@@ -15,6 +15,12 @@ Conventions (per layer ``L``; block size 16, low nibble = even element):
                       ``L.weight_global_scale`` float32 [1] holding the RECIPROCAL (6*448/amax): the
                       dequantized weight is divided by it; ``L.input_global_scale`` is ignored.
 
+ModelOpt pads K to a multiple of its block size when it packs (a layer of in_features 40 is
+stored as 24 bytes a row, K = 48). The files do not record the true K; pass it with
+``in_features`` (a mapping or a callback from layer name to K, e.g. from config.json's
+hidden_size, intermediate_size and head counts) and the loader drops the padding, after checking
+that its codes are zero, and logs what it dropped (logger ``jax_fp4.checkpoint``, level INFO).
+
 Arrays come back as host NumPy arrays (memory-mapped from the file where possible); put them on
 devices with ``jax.device_put`` (with a sharding if you like) or let the first jit do it.
 
@@ -26,12 +32,13 @@ optional ``__metadata__`` string map), then the raw little-endian bytes of every
 from __future__ import annotations
 
 import json
+import logging
 import math
 import mmap
 import os
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -50,11 +57,14 @@ __all__ = [
     "load_safetensors",
     "read_safetensors",
     "save_safetensors",
+    "strip_k_padding",
     "to_compressed_tensors",
     "to_modelopt",
 ]
 
 NVFP4_BLOCK_SIZE = 16
+
+_log = logging.getLogger(__name__)
 
 _F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 _U8 = np.dtype(np.uint8)
@@ -184,27 +194,33 @@ def _build(convention, name, packed_key, packed, scale_key, scale, gs_key, gs, b
     return NVFP4Weight(packed, scale, gs, block_size=block_size)
 
 
-def from_modelopt(tensors: Mapping, name: str, *, block_size: int = NVFP4_BLOCK_SIZE) -> NVFP4Weight:
+def from_modelopt(tensors: Mapping, name: str, *, block_size: int = NVFP4_BLOCK_SIZE,
+                  in_features: int | None = None) -> NVFP4Weight:
     """The NVFP4Weight of ModelOpt layer `name` from `name.weight` (uint8 [N, K/2]),
     `name.weight_scale` (float8_e4m3fn [N, K/16]) and `name.weight_scale_2` (float32 scalar,
     multiplied). `name.input_scale` is ignored. Raises CheckpointError naming the layer and the
-    tensor when one is missing or has the wrong dtype or shape."""
+    tensor when one is missing or has the wrong dtype or shape.
+
+    in_features: the layer's true K where the file holds it padded (see `strip_k_padding`)."""
     block_size = _check_block_size(block_size, "from_modelopt")
     needed = _MODELOPT_SUFFIXES
     pk, packed = _get(tensors, name, "weight", "ModelOpt", needed)
     sk, scale = _get(tensors, name, "weight_scale", "ModelOpt", needed)
     gk, gs = _get(tensors, name, "weight_scale_2", "ModelOpt", needed)
-    return _build("ModelOpt", name, pk, packed, sk, scale, gk, gs, block_size)
+    weight = _build("ModelOpt", name, pk, packed, sk, scale, gk, gs, block_size)
+    return strip_k_padding(weight, in_features, f"ModelOpt layer {name!r}")
 
 
-def from_compressed_tensors(tensors: Mapping, name: str, *,
-                            block_size: int = NVFP4_BLOCK_SIZE) -> NVFP4Weight:
+def from_compressed_tensors(tensors: Mapping, name: str, *, block_size: int = NVFP4_BLOCK_SIZE,
+                            in_features: int | None = None) -> NVFP4Weight:
     """The NVFP4Weight of compressed-tensors (``nvfp4-pack-quantized``) layer `name` from
     `name.weight_packed`, `name.weight_scale` and `name.weight_global_scale`.
 
     compressed-tensors stores the RECIPROCAL global scale (6*448/amax; dequantization divides by
     it); the returned weight holds the multiplicative float32 ``1 / weight_global_scale``, which
-    equals the exact quotient within half an ulp of float32."""
+    equals the exact quotient within half an ulp of float32.
+
+    in_features: the layer's true K where the file holds it padded (see `strip_k_padding`)."""
     block_size = _check_block_size(block_size, "from_compressed_tensors")
     needed = _CT_SUFFIXES
     pk, packed = _get(tensors, name, "weight_packed", "compressed-tensors", needed)
@@ -217,8 +233,49 @@ def from_compressed_tensors(tensors: Mapping, name: str, *,
     if not (np.all(np.isfinite(inv)) and np.all(inv > 0)):
         raise CheckpointError(f"compressed-tensors layer {name!r}: {gk!r} must be finite and "
                               f"positive, got {inv.tolist()}")
-    return _build("compressed-tensors", name, pk, packed, sk, scale, gk,
-                  np.float32(1.0) / inv, block_size)
+    weight = _build("compressed-tensors", name, pk, packed, sk, scale, gk,
+                    np.float32(1.0) / inv, block_size)
+    return strip_k_padding(weight, in_features, f"compressed-tensors layer {name!r}")
+
+
+def strip_k_padding(w: NVFP4Weight, in_features: int | None, where: str = "strip_k_padding"):
+    """`w` cut to its true K = `in_features` where the file holds K padded (ModelOpt pads K to a
+    multiple of the block size when it packs: in_features 40 is stored as K = 48).
+
+    The padding's codes must be zero (0x0 or 0x8), else CheckpointError: a nonzero code there
+    means in_features is not this layer's. Block scales wholly inside the padding are dropped
+    too. Logs what it dropped (INFO). None or the stored K: `w` unchanged."""
+    if in_features is None:
+        return w
+    if isinstance(in_features, bool) or not isinstance(in_features, (int, np.integer)) or in_features <= 0:
+        raise ValueError(f"{where}: in_features must be a positive int, got {in_features!r}")
+    k, stored = int(in_features), w.k
+    if k == stored:
+        return w
+    if k > stored:
+        raise CheckpointError(f"{where}: in_features is {k}, but the file holds K = {stored} "
+                              f"(packed {tuple(w.packed.shape)})")
+    if k % 2:
+        raise CheckpointError(f"{where}: in_features {k} is odd; NVFP4Weight packs two codes a "
+                              "byte and needs an even K")
+    if w.layout != "spec":
+        raise ValueError(f"{where}: strip the padding before prepacking (layout {w.layout!r})")
+    packed, scale = np.asarray(w.packed), np.asarray(w.scale)
+    pad = packed[..., k // 2:]
+    bad = np.argwhere(((pad & 0x7) != 0) | ((pad & 0x70) != 0))
+    if len(bad):
+        row = tuple(int(i) for i in bad[0][:-1])
+        column = k + 2 * int(bad[0][-1])
+        raise CheckpointError(
+            f"{where}: in_features is {k}, but the padding (K {k}..{stored - 1} of the stored "
+            f"{stored}) holds nonzero codes, e.g. row {row} at K = {column} or {column + 1}: the "
+            "layer's true K is larger")
+    blocks = math.ceil(k / w.block_size)
+    _log.info("%s: K = %d in the file (padded), %d from in_features: dropped %d zero padding "
+              "columns%s", where, stored, k, stored - k,
+              f" and {scale.shape[-1] - blocks} block scales" if scale.shape[-1] > blocks else "")
+    return NVFP4Weight(np.ascontiguousarray(packed[..., :k // 2]),
+                       np.ascontiguousarray(scale[..., :blocks]), w.global_scale, w.block_size)
 
 
 def _weight_arrays(w, where: str):
@@ -306,8 +363,22 @@ def _layer_names(tensors: Mapping) -> dict[str, str]:
     return layers
 
 
+InFeatures = Mapping[str, int] | Callable[[str], "int | None"] | None
+
+
+def _in_features_of(in_features: InFeatures, name: str) -> int | None:
+    if in_features is None:
+        return None
+    if isinstance(in_features, Mapping):
+        return in_features.get(name)
+    if callable(in_features):
+        return in_features(name)
+    raise TypeError(f"in_features must be a mapping or a callable from layer name to K, got "
+                    f"{type(in_features).__name__}")
+
+
 def from_tensors(tensors: Mapping, *, block_size: int = NVFP4_BLOCK_SIZE,
-                 layout: str = "spec") -> dict:
+                 layout: str = "spec", in_features: InFeatures = None) -> dict:
     """Convert every NVFP4 layer of a flat tensor mapping, detecting the convention per layer.
 
     Returns a dict from layer name to NVFP4Weight for ModelOpt layers (recognised by
@@ -319,18 +390,24 @@ def from_tensors(tensors: Mapping, *, block_size: int = NVFP4_BLOCK_SIZE,
 
     ``layout="tiled"`` prepacks (`jax_fp4.prepack`, on the host) every layer whose shape the tiled
     layout takes (block size 16, N % 16 == 0, K % 128 == 0); the others stay in the spec layout
-    (``w.layout`` says which). Same values either way; the CUDA kernels read "tiled" faster."""
+    (``w.layout`` says which). Same values either way; the CUDA kernels read "tiled" faster.
+
+    ``in_features``: each layer's true K, as a mapping from layer name to K or a callable of the
+    layer name returning K (None or absent: the stored K). Where it is below the stored K (ModelOpt
+    pads K to a multiple of 16), the zero padding is checked and dropped (`strip_k_padding`).
+    Names that are not NVFP4 layers are ignored, so a mapping may list every projection."""
     block_size = _check_block_size(block_size, "from_tensors")
     layout = _check_layout(layout, "from_tensors")
     layers = _layer_names(tensors)
     out: dict = {}
     consumed: set = set()
     for name, convention in sorted(layers.items()):
+        k = _in_features_of(in_features, name)
         if convention == "modelopt":
-            weight = from_modelopt(tensors, name, block_size=block_size)
+            weight = from_modelopt(tensors, name, block_size=block_size, in_features=k)
             suffixes = _MODELOPT_SUFFIXES + _MODELOPT_IGNORED
         else:
-            weight = from_compressed_tensors(tensors, name, block_size=block_size)
+            weight = from_compressed_tensors(tensors, name, block_size=block_size, in_features=k)
             suffixes = _CT_SUFFIXES + _CT_IGNORED
         out[name] = _in_layout_on_host(weight, layout)
         consumed.update(f"{name}.{s}" for s in suffixes)
@@ -515,14 +592,17 @@ def read_safetensors(path_or_paths) -> dict[str, np.ndarray]:
 
 
 def load_safetensors(path_or_paths, *, block_size: int = NVFP4_BLOCK_SIZE,
-                     layout: str = "spec") -> dict:
+                     layout: str = "spec", in_features: InFeatures = None) -> dict:
     """Read one or several .safetensors files (see `read_safetensors`) and convert every NVFP4
     layer, ModelOpt or compressed-tensors, detected per layer (see `from_tensors`).
 
     Returns a dict from layer name to NVFP4Weight, plus every other tensor unchanged (as NumPy).
-    ``layout="tiled"``: the NVFP4 layers prepacked where their shape allows (see `from_tensors`)."""
+    ``layout="tiled"``: the NVFP4 layers prepacked where their shape allows (see `from_tensors`).
+    ``in_features``: each layer's true K (a mapping or a callable from layer name to K), where
+    the file holds K padded; the files do not record it (config.json implies it)."""
     layout = _check_layout(layout, "load_safetensors")  # before reading any file
-    return from_tensors(read_safetensors(path_or_paths), block_size=block_size, layout=layout)
+    return from_tensors(read_safetensors(path_or_paths), block_size=block_size, layout=layout,
+                        in_features=in_features)
 
 
 def save_safetensors(tensors: Mapping, path, *, metadata: Mapping[str, str] | None = None) -> None:

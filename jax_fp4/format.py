@@ -1,4 +1,5 @@
-"""The NVFP4 weight format: the `NVFP4Weight` container, quantization and dequantization.
+"""The NVFP4 weight format: the `NVFP4Weight` container and dequantization (quantization is in
+jax_fp4/quantization.py).
 
 Layout (ONNX Runtime MatMulBlockQuantizedFp4Weight, NVIDIA ModelOpt):
   packed        uint8 [N, K/2]; logical element 2j in the low nibble, 2j+1 in the high nibble.
@@ -260,8 +261,15 @@ def e4m3_to_float32(scale):
 
 
 def dequantize(w: NVFP4Weight, dtype=jnp.float32):
-    """The dense weight [..., N, K] = e2m1 * e4m3 block scale * global scale, computed in float32
-    and rounded once to `dtype`."""
+    """The dense weight [..., N, K] = e2m1 * e4m3 block scale * global scale, rounded once to
+    `dtype` (to nearest, ties to even): the correctly rounded value of the exact product.
+
+    float32: the float32 product (e2m1 * e4m3 is exact in float32, so one IEEE rounding; XLA's
+    CPU programs flush subnormal results to zero, which needs a global scale below 2^-116).
+    bfloat16, float16 and other narrower floats: the exact product rounded to odd in float32 by
+    integer arithmetic, then converted; float32 keeps at least two bits more than these, so the
+    conversion rounds as the exact product would (float32 then bf16 rounds twice and is one ulp
+    off in ~0.1-0.25% of values). NaN scale bytes give NaN."""
     if not isinstance(w, NVFP4Weight):
         raise TypeError(f"dequantize: w must be an NVFP4Weight, got {type(w).__name__}")
     try:
@@ -288,10 +296,88 @@ def dense_weight(w: NVFP4Weight, dtype):
     if block_scale.shape[-1] != k:  # a partial last block
         block_scale = block_scale[..., :k]
     gs = jnp.asarray(w.global_scale, jnp.float32)[..., None, None]
-    return (values * block_scale * gs).astype(dtype)
+    product = values * block_scale  # exact: at most 6 significant bits, never subnormal
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize >= 8:  # float64 (x64): the whole product is exact
+        return product.astype(dtype) * gs.astype(dtype)
+    if dtype == jnp.float32:
+        # One IEEE rounding. XLA's CPU programs flush subnormal products (below 2^-126, which
+        # only global scales below 2^-116 reach) to zero; the 16-bit formats' integer arithmetic
+        # below would keep them, at twice the time (4096 x 4096 on two CPU cores: 245 ms against
+        # 128), which float32's users (the reference path, dA) should not pay.
+        return product * gs
+    if dtype.name in _ROUNDED_FORMATS:
+        return _multiply_rounded(product, gs, dtype.name)
+    return _multiply_rounded(product, gs, "odd").astype(dtype)
 
 
-# quantize and dequantize are compiled once per shape: run eagerly, their dozens of small ops
-# take 3x (quantize) and 18x (dequantize) longer, 4096x4096 on two CPU cores: 0.60 s against 0.20
-# and 0.33 s against 0.018 (quantize_model and load-time conversions call them eagerly).
+# Formats `_multiply_rounded` writes: (significand bits with the implicit one, smallest normal
+# exponent, bits of +inf, the integer type of the result's bits).
+_ROUNDED_FORMATS = {"bfloat16": (8, -126, 0x7F80, jnp.uint16),
+                    "float16": (11, -14, 0x7C00, jnp.uint16),
+                    "odd": (24, -126, 0x7F800000, jnp.uint32)}
+
+
+def _multiply_rounded(p, gs, target: str):
+    """p * gs rounded once to bfloat16 or float16 (to nearest, ties to even), or with
+    target "odd" rounded to odd in float32, for p an exact e2m1 * e4m3 product (zero, NaN, or
+    normal with at most 6 significant bits) and gs any float32.
+
+    By integer arithmetic on the bits: p's significand as a 7-bit integer times gs's 24-bit one
+    fits in uint32, and the result's bits are assembled from it. Float arithmetic would round
+    twice on the way to a 16-bit format, and XLA's CPU programs flush float32 subnormals to zero.
+    Rounding to odd (truncate, set the last bit where inexact) keeps the exact product's place
+    between the float32 neighbours, so a later round to nearest to any format with at least two
+    bits less precision (the float8 formats) gives the correctly rounded product."""
+    precision, min_exponent, inf_bits, bits_type = _ROUNDED_FORMATS[target]
+    u32 = jnp.uint32
+    pb = jax.lax.bitcast_convert_type(p, u32)
+    gb = jax.lax.bitcast_convert_type(jnp.broadcast_to(gs, p.shape), u32)
+    negative = ((pb ^ gb) >> 31) == 1
+    p_biased = ((pb >> 23) & 0xFF).astype(jnp.int32)
+    g_biased = ((gb >> 23) & 0xFF).astype(jnp.int32)
+    p_int = ((pb & 0x7FFFFF) | 0x800000) >> 17  # the significand's low 17 bits are zero
+    g_int = jnp.where(g_biased == 0, gb & 0x7FFFFF, (gb & 0x7FFFFF) | 0x800000)
+    zero = ((pb & 0x7FFFFFFF) == 0) | ((gb & 0x7FFFFFFF) == 0)
+    s = jnp.where(zero, u32(0), p_int * g_int)  # the exact product = s * 2^e_low
+    e_low = (p_biased - 133) + jnp.where(g_biased == 0, -149, g_biased - 150)
+    length = 32 - jax.lax.clz(s).astype(jnp.int32)  # significant bits of s
+    exponent = jnp.maximum(e_low + length - 1, min_exponent)  # the result's exponent
+    shift = exponent - (precision - 1) - e_low  # low bits of s below the result's last place
+    right = jnp.clip(shift, 1, 31).astype(u32)
+    kept = s >> right
+    dropped = s & ((u32(1) << right) - u32(1))
+    to_odd = target == "odd"
+    if to_odd:  # the sticky bit
+        rounded = kept | (dropped != 0).astype(u32)
+    else:  # to nearest, ties to even (a carry past the significand moves into the exponent)
+        half = u32(1) << (right - u32(1))
+        rounded = kept + ((dropped > half) | ((dropped == half) & ((kept & 1) == 1))).astype(u32)
+    q = jnp.where(shift <= 0, s << jnp.clip(-shift, 0, 31).astype(u32), rounded)
+    # The exponent field above the significand q (q's implicit bit adds one to it; a subnormal
+    # result has exponent == min_exponent, q below the implicit bit and a field of 0).
+    bias = 1 - min_exponent
+    bits = ((exponent + bias - 1).astype(u32) << (precision - 1)) + q
+    if to_odd:
+        bits = jnp.where(exponent > 127, u32(0x7F7FFFFF), bits)  # beyond float32: its largest, odd
+    else:
+        bits = jnp.where(exponent > bias, u32(inf_bits), jnp.minimum(bits, u32(inf_bits)))
+    bits = jnp.where(s == 0, u32(0), bits)
+    # NaN scale bytes and a NaN global scale give NaN, an infinite one inf (NaN times a zero code).
+    # Chosen on the bits: a float select of a 16-bit type goes through float32 in XLA's CPU
+    # programs, which flushes the subnormals.
+    p_nan = (pb & 0x7FFFFFFF) > 0x7F800000
+    g_nan = (gb & 0x7FFFFFFF) > 0x7F800000
+    g_inf = (gb & 0x7FFFFFFF) == 0x7F800000
+    nan = p_nan | g_nan | (g_inf & ((pb & 0x7FFFFFFF) == 0))
+    bits = jnp.where(g_inf, u32(inf_bits), bits)
+    width = 8 * jnp.dtype(bits_type).itemsize
+    bits = bits | (negative.astype(u32) << (width - 1))
+    bits = jnp.where(nan, u32(inf_bits | (1 << (precision - 2))), bits).astype(bits_type)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32 if to_odd else jnp.dtype(target))
+
+
+# dequantize is compiled once per shape (as quantize is): run eagerly, its dozens of small ops take
+# 18x longer, 4096x4096 on two CPU cores: 0.33 s against 0.018 (quantize_model and load-time
+# conversions call it eagerly).
 _dequantize_compiled = jax.jit(dense_weight, static_argnames="dtype")

@@ -159,12 +159,13 @@ def e4m3_to_f32_np(code) -> np.ndarray:
 
 
 def e2m1_round_np(q) -> np.ndarray:
-    """float32 -> E2M1 codes: nearest, ties to even, saturating at 6; sign bit only on non-zero."""
+    """float32 -> E2M1 codes: nearest, ties to even, saturating at 6; the sign bit on every value
+    below zero (a negative value that rounds to zero gets 0x8, -0, as ModelOpt writes it)."""
     q = np.asarray(q, np.float32)
     m = np.abs(q)
     code = ((m > 0.25).astype(np.uint8) + (m >= 0.75) + (m > 1.25) + (m >= 1.75) + (m > 2.5)
             + (m >= 3.5) + (m > 5.0)).astype(np.uint8)
-    return code | np.where((q < 0) & (code != 0), 8, 0).astype(np.uint8)
+    return code | np.where(q < 0, 8, 0).astype(np.uint8)
 
 
 def activation_global_scale_np(a) -> np.float32:

@@ -9,8 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp4.format import (E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, NVFP4Weight, e2m1_codes_to_float32,
-                            host_values, pack_codes)
+from jax_fp4.format import (
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    NVFP4Weight,
+    e2m1_codes_to_float32,
+    host_values,
+    pack_codes,
+)
 
 
 def _e2m1_round(x):
@@ -24,7 +31,9 @@ def _e2m1_round(x):
            jnp.where(mag <= 2.5, 4,
            jnp.where(mag < 3.5, 5,
            jnp.where(mag <= 5.0, 6, 7)))))))
-    sign = jnp.where((x < 0) & (code > 0), 8, 0)
+    # A negative value that rounds to zero keeps its sign (code 0x8, -0), as ModelOpt and
+    # compressed-tensors write it; an exact -0.0 is not below zero and gets code 0x0, as theirs.
+    sign = jnp.where(x < 0, 8, 0)
     return (code | sign).astype(jnp.uint8)
 
 

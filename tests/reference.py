@@ -50,16 +50,52 @@ def dequantize(packed, scale_bytes, global_scale, block_size) -> np.ndarray:
     return e2m1_decode(codes) * scale * np.float64(global_scale)
 
 
+_INF_BITS = {"bfloat16": (0x7F80, 2.0**128), "float16": (0x7C00, 2.0**16)}
+
+
+def round_once(x, dtype) -> np.ndarray:
+    """float64 values -> `dtype` (float32, float16 or bfloat16), rounded once to nearest, ties to
+    even: for the 16-bit types the nearest of the three neighbours around a first guess, by exact
+    float64 distances (infinity counted as the next power of two past the largest finite value,
+    so that values from the largest finite one plus half an ulp up round to it)."""
+    x = np.asarray(x, np.float64)
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        with np.errstate(over="ignore"):
+            return x.astype(np.float32)  # one IEEE rounding
+    inf_bits, inf_value = _INF_BITS[dtype.name]
+    with np.errstate(over="ignore", invalid="ignore"):
+        guess = x.astype(np.float32).astype(dtype)  # may be one ulp off (two roundings)
+    magnitude = guess.view(np.uint16).astype(np.int64) & 0x7FFF
+    candidates = np.clip(np.stack([magnitude - 1, magnitude, magnitude + 1], axis=-1), 0, inf_bits)
+    values = candidates.astype(np.uint16).view(dtype).astype(np.float64)
+    values = np.where(candidates == inf_bits, inf_value, values)
+    dist = np.abs(values - np.abs(x)[..., None])
+    nearest = dist == dist.min(axis=-1, keepdims=True)
+    pick = np.where(nearest & (candidates % 2 == 0), candidates, 1 << 20).min(axis=-1)  # a tie: even
+    pick = np.where(nearest.sum(axis=-1) == 1, np.take_along_axis(
+        candidates, nearest.argmax(axis=-1)[..., None], axis=-1)[..., 0], pick)
+    bits = (pick | np.where(np.signbit(x), 0x8000, 0)).astype(np.uint16)
+    out = bits.view(dtype)
+    return np.where(np.isnan(x), guess, out).astype(dtype)
+
+
+def dequantize_as(packed, scale_bytes, global_scale, block_size, dtype) -> np.ndarray:
+    """`dequantize` correctly rounded to `dtype` (one rounding of the exact float64 product)."""
+    with np.errstate(invalid="ignore"):
+        return round_once(dequantize(packed, scale_bytes, global_scale, block_size), dtype)
+
+
 def matmul(a, packed, scale_bytes, global_scale, block_size, bias=None, *,
            weight_dtype=None) -> np.ndarray:
     """float64 Y = A @ W^T (+ bias).
 
-    `weight_dtype` (fp16/bf16): W as the dequantizing paths (xla, dequant) hold it, the float32
-    product rounded once to that dtype. Their weight rounding then is part of the model, not of the
+    `weight_dtype` (fp16/bf16): W as the dequantizing paths (xla, dequant) hold it, the exact
+    product rounded once to that dtype (`round_once`). Their weight rounding then is part of the model, not of the
     error: with few terms that cancel it alone can exceed the output's rounding tolerance."""
     w = dequantize(packed, scale_bytes, global_scale, block_size)
     if weight_dtype is not None:
-        w = w.astype(np.float32).astype(weight_dtype).astype(np.float64)
+        w = round_once(w, weight_dtype).astype(np.float64)
     y = np.asarray(a, np.float64) @ w.T
     if bias is not None:
         y = y + np.asarray(bias, np.float64)
@@ -97,7 +133,9 @@ def round_to_e2m1(blocks, scale_bytes, gs):
     # nearest magnitude; among two tied neighbours the one with an even code (mantissa bit 0)
     code = np.where(tied & (np.arange(8) % 2 == 0), np.arange(8), 99).min(axis=-1)
     code = np.where(tied.sum(axis=-1) == 1, tied.argmax(axis=-1), code).astype(np.uint8)
-    return np.where((q < 0) & (code > 0), code | 8, code).astype(np.uint8)
+    # The sign bit wherever the quotient is below zero, also where it rounds to zero (code 0x8,
+    # -0): ModelOpt's `_cast_fp4` and compressed-tensors both set it from `x < 0`.
+    return np.where(q < 0, code | 8, code).astype(np.uint8)
 
 
 def random_weight(rng, n, k, block_size=16, scale_low=0x28, scale_high=0x48, *, unit_gain=False):

@@ -6,6 +6,7 @@ import json
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -398,3 +399,80 @@ def test_tiled_weights_save_and_fuse_in_the_spec_layout(tmp_path):
     fused = ck.fuse([tiled, w])
     assert fused.layout == "spec"
     _same_bits(fused, ck.fuse([w, w]))
+
+
+# ---- K padding (ModelOpt pads K to a multiple of 16 when it packs) -------------------------------
+
+def _padded_modelopt_layer(tmp_path, k=40, padded=48, n=8):
+    """A ModelOpt file of one layer with true K = k stored padded to `padded` (zero columns), as
+    ModelOpt writes a layer whose in_features is not a multiple of its block; and the weight
+    jax_fp4.quantize makes of the true K."""
+    w = _float_weight(7, n, k)
+    stored = quantize(np.pad(w, ((0, 0), (0, padded - k))))
+    ck.save_safetensors({"model.layers.0.mlp.down_proj": stored}, tmp_path / "model.safetensors")
+    return quantize(w)
+
+
+def test_padded_k_is_stripped_with_in_features(tmp_path, caplog):
+    expected = _padded_modelopt_layer(tmp_path)
+    name = "model.layers.0.mlp.down_proj"
+    assert ck.load_safetensors(tmp_path)[name].k == 48  # the file alone cannot tell
+    for in_features in ({name: 40, "lm_head": 256}, lambda layer: 40 if layer == name else None):
+        with caplog.at_level("INFO", logger="jax_fp4.checkpoint"):
+            got = ck.load_safetensors(tmp_path, in_features=in_features)[name]
+        assert got.shape == (8, 40)
+        _same_bits(got, expected)
+        assert "K = 48 in the file (padded), 40 from in_features: dropped 8 zero padding" in caplog.text
+        caplog.clear()
+    np.testing.assert_array_equal(np.asarray(jax_fp4.dequantize(got)), reference.dequantize_as(
+        expected.packed, expected.scale_bytes, expected.global_scale, 16, np.float32))
+    # The stored K itself, or no entry: unchanged, nothing logged.
+    assert ck.load_safetensors(tmp_path, in_features={name: 48})[name].k == 48
+    assert "padding" not in caplog.text
+
+
+def test_padding_that_is_not_zero_or_a_wrong_k_is_refused(tmp_path):
+    _padded_modelopt_layer(tmp_path, k=40, padded=64)
+    name = "model.layers.0.mlp.down_proj"
+    got = ck.load_safetensors(tmp_path, in_features={name: 40})[name]
+    assert got.shape == (8, 40) and got.scale.shape == (8, 3)  # the padding's own block dropped
+    with pytest.raises(ck.CheckpointError, match="holds nonzero codes, e.g. row"):
+        ck.load_safetensors(tmp_path, in_features={name: 32})
+    with pytest.raises(ck.CheckpointError, match="in_features is 80, but the file holds K = 64"):
+        ck.load_safetensors(tmp_path, in_features={name: 80})
+    with pytest.raises(ck.CheckpointError, match="in_features 39 is odd"):
+        ck.load_safetensors(tmp_path, in_features={name: 39})
+    with pytest.raises(TypeError, match="in_features must be a mapping or a callable"):
+        ck.load_safetensors(tmp_path, in_features=40)
+
+
+# ---- the real tools' exports (tests/data/real_tools; its README.md says how they were made) ------
+
+REAL_TOOLS = Path(__file__).parent / "data" / "real_tools"
+
+
+def test_real_exports_load_bit_exact_and_where_the_tools_differ():
+    """ModelOpt 0.47 and llm-compressor 0.14 exports of the same tiny Llama load with their bytes
+    unchanged, and differ from each other as docs/flax_and_checkpoints.md says: llm-compressor
+    computes the global scale in bf16 (its weight_global_scale is a bf16 value), so its block
+    scales differ from ModelOpt's by one E4M3 step (never more) in 3.3% of blocks."""
+    modelopt_raw = ck.read_safetensors(REAL_TOOLS / "modelopt_llama_nvfp4")
+    llmc_raw = ck.read_safetensors(REAL_TOOLS / "llmc_llama_nvfp4a16")
+    modelopt, llmc = ck.from_tensors(modelopt_raw), ck.from_tensors(llmc_raw)
+    layers = [k for k, v in modelopt.items() if isinstance(v, jax_fp4.NVFP4Weight)]
+    assert len(layers) == 14 and all(isinstance(llmc[k], jax_fp4.NVFP4Weight) for k in layers)
+    differ = blocks = 0
+    for name in layers:
+        a, b = modelopt[name], llmc[name]
+        np.testing.assert_array_equal(np.asarray(a.packed), modelopt_raw[f"{name}.weight"])
+        np.testing.assert_array_equal(np.asarray(b.packed), llmc_raw[f"{name}.weight_packed"])
+        assert np.asarray(a.global_scale) == modelopt_raw[f"{name}.weight_scale_2"]
+        inv = llmc_raw[f"{name}.weight_global_scale"].astype(np.float32)
+        assert np.asarray(b.global_scale) == np.float32(1) / inv[0]
+        assert inv.astype(ml_dtypes.bfloat16).astype(np.float32) == inv  # computed in bf16
+        ratio = float(np.asarray(b.global_scale) / np.asarray(a.global_scale))
+        assert 1 - 0.0016 <= ratio <= 1 + 0.0056
+        step = np.abs(np.asarray(a.scale_bytes, np.int32) - np.asarray(b.scale_bytes, np.int32))
+        assert step.max() == 1
+        differ, blocks = differ + int((step > 0).sum()), blocks + step.size
+    assert (differ, blocks) == (2439, 73728)

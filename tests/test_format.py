@@ -1,6 +1,8 @@
 """NVFP4 decoding, packing and ModelOpt quantization against hand-worked values."""
 
 import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax_fp4
+from jax_fp4.checkpoint import read_safetensors
 from jax_fp4.format import e2m1_to_float32, e4m3_to_float32
 from tests import reference
 
@@ -77,6 +80,129 @@ def test_dequantize_matches_reference_any_block_size():
         np.testing.assert_allclose(got, reference.dequantize(packed, scale, gs, bs), rtol=1e-7)
 
 
+# Global scales for the rounding tests: amax / 2688 of a bf16 amax (a repeating mantissa, where
+# float32 lands on bf16 / fp16 midpoints far more often than random bits do; 0x3A855555 is the
+# issue's), plain ones, one whose products are bf16 subnormals, one past fp16's range and one past
+# float32's (448 * 6 * 3e38).
+ROUNDING_GLOBAL_SCALES = [np.uint32(0x3A855555).view(np.float32), np.float32(1.0), np.float32(0.37),
+                          np.float32(np.float32(0.8125) / np.float32(2688)), np.float32(2.0**-135),
+                          np.float32(60.0), np.float32(3e38)]
+
+
+def _np_dtype(name):
+    return np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name)
+
+
+def _every_code_and_scale_byte(gs, nan_scales=True):
+    """A weight of every E4M3 scale byte (one per row) against every E2M1 code (16 a block)."""
+    bytes_ = np.arange(256, dtype=np.uint8)
+    if not nan_scales:
+        bytes_ = bytes_[(bytes_ & 0x7F) != 0x7F]
+    codes = np.tile(np.arange(16, dtype=np.uint8), (bytes_.size, 2))
+    packed = np.asarray(jax_fp4.pack_codes(codes))
+    scale = np.repeat(bytes_[:, None], 2, axis=1)
+    return jax_fp4.NVFP4Weight(packed, scale, gs, block_size=16)
+
+
+def _assert_same_bits(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    bits = {2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
+    np.testing.assert_array_equal(np.where(nan, 0, got.view(bits)), np.where(nan, 0, want.view(bits)))
+
+
+def test_dequantize_to_bf16_is_correctly_rounded_the_issues_value():
+    """Global scale 0x3A855555, block scale 0x57 (15.0), code 0xF (-6): the exact product is
+    -0.0915527..., which float32 rounds to a bf16 midpoint; rounded twice it became
+    -0.091796875, the correctly rounded value (and ModelOpt's) is -0.09130859375."""
+    gs = np.uint32(0x3A855555).view(np.float32)
+    w = jax_fp4.NVFP4Weight(np.full((1, 8), 0xFF, np.uint8), np.full((1, 1), 0x57, np.uint8), gs)
+    got = np.asarray(jax_fp4.dequantize(w, jnp.bfloat16), np.float64)
+    np.testing.assert_array_equal(got, np.full((1, 16), -0.09130859375))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dequantize_rounds_once_every_code_and_scale_byte(dtype):
+    """Every code against every scale byte at several global scales: the correctly rounded value of
+    the exact float64 product, bit for bit (subnormals, overflow to inf, -0 and NaN included)."""
+    np_dtype = _np_dtype(dtype)
+    for gs in ROUNDING_GLOBAL_SCALES:
+        if dtype == "float32" and gs < 2.0**-116:
+            continue  # subnormal float32 products: XLA's CPU programs flush them (dequantize's doc)
+        w = _every_code_and_scale_byte(gs)
+        want = reference.dequantize_as(w.packed, w.scale_bytes, gs, 16, np_dtype)
+        _assert_same_bits(jax_fp4.dequantize(w, np_dtype), want)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dequantize_rounds_once_quantized_weights(dtype):
+    """Weights as quantize makes them (global scale amax / 2688): the double rounding this replaces
+    was one ulp off in ~0.1-0.25% of these values."""
+    np_dtype = _np_dtype(dtype)
+    rng = np.random.default_rng()
+    w = jax_fp4.quantize((rng.standard_normal((256, 512)) * 0.02).astype(np.float32))
+    want = reference.dequantize_as(w.packed, w.scale_bytes, w.global_scale, 16, np_dtype)
+    _assert_same_bits(jax_fp4.dequantize(w, np_dtype), want)
+
+
+def _identity_product(w, dtype, backend):
+    """matmul(I, w) = w^T exactly when w's entries are exact in dtype (finite, no NaN)."""
+    eye = jnp.eye(w.k, dtype=dtype)
+    return np.asarray(jax_fp4.matmul(eye, w, backend=backend)).T
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_xla_path_weight_rounds_once(dtype):
+    """The xla path's dense weight (lowering.dense -> format.dense_weight in the activation's dtype)
+    is the correctly rounded one: I @ W^T returns it exactly."""
+    np_dtype = _np_dtype(dtype)
+    for gs in ROUNDING_GLOBAL_SCALES[:4]:  # finite products in both dtypes
+        w = _every_code_and_scale_byte(gs, nan_scales=False)
+        want = reference.dequantize_as(w.packed, w.scale_bytes, gs, 16, np_dtype)
+        np.testing.assert_array_equal(_identity_product(w, np_dtype, "xla").astype(np.float64),
+                                      want.astype(np.float64))
+
+
+def _has_cuda() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_dequantize_paths_round_once(dtype):
+    """On the GPU: the CUDA dequantize kernel (jax_fp4_dequant_cuda, spec and tiled layouts), the
+    dequant path of matmul and XLA's dequantize all give the correctly rounded bits."""
+    from jax_fp4 import layout as _layout
+
+    np_dtype = _np_dtype(dtype)
+    for gs in ROUNDING_GLOBAL_SCALES:
+        w = _every_code_and_scale_byte(gs)
+        want = reference.dequantize_as(w.packed, w.scale_bytes, gs, 16, np_dtype)
+        _assert_same_bits(jax_fp4.dequantize(w, np_dtype), want)
+        call = jax.ffi.ffi_call("jax_fp4_dequant_cuda", jax.ShapeDtypeStruct((w.n, w.k), np_dtype))
+        _assert_same_bits(call(w.packed, w.scale_bytes, gs, block_size=np.int64(16), tiled=False), want)
+        tiled = call(_layout.tile_packed(w.packed), _layout.tile_scale(w.scale_bytes), gs,
+                     block_size=np.int64(16), tiled=True)
+        _assert_same_bits(tiled, want)
+    rng = np.random.default_rng()
+    w = jax_fp4.quantize((rng.standard_normal((256, 512)) * 0.02).astype(np.float32))
+    want = reference.dequantize_as(w.packed, w.scale_bytes, w.global_scale, 16, np_dtype)
+    call = jax.ffi.ffi_call("jax_fp4_dequant_cuda", jax.ShapeDtypeStruct((w.n, w.k), np_dtype))
+    _assert_same_bits(call(w.packed, w.scale_bytes, w.global_scale, block_size=np.int64(16),
+                           tiled=False), want)
+    for gs in ROUNDING_GLOBAL_SCALES[:4]:
+        w = _every_code_and_scale_byte(gs, nan_scales=False)
+        want = reference.dequantize_as(w.packed, w.scale_bytes, gs, 16, np_dtype)
+        np.testing.assert_array_equal(_identity_product(w, np_dtype, "dequant").astype(np.float64),
+                                      want.astype(np.float64))
+
+
 def _one_block(values):
     return np.asarray(values, np.float32)[None, :]
 
@@ -89,8 +215,10 @@ def test_quantize_ties_and_codes_by_hand():
     assert float(q.global_scale) == 1.0
     np.testing.assert_array_equal(np.asarray(q.scale_bytes), [[SCALE_ONE, 0x7E]])  # 1.0 and 448
     codes = np.asarray(jax_fp4.unpack_codes(q.packed))[0]
-    # 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4, 6->6; negative zero codes stay +0
-    np.testing.assert_array_equal(codes[:16], [0, 2, 2, 4, 4, 6, 6, 7, 0, 10, 10, 12, 12, 14, 14, 15])
+    # 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4, 6->6. -0.25 rounds to zero and
+    # keeps its sign, code 0x8 (-0): ModelOpt and compressed-tensors write 0x8 there, and a quantizer
+    # that claims ModelOpt's bytes must too (tests/data/real_tools/modelopt_quantize holds them).
+    np.testing.assert_array_equal(codes[:16], [0, 2, 2, 4, 4, 6, 6, 7, 8, 10, 10, 12, 12, 14, 14, 15])
     np.testing.assert_array_equal(codes[16:], [7] + [0] * 15)
 
 
@@ -121,6 +249,41 @@ def test_quantize_is_bit_exact_with_modelopt():
         assert np.asarray(q.global_scale) == gs
         np.testing.assert_array_equal(np.asarray(q.scale_bytes), scale)
         np.testing.assert_array_equal(np.asarray(jax_fp4.unpack_codes(q.packed)), codes)
+
+
+REAL_TOOLS = Path(__file__).parent / "data" / "real_tools"
+
+
+@pytest.mark.parametrize("name", ["normal_f32_256x512", "normal_bf16_256x512", "zero_row_f32_128x256",
+                                  "ties_f32_64x256"])
+def test_quantize_gives_modelopts_exported_bytes(name):
+    """The bytes nvidia-modelopt 0.47 exports for four known matrices (its README says how they were
+    made): codes, block scales and global scale equal, -0 codes (negative values that round to
+    zero) included."""
+    inputs = np.load(REAL_TOOLS / "modelopt_quantize" / "inputs.npz")
+    w = inputs[name]
+    if w.dtype == np.uint16:
+        w = w.view(ml_dtypes.bfloat16)
+    stored = read_safetensors(REAL_TOOLS / "modelopt_quantize" / f"modelopt_{name}.safetensors")
+    layer = "model.layers.0.self_attn.o_proj"
+    q = jax_fp4.quantize(w)
+    np.testing.assert_array_equal(np.asarray(q.packed), stored[f"{layer}.weight"])
+    np.testing.assert_array_equal(np.asarray(q.scale_bytes), stored[f"{layer}.weight_scale"].view(np.uint8))
+    assert np.asarray(q.global_scale).view(np.uint32) == stored[f"{layer}.weight_scale_2"].view(np.uint32)
+    # The NumPy stand-in of ModelOpt in tests/reference.py agrees (it checks quantize elsewhere).
+    codes, scale, gs = reference.modelopt_quantize(np.asarray(w, np.float32))
+    np.testing.assert_array_equal(codes, reference.unpack(stored[f"{layer}.weight"]))
+    np.testing.assert_array_equal(scale, stored[f"{layer}.weight_scale"].view(np.uint8))
+
+
+def test_negative_values_that_round_to_zero_get_code_0x8():
+    """The issue's reproduction: ModelOpt and compressed-tensors both give codes [7, 8]; an exact
+    -0.0 is not below zero and gets 0x0 in both."""
+    w = np.zeros((1, 16), np.float32)
+    w[0, 0], w[0, 1], w[0, 2] = 6.0, -0.1, -0.0
+    codes = np.asarray(jax_fp4.unpack_codes(jax_fp4.quantize(w).packed))[0]
+    np.testing.assert_array_equal(codes[:3], [7, 8, 0])
+    np.testing.assert_array_equal(reference.modelopt_quantize(w)[0][0, :3], [7, 8, 0])
 
 
 def _blocks(w, bs):

@@ -488,12 +488,8 @@ def test_gemv_tiled_rejects_untileable_shapes():
 
 
 def reference_dequant(packed, scale, gs, block_size, dtype):
-    """(e2m1 * e4m3) exactly, times gs in fp32 (one rounding), then one rounding to the dtype:
-    the kernel's arithmetic, computed independently."""
-    w_unit = reference.dequantize(packed, scale, 1.0, block_size)  # exact in float64 and fp32
-    with np.errstate(invalid="ignore", over="ignore"):
-        w32 = w_unit.astype(np.float32) * np.float32(gs)
-    return as_dtype(w32, dtype)
+    """The exact product e2m1 * e4m3 * gs rounded once to the dtype, computed independently."""
+    return reference.dequantize_as(packed, scale, gs, block_size, NP_DTYPES[dtype])
 
 
 DEQUANT_CASES = [

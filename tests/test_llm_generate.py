@@ -4,6 +4,7 @@ checkpoint's dequantized weights."""
 
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import pytest
 
 import jax_fp4
 from tests import reference
-from tests.repo_scripts import load_repo_script
+from tests._helpers import load_repo_script
 
 CONFIG = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "vocab_size": 96,
@@ -34,12 +35,18 @@ def _as_float(tensors: dict, name: str) -> np.ndarray:
 
 
 def _inv_freq(config: dict) -> np.ndarray:
-    """Hugging Face's rotary frequencies, frequency by frequency."""
-    d, theta = config["head_dim"], config["rope_theta"]
+    """Hugging Face's rotary frequencies, frequency by frequency (transformers 5's
+    "rope_parameters" or the older top-level "rope_theta" and "rope_scaling")."""
+    if "rope_parameters" in config:
+        params = config["rope_parameters"]
+        theta, scaling = params["rope_theta"], params if params["rope_type"] == "llama3" else None
+    else:
+        theta, scaling = config["rope_theta"], config.get("rope_scaling")
+    d = config["head_dim"]
     out = []
     for i in range(d // 2):
         f = theta ** (-2 * i / d)
-        s = config.get("rope_scaling")
+        s = scaling
         if s:
             wavelen = 2 * math.pi / f
             low_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
@@ -104,12 +111,20 @@ def _reference_logits(config: dict, t: dict, tokens) -> np.ndarray:
     return norm(h, _as_float(t, "model.norm.weight")) @ _as_float(t, head).T
 
 
+def _config(variant: str) -> dict:
+    if variant == "llama31_rope_parameters":  # transformers 5's form of Llama-3.1's config.json
+        config = {key: value for key, value in CONFIG.items() if key != "rope_theta"}
+        return dict(config, rope_parameters=dict(LLAMA3_SCALING, rope_theta=500000.0))
+    return dict(CONFIG, rope_scaling=LLAMA3_SCALING if variant == "llama3_rope" else None)
+
+
 @pytest.mark.parametrize("variant, layout, convention, stack_layers", [
     ("llama", "tiled", "modelopt", False), ("llama3_rope", "spec", "compressed-tensors", True),
-    ("qwen2_bias", "tiled", "compressed-tensors", False), ("qwen3_qk_norm", "tiled", "modelopt", True)])
+    ("qwen2_bias", "tiled", "compressed-tensors", False), ("qwen3_qk_norm", "tiled", "modelopt", True),
+    ("llama31_rope_parameters", "tiled", "modelopt", False)])
 def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path, variant, layout,
                                                                convention, stack_layers):
-    config = dict(CONFIG, rope_scaling=LLAMA3_SCALING if variant == "llama3_rope" else None)
+    config = _config(variant)
     rng = np.random.default_rng()
     tensors = example.write_demo_checkpoint(tmp_path, config, seed=int(rng.integers(2**31)),
                                             qkv_bias=variant == "qwen2_bias",
@@ -241,9 +256,102 @@ def test_a_bf16_checkpoint_quantized_on_load(example, tmp_path, capsys):
     assert "bf16 (the checkpoint's weights, XLA's dot)" in out and "NVFP4 against bf16: " in out
 
 
-def test_unsupported_rope_scaling_is_refused(example):
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
-        example.Config.from_json(dict(CONFIG, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+def test_rope_parameters_are_read_like_the_older_top_level_keys(example):
+    """transformers 5 writes rope_theta and the scaling under "rope_parameters" (current ModelOpt
+    and llm-compressor exports): read like the older top-level keys, not defaulted to theta 10000
+    without scaling (which moved a Qwen3 export's logits by half the largest logit)."""
+    legacy = example.Config.from_json(dict(CONFIG, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING))
+    new = example.Config.from_json(_config("llama31_rope_parameters"))
+    assert new.rope_theta == 500000.0 and new.rope_scaling == ("llama3", 8.0, 1.0, 4.0, 16.0)
+    np.testing.assert_array_equal(example.rope_frequencies(new), example.rope_frequencies(legacy))
+    qwen3 = example.Config.from_json(dict(CONFIG, rope_theta=None,
+                                          rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
+    assert qwen3.rope_theta == 1e6 and qwen3.rope_scaling is None
+    # One entry per layer type, all alike (as transformers writes for models with several).
+    per_type = {"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+                "sliding_attention": {"rope_theta": 1e6, "rope_type": "default"}}
+    assert example.Config.from_json(dict(CONFIG, rope_parameters=per_type)).rope_theta == 1e6
+    assert example.Config.from_json(CONFIG).rope_theta == 10000.0  # no RoPE keys: the default
+
+
+@pytest.mark.parametrize("rope, match", [
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"RoPE type 'yarn' \(rope_scaling\) is not supported"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "RoPE type 'linear'"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     r"RoPE type 'dynamic' \(rope_parameters\) is not supported"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "RoPE type 'longrope'"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     "rope_parameters differ by layer type"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor 0.5 is not supported"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+     "the llama3 RoPE scaling .rope_parameters. lacks"),
+])
+def test_unsupported_rope_is_refused(example, rope, match):
+    with pytest.raises(ValueError, match=match):
+        example.Config.from_json(dict(CONFIG, **rope))
+
+
+def test_k_not_a_multiple_of_16_as_modelopt_pads_it(example, tmp_path, caplog):
+    """hidden 40 and intermediate 72: ModelOpt stores those K padded to 48 and 80 (zero codes);
+    the example passes each projection's true K from config.json, and the loader strips the
+    padding (and says so), where the file alone loaded as K = 48 and 80."""
+    config = dict(CONFIG, hidden_size=40, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                  intermediate_size=72)
+    tensors = example.write_demo_checkpoint(tmp_path, config, seed=int(np.random.default_rng().integers(2**31)))
+    stored = {}
+    for name, value in tensors.items():
+        if isinstance(value, jax_fp4.NVFP4Weight) and value.k % 16:
+            padded = -(-value.k // 16) * 16
+            packed = np.pad(np.asarray(value.packed), ((0, 0), (0, (padded - value.k) // 2)))
+            value = jax_fp4.NVFP4Weight(packed, np.asarray(value.scale), value.global_scale)
+        stored[name] = value
+    example.ckpt.save_safetensors(stored, tmp_path / "model.safetensors")
+    assert example.ckpt.load_safetensors(tmp_path)["model.layers.0.mlp.down_proj"].k == 80
+    with caplog.at_level("INFO", logger="jax_fp4.checkpoint"):
+        cfg, params = example.load_model(tmp_path, dtype=jnp.float32, layout="spec")
+    assert ("layer 'model.layers.0.mlp.down_proj': K = 80 in the file (padded), 72 from in_features"
+            in caplog.text)
+    assert params["layers"][0]["q_proj"].k == 40 and params["layers"][1]["down_proj"].k == 72
+    tokens = np.random.default_rng().integers(0, cfg.vocab, size=10)
+    logits, _, _ = example.forward(cfg, params, jnp.asarray(tokens[None]), 0,
+                                   *example.empty_cache(cfg, params, 1, 10))
+    expected = _reference_logits(config, tensors, tokens)
+    assert np.abs(np.asarray(logits[0]) - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+
+
+REAL_TOOLS = Path(__file__).parent / "data" / "real_tools"
+
+
+@pytest.mark.parametrize("checkpoint", ["modelopt_llama_nvfp4", "llmc_llama_nvfp4a16", "modelopt_qwen3_nvfp4"])
+def test_real_tool_checkpoints_match_transformers(example, checkpoint):
+    """Checkpoints exported by ModelOpt 0.47 and llm-compressor 0.14 (tests/data/real_tools, whose
+    README.md says how they were made), run by the example with float32 activations on the CPU:
+    the prefill logits within 1e-4 of the largest logit of those transformers + torch compute from
+    the tool's own dequantized weights, and the same 8 greedy tokens. The Qwen3 export keeps
+    rope_theta 1e6 under "rope_parameters"."""
+    path = REAL_TOOLS / checkpoint
+    oracle = np.load(path / "oracle.npz")
+    cfg, params = example.load_model(path, dtype=jnp.float32)
+    prompt = oracle["prompt_ids"][None].astype(np.int32)
+    logits, _, _ = example.forward(cfg, params, jnp.asarray(prompt), 0,
+                                   *example.empty_cache(cfg, params, 1, prompt.shape[1]))
+    expected = oracle["prefill_logits"]
+    error = np.abs(np.asarray(logits[0]) - expected).max()
+    assert error <= 1e-4 * max(1.0, np.abs(expected).max()), error
+    tokens, _ = example.generate(cfg, params, prompt, len(oracle["greedy_ids"]))
+    np.testing.assert_array_equal(tokens[0], oracle["greedy_ids"])
+
+
+def test_help_describes_the_example_and_runs_nothing(example, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        example.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("Greedy text generation from an NVFP4 checkpoint", "rope_parameters", "--compare-bf16",
+                 "--prompt-ids", "--scan-layers", "in_features"):
+        assert text in out
 
 
 def test_the_decode_step_probe_counts_the_kernels_it_launches(tmp_path, capsys):

@@ -1,6 +1,7 @@
-// CUDA dequantize: w[n, k] = round_to_dtype((e2m1(code) * e4m3(scale[n, k / bs])) * gs), computed
-// in fp32 (the first product is exact) and rounded once. NaN scale bytes give NaN. The prefill
-// path of the operator: XLA's dot (cuBLAS) consumes w.
+// CUDA dequantize: w[n, k] = e2m1(code) * e4m3(scale[n, k / bs]) * gs rounded once to the dtype
+// (to nearest, ties to even): the first product is exact in fp32; the second is rounded to odd in
+// fp32 (MulRoundToOdd), which fp32 -> bf16 / fp16 then rounds as the exact product would. NaN scale
+// bytes give NaN. The prefill path of the operator: XLA's dot (cuBLAS) consumes w.
 //
 // * Fast path (K % 16 == 0, block_size % 16 == 0, aligned buffers): a thread per 16 elements,
 //   one 8-byte load of packed weight, one scale byte, two 16-byte stores.
@@ -33,6 +34,19 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// a * b rounded to odd in fp32: truncated toward zero, the last bit set where the product is
+// inexact (round-down and round-up differ). Rounding to nearest from there to a format with at
+// least two bits less precision (bf16: 8 bits, fp16: 11, against fp32's 24) gives the correctly
+// rounded exact product; fp32 rounded to nearest first, then to bf16, is one ulp off where the fp32
+// result lands on a bf16 midpoint. Exact through subnormals (this file is built without -ftz),
+// overflow (the largest finite fp32, odd, which rounds on to inf) and NaN (NaN != NaN).
+__device__ __forceinline__ float MulRoundToOdd(float a, float b) {
+  const float down = __fmul_rd(a, b), up = __fmul_ru(a, b);
+  const bool negative = ((__float_as_uint(a) ^ __float_as_uint(b)) >> 31) != 0;
+  const float toward_zero = negative ? up : down;
+  return __uint_as_float(__float_as_uint(toward_zero) | (down != up ? 1u : 0u));
+}
+
 // The 8 E2M1 codes of one packed word, scaled: out[i] holds elements 2i, 2i+1 as a T pair.
 template <typename T>
 __device__ __forceinline__ void DequantWord(uint32_t q, float s, float gs, uint32_t (&out)[4]) {
@@ -44,10 +58,10 @@ __device__ __forceinline__ void DequantWord(uint32_t q, float s, float gs, uint3
   const float2 p1 = Hf::pair_to_float2(decode_e2m1_pair<__half, 1>(q, q4));
   const float2 p2 = Hf::pair_to_float2(decode_e2m1_pair<__half, 2>(q, q4));
   const float2 p3 = Hf::pair_to_float2(decode_e2m1_pair<__half, 3>(q, q4));
-  out[0] = Tr::pair_from_floats((p0.x * s) * gs, (p0.y * s) * gs);
-  out[1] = Tr::pair_from_floats((p1.x * s) * gs, (p1.y * s) * gs);
-  out[2] = Tr::pair_from_floats((p2.x * s) * gs, (p2.y * s) * gs);
-  out[3] = Tr::pair_from_floats((p3.x * s) * gs, (p3.y * s) * gs);
+  out[0] = Tr::pair_from_floats(MulRoundToOdd(p0.x * s, gs), MulRoundToOdd(p0.y * s, gs));
+  out[1] = Tr::pair_from_floats(MulRoundToOdd(p1.x * s, gs), MulRoundToOdd(p1.y * s, gs));
+  out[2] = Tr::pair_from_floats(MulRoundToOdd(p2.x * s, gs), MulRoundToOdd(p2.y * s, gs));
+  out[3] = Tr::pair_from_floats(MulRoundToOdd(p3.x * s, gs), MulRoundToOdd(p3.y * s, gs));
 }
 
 template <typename T>
@@ -109,10 +123,10 @@ __global__ void __launch_bounds__(kThreads)
     const float2 p2 = Hf::pair_to_float2(decode_tiled_pair<__half, 2>(q));
     const float2 p3 = Hf::pair_to_float2(decode_tiled_pair<__half, 3>(q));
     *reinterpret_cast<uint4*>(w + row * k + 128 * window + 32 * (lane & 3) + 8 * word) =
-        make_uint4(Tr::pair_from_floats((p0.x * s) * gs, (p0.y * s) * gs),
-                   Tr::pair_from_floats((p1.x * s) * gs, (p1.y * s) * gs),
-                   Tr::pair_from_floats((p2.x * s) * gs, (p2.y * s) * gs),
-                   Tr::pair_from_floats((p3.x * s) * gs, (p3.y * s) * gs));
+        make_uint4(Tr::pair_from_floats(MulRoundToOdd(p0.x * s, gs), MulRoundToOdd(p0.y * s, gs)),
+                   Tr::pair_from_floats(MulRoundToOdd(p1.x * s, gs), MulRoundToOdd(p1.y * s, gs)),
+                   Tr::pair_from_floats(MulRoundToOdd(p2.x * s, gs), MulRoundToOdd(p2.y * s, gs)),
+                   Tr::pair_from_floats(MulRoundToOdd(p3.x * s, gs), MulRoundToOdd(p3.y * s, gs)));
   }
 }
 
@@ -134,8 +148,8 @@ __global__ void __launch_bounds__(kThreads)
     const uint8_t* srow = scale + row * k_blocks;
     const float s0 = e4m3_to_float_fast(__ldg(srow + k0 / block_size));
     const float s1 = e4m3_to_float_fast(__ldg(srow + (k0 + 1) / block_size));
-    const float v0 = (e2m1_to_float(byte & 0xFu) * s0) * gs;
-    const float v1 = (e2m1_to_float(byte >> 4) * s1) * gs;
+    const float v0 = MulRoundToOdd(e2m1_to_float(byte & 0xFu) * s0, gs);
+    const float v1 = MulRoundToOdd(e2m1_to_float(byte >> 4) * s1, gs);
     *reinterpret_cast<uint32_t*>(w + row * k + k0) = Tr::pair_from_floats(v0, v1);
   }
 }

@@ -75,14 +75,15 @@ __device__ __forceinline__ float E4m3ToF32(uint32_t code) {  // positive, finite
 }
 
 // fp32 -> E2M1 code, round to nearest, ties to even (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
-// 3.5->4, 5->4), saturating at 6; -0 and values rounding to 0 get code 0.
+// 3.5->4, 5->4), saturating at 6; a negative value that rounds to 0 gets -0 (0x8), as ModelOpt
+// writes it, and -0.0 itself (not below zero) gets 0.
 __device__ __forceinline__ uint32_t E2m1Rne(float q) {
   const float m = fabsf(q);
   const uint32_t code = static_cast<uint32_t>(m > 0.25f) + static_cast<uint32_t>(m >= 0.75f) +
                         static_cast<uint32_t>(m > 1.25f) + static_cast<uint32_t>(m >= 1.75f) +
                         static_cast<uint32_t>(m > 2.5f) + static_cast<uint32_t>(m >= 3.5f) +
                         static_cast<uint32_t>(m > 5.0f);
-  return code | ((q < 0.0f && code != 0u) ? 8u : 0u);
+  return code | (q < 0.0f ? 8u : 0u);
 }
 
 __device__ __forceinline__ float WarpMax(float v) {
