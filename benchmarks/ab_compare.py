@@ -33,7 +33,9 @@ def load_side(path: str, variant: str) -> dict[tuple[int, int, int], float]:
     times = {}
     for r in records:
         if key not in r:
-            raise ValueError(f"{path}: record {r.get('n')}x{r.get('k')} M={r.get('m')} has no {key!r}")
+            raise ValueError(
+                f"{path}: record {r.get('n')}x{r.get('k')} M={r.get('m')} has no {key!r}"
+            )
         times[(r["n"], r["k"], r["m"])] = float(r[key])
     return times
 
@@ -50,8 +52,9 @@ def compare(sides: list[tuple[str, dict]]) -> tuple[list[dict], str]:
     bases = [t for s, t in sides if s == "base"]
     news = [t for s, t in sides if s == "new"]
     if len(bases) < 1 or len(news) != 1:
-        raise ValueError(f"need one or more base sides and exactly one new side, got "
-                         f"{[s for s, _ in sides]}")
+        raise ValueError(
+            f"need one or more base sides and exactly one new side, got {[s for s, _ in sides]}"
+        )
     new = news[0]
     rows = []
     for key in sides[0][1]:
@@ -65,34 +68,59 @@ def compare(sides: list[tuple[str, dict]]) -> tuple[list[dict], str]:
             verdict = "slower"
         else:
             verdict = "within drift"
-        rows.append({"n": key[0], "k": key[1], "m": key[2], "base_us": base_times,
-                     "new_us": new[key], "drift": hi / lo - 1 if len(bases) > 1 else None,
-                     "speedup": statistics.mean(base_times) / new[key], "verdict": verdict})
+        rows.append(
+            {
+                "n": key[0],
+                "k": key[1],
+                "m": key[2],
+                "base_us": base_times,
+                "new_us": new[key],
+                "drift": hi / lo - 1 if len(bases) > 1 else None,
+                "speedup": statistics.mean(base_times) / new[key],
+                "verdict": verdict,
+            }
+        )
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("faster", "slower", "within drift")}
-    drift = (f"base drift up to {100 * max(r['drift'] for r in rows):.1f}%" if len(bases) > 1
-             else "base drift unknown (one base side)")
-    summary = (f"{len(rows)} shapes: {counts['faster']} faster, {counts['slower']} slower, "
-               f"{counts['within drift']} within drift; mean speedup (mean base / new) "
-               f"{statistics.mean(r['speedup'] for r in rows):.3f}; {drift}")
+    drift = (
+        f"base drift up to {100 * max(r['drift'] for r in rows):.1f}%"
+        if len(bases) > 1
+        else "base drift unknown (one base side)"
+    )
+    summary = (
+        f"{len(rows)} shapes: {counts['faster']} faster, {counts['slower']} slower, "
+        f"{counts['within drift']} within drift; mean speedup (mean base / new) "
+        f"{statistics.mean(r['speedup'] for r in rows):.3f}; {drift}"
+    )
     return rows, summary
 
 
 def markdown(rows: list[dict], n_bases: int) -> str:
-    head = ["N x K", "M"] + [f"base {i + 1} us" for i in range(n_bases)] + [
-        "new us", "base drift", "mean base / new", "verdict"]
+    head = (
+        ["N x K", "M"]
+        + [f"base {i + 1} us" for i in range(n_bases)]
+        + ["new us", "base drift", "mean base / new", "verdict"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 2) + "---|"]
     for r in rows:
-        cells = [f"{r['n']}x{r['k']}", str(r["m"])] + [f"{t:.1f}" for t in r["base_us"]] + [
-            f"{r['new_us']:.1f}", "n/a" if r["drift"] is None else f"{100 * r['drift']:.1f}%",
-            f"{r['speedup']:.3f}", r["verdict"]]
+        cells = (
+            [f"{r['n']}x{r['k']}", str(r["m"])]
+            + [f"{t:.1f}" for t in r["base_us"]]
+            + [
+                f"{r['new_us']:.1f}",
+                "n/a" if r["drift"] is None else f"{100 * r['drift']:.1f}%",
+                f"{r['speedup']:.3f}",
+                r["verdict"],
+            ]
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("files", nargs="+",
-                        help="fused_timing.py (or bench) JSON per side, in run order")
+    parser.add_argument(
+        "files", nargs="+", help="fused_timing.py (or bench) JSON per side, in run order"
+    )
     parser.add_argument("--sides", help="comma-separated base/new per file (default: from names)")
     parser.add_argument("--variant", default="fused", help="the timed variant (default fused)")
     args = parser.parse_args(argv)

@@ -61,8 +61,8 @@ QUICK_M = (1, 4, 16)
 
 # Defaults sized for an H200: 60 MB of L2, 141 GB of HBM.
 DEFAULT_CACHE_BYTES = 60 * MB
-DEFAULT_DENSE_CAP_BYTES = 8 * GB   # most dense 16-bit weight bytes one chain may hold
-QUICK_CACHE_BYTES = 64 * 1024      # --quick: CPU-sized chains (a few layers of tiny weights)
+DEFAULT_DENSE_CAP_BYTES = 8 * GB  # most dense 16-bit weight bytes one chain may hold
+QUICK_CACHE_BYTES = 64 * 1024  # --quick: CPU-sized chains (a few layers of tiny weights)
 QUICK_MAX_LAYERS = 8
 
 
@@ -88,8 +88,8 @@ DEFAULT_SHAPES = (
     Shape(4096, 11008),
     Shape(17408, 5120),
     Shape(28672, 8192),
-    Shape(5120, 17408, max_m=8),    # decode-only: a down projection with long rows
-    Shape(248320, 2048, max_m=8),   # lm_head
+    Shape(5120, 17408, max_m=8),  # decode-only: a down projection with long rows
+    Shape(248320, 2048, max_m=8),  # lm_head
 )
 QUICK_SHAPES = (Shape(256, 512), Shape(512, 256))
 
@@ -97,6 +97,7 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
 # ---- byte and flop counts -----------------------------------------------------------------------
+
 
 def nvfp4_weight_bytes(n: int, k: int, block_size: int = 16) -> int:
     """Packed codes + E4M3 block scales + the f32 global scale."""
@@ -137,16 +138,19 @@ def chain_lengths(layer_bytes: int, dense_layer_bytes: int, budget: Budget) -> t
 
 # ---- timing ------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class ChainTiming:
     """Per-layer device time from two chain lengths."""
 
-    us: float            # per layer
+    us: float  # per layer
     l1: int
     l2: int
-    t1_us: float         # median time of one call of each chain
+    t1_us: float  # median time of one call of each chain
     t2_us: float
-    noisy: bool = False  # the difference was not positive: `us` falls back to t2 / L2 (an upper bound)
+    noisy: bool = (
+        False  # the difference was not positive: `us` falls back to t2 / L2 (an upper bound)
+    )
     iqr_us: float = 0.0  # interquartile range of the per-pair estimates (t2_i - t1_i) / (L2 - L1)
 
 
@@ -156,8 +160,15 @@ def _time_once(fn: Callable, args) -> float:
     return time.perf_counter() - t0
 
 
-def time_chain(make_chain: Callable[[int], Callable], args, l1: int, l2: int,
-               repeats: int, warmup: int, min_time_s: float = 0.0) -> ChainTiming:
+def time_chain(
+    make_chain: Callable[[int], Callable],
+    args,
+    l1: int,
+    l2: int,
+    repeats: int,
+    warmup: int,
+    min_time_s: float = 0.0,
+) -> ChainTiming:
     """Compile the L1 and L2 chains once each, warm both up, then alternate timed calls: `repeats`
     pairs, or more (up to 10x) where that many pairs take less than `min_time_s`."""
     f1 = jax.jit(make_chain(l1), keep_unused=True).lower(*args).compile()
@@ -207,6 +218,7 @@ def chain_of(layer: Callable) -> Callable[[int], Callable]:
     """make_chain(L): a function of per-layer operand lists (each of length >= L) that runs
     `layer(*operands)` on the first L layers and sums one element of each output, taken behind an
     optimization barrier so that XLA must compute every output in full."""
+
     def make_chain(length: int):
         def chain(*operand_lists):
             total = jnp.zeros((), jnp.float32)
@@ -214,7 +226,9 @@ def chain_of(layer: Callable) -> Callable[[int], Callable]:
                 y = jax.lax.optimization_barrier(layer(*operands))
                 total = total + y.reshape(-1)[0].astype(jnp.float32)
             return total
+
         return chain
+
     return make_chain
 
 
@@ -230,6 +244,7 @@ READ_KERNELS = {  # --quick tries only "sum"
 
 # ---- the three matmuls --------------------------------------------------------------------------
 
+
 def naive_dequantize(w: jax_fp4.NVFP4Weight, dtype) -> jax.Array:
     """NVFP4 -> dense [N, K] in plain jnp, the way a user would write it: table lookup in `dtype`."""
     codes = jnp.stack([w.packed & 0xF, w.packed >> 4], axis=-1).reshape(w.n, w.k)
@@ -237,13 +252,14 @@ def naive_dequantize(w: jax_fp4.NVFP4Weight, dtype) -> jax.Array:
     scale = w.scale
     if scale.dtype == jnp.uint8:
         scale = jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
-    scale = jnp.repeat(scale.astype(dtype), w.block_size, axis=-1)[:, :w.k]
+    scale = jnp.repeat(scale.astype(dtype), w.block_size, axis=-1)[:, : w.k]
     return values * scale * w.global_scale.astype(dtype)
 
 
 def fp4_layer(backend: str | None, tuning: jax_fp4.KernelTuning | None = None) -> Callable:
     def jax_fp4_matmul(a, w):
         return jax_fp4.matmul(a, w, backend=backend, tuning=tuning)
+
     return jax_fp4_matmul
 
 
@@ -258,8 +274,9 @@ def parse_tuning(text: str | None) -> jax_fp4.KernelTuning | None:
     for item in text.split(","):
         name, eq, raw = item.strip().partition("=")
         if not eq or name not in fields:
-            raise ValueError(f"tuning: expected NAME=VALUE with NAME one of {sorted(fields)}, "
-                             f"got {item!r}")
+            raise ValueError(
+                f"tuning: expected NAME=VALUE with NAME one of {sorted(fields)}, got {item!r}"
+            )
         raw = raw.strip().lower()
         if name in ("fused_warp_specialized", "fused_stream_k", "programmatic_launch"):
             booleans = {"1": True, "true": True, "0": False, "false": False}
@@ -286,6 +303,7 @@ def naive_layer(a, w):
 
 # ---- inputs ------------------------------------------------------------------------------------
 
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _make_layer_weights(key, n: int, k: int, dtype):
     w = jax.random.normal(key, (n, k), jnp.float32) / math.sqrt(k)
@@ -308,7 +326,9 @@ def _make_activation(key, shape: tuple[int, ...], dtype):
 
 
 def make_activations(key, m: int, k: int, count: int, dtype) -> list:
-    return [_make_activation(layer_key, (m, k), dtype) for layer_key in jax.random.split(key, count)]
+    return [
+        _make_activation(layer_key, (m, k), dtype) for layer_key in jax.random.split(key, count)
+    ]
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -317,6 +337,7 @@ def _make_buffer(key, words: int):
 
 
 # ---- results ------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Row:
@@ -347,7 +368,7 @@ class Row:
     layers: tuple[int, int]
     noisy: bool
     layout: str = "spec"  # the jax_fp4 weights' layout ("tiled": jax_fp4.prepack)
-    us_iqr: float = 0.0   # jax_fp4's ChainTiming.iqr_us: the spread of its single-pair estimates
+    us_iqr: float = 0.0  # jax_fp4's ChainTiming.iqr_us: the spread of its single-pair estimates
     us_passes: tuple[float, ...] = ()  # jax_fp4's time in each pass (--passes > 1), in pass order
 
 
@@ -394,9 +415,18 @@ def median_pass(passes: Sequence[ChainTiming]) -> ChainTiming:
     return dataclasses.replace(chosen, noisy=any(t.noisy for t in passes))
 
 
-def make_row(path: str, m: int, shape: Shape, dtype_name: str, fp4: ChainTiming, dense: ChainTiming,
-             naive: ChainTiming, read: ReadBandwidth, layout: str = "spec",
-             us_passes: tuple[float, ...] = ()) -> Row:
+def make_row(
+    path: str,
+    m: int,
+    shape: Shape,
+    dtype_name: str,
+    fp4: ChainTiming,
+    dense: ChainTiming,
+    naive: ChainTiming,
+    read: ReadBandwidth,
+    layout: str = "spec",
+    us_passes: tuple[float, ...] = (),
+) -> Row:
     itemsize = np.dtype(DTYPES[dtype_name]).itemsize
     n, k = shape.n, shape.k
     nbytes = nvfp4_weight_bytes(n, k) + io_bytes(m, n, k, itemsize)
@@ -404,32 +434,48 @@ def make_row(path: str, m: int, shape: Shape, dtype_name: str, fp4: ChainTiming,
     flops = matmul_flops(m, n, k)
     fp4_tbps = tbps(nbytes, fp4.us)
     return Row(
-        path=path, m=m, n=n, k=k, dtype=dtype_name,
-        us=fp4.us, tbps=fp4_tbps, tflops=tflops(flops, fp4.us),
-        speedup_vs_bf16=dense.us / fp4.us, speedup_vs_naive=naive.us / fp4.us,
-        bf16_us=dense.us, naive_us=naive.us,
-        read_bw_tbps=read.tbps, fraction_of_read_bw=fp4_tbps / read.tbps,
+        path=path,
+        m=m,
+        n=n,
+        k=k,
+        dtype=dtype_name,
+        us=fp4.us,
+        tbps=fp4_tbps,
+        tflops=tflops(flops, fp4.us),
+        speedup_vs_bf16=dense.us / fp4.us,
+        speedup_vs_naive=naive.us / fp4.us,
+        bf16_us=dense.us,
+        naive_us=naive.us,
+        read_bw_tbps=read.tbps,
+        fraction_of_read_bw=fp4_tbps / read.tbps,
         floor_us=nbytes / (read.tbps * 1e12) * 1e6,
-        bytes=nbytes, bf16_bytes=dense_bytes,
-        bf16_tbps=tbps(dense_bytes, dense.us), bf16_tflops=tflops(flops, dense.us),
-        naive_tbps=tbps(nbytes, naive.us), naive_tflops=tflops(flops, naive.us),
-        layers=(fp4.l1, fp4.l2), noisy=fp4.noisy or dense.noisy or naive.noisy or read.noisy,
-        layout=layout, us_iqr=fp4.iqr_us, us_passes=us_passes,
+        bytes=nbytes,
+        bf16_bytes=dense_bytes,
+        bf16_tbps=tbps(dense_bytes, dense.us),
+        bf16_tflops=tflops(flops, dense.us),
+        naive_tbps=tbps(nbytes, naive.us),
+        naive_tflops=tflops(flops, naive.us),
+        layers=(fp4.l1, fp4.l2),
+        noisy=fp4.noisy or dense.noisy or naive.noisy or read.noisy,
+        layout=layout,
+        us_iqr=fp4.iqr_us,
+        us_passes=us_passes,
     )
 
 
 # ---- measurements -------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     dtype_name: str = "bf16"
     backend: str | None = None
-    layout: str = "spec"      # "tiled": the jax_fp4 weights prepacked (where the shape allows)
+    layout: str = "spec"  # "tiled": the jax_fp4 weights prepacked (where the shape allows)
     tuning: jax_fp4.KernelTuning | None = None  # kernel choices fixed for the jax_fp4 matmuls
     repeats: int = 10
     warmup: int = 2
-    min_time_s: float = 0.2   # time at least this long per chain pair (more repeats, up to 10x)
-    passes: int = 1           # times each row is measured (median_pass)
+    min_time_s: float = 0.2  # time at least this long per chain pair (more repeats, up to 10x)
+    passes: int = 1  # times each row is measured (median_pass)
     read_kernels: tuple[str, ...] = tuple(READ_KERNELS)
     budget: Budget = Budget()
 
@@ -476,7 +522,9 @@ class Bench:
         name, t = best
         result = ReadBandwidth(nbytes, t.us, tbps(nbytes, t.us), name, (l1, l2), t.noisy)
         self._read[layer_bytes] = result
-        self.log(f"read bandwidth, {nbytes / MB:.1f} MB per buffer: {result.tbps:.3f} TB/s ({name})")
+        self.log(
+            f"read bandwidth, {nbytes / MB:.1f} MB per buffer: {result.tbps:.3f} TB/s ({name})"
+        )
         return result
 
     def shape_rows(self, shape: Shape, ms: Sequence[int]) -> list[Row]:
@@ -496,14 +544,21 @@ class Bench:
             passes = []
             for _ in range(s.passes):
                 layer = fp4_layer(s.backend, s.tuning)
-                passes.append((self._time(chain_of(layer), (acts, run_ws), l1, l2),
-                               self._time(chain_of(dense_layer), (acts, dense_ws), l1, l2),
-                               self._time(chain_of(naive_layer), (acts, fp4_ws), l1, l2)))
+                passes.append(
+                    (
+                        self._time(chain_of(layer), (acts, run_ws), l1, l2),
+                        self._time(chain_of(dense_layer), (acts, dense_ws), l1, l2),
+                        self._time(chain_of(naive_layer), (acts, fp4_ws), l1, l2),
+                    )
+                )
             fp4, dense, naive = (median_pass(variant) for variant in zip(*passes))
             us_passes = tuple(p[0].us for p in passes) if s.passes > 1 else ()
-            row = make_row(path, m, shape, s.dtype_name, fp4, dense, naive, read, run_ws[0].layout,
-                           us_passes)
-            passes_note = f" passes {'/'.join(f'{us:.2f}' for us in us_passes)}" if us_passes else ""
+            row = make_row(
+                path, m, shape, s.dtype_name, fp4, dense, naive, read, run_ws[0].layout, us_passes
+            )
+            passes_note = (
+                f" passes {'/'.join(f'{us:.2f}' for us in us_passes)}" if us_passes else ""
+            )
             self.log(f"{format_row(row)}   [{time.perf_counter() - started:.1f} s]{passes_note}")
             rows.append(row)
             del acts
@@ -518,6 +573,7 @@ class Bench:
 
 # ---- a decode step of a Qwen3-like model ----------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class DecodeModel:
     """Qwen3-8B-like shapes (hidden 4096, 32 q / 8 kv heads of 128, MLP 12288), `layers` deep."""
@@ -530,8 +586,12 @@ class DecodeModel:
 
     def layer_shapes(self) -> dict[str, Shape]:
         h = self.hidden
-        return {"qkv": Shape(self.qkv, h), "o": Shape(h, h),
-                "gate_up": Shape(2 * self.intermediate, h), "down": Shape(h, self.intermediate)}
+        return {
+            "qkv": Shape(self.qkv, h),
+            "o": Shape(h, h),
+            "gate_up": Shape(2 * self.intermediate, h),
+            "down": Shape(h, self.intermediate),
+        }
 
     def all_shapes(self) -> list[Shape]:
         return list(self.layer_shapes().values()) * self.layers + [Shape(self.vocab, self.hidden)]
@@ -548,9 +608,9 @@ class DecodeResult:
     matmuls: int
     weight_bytes: int
     path: str
-    e2e_us: float           # one jitted step call, host-timed (dispatch included)
-    step_us: float          # device time per step: (t(2 steps) - t(1 step))
-    floor_us: float         # sum over the matmuls of bytes / read bandwidth
+    e2e_us: float  # one jitted step call, host-timed (dispatch included)
+    step_us: float  # device time per step: (t(2 steps) - t(1 step))
+    floor_us: float  # sum over the matmuls of bytes / read bandwidth
     fraction_of_floor: float
     bf16_e2e_us: float
     bf16_step_us: float
@@ -582,12 +642,14 @@ def decode_forward(x, layers, lm_head, mm: Callable, hidden: int):
 def _decode_steps(mm: Callable, hidden: int, steps: int):
     """Run `steps` decode steps, step i on input xs[i] with its own weights models[i] (so XLA can
     neither merge the steps' matmuls nor share one dequantized weight between them); combine them."""
+
     def run(xs, models):
         total = jnp.zeros((), jnp.float32)
         for x, (layers, lm_head) in zip(xs[:steps], models[:steps]):
             logits = jax.lax.optimization_barrier(decode_forward(x, layers, lm_head, mm, hidden))
             total = total + logits[0, 0].astype(jnp.float32)
         return total
+
     return run
 
 
@@ -612,12 +674,17 @@ def run_decode_step(bench: Bench, model: DecodeModel) -> DecodeResult:
     s = bench.settings
     all_shapes = model.all_shapes()
     itemsize = np.dtype(s.dtype).itemsize
-    per_matmul = [nvfp4_weight_bytes(sh.n, sh.k) + io_bytes(1, sh.n, sh.k, itemsize) for sh in all_shapes]
-    read = bench.read_bandwidth(sum(per_matmul[:4]))   # one layer's bytes per buffer
+    per_matmul = [
+        nvfp4_weight_bytes(sh.n, sh.k) + io_bytes(1, sh.n, sh.k, itemsize) for sh in all_shapes
+    ]
+    read = bench.read_bandwidth(sum(per_matmul[:4]))  # one layer's bytes per buffer
     floor_us = sum(per_matmul) / (read.tbps * 1e12) * 1e6
 
     # Two models: the 2-step chain runs each once; the 1-step chain takes both (keep_unused).
-    (dense1, fp4_1), (dense2, fp4_2) = make_decode_model(bench, model), make_decode_model(bench, model)
+    (dense1, fp4_1), (dense2, fp4_2) = (
+        make_decode_model(bench, model),
+        make_decode_model(bench, model),
+    )
     xs = make_activations(bench._next_key(), 1, model.hidden, 2, s.dtype)
 
     def measure(mm, models):
@@ -628,22 +695,38 @@ def run_decode_step(bench: Bench, model: DecodeModel) -> DecodeResult:
         for _ in range(s.warmup):
             _time_once(one, args)
         e2e = statistics.median(_time_once(one, args) for _ in range(s.repeats)) * 1e6
-        bench.log(f"decode step, {getattr(mm, '__name__', 'jax_fp4')}: {t.us:.1f} us/step, "
-                  f"{e2e:.1f} us end to end")
+        bench.log(
+            f"decode step, {getattr(mm, '__name__', 'jax_fp4')}: {t.us:.1f} us/step, "
+            f"{e2e:.1f} us end to end"
+        )
         return t, e2e
 
-    laid_out = [jax.tree_util.tree_map(bench.laid_out, m, is_leaf=_is_weight) for m in (fp4_1, fp4_2)]
+    laid_out = [
+        jax.tree_util.tree_map(bench.laid_out, m, is_leaf=_is_weight) for m in (fp4_1, fp4_2)
+    ]
     fp4, fp4_e2e = measure(fp4_layer(s.backend, s.tuning), laid_out)
     dense, dense_e2e = measure(dense_layer, [dense1, dense2])
     naive, naive_e2e = measure(naive_layer, [fp4_1, fp4_2])
     path = jax_fp4.dispatch_path(xs[0], fp4_1[1], backend=s.backend)
     return DecodeResult(
-        hidden=model.hidden, layers=model.layers, vocab=model.vocab, matmuls=len(all_shapes),
-        weight_bytes=sum(nvfp4_weight_bytes(sh.n, sh.k) for sh in all_shapes), path=path,
-        e2e_us=fp4_e2e, step_us=fp4.us, floor_us=floor_us, fraction_of_floor=floor_us / fp4.us,
-        bf16_e2e_us=dense_e2e, bf16_step_us=dense.us, naive_e2e_us=naive_e2e, naive_step_us=naive.us,
-        speedup_vs_bf16=dense.us / fp4.us, speedup_vs_naive=naive.us / fp4.us,
-        read_bw_tbps=read.tbps, noisy=fp4.noisy or dense.noisy or naive.noisy or read.noisy,
+        hidden=model.hidden,
+        layers=model.layers,
+        vocab=model.vocab,
+        matmuls=len(all_shapes),
+        weight_bytes=sum(nvfp4_weight_bytes(sh.n, sh.k) for sh in all_shapes),
+        path=path,
+        e2e_us=fp4_e2e,
+        step_us=fp4.us,
+        floor_us=floor_us,
+        fraction_of_floor=floor_us / fp4.us,
+        bf16_e2e_us=dense_e2e,
+        bf16_step_us=dense.us,
+        naive_e2e_us=naive_e2e,
+        naive_step_us=naive.us,
+        speedup_vs_bf16=dense.us / fp4.us,
+        speedup_vs_naive=naive.us / fp4.us,
+        read_bw_tbps=read.tbps,
+        noisy=fp4.noisy or dense.noisy or naive.noisy or read.noisy,
     )
 
 
@@ -677,15 +760,17 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def format_decode(d: DecodeResult) -> str:
-    return "\n".join([
-        f"decode step: {d.layers} layers x (qkv, o, gate_up, down) + lm_head = {d.matmuls} matmuls, "
-        f"hidden {d.hidden}, vocab {d.vocab}, M=1, {d.weight_bytes / GB:.2f} GB of NVFP4 weights",
-        f"  jax_fp4 ({d.path}): {d.step_us:.1f} us/step on device, {d.e2e_us:.1f} us end to end; "
-        f"floor {d.floor_us:.1f} us ({100 * d.fraction_of_floor:.0f}% of floor)",
-        f"  bf16 jnp.dot: {d.bf16_step_us:.1f} us/step ({d.bf16_e2e_us:.1f} e2e) -> x{d.speedup_vs_bf16:.2f}",
-        f"  naive dequant+dot: {d.naive_step_us:.1f} us/step ({d.naive_e2e_us:.1f} e2e) "
-        f"-> x{d.speedup_vs_naive:.2f}" + ("  (noisy)" if d.noisy else ""),
-    ])
+    return "\n".join(
+        [
+            f"decode step: {d.layers} layers x (qkv, o, gate_up, down) + lm_head = {d.matmuls} matmuls, "
+            f"hidden {d.hidden}, vocab {d.vocab}, M=1, {d.weight_bytes / GB:.2f} GB of NVFP4 weights",
+            f"  jax_fp4 ({d.path}): {d.step_us:.1f} us/step on device, {d.e2e_us:.1f} us end to end; "
+            f"floor {d.floor_us:.1f} us ({100 * d.fraction_of_floor:.0f}% of floor)",
+            f"  bf16 jnp.dot: {d.bf16_step_us:.1f} us/step ({d.bf16_e2e_us:.1f} e2e) -> x{d.speedup_vs_bf16:.2f}",
+            f"  naive dequant+dot: {d.naive_step_us:.1f} us/step ({d.naive_e2e_us:.1f} e2e) "
+            f"-> x{d.speedup_vs_naive:.2f}" + ("  (noisy)" if d.noisy else ""),
+        ]
+    )
 
 
 # Markdown tables of a results JSON (benchmarks/README.md): (header, format) per column, over the
@@ -702,19 +787,25 @@ _MD_TAIL = (
     ("x bf16", lambda r: f"{r['speedup_vs_bf16']:.2f}"),
     ("x naive", lambda r: f"{r['speedup_vs_naive']:.2f}"),
 )
-_MD_DECODE = _MD_COMMON + (
-    ("TB/s", lambda r: f"{r['tbps']:.2f}"),
-    ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
-    ("floor us", lambda r: f"{r['floor_us']:.1f}"),
-) + _MD_TAIL
+_MD_DECODE = (
+    _MD_COMMON
+    + (
+        ("TB/s", lambda r: f"{r['tbps']:.2f}"),
+        ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
+        ("floor us", lambda r: f"{r['floor_us']:.1f}"),
+    )
+    + _MD_TAIL
+)
 _MD_PREFILL = _MD_COMMON + (("TFLOP/s", lambda r: f"{r['tflops']:.0f}"),) + _MD_TAIL
 MARKDOWN_DECODE_MAX_M = 8
 
 
 def _markdown_table(columns, rows) -> list[str]:
     left = {"N x K", "path"}  # text columns; numbers align right
-    lines = ["| " + " | ".join(name for name, _ in columns) + " |",
-             "|" + "|".join("---" if name in left else "---:" for name, _ in columns) + "|"]
+    lines = [
+        "| " + " | ".join(name for name, _ in columns) + " |",
+        "|" + "|".join("---" if name in left else "---:" for name, _ in columns) + "|",
+    ]
     lines += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in rows]
     return lines
 
@@ -747,8 +838,14 @@ def write_json_file(path: str, obj) -> None:
     os.replace(temporary, path)
 
 
-def results_json(rows: Sequence[Row], reads: Sequence[ReadBandwidth], decode: DecodeResult | None,
-                 settings: Settings, seed: int, complete: bool = True) -> dict:
+def results_json(
+    rows: Sequence[Row],
+    reads: Sequence[ReadBandwidth],
+    decode: DecodeResult | None,
+    settings: Settings,
+    seed: int,
+    complete: bool = True,
+) -> dict:
     """The run as JSON; `complete` False while it is still running (written after every shape)."""
     return {
         "device": device_description(),
@@ -772,6 +869,7 @@ def results_json(rows: Sequence[Row], reads: Sequence[ReadBandwidth], decode: De
 
 
 # ---- command line -------------------------------------------------------------------------------
+
 
 def parse_shape(text: str) -> Shape:
     try:
@@ -799,44 +897,100 @@ def _tuning(text: str) -> jax_fp4.KernelTuning | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--m", type=_int_list, default=None,
-                   help=f"M values, e.g. '1,8,64' (default {','.join(map(str, DEFAULT_M))})")
-    p.add_argument("--shapes", type=_shape_list, default=None,
-                   help="weight shapes NxK, e.g. '4096x4096,11008x4096' (default: the sweep in the README)")
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/bench.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--m",
+        type=_int_list,
+        default=None,
+        help=f"M values, e.g. '1,8,64' (default {','.join(map(str, DEFAULT_M))})",
+    )
+    p.add_argument(
+        "--shapes",
+        type=_shape_list,
+        default=None,
+        help="weight shapes NxK, e.g. '4096x4096,11008x4096' (default: the sweep in the README)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
-    p.add_argument("--backend", choices=[b for b in jax_fp4.BACKENDS], default=None,
-                   help="force a jax_fp4 backend (default: auto dispatch)")
-    p.add_argument("--tuning", type=_tuning, default=None,
-                   help="fix kernel choices of the jax_fp4 matmuls (jax_fp4.KernelTuning fields), "
-                        "e.g. 'fused_tile_m=64,programmatic_launch=1' (default: the heuristics)")
-    p.add_argument("--layout", choices=("spec", "tiled"), default="spec",
-                   help="weight layout of the jax_fp4 matmuls: 'tiled' prepacks them "
-                        "(jax_fp4.prepack, the layout the CUDA kernels read fastest) where the shape "
-                        "allows (default spec)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed calls per chain (median; default 10, quick 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per chain after compiling (>= 1)")
-    p.add_argument("--passes", type=int, default=1,
-                   help="measure each row this many times and keep the median pass; every pass's "
-                        "jax_fp4 time goes to the JSON's us_passes (default 1)")
-    p.add_argument("--min-time", type=float, default=None,
-                   help="seconds of timed calls per chain pair at least: cheap rows repeat more, up "
-                        "to 10x --repeats (default 0.2; 0 with --quick)")
+    p.add_argument(
+        "--backend",
+        choices=[b for b in jax_fp4.BACKENDS],
+        default=None,
+        help="force a jax_fp4 backend (default: auto dispatch)",
+    )
+    p.add_argument(
+        "--tuning",
+        type=_tuning,
+        default=None,
+        help="fix kernel choices of the jax_fp4 matmuls (jax_fp4.KernelTuning fields), "
+        "e.g. 'fused_tile_m=64,programmatic_launch=1' (default: the heuristics)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("spec", "tiled"),
+        default="spec",
+        help="weight layout of the jax_fp4 matmuls: 'tiled' prepacks them "
+        "(jax_fp4.prepack, the layout the CUDA kernels read fastest) where the shape "
+        "allows (default spec)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed calls per chain (median; default 10, quick 5)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed calls per chain after compiling (>= 1)"
+    )
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="measure each row this many times and keep the median pass; every pass's "
+        "jax_fp4 time goes to the JSON's us_passes (default 1)",
+    )
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help="seconds of timed calls per chain pair at least: cheap rows repeat more, up "
+        "to 10x --repeats (default 0.2; 0 with --quick)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny shapes and chains: a CPU smoke run")
-    p.add_argument("--decode-step", action="store_true",
-                   help="also time a Qwen3-like decode step (28 layers + lm_head, M=1)")
-    p.add_argument("--no-sweep", action="store_true",
-                   help="skip the (shape, M) sweep (e.g. with --decode-step for the step alone)")
-    p.add_argument("--cache-mb", type=float, default=None,
-                   help="last-level cache size that the chains must exceed (default 60, the H200's L2)")
-    p.add_argument("--dense-cap-gb", type=float, default=DEFAULT_DENSE_CAP_BYTES / GB,
-                   help="most dense weight bytes per chain (default 8)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: fresh from the OS)")
-    p.add_argument("--markdown-from", metavar="JSON",
-                   help="print an earlier --json result as Markdown tables and exit (no device work)")
+    p.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="also time a Qwen3-like decode step (28 layers + lm_head, M=1)",
+    )
+    p.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="skip the (shape, M) sweep (e.g. with --decode-step for the step alone)",
+    )
+    p.add_argument(
+        "--cache-mb",
+        type=float,
+        default=None,
+        help="last-level cache size that the chains must exceed (default 60, the H200's L2)",
+    )
+    p.add_argument(
+        "--dense-cap-gb",
+        type=float,
+        default=DEFAULT_DENSE_CAP_BYTES / GB,
+        help="most dense weight bytes per chain (default 8)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="random seed (default: fresh from the OS)"
+    )
+    p.add_argument(
+        "--markdown-from",
+        metavar="JSON",
+        help="print an earlier --json result as Markdown tables and exit (no device work)",
+    )
     return p
 
 
@@ -855,24 +1009,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.passes < 1:
         raise SystemExit(f"--passes must be >= 1, got {args.passes}")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    cache = args.cache_mb * MB if args.cache_mb is not None else (
-        QUICK_CACHE_BYTES if args.quick else DEFAULT_CACHE_BYTES)
+    cache = (
+        args.cache_mb * MB
+        if args.cache_mb is not None
+        else (QUICK_CACHE_BYTES if args.quick else DEFAULT_CACHE_BYTES)
+    )
     settings = Settings(
-        dtype_name=args.dtype, backend=args.backend, layout=args.layout, tuning=args.tuning,
+        dtype_name=args.dtype,
+        backend=args.backend,
+        layout=args.layout,
+        tuning=args.tuning,
         repeats=args.repeats if args.repeats is not None else (5 if args.quick else 10),
-        warmup=args.warmup, passes=args.passes,
+        warmup=args.warmup,
+        passes=args.passes,
         min_time_s=args.min_time if args.min_time is not None else (0.0 if args.quick else 0.2),
-        budget=Budget(cache_bytes=int(cache), dense_cap_bytes=int(args.dense_cap_gb * GB),
-                      max_layers=QUICK_MAX_LAYERS if args.quick else Budget.max_layers),
-        read_kernels=("sum",) if args.quick else tuple(READ_KERNELS))
+        budget=Budget(
+            cache_bytes=int(cache),
+            dense_cap_bytes=int(args.dense_cap_gb * GB),
+            max_layers=QUICK_MAX_LAYERS if args.quick else Budget.max_layers,
+        ),
+        read_kernels=("sum",) if args.quick else tuple(READ_KERNELS),
+    )
 
     shapes = args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     ms = args.m or (QUICK_M if args.quick else DEFAULT_M)
 
-    _log(f"jax_fp4 bench on {device_description()}, jax {jax.__version__}, dtype {args.dtype}, "
-         f"backend {args.backend or 'auto'}, layout {args.layout}, {settings.repeats} repeats, "
-         f"{settings.passes} pass{'es' if settings.passes > 1 else ''}, "
-         f"seed {seed}")
+    _log(
+        f"jax_fp4 bench on {device_description()}, jax {jax.__version__}, dtype {args.dtype}, "
+        f"backend {args.backend or 'auto'}, layout {args.layout}, {settings.repeats} repeats, "
+        f"{settings.passes} pass{'es' if settings.passes > 1 else ''}, "
+        f"seed {seed}"
+    )
     bench = Bench(settings, jax.random.key(seed), log=_log)
     started = time.perf_counter()
     if not args.quick:
@@ -898,10 +1065,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         _log(f"wrote {args.json}")
     read_bw = results["read_bw_tbps"]
-    print(f"device {results['device']}, jax {results['jax_version']}, read bandwidth "
-          f"{'-' if read_bw is None else f'{read_bw:.3g}'} TB/s; times in us per matmul "
-          f"('?' marks a noisy row, '~' one whose passes differ by more than "
-          f"{100 * (UNSTEADY_PASS_RATIO - 1):.0f}%)")
+    print(
+        f"device {results['device']}, jax {results['jax_version']}, read bandwidth "
+        f"{'-' if read_bw is None else f'{read_bw:.3g}'} TB/s; times in us per matmul "
+        f"('?' marks a noisy row, '~' one whose passes differ by more than "
+        f"{100 * (UNSTEADY_PASS_RATIO - 1):.0f}%)"
+    )
     if rows:
         print(format_table(rows))
     if decode is not None:

@@ -41,11 +41,13 @@ GEMV = "jax_fp4_gemv_cuda"
 # the multistage kernel at every tile or the warp-specialized one (64-row tiles and up: M > 32),
 # 128 weight rows per CTA at the 128-row tile (M = 65-128), and cluster split-K or stream-K forced
 # for the warp-specialized kernel (stream-K: M > 64 only).
-TUNED_VARIANTS = {"fused_multistage": {"fused_warp_specialized": False},
-                  "fused_ws": {"fused_warp_specialized": True},
-                  "fused_tile_n128": {"fused_tile_n": 128},
-                  "fused_cluster": {"fused_stream_k": False},
-                  "fused_stream_k": {"fused_stream_k": True}}
+TUNED_VARIANTS = {
+    "fused_multistage": {"fused_warp_specialized": False},
+    "fused_ws": {"fused_warp_specialized": True},
+    "fused_tile_n128": {"fused_tile_n": 128},
+    "fused_cluster": {"fused_stream_k": False},
+    "fused_stream_k": {"fused_stream_k": True},
+}
 VARIANTS = ("bf16", "dequant", "dequant16", "fused", *TUNED_VARIANTS, "fused_own_a", "gemv")
 DEFAULT_SHAPES = "11008x4096,4096x11008,17408x5120,28672x8192"
 DEFAULT_MS = "16,32,64,128,256,512,1024,2048,4096"
@@ -60,7 +62,9 @@ def register_targets() -> str:
 
     got = _ffi.REGISTERED_TARGETS.get("CUDA", [])
     if FUSED not in got or DEQUANT not in got:
-        raise SystemExit("jax_fp4's CUDA module lacks the fused/dequant targets (built without nvcc?)")
+        raise SystemExit(
+            "jax_fp4's CUDA module lacks the fused/dequant targets (built without nvcc?)"
+        )
     return "package"
 
 
@@ -71,20 +75,41 @@ def _attributes(attributes: dict) -> dict:
 def fused_call(a, packed, scale, gs, tuning=None):
     (m, k), n = a.shape, packed.shape[0]
     tuning = TUNING if tuning is None else tuning
-    call = jax.ffi.ffi_call(FUSED, (jax.ShapeDtypeStruct((m, n), a.dtype),
-                                    jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),),
-                                                         jnp.float32)))
-    y, _ = call(_fused.to_fragment_order(a, TILED), packed, scale, gs, jnp.zeros((0,), a.dtype),
-                block_size=np.int64(16), tiled=TILED, **_attributes(tuning.fused_attributes()))
+    call = jax.ffi.ffi_call(
+        FUSED,
+        (
+            jax.ShapeDtypeStruct((m, n), a.dtype),
+            jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),), jnp.float32),
+        ),
+    )
+    y, _ = call(
+        _fused.to_fragment_order(a, TILED),
+        packed,
+        scale,
+        gs,
+        jnp.zeros((0,), a.dtype),
+        block_size=np.int64(16),
+        tiled=TILED,
+        **_attributes(tuning.fused_attributes()),
+    )
     return y
 
 
 def gemv_call(a, packed, scale, gs):
     # The tensor-core kernel (K % 128 == 0 here, sm_90).
     call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype))
-    return call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16),
-                tiled=TILED, tensor_cores=True, row_tiling=True,
-                **_attributes(TUNING.gemv_attributes()))
+    return call(
+        a,
+        packed,
+        scale,
+        gs,
+        jnp.zeros((0,), a.dtype),
+        block_size=np.int64(16),
+        tiled=TILED,
+        tensor_cores=True,
+        row_tiling=True,
+        **_attributes(TUNING.gemv_attributes()),
+    )
 
 
 def dequantize(a, packed, scale, gs):
@@ -130,10 +155,19 @@ def time_chain(fn, args, n_mm, target_s=0.015, reps=5):
 def write_json(path, dev, dtype, records):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"device": dev.device_kind, "dtype": dtype.name, "jax": jax.__version__,
-                   "layout": "tiled" if TILED else "spec", "tuning": dataclasses.asdict(TUNING),
-                   "method": "jitted chain of distinct weights, median of 5 batches, per matmul",
-                   "records": records}, f, indent=1)
+        json.dump(
+            {
+                "device": dev.device_kind,
+                "dtype": dtype.name,
+                "jax": jax.__version__,
+                "layout": "tiled" if TILED else "spec",
+                "tuning": dataclasses.asdict(TUNING),
+                "method": "jitted chain of distinct weights, median of 5 batches, per matmul",
+                "records": records,
+            },
+            f,
+            indent=1,
+        )
 
 
 def plot(json_path, png_path):
@@ -147,19 +181,35 @@ def plot(json_path, png_path):
         data = json.load(f)
     shapes = sorted({(r["n"], r["k"]) for r in data["records"]})
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
-    styles = {"bf16": "tab:blue", "dequant": "tab:red", "dequant16": "tab:orange", "fused": "tab:green",
-              "fused_multistage": "tab:olive", "fused_ws": "tab:gray", "fused_tile_n128": "tab:cyan",
-              "fused_cluster": "tab:brown", "fused_stream_k": "tab:pink", "gemv": "tab:purple"}
+    styles = {
+        "bf16": "tab:blue",
+        "dequant": "tab:red",
+        "dequant16": "tab:orange",
+        "fused": "tab:green",
+        "fused_multistage": "tab:olive",
+        "fused_ws": "tab:gray",
+        "fused_tile_n128": "tab:cyan",
+        "fused_cluster": "tab:brown",
+        "fused_stream_k": "tab:pink",
+        "gemv": "tab:purple",
+    }
     for col, (n, k) in enumerate(shapes):
-        rows = sorted((r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
+        rows = sorted(
+            (r for r in data["records"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"]
+        )
         ms = [r["m"] for r in rows]
         top, bottom = axes[0][col], axes[1][col]
         for v, color in styles.items():
             if rows and rows[0].get(f"{v}_us") is not None:
                 top.plot(ms, [r[f"{v}_tflops"] for r in rows], marker="o", color=color, label=v)
                 if v != "bf16":
-                    bottom.plot(ms, [r["bf16_us"] / r[f"{v}_us"] for r in rows], marker="o",
-                                color=color, label=f"{v} vs bf16")
+                    bottom.plot(
+                        ms,
+                        [r["bf16_us"] / r[f"{v}_us"] for r in rows],
+                        marker="o",
+                        color=color,
+                        label=f"{v} vs bf16",
+                    )
         top.set(title=f"N={n} K={k}", xscale="log", yscale="log", ylabel="TFLOP/s")
         bottom.axhline(1.0, color="gray", ls="--")
         bottom.set(xscale="log", xlabel="M", ylabel="speedup over bf16 jnp.dot")
@@ -168,7 +218,9 @@ def plot(json_path, png_path):
             ax.tick_params(axis="x", labelrotation=45)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"fused sm_90 NVFP4 GEMM vs dequant + dot vs bf16, {data['device']}, {data['dtype']}")
+    fig.suptitle(
+        f"fused sm_90 NVFP4 GEMM vs dequant + dot vs bf16, {data['device']}, {data['dtype']}"
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
     fig.savefig(png_path, dpi=110)
@@ -177,17 +229,26 @@ def plot(json_path, png_path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--plot-from", metavar="JSON", help="only plot an earlier run's JSON (with --png)")
+    ap.add_argument(
+        "--plot-from", metavar="JSON", help="only plot an earlier run's JSON (with --png)"
+    )
     ap.add_argument("--png", default="fused_timing.png")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxK,NxK,...")
     ap.add_argument("--ms", default=DEFAULT_MS)
     ap.add_argument("--variants", default="bf16,dequant,fused", help=",".join(VARIANTS))
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--layout", choices=("spec", "tiled"), default="spec",
-                    help="weights in the spec's layout or prepacked (tiled: N %% 16 == 0, K %% 128 == 0)")
-    ap.add_argument("--tuning", default=None,
-                    help="kernel choices for every variant (jax_fp4.KernelTuning fields), e.g. "
-                         "'fused_split=3,programmatic_launch=1'; a tuned variant's own field wins")
+    ap.add_argument(
+        "--layout",
+        choices=("spec", "tiled"),
+        default="spec",
+        help="weights in the spec's layout or prepacked (tiled: N %% 16 == 0, K %% 128 == 0)",
+    )
+    ap.add_argument(
+        "--tuning",
+        default=None,
+        help="kernel choices for every variant (jax_fp4.KernelTuning fields), e.g. "
+        "'fused_split=3,programmatic_launch=1'; a tuned variant's own field wins",
+    )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fused_timing.json"))
     args = ap.parse_args()
     if args.plot_from:
@@ -208,8 +269,11 @@ def main():
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {','.join(VARIANTS)}")
     dev = jax.devices()[0]
-    print(f"device {dev.device_kind}, targets from {source}, dtype {dtype.name}, "
-          f"layout {args.layout}", flush=True)
+    print(
+        f"device {dev.device_kind}, targets from {source}, dtype {dtype.name}, "
+        f"layout {args.layout}",
+        flush=True,
+    )
 
     records = []
     key = jax.random.PRNGKey(0)
@@ -220,15 +284,21 @@ def main():
         keys = jax.random.split(jax.random.fold_in(key, n * 7 + k), 3 * n_mm + 1)
         weights = []
         for i in range(n_mm):
-            packed = jax.random.randint(keys[3 * i], (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-            scale = jax.random.randint(keys[3 * i + 1], (n, k // 16), 0x28, 0x48, jnp.int32).astype(jnp.uint8)
+            packed = jax.random.randint(keys[3 * i], (n, k // 2), 0, 256, jnp.int32).astype(
+                jnp.uint8
+            )
+            scale = jax.random.randint(keys[3 * i + 1], (n, k // 16), 0x28, 0x48, jnp.int32).astype(
+                jnp.uint8
+            )
             if TILED:
                 packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
             weights.append((packed, scale, jnp.full((1,), 2.0**-6, jnp.float32)))
         w16 = [None] * n_mm
         if "bf16" in variants:
-            w16 = [(jax.random.normal(keys[3 * i + 2], (n, k), jnp.float32) * 0.02).astype(dtype)
-                   for i in range(n_mm)]
+            w16 = [
+                (jax.random.normal(keys[3 * i + 2], (n, k), jnp.float32) * 0.02).astype(dtype)
+                for i in range(n_mm)
+            ]
         jax.block_until_ready((weights, w16))
 
         @jax.jit
@@ -237,10 +307,14 @@ def main():
 
         # One executable per tuned variant: the kernel choices are attributes of its calls.
         tuned_chains = {
-            v: jax.jit(functools.partial(
-                lambda a, ws, tuning: [fused_call(a, *w, tuning=tuning) for w in ws],
-                tuning=dataclasses.replace(TUNING, **fields)))
-            for v, fields in TUNED_VARIANTS.items()}
+            v: jax.jit(
+                functools.partial(
+                    lambda a, ws, tuning: [fused_call(a, *w, tuning=tuning) for w in ws],
+                    tuning=dataclasses.replace(TUNING, **fields),
+                )
+            )
+            for v, fields in TUNED_VARIANTS.items()
+        }
 
         @jax.jit
         def chain_fused_own_a(acts, ws):
@@ -268,10 +342,15 @@ def main():
             a = (jax.random.normal(keys[-1], (m, k), jnp.float32)).astype(dtype)
             row = {"n": n, "k": k, "m": m, "chain": n_mm}
             for v in variants:
-                fn, ws = {"fused": (chain_fused, weights), "dequant": (chain_dequant, weights),
-                          "dequant16": (chain_dequant16, weights), "bf16": (chain_bf16, w16),
-                          "gemv": (chain_gemv, weights), "fused_own_a": (None, weights),
-                          **{e: (tuned_chains[e], weights) for e in TUNED_VARIANTS}}[v]
+                fn, ws = {
+                    "fused": (chain_fused, weights),
+                    "dequant": (chain_dequant, weights),
+                    "dequant16": (chain_dequant16, weights),
+                    "bf16": (chain_bf16, w16),
+                    "gemv": (chain_gemv, weights),
+                    "fused_own_a": (None, weights),
+                    **{e: (tuned_chains[e], weights) for e in TUNED_VARIANTS},
+                }[v]
                 if v == "fused_own_a":
                     fn, a_arg = chain_fused_own_a, [a * (1.0 + 2.0**-8 * i) for i in range(n_mm)]
                 else:
@@ -279,7 +358,9 @@ def main():
                 try:
                     sec, spread = time_chain(fn, (a_arg, ws), n_mm)
                 except Exception as err:  # report and keep going
-                    print(f"  {v} N={n} K={k} M={m}: FAILED {type(err).__name__}: {err}", flush=True)
+                    print(
+                        f"  {v} N={n} K={k} M={m}: FAILED {type(err).__name__}: {err}", flush=True
+                    )
                     row[f"{v}_us"] = None
                     continue
                 row[f"{v}_us"] = sec * 1e6
@@ -291,20 +372,35 @@ def main():
                 if v != "bf16" and row.get("bf16_us") and row.get(f"{v}_us"):
                     row[f"{v}_speedup_vs_bf16"] = row["bf16_us"] / row[f"{v}_us"]
             records.append(row)
-            print("  " + json.dumps({kk: (round(vv, 3) if isinstance(vv, float) else vv)
-                                     for kk, vv in row.items()}), flush=True)
+            print(
+                "  "
+                + json.dumps(
+                    {kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in row.items()}
+                ),
+                flush=True,
+            )
             write_json(args.json, dev, dtype, records)  # after every row: partial runs keep data
         del weights, w16
 
     others = [v for v in variants if v != "bf16"]
-    print(f"\n{'N':>6} {'K':>6} {'M':>5} | " + " ".join(f"{v + ' us':>11}" for v in variants) + " | "
-          + " ".join(f"{v + ' x':>11}" for v in others))
+    print(
+        f"\n{'N':>6} {'K':>6} {'M':>5} | "
+        + " ".join(f"{v + ' us':>11}" for v in variants)
+        + " | "
+        + " ".join(f"{v + ' x':>11}" for v in others)
+    )
     for r in records:
+
         def f(key, fmt="11.1f"):
             v = r.get(key)
             return format(v, fmt) if v is not None else " " * 10 + "-"
-        print(f"{r['n']:>6} {r['k']:>6} {r['m']:>5} | " + " ".join(f(f"{v}_us") for v in variants)
-              + " | " + " ".join(f(f"{v}_speedup_vs_bf16", "11.2f") for v in others))
+
+        print(
+            f"{r['n']:>6} {r['k']:>6} {r['m']:>5} | "
+            + " ".join(f(f"{v}_us") for v in variants)
+            + " | "
+            + " ".join(f(f"{v}_speedup_vs_bf16", "11.2f") for v in others)
+        )
     print(f"wrote {args.json}")
 
 

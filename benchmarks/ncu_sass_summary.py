@@ -56,7 +56,7 @@ def read_export(path: str) -> tuple[str, list[Instruction]]:
     for row in rows[1:]:
         if len(row) < len(header):
             continue
-        stalls = {r[len("stall_"):]: _int(row[col[r]]) for r in reasons}
+        stalls = {r[len("stall_") :]: _int(row[col[r]]) for r in reasons}
         samples = _int(row[col[SAMPLES]])
         stalls["unlisted"] = max(samples - sum(stalls.values()), 0)
         executed = _int(row[col[EXECUTED]]) if EXECUTED in col else 0
@@ -78,28 +78,37 @@ def region_line(name: str, instrs: list[Instruction], lo: int, hi: int, total: i
         reasons.update(ins.stalls)
     top = ", ".join(f"{r} {100 * n / samples:.1f}%" for r, n in reasons.most_common(7) if n)
     share = 100 * samples / total if total else 0.0
-    return (f"{name} [{lo}, {hi}): {samples} samples ({share:.1f}%), "
-            f"{sum(i.executed for i in part)} instructions executed" + (f"; {top}" if top else ""))
+    return (
+        f"{name} [{lo}, {hi}): {samples} samples ({share:.1f}%), "
+        f"{sum(i.executed for i in part)} instructions executed" + (f"; {top}" if top else "")
+    )
 
 
-def summarise(instrs: list[Instruction], regions: list[tuple[str, int, int]],
-              top_percent: float) -> str:
+def summarise(
+    instrs: list[Instruction], regions: list[tuple[str, int, int]], top_percent: float
+) -> str:
     total = sum(i.samples for i in instrs)
-    lines = [f"{len(instrs)} instructions, {total} stall samples, "
-             f"{sum(i.executed for i in instrs)} instructions executed (warp-level)"]
+    lines = [
+        f"{len(instrs)} instructions, {total} stall samples, "
+        f"{sum(i.executed for i in instrs)} instructions executed (warp-level)"
+    ]
     span = tensor_span(instrs)
     named = [("whole kernel", 0, len(instrs))]
     if span is not None:
         named.append(("tensor-core span", *span))
     named += regions
     lines += [region_line(name, instrs, lo, hi, total) for name, lo, hi in named]
-    lines.append(f"instructions with >= {top_percent:g}% of the samples "
-                 "(index, SASS, samples, executions, top stalls):")
+    lines.append(
+        f"instructions with >= {top_percent:g}% of the samples "
+        "(index, SASS, samples, executions, top stalls):"
+    )
     for i, ins in enumerate(instrs):
         if total and ins.samples >= top_percent / 100 * total:
             top = sorted(ins.stalls.items(), key=lambda kv: -kv[1])[:3]
             why = " ".join(f"{r}={n}" for r, n in top if n)
-            lines.append(f"  {i:6d} {ins.source[:64]:64s} {ins.samples:6d} {ins.executed:9d}  {why}")
+            lines.append(
+                f"  {i:6d} {ins.source[:64]:64s} {ins.samples:6d} {ins.executed:9d}  {why}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -110,17 +119,28 @@ def parse_region(text: str, count: int) -> tuple[str, int, int]:
     name, lo, hi = parts[0], int(parts[1]), int(parts[2])
     if not 0 <= lo < hi <= count:
         raise argparse.ArgumentTypeError(
-            f"--region {text!r}: need 0 <= FIRST < END <= {count} (the instruction count)")
+            f"--region {text!r}: need 0 <= FIRST < END <= {count} (the instruction count)"
+        )
     return name, lo, hi
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="ncu --page source --print-source sass --csv export of one kernel")
-    ap.add_argument("--region", action="append", default=[], metavar="NAME:FIRST:END",
-                    help="also summarise instructions [FIRST, END) (repeatable)")
-    ap.add_argument("--top", type=float, default=1.0, metavar="PERCENT",
-                    help="list instructions holding at least this share of the samples")
+    ap.add_argument(
+        "--region",
+        action="append",
+        default=[],
+        metavar="NAME:FIRST:END",
+        help="also summarise instructions [FIRST, END) (repeatable)",
+    )
+    ap.add_argument(
+        "--top",
+        type=float,
+        default=1.0,
+        metavar="PERCENT",
+        help="list instructions holding at least this share of the samples",
+    )
     args = ap.parse_args(argv)
     kernel, instrs = read_export(args.csv)
     try:

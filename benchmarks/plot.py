@@ -21,7 +21,13 @@ from collections import defaultdict
 SERIES = (  # (label, time key, TB/s key, TFLOP/s key, style)
     ("jax_fp4", "us", "tbps", "tflops", dict(color="tab:green", marker="o")),
     ("bf16 jnp.dot", "bf16_us", "bf16_tbps", "bf16_tflops", dict(color="tab:blue", marker="s")),
-    ("jnp dequant + dot", "naive_us", "naive_tbps", "naive_tflops", dict(color="tab:red", marker="^")),
+    (
+        "jnp dequant + dot",
+        "naive_us",
+        "naive_tbps",
+        "naive_tflops",
+        dict(color="tab:red", marker="^"),
+    ),
 )
 
 
@@ -42,19 +48,35 @@ def plot_shape(plt, rows, title: str, path: str, max_m_bw: int) -> None:
 
     for label, _, tb_key, fl_key, style in SERIES:
         if bw_rows:
-            ax_bw.plot([r["m"] for r in bw_rows], [r[tb_key] for r in bw_rows], label=label, **style)
+            ax_bw.plot(
+                [r["m"] for r in bw_rows], [r[tb_key] for r in bw_rows], label=label, **style
+            )
         ax_fl.plot(ms, [r[fl_key] for r in rows], label=label, **style)
     if bw_rows:
-        ax_bw.axhline(bw_rows[0]["read_bw_tbps"], color="gray", linestyle="--",
-                      label=f"streaming read {bw_rows[0]['read_bw_tbps']:.2f} TB/s")
+        ax_bw.axhline(
+            bw_rows[0]["read_bw_tbps"],
+            color="gray",
+            linestyle="--",
+            label=f"streaming read {bw_rows[0]['read_bw_tbps']:.2f} TB/s",
+        )
     ax_bw.set(title=f"memory-bound (M <= {max_m_bw})", xlabel="M", ylabel="effective TB/s")
     ax_fl.set(title="compute", xlabel="M", ylabel="TFLOP/s")
     ax_fl.set_yscale("log")
 
-    ax_sp.plot(ms, [r["speedup_vs_bf16"] for r in rows], label="vs bf16 jnp.dot", color="tab:blue",
-               marker="s")
-    ax_sp.plot(ms, [r["speedup_vs_naive"] for r in rows], label="vs jnp dequant + dot",
-               color="tab:red", marker="^")
+    ax_sp.plot(
+        ms,
+        [r["speedup_vs_bf16"] for r in rows],
+        label="vs bf16 jnp.dot",
+        color="tab:blue",
+        marker="s",
+    )
+    ax_sp.plot(
+        ms,
+        [r["speedup_vs_naive"] for r in rows],
+        label="vs jnp dequant + dot",
+        color="tab:red",
+        marker="^",
+    )
     ax_sp.axhline(1.0, color="gray", linestyle="--")
     ax_sp.set(title="jax_fp4 speedup", xlabel="M", ylabel="x")
 
@@ -73,7 +95,12 @@ def plot_shape(plt, rows, title: str, path: str, max_m_bw: int) -> None:
 def plot_decode(plt, decode: dict, title: str, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = ["jax_fp4", "bf16 jnp.dot", "jnp dequant + dot", "floor"]
-    values = [decode["step_us"], decode["bf16_step_us"], decode["naive_step_us"], decode["floor_us"]]
+    values = [
+        decode["step_us"],
+        decode["bf16_step_us"],
+        decode["naive_step_us"],
+        decode["floor_us"],
+    ]
     ax.bar(labels, values, color=["tab:green", "tab:blue", "tab:red", "gray"])
     for i, v in enumerate(values):
         ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom")
@@ -86,6 +113,7 @@ def plot_decode(plt, decode: dict, title: str, path: str) -> None:
 def plot_results(results: dict, out_dir: str, max_m_bw: int = 64) -> list[str]:
     """Write the PNGs; returns their paths."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -102,13 +130,17 @@ def plot_results(results: dict, out_dir: str, max_m_bw: int = 64) -> list[str]:
     decode = results.get("decode_step")
     if decode:
         path = os.path.join(out_dir, "decode_step.png")
-        plot_decode(plt, decode, f"decode step ({decode['matmuls']} matmuls, M=1) on {device}", path)
+        plot_decode(
+            plt, decode, f"decode step ({decode['matmuls']} matmuls, M=1) on {device}", path
+        )
         written.append(path)
     return written
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("json", help="results written by benchmarks/bench.py --json")
     parser.add_argument("--out", default="plots", help="output folder (default: plots/)")
     parser.add_argument("--max-m-bw", type=int, default=64, help="largest M on the TB/s panel")

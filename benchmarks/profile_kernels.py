@@ -36,8 +36,12 @@ def run_case(backend: str, m: int, n: int, k: int, tiled: bool = False) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=DEFAULT_CASES, help="backend:M:NxK,...")
-    ap.add_argument("--layout", choices=("spec", "tiled"), default="spec",
-                    help="weights in the spec's layout or prepacked (N %% 16 == 0, K %% 128 == 0)")
+    ap.add_argument(
+        "--layout",
+        choices=("spec", "tiled"),
+        default="spec",
+        help="weights in the spec's layout or prepacked (N %% 16 == 0, K %% 128 == 0)",
+    )
     args = ap.parse_args()
     for case in args.cases.split(","):
         backend, m, shape = case.split(":")

@@ -17,11 +17,11 @@ import json
 import re
 import sys
 
+import bench
 import jax
 import jax.numpy as jnp
 
 import jax_fp4
-import bench
 
 GEMMS = (("triton", "__triton_gemm"), ("cublas", "__cublas$"), ("cudnn", "__cudnn$"))
 
@@ -49,8 +49,9 @@ def summarize(hlo: str, n: int, k: int) -> dict:
 
 def check(n: int, k: int, m: int, layout: str, dtype) -> dict:
     # Only the program matters, not the values: an all-zero weight compiles the same.
-    w = jax_fp4.NVFP4Weight(jnp.zeros((n, k // 2), jnp.uint8), jnp.zeros((n, -(-k // 16)), jnp.uint8),
-                            jnp.float32(1.0))
+    w = jax_fp4.NVFP4Weight(
+        jnp.zeros((n, k // 2), jnp.uint8), jnp.zeros((n, -(-k // 16)), jnp.uint8), jnp.float32(1.0)
+    )
     w = bench.in_layout(w, layout)
     a = jax.ShapeDtypeStruct((m, k), dtype)
     hlo = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="xla")).lower(a, w).compile().as_text()
@@ -73,8 +74,10 @@ def main(argv=None) -> int:
         for m in (int(x) for x in args.m.split(",")):
             row = check(shape.n, shape.k, m, args.layout, dtype)
             rows.append(row)
-            print(f"| {shape.n}x{shape.k} | {m} | {row['layout']} | {row['gemm']} | "
-                  f"{'yes' if row['weight_materialized'] else 'no (fused)'} |")
+            print(
+                f"| {shape.n}x{shape.k} | {m} | {row['layout']} | {row['gemm']} | "
+                f"{'yes' if row['weight_materialized'] else 'no (fused)'} |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)

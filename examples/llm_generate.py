@@ -60,6 +60,7 @@ import jax_fp4.checkpoint as ckpt
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The fields of config.json the forward pass needs."""
+
     hidden: int
     layers: int
     heads: int
@@ -69,7 +70,9 @@ class Config:
     vocab: int
     rms_eps: float
     rope_theta: float
-    rope_scaling: tuple | None  # ("llama3", factor, low_freq_factor, high_freq_factor, original_max)
+    rope_scaling: (
+        tuple | None
+    )  # ("llama3", factor, low_freq_factor, high_freq_factor, original_max)
     tie_embeddings: bool
 
     @classmethod
@@ -77,13 +80,18 @@ class Config:
         heads = config["num_attention_heads"]
         theta, scaling = rope_settings(config)
         return cls(
-            hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
+            hidden=config["hidden_size"],
+            layers=config["num_hidden_layers"],
+            heads=heads,
             kv_heads=config.get("num_key_value_heads", heads),
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            intermediate=config["intermediate_size"], vocab=config["vocab_size"],
+            intermediate=config["intermediate_size"],
+            vocab=config["vocab_size"],
             rms_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta, rope_scaling=scaling,
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
 
 
 ROPE_TYPES = ("default", "llama3")  # the RoPE types rope_frequencies implements
@@ -102,8 +110,10 @@ def rope_settings(config: dict) -> tuple[float, tuple | None]:
         raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
     if params and all(isinstance(v, dict) for v in params.values()):  # one entry per layer type
         if len({json.dumps(v, sort_keys=True) for v in params.values()}) > 1:
-            raise ValueError(f"config.json: rope_parameters differ by layer type ({', '.join(params)}); "
-                             "this example applies one RoPE to every layer")
+            raise ValueError(
+                f"config.json: rope_parameters differ by layer type ({', '.join(params)}); "
+                "this example applies one RoPE to every layer"
+            )
         params = next(iter(params.values()))
     legacy = config.get("rope_scaling") or {}
     if not isinstance(legacy, dict):
@@ -114,13 +124,17 @@ def rope_settings(config: dict) -> tuple[float, tuple | None]:
     kind = merged.get("rope_type", merged.get("type")) or "default"
     where = "rope_parameters" if params else "rope_scaling"
     if kind not in ROPE_TYPES:
-        raise ValueError(f"config.json: RoPE type {kind!r} ({where}) is not supported: this example "
-                         f"implements {' and '.join(map(repr, ROPE_TYPES))}, and any other would give "
-                         "wrong logits")
+        raise ValueError(
+            f"config.json: RoPE type {kind!r} ({where}) is not supported: this example "
+            f"implements {' and '.join(map(repr, ROPE_TYPES))}, and any other would give "
+            "wrong logits"
+        )
     partial = merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
-        raise ValueError(f"config.json: partial_rotary_factor {partial} is not supported (RoPE on "
-                         "the whole head only)")
+        raise ValueError(
+            f"config.json: partial_rotary_factor {partial} is not supported (RoPE on "
+            "the whole head only)"
+        )
     if kind == "default":
         return theta, None
     missing = [key for key in _LLAMA3_KEYS if key not in merged]
@@ -131,7 +145,9 @@ def rope_settings(config: dict) -> tuple[float, tuple | None]:
 
 def rope_frequencies(cfg: Config) -> np.ndarray:
     """The rotary inverse frequencies [head_dim / 2] (Hugging Face's, llama3 scaling included)."""
-    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
+    inv_freq = 1.0 / cfg.rope_theta ** (
+        np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim
+    )
     if cfg.rope_scaling is None:
         return inv_freq
     _, factor, low, high, original = cfg.rope_scaling
@@ -178,23 +194,38 @@ def _stack(per_layer: list):
 def projection_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
     """[N, K] of each projection of a layer."""
     q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    return {"q_proj": (q, cfg.hidden), "k_proj": (kv, cfg.hidden), "v_proj": (kv, cfg.hidden),
-            "o_proj": (cfg.hidden, q), "gate_proj": (cfg.intermediate, cfg.hidden),
-            "up_proj": (cfg.intermediate, cfg.hidden), "down_proj": (cfg.hidden, cfg.intermediate)}
+    return {
+        "q_proj": (q, cfg.hidden),
+        "k_proj": (kv, cfg.hidden),
+        "v_proj": (kv, cfg.hidden),
+        "o_proj": (cfg.hidden, q),
+        "gate_proj": (cfg.intermediate, cfg.hidden),
+        "up_proj": (cfg.intermediate, cfg.hidden),
+        "down_proj": (cfg.hidden, cfg.intermediate),
+    }
 
 
 def in_features(cfg: Config) -> dict[str, int]:
     """Each projection's true K (in_features) by layer name, as config.json implies it: what the
     loader needs to strip the zero padding ModelOpt adds to a K that is not a multiple of 16."""
     shapes = projection_shapes(cfg)
-    out = {f"model.layers.{i}.{'self_attn' if name in _ATTENTION else 'mlp'}.{name}": k
-           for i in range(cfg.layers) for name, (_, k) in shapes.items()}
+    out = {
+        f"model.layers.{i}.{'self_attn' if name in _ATTENTION else 'mlp'}.{name}": k
+        for i in range(cfg.layers)
+        for name, (_, k) in shapes.items()
+    }
     out["lm_head"] = cfg.hidden
     return out
 
 
-def assemble(cfg: Config, tensors, dtype=jnp.bfloat16, *, quantize: str | None = None,
-             stack_layers: bool = False) -> dict:
+def assemble(
+    cfg: Config,
+    tensors,
+    dtype=jnp.bfloat16,
+    *,
+    quantize: str | None = None,
+    stack_layers: bool = False,
+) -> dict:
     """The params of `forward` from a checkpoint's tensors (a mapping of Hugging Face names to
     NVFP4Weight or arrays, as jax_fp4.checkpoint.load_safetensors returns): "layers" a list of
     per-layer dicts, or with stack_layers one dict of weights with a leading layer axis for
@@ -204,34 +235,51 @@ def assemble(cfg: Config, tensors, dtype=jnp.bfloat16, *, quantize: str | None =
     layers = []
     for i in range(cfg.layers):
         prefix = f"model.layers.{i}"
-        layer = {name: _projection(tensors, f"{prefix}.self_attn.{name}", dtype, quantize)
-                 for name in _ATTENTION}
-        layer.update({name: _projection(tensors, f"{prefix}.mlp.{name}", dtype, quantize) for name in _MLP})
+        layer = {
+            name: _projection(tensors, f"{prefix}.self_attn.{name}", dtype, quantize)
+            for name in _ATTENTION
+        }
+        layer.update(
+            {name: _projection(tensors, f"{prefix}.mlp.{name}", dtype, quantize) for name in _MLP}
+        )
         for norm in ("input_layernorm", "post_attention_layernorm"):
             layer[norm] = jnp.asarray(tensors[f"{prefix}.{norm}.weight"], jnp.float32)
-        for norm in ("q_norm", "k_norm"):                     # Qwen3
+        for norm in ("q_norm", "k_norm"):  # Qwen3
             if f"{prefix}.self_attn.{norm}.weight" in tensors:
                 layer[norm] = jnp.asarray(tensors[f"{prefix}.self_attn.{norm}.weight"], jnp.float32)
-        for proj in ("q_proj", "k_proj", "v_proj"):           # Qwen2
+        for proj in ("q_proj", "k_proj", "v_proj"):  # Qwen2
             if f"{prefix}.self_attn.{proj}.bias" in tensors:
-                layer[f"{proj}_bias"] = jnp.asarray(tensors[f"{prefix}.self_attn.{proj}.bias"], dtype)
+                layer[f"{proj}_bias"] = jnp.asarray(
+                    tensors[f"{prefix}.self_attn.{proj}.bias"], dtype
+                )
         layers.append(layer)
     embed = jnp.asarray(tensors["model.embed_tokens.weight"], dtype)
     head = embed if cfg.tie_embeddings else _projection(tensors, "lm_head", dtype)
-    return {"embed": embed, "layers": _stack(layers) if stack_layers else layers, "lm_head": head,
-            "norm": jnp.asarray(tensors["model.norm.weight"], jnp.float32),
-            "inv_freq": jnp.asarray(rope_frequencies(cfg), jnp.float32)}
+    return {
+        "embed": embed,
+        "layers": _stack(layers) if stack_layers else layers,
+        "lm_head": head,
+        "norm": jnp.asarray(tensors["model.norm.weight"], jnp.float32),
+        "inv_freq": jnp.asarray(rope_frequencies(cfg), jnp.float32),
+    }
 
 
-def load_model(path, *, dtype=jnp.bfloat16, layout: str = "tiled", quantize: bool = False,
-               stack_layers: bool = False) -> tuple[Config, dict]:
+def load_model(
+    path,
+    *,
+    dtype=jnp.bfloat16,
+    layout: str = "tiled",
+    quantize: bool = False,
+    stack_layers: bool = False,
+) -> tuple[Config, dict]:
     """config.json and the weights of a checkpoint directory: (config, params). quantize: the
     decoder layers' dense (bf16 / fp16 / fp32) projections are quantized to NVFP4 on load."""
     path = Path(path)
     cfg = Config.from_json(json.loads((path / "config.json").read_text()))
     tensors = ckpt.load_safetensors(path, layout=layout, in_features=in_features(cfg))
-    return cfg, assemble(cfg, tensors, dtype, quantize=layout if quantize else None,
-                         stack_layers=stack_layers)
+    return cfg, assemble(
+        cfg, tensors, dtype, quantize=layout if quantize else None, stack_layers=stack_layers
+    )
 
 
 class RandomTensors(Mapping):
@@ -258,7 +306,9 @@ class RandomTensors(Mapping):
         if name == "model.embed_tokens.weight":
             return self._normal((cfg.vocab, cfg.hidden), 1.0).astype(jnp.bfloat16)
         if name == "lm_head.weight":
-            return self._normal((cfg.vocab, cfg.hidden), 1 / math.sqrt(cfg.hidden)).astype(jnp.bfloat16)
+            return self._normal((cfg.vocab, cfg.hidden), 1 / math.sqrt(cfg.hidden)).astype(
+                jnp.bfloat16
+            )
         raise KeyError(name)
 
     def __iter__(self):
@@ -279,21 +329,32 @@ def _normal(key, shape, scale):
     return jax.random.normal(key, shape, jnp.float32) * scale
 
 
-def random_model(config: dict, *, seed: int = 0, dtype=jnp.bfloat16, layout: str = "tiled",
-                 stack_layers: bool = False):
+def random_model(
+    config: dict,
+    *,
+    seed: int = 0,
+    dtype=jnp.bfloat16,
+    layout: str = "tiled",
+    stack_layers: bool = False,
+):
     """(config, params) of a model of this config.json with random weights (`RandomTensors`)."""
     cfg = Config.from_json(config)
-    return cfg, assemble(cfg, RandomTensors(cfg, seed=seed, layout=layout), dtype,
-                         stack_layers=stack_layers)
+    return cfg, assemble(
+        cfg, RandomTensors(cfg, seed=seed, layout=layout), dtype, stack_layers=stack_layers
+    )
 
 
 def dense_twin(params: dict, dtype=jnp.bfloat16) -> dict:
     """The same model with every NVFP4 weight dequantized to `dtype`: XLA's dot on dense weights."""
-    return jax.tree.map(lambda w: jax_fp4.dequantize(w, dtype) if isinstance(w, jax_fp4.NVFP4Weight) else w,
-                        params, is_leaf=lambda x: isinstance(x, jax_fp4.NVFP4Weight))
+    return jax.tree.map(
+        lambda w: jax_fp4.dequantize(w, dtype) if isinstance(w, jax_fp4.NVFP4Weight) else w,
+        params,
+        is_leaf=lambda x: isinstance(x, jax_fp4.NVFP4Weight),
+    )
 
 
 # ---- the forward pass -----------------------------------------------------------------------------
+
 
 def linear(x, w, bias=None):
     """x [..., K] @ w^T: jax_fp4 for an NVFP4 weight, XLA's dot for a dense one."""
@@ -305,12 +366,14 @@ def linear(x, w, bias=None):
 
 def rms_norm(x, weight, eps):
     x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight).astype(x.dtype)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight).astype(
+        x.dtype
+    )
 
 
 def apply_rope(x, positions, inv_freq):
     """x [B, S, heads, head_dim] rotated by positions [S] (Hugging Face's rotate-half pairing)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]          # [S, hd / 2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [S, hd / 2]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -321,8 +384,12 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
     b, s, _ = h.shape
     x = rms_norm(h, layer["input_layernorm"], cfg.rms_eps)
     q = linear(x, layer["q_proj"], layer.get("q_proj_bias")).reshape(b, s, cfg.heads, cfg.head_dim)
-    k = linear(x, layer["k_proj"], layer.get("k_proj_bias")).reshape(b, s, cfg.kv_heads, cfg.head_dim)
-    v = linear(x, layer["v_proj"], layer.get("v_proj_bias")).reshape(b, s, cfg.kv_heads, cfg.head_dim)
+    k = linear(x, layer["k_proj"], layer.get("k_proj_bias")).reshape(
+        b, s, cfg.kv_heads, cfg.head_dim
+    )
+    v = linear(x, layer["v_proj"], layer.get("v_proj_bias")).reshape(
+        b, s, cfg.kv_heads, cfg.head_dim
+    )
     if "q_norm" in layer:
         q, k = rms_norm(q, layer["q_norm"], cfg.rms_eps), rms_norm(k, layer["k_norm"], cfg.rms_eps)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -330,18 +397,21 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
     # the attention's batched matmuls, read where it lies. Caches of [B, T, kv_heads, head_dim]
     # were transposed whole, every layer of every step (XLA's CPU program; docs/design.md).
     k_cache = jax.lax.dynamic_update_slice_in_dim(
-        k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), positions[0], axis=2)
+        k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), positions[0], axis=2
+    )
     v_cache = jax.lax.dynamic_update_slice_in_dim(
-        v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), positions[0], axis=2)
+        v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), positions[0], axis=2
+    )
 
     # Grouped-query attention on the caches' own dtype, accumulated in float32 (the product with
     # the values rounds to that dtype, as the next projection takes it): no float32 copy of the
     # caches to read (an H100 at 1024-2048 new tokens: 3-4% off the step; benchmarks/RESULTS.md).
     group = cfg.heads // cfg.kv_heads
     qg = q.reshape(b, s, cfg.kv_heads, group, cfg.head_dim).astype(k_cache.dtype)
-    scores = jnp.einsum("bskgd,bktd->bkgst", qg, k_cache,
-                        preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
-    visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]          # [S, T], causal
+    scores = jnp.einsum(
+        "bskgd,bktd->bkgst", qg, k_cache, preferred_element_type=jnp.float32
+    ) / math.sqrt(cfg.head_dim)
+    visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]  # [S, T], causal
     probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v_cache.dtype)
     attn = jnp.einsum("bkgst,bktd->bskgd", probs, v_cache)
     h = h + linear(attn.reshape(b, s, cfg.heads * cfg.head_dim).astype(h.dtype), layer["o_proj"])
@@ -362,9 +432,11 @@ def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     stacked = isinstance(params["layers"], dict)
     if stacked == isinstance(k_cache, (list, tuple)):
         expected = "one stacked array" if stacked else "a list of arrays, one per layer"
-        raise TypeError(f"forward: k_cache must be {expected} for these params' "
-                        f"{'stacked' if stacked else 'unrolled'} layers (empty_cache makes it), "
-                        f"got {type(k_cache).__name__}")
+        raise TypeError(
+            f"forward: k_cache must be {expected} for these params' "
+            f"{'stacked' if stacked else 'unrolled'} layers (empty_cache makes it), "
+            f"got {type(k_cache).__name__}"
+        )
     if stacked:  # assemble's stack_layers: one layer compiled, under lax.scan
 
         def body(h, xs):
@@ -388,8 +460,10 @@ def empty_cache(cfg: Config, params: dict, batch: int, max_len: int):
     shape, dtype = (batch, cfg.kv_heads, max_len, cfg.head_dim), params["embed"].dtype
     if isinstance(params["layers"], dict):
         return jnp.zeros((cfg.layers, *shape), dtype), jnp.zeros((cfg.layers, *shape), dtype)
-    return ([jnp.zeros(shape, dtype) for _ in range(cfg.layers)],
-            [jnp.zeros(shape, dtype) for _ in range(cfg.layers)])
+    return (
+        [jnp.zeros(shape, dtype) for _ in range(cfg.layers)],
+        [jnp.zeros(shape, dtype) for _ in range(cfg.layers)],
+    )
 
 
 def greedy_step(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
@@ -413,12 +487,12 @@ def generate(cfg: Config, params: dict, prompt, max_new_tokens: int) -> tuple[np
     t0 = time.perf_counter()
     token, k_cache, v_cache = step(params, prompt, 0, k_cache, v_cache)
     token.block_until_ready()
-    prefill_s = time.perf_counter() - t0                   # compilation included
-    out, timed_from = [token], 3                           # steps 1-2 compile and warm the decode step
+    prefill_s = time.perf_counter() - t0  # compilation included
+    out, timed_from = [token], 3  # steps 1-2 compile and warm the decode step
     # The host waits for the GPU every TIMING_WINDOW steps (a few us a step): each window's rate
     # tells a one-off stall apart from the steady rate (a batch-1 run on the H200 once took 7.4 ms
     # a step over 61 steps where the same step took 3.1 in the runs around it).
-    marks = []                                             # (step, time) at the window bounds
+    marks = []  # (step, time) at the window bounds
     for i in range(1, max_new_tokens):
         if i >= timed_from and (i - timed_from) % TIMING_WINDOW == 0:
             token.block_until_ready()
@@ -433,35 +507,63 @@ def generate(cfg: Config, params: dict, prompt, max_new_tokens: int) -> tuple[np
     # Joined only now: the first concatenate of this many tokens compiles a program, which inside
     # the timed loop added ~4 ms a step to the first of two runs on the H100.
     tokens = np.concatenate([np.asarray(t) for t in out], axis=1)
-    return tokens, {"prefill_s": prefill_s, "decode_s": decode_s,
-                    "decode_steps": max(max_new_tokens - timed_from, 0), "window_s_per_step": windows}
+    return tokens, {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "decode_steps": max(max_new_tokens - timed_from, 0),
+        "window_s_per_step": windows,
+    }
 
 
 # ---- the demo checkpoint and the command line -----------------------------------------------------
 
-DEMO_CONFIG = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
-               "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 512,
-               "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+DEMO_CONFIG = {
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+}
 
 
-def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk_norm: bool = False,
-                          qkv_bias: bool = False, convention: str = "modelopt") -> dict:
+def write_demo_checkpoint(
+    path,
+    config: dict = DEMO_CONFIG,
+    *,
+    seed: int = 0,
+    qk_norm: bool = False,
+    qkv_bias: bool = False,
+    convention: str = "modelopt",
+) -> dict:
     """A random Llama-style model at `path` as an NVFP4 checkpoint in the layout of ModelOpt or of
     llm-compressor (`convention` "compressed-tensors"): projections NVFP4, embeddings, norms and
     lm_head bf16; or, `convention` "bf16", all of it bf16 (the model before quantization).
     Returns its tensors (NVFP4Weight per projection, or bf16 arrays)."""
     if convention not in ("modelopt", "compressed-tensors", "bf16"):
-        raise ValueError(f"convention must be 'modelopt', 'compressed-tensors' or 'bf16', got {convention!r}")
+        raise ValueError(
+            f"convention must be 'modelopt', 'compressed-tensors' or 'bf16', got {convention!r}"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = Config.from_json(config)
     rng = np.random.default_rng(seed)
     shapes = projection_shapes(cfg)
-    dense = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab, cfg.hidden)),
-             "model.norm.weight": 1 + 0.1 * rng.standard_normal(cfg.hidden),
-             "lm_head.weight": rng.standard_normal((cfg.vocab, cfg.hidden)) / math.sqrt(cfg.hidden)}
+    dense = {
+        "model.embed_tokens.weight": rng.standard_normal((cfg.vocab, cfg.hidden)),
+        "model.norm.weight": 1 + 0.1 * rng.standard_normal(cfg.hidden),
+        "lm_head.weight": rng.standard_normal((cfg.vocab, cfg.hidden)) / math.sqrt(cfg.hidden),
+    }
     quantized = {}
     for i in range(cfg.layers):
         prefix = f"model.layers.{i}"
@@ -478,11 +580,15 @@ def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk
             dense[f"{prefix}.{norm}.weight"] = 1 + 0.1 * rng.standard_normal(cfg.hidden)
         if qk_norm:
             for norm in ("q_norm", "k_norm"):
-                dense[f"{prefix}.self_attn.{norm}.weight"] = 1 + 0.1 * rng.standard_normal(cfg.head_dim)
+                dense[f"{prefix}.self_attn.{norm}.weight"] = 1 + 0.1 * rng.standard_normal(
+                    cfg.head_dim
+                )
     tensors = {name: np.asarray(v, np.float32).astype(jnp.bfloat16) for name, v in dense.items()}
     tensors.update(quantized)
     if convention != "compressed-tensors":
-        ckpt.save_safetensors(tensors, path / "model.safetensors")  # writes NVFP4Weight the ModelOpt way
+        ckpt.save_safetensors(
+            tensors, path / "model.safetensors"
+        )  # writes NVFP4Weight the ModelOpt way
     else:
         stored = {name: v for name, v in tensors.items() if name not in quantized}
         for name, w in quantized.items():
@@ -493,15 +599,36 @@ def write_demo_checkpoint(path, config: dict = DEMO_CONFIG, *, seed: int = 0, qk
 
 
 PRESETS = {  # config.json of public models, for --random
-    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
-                  "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
-    "qwen3-8b": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288,
-                 "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                 "tie_word_embeddings": False},
+    "llama3-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
     "demo": DEMO_CONFIG,
 }
 
@@ -518,53 +645,103 @@ def _tokenizer(path: Path):
 def step_bytes(params: dict) -> int:
     """Bytes of weight a decode step reads: every array but the embedding table, of which a step
     gathers only its tokens' rows (a tied lm_head still reads it whole)."""
-    return sum(leaf.nbytes for name, value in params.items() if name != "embed"
-               for leaf in jax.tree.leaves(value))
+    return sum(
+        leaf.nbytes
+        for name, value in params.items()
+        if name != "embed"
+        for leaf in jax.tree.leaves(value)
+    )
 
 
 def _report(name: str, batch: int, timings: dict, params: dict) -> dict:
     """Prints one run's timings; returns them as the --json record's entry."""
     steps, weight_bytes = timings["decode_steps"], step_bytes(params)
-    record = {"prefill_ms": timings["prefill_s"] * 1e3, "decode_steps": steps,
-              "weight_bytes_per_step": weight_bytes}
+    record = {
+        "prefill_ms": timings["prefill_s"] * 1e3,
+        "decode_steps": steps,
+        "weight_bytes_per_step": weight_bytes,
+    }
     if steps:
         step_s = timings["decode_s"] / steps
         windows = [w * 1e3 for w in timings.get("window_s_per_step", [])]
-        record.update(ms_per_step=step_s * 1e3, tokens_per_s=batch / step_s,
-                      weight_gb_per_s=weight_bytes / step_s / 1e9, window_ms_per_step=windows)
-    spread = (f"; {TIMING_WINDOW}-step windows {min(record['window_ms_per_step']):.2f}-"
-              f"{max(record['window_ms_per_step']):.2f} ms a step"
-              if steps and len(record["window_ms_per_step"]) > 1 else "")
-    print(f"{name}: prefill {record['prefill_ms']:.0f} ms (compilation included)"
-          + (f"; decode {record['tokens_per_s']:.1f} tokens/s ({record['ms_per_step']:.2f} ms a step, "
-             f"batch {batch}, {steps} steps{spread}; weights read at "
-             f"{record['weight_gb_per_s']:.1f} GB/s)" if steps else ""))
+        record.update(
+            ms_per_step=step_s * 1e3,
+            tokens_per_s=batch / step_s,
+            weight_gb_per_s=weight_bytes / step_s / 1e9,
+            window_ms_per_step=windows,
+        )
+    spread = (
+        f"; {TIMING_WINDOW}-step windows {min(record['window_ms_per_step']):.2f}-"
+        f"{max(record['window_ms_per_step']):.2f} ms a step"
+        if steps and len(record["window_ms_per_step"]) > 1
+        else ""
+    )
+    print(
+        f"{name}: prefill {record['prefill_ms']:.0f} ms (compilation included)"
+        + (
+            f"; decode {record['tokens_per_s']:.1f} tokens/s ({record['ms_per_step']:.2f} ms a step, "
+            f"batch {batch}, {steps} steps{spread}; weights read at "
+            f"{record['weight_gb_per_s']:.1f} GB/s)"
+            if steps
+            else ""
+        )
+    )
     return record
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python examples/llm_generate.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python examples/llm_generate.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, *.safetensors)")
-    source.add_argument("--demo", action="store_true", help="write, read back and run a small random model")
-    source.add_argument("--random", metavar="PRESET|CONFIG_JSON",
-                        help=f"random weights for a config.json or a preset ({', '.join(PRESETS)}): timing")
-    parser.add_argument("--prompt", default="The capital of France is",
-                        help="the prompt text (needs `tokenizers` and a tokenizer.json beside the weights)")
+    source.add_argument(
+        "checkpoint", nargs="?", help="checkpoint directory (config.json, *.safetensors)"
+    )
+    source.add_argument(
+        "--demo", action="store_true", help="write, read back and run a small random model"
+    )
+    source.add_argument(
+        "--random",
+        metavar="PRESET|CONFIG_JSON",
+        help=f"random weights for a config.json or a preset ({', '.join(PRESETS)}): timing",
+    )
+    parser.add_argument(
+        "--prompt",
+        default="The capital of France is",
+        help="the prompt text (needs `tokenizers` and a tokenizer.json beside the weights)",
+    )
     parser.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
-    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (the prompt repeated)")
+    parser.add_argument(
+        "--batch", type=int, default=1, help="sequences decoded together (the prompt repeated)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated greedily")
-    parser.add_argument("--layout", choices=("spec", "tiled"), default="tiled",
-                        help="the NVFP4 weights' layout (tiled: prepacked on load where the shape allows)")
-    parser.add_argument("--quantize", action="store_true",
-                        help="quantize a bf16 checkpoint's decoder projections to NVFP4 on load")
-    parser.add_argument("--compare-bf16", action="store_true",
-                        help="also run the same weights dequantized to bf16 (XLA's dot) and compare")
-    parser.add_argument("--scan-layers", action="store_true",
-                        help="stack the layers under lax.scan (compiles one layer; XLA copies each "
-                             "layer's dense weights out of the stack every step) instead of unrolling them")
-    parser.add_argument("--json", metavar="PATH", help="also write the timings and the setup to this JSON file")
+    parser.add_argument(
+        "--layout",
+        choices=("spec", "tiled"),
+        default="tiled",
+        help="the NVFP4 weights' layout (tiled: prepacked on load where the shape allows)",
+    )
+    parser.add_argument(
+        "--quantize",
+        action="store_true",
+        help="quantize a bf16 checkpoint's decoder projections to NVFP4 on load",
+    )
+    parser.add_argument(
+        "--compare-bf16",
+        action="store_true",
+        help="also run the same weights dequantized to bf16 (XLA's dot) and compare",
+    )
+    parser.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="stack the layers under lax.scan (compiles one layer; XLA copies each "
+        "layer's dense weights out of the stack every step) instead of unrolling them",
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="also write the timings and the setup to this JSON file"
+    )
     args = parser.parse_args(argv)
     # The loader says where it dropped a K padding (ModelOpt's, for a K not a multiple of 16).
     logging.basicConfig(format="%(message)s")
@@ -580,15 +757,19 @@ def main(argv=None) -> int:
         else:
             if args.demo:
                 write_demo_checkpoint(path)
-            cfg, params = load_model(path, layout=args.layout, quantize=args.quantize,
-                                     stack_layers=args.scan_layers)
+            cfg, params = load_model(
+                path, layout=args.layout, quantize=args.quantize, stack_layers=args.scan_layers
+            )
         tokenizer = None if args.random else _tokenizer(path)
         # The baseline of --compare-bf16: the checkpoint's own weights in bf16 where --quantize made
         # the NVFP4 ones (a layer stored in NVFP4 dequantized), else the NVFP4 weights dequantized.
         dense = None
         if args.compare_bf16:
-            dense = dense_twin(load_model(path, layout=args.layout, stack_layers=args.scan_layers)[1]
-                               if args.quantize else params)
+            dense = dense_twin(
+                load_model(path, layout=args.layout, stack_layers=args.scan_layers)[1]
+                if args.quantize
+                else params
+            )
     if args.prompt_ids or tokenizer is None:
         ids = [int(t) for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
         if not all(0 <= t < cfg.vocab for t in ids):
@@ -597,40 +778,71 @@ def main(argv=None) -> int:
         ids = tokenizer.encode(args.prompt).ids
     prompt = np.asarray([ids] * args.batch)
 
-    nvfp4 = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, jax_fp4.NVFP4Weight))
-             if isinstance(w, jax_fp4.NVFP4Weight)]
+    nvfp4 = [
+        w
+        for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, jax_fp4.NVFP4Weight))
+        if isinstance(w, jax_fp4.NVFP4Weight)
+    ]
     device = next(iter(params["embed"].devices()))  # where the model lives, and so runs
-    print(f"model: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}; NVFP4 weights "
-          f"{sum(w.nbytes for w in nvfp4) / 2**20:.1f} MiB")
+    print(
+        f"model: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}; NVFP4 weights "
+        f"{sum(w.nbytes for w in nvfp4) / 2**20:.1f} MiB"
+    )
     layers = params["layers"]
-    q_proj = (jax.tree.map(lambda x: x[0], layers["q_proj"]) if isinstance(layers, dict)
-              else layers[0]["q_proj"])  # layer 0's
+    q_proj = (
+        jax.tree.map(lambda x: x[0], layers["q_proj"])
+        if isinstance(layers, dict)
+        else layers[0]["q_proj"]
+    )  # layer 0's
     paths = {}
     if isinstance(q_proj, jax_fp4.NVFP4Weight):
-        paths = {stage: jax_fp4.dispatch_path(jnp.zeros((m, q_proj.k), params["embed"].dtype), q_proj)
-                 for stage, m in (("prefill", prompt.size), ("decode", args.batch))}
-        print(f"device: {device.platform} ({device.device_kind}); jax_fp4 path: prefill "
-              f"{paths['prefill']}, decode {paths['decode']}")
+        paths = {
+            stage: jax_fp4.dispatch_path(jnp.zeros((m, q_proj.k), params["embed"].dtype), q_proj)
+            for stage, m in (("prefill", prompt.size), ("decode", args.batch))
+        }
+        print(
+            f"device: {device.platform} ({device.device_kind}); jax_fp4 path: prefill "
+            f"{paths['prefill']}, decode {paths['decode']}"
+        )
     print(f"prompt ({len(ids)} tokens): {ids}")
     tokens, timings = generate(cfg, params, prompt, args.max_new_tokens)
     print(f"generated: {tokens[0].tolist()}")
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(tokens[0].tolist())!r}")
-    record = {"command": "python examples/llm_generate.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-              "model": dataclasses.asdict(cfg), "batch": args.batch, "prompt_tokens": len(ids),
-              "new_tokens": args.max_new_tokens, "layout": args.layout,
-              "scan_layers": args.scan_layers, "paths": paths,
-              "nvfp4": _report("NVFP4 (jax_fp4)", args.batch, timings, params)}
+    record = {
+        "command": "python examples/llm_generate.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "model": dataclasses.asdict(cfg),
+        "batch": args.batch,
+        "prompt_tokens": len(ids),
+        "new_tokens": args.max_new_tokens,
+        "layout": args.layout,
+        "scan_layers": args.scan_layers,
+        "paths": paths,
+        "nvfp4": _report("NVFP4 (jax_fp4)", args.batch, timings, params),
+    }
     if args.compare_bf16:
         dense_tokens, dense_timings = generate(cfg, dense, prompt, args.max_new_tokens)
-        record["bf16"] = _report("bf16 (" + ("the checkpoint's weights" if args.quantize else "the same weights dequantized")
-                                 + ", XLA's dot)", args.batch, dense_timings, dense)
+        record["bf16"] = _report(
+            "bf16 ("
+            + ("the checkpoint's weights" if args.quantize else "the same weights dequantized")
+            + ", XLA's dot)",
+            args.batch,
+            dense_timings,
+            dense,
+        )
         record["same_leading_tokens"] = int(np.sum(np.cumprod(dense_tokens[0] == tokens[0])))
         if "tokens_per_s" in record["bf16"]:
-            record["speedup_over_bf16"] = record["nvfp4"]["tokens_per_s"] / record["bf16"]["tokens_per_s"]
-            print(f"NVFP4 against bf16: {record['speedup_over_bf16']:.2f}x the decode rate; the first "
-                  f"{record['same_leading_tokens']} of {tokens.shape[1]} tokens the same")
+            record["speedup_over_bf16"] = (
+                record["nvfp4"]["tokens_per_s"] / record["bf16"]["tokens_per_s"]
+            )
+            print(
+                f"NVFP4 against bf16: {record['speedup_over_bf16']:.2f}x the decode rate; the first "
+                f"{record['same_leading_tokens']} of {tokens.shape[1]} tokens the same"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 0

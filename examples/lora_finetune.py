@@ -23,11 +23,16 @@ import argparse
 
 def parse_args(argv=None):
     """The command line; defined before the imports below so that --help answers without them."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=60, help="optimisation steps (default 60)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the weights, inputs and adapters' initialisation (default 0)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the weights, inputs and adapters' initialisation (default 0)",
+    )
     return parser.parse_args(argv)
 
 
@@ -55,8 +60,10 @@ def make_problem(key):
         ka, kb = jax.random.split(k)
         return 0.3 * jax.random.normal(ka, (n, 4)) @ jax.random.normal(kb, (4, m)) / jnp.sqrt(m)
 
-    teacher = {"w1": w1 + low_rank(keys[2], D_HIDDEN, D_IN),
-               "w2": w2 + low_rank(keys[3], D_OUT, D_HIDDEN)}
+    teacher = {
+        "w1": w1 + low_rank(keys[2], D_HIDDEN, D_IN),
+        "w2": w2 + low_rank(keys[3], D_OUT, D_HIDDEN),
+    }
     x = jax.random.normal(keys[4], (256, D_IN), jnp.float32)
     y = jax.nn.gelu(x @ teacher["w1"].T) @ teacher["w2"].T
     return base, x, y
@@ -66,9 +73,12 @@ def init_adapters(key):
     """Standard LoRA init: A random, B zero, so training starts from the base model."""
     k1, k2 = jax.random.split(key)
     return {
-        "a1": jax.random.normal(k1, (RANK, D_IN)) / jnp.sqrt(D_IN), "b1": jnp.zeros((D_HIDDEN, RANK)),
-        "a2": jax.random.normal(k2, (RANK, D_HIDDEN)) / jnp.sqrt(D_HIDDEN), "b2": jnp.zeros((D_OUT, RANK)),
-        "bias1": jnp.zeros((D_HIDDEN,)), "bias2": jnp.zeros((D_OUT,)),
+        "a1": jax.random.normal(k1, (RANK, D_IN)) / jnp.sqrt(D_IN),
+        "b1": jnp.zeros((D_HIDDEN, RANK)),
+        "a2": jax.random.normal(k2, (RANK, D_HIDDEN)) / jnp.sqrt(D_HIDDEN),
+        "b2": jnp.zeros((D_OUT, RANK)),
+        "bias1": jnp.zeros((D_HIDDEN,)),
+        "bias2": jnp.zeros((D_OUT,)),
     }
 
 
@@ -88,6 +98,7 @@ def loss_fn(adapters, base, x, y):
 
 def adam(lr=3e-3, b1=0.9, b2=0.999, eps=1e-8):
     """A minimal Adam (keeps the example free of optimizer libraries)."""
+
     def init(params):
         zeros = jax.tree.map(jnp.zeros_like, params)
         return {"m": zeros, "v": zeros, "t": jnp.zeros((), jnp.int32)}
@@ -96,8 +107,8 @@ def adam(lr=3e-3, b1=0.9, b2=0.999, eps=1e-8):
         t = state["t"] + 1
         m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
         v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
-        mhat = jax.tree.map(lambda m: m / (1 - b1 ** t), m)
-        vhat = jax.tree.map(lambda v: v / (1 - b2 ** t), v)
+        mhat = jax.tree.map(lambda m: m / (1 - b1**t), m)
+        vhat = jax.tree.map(lambda v: v / (1 - b2**t), v)
         params = jax.tree.map(lambda p, m, v: p - lr * m / (jnp.sqrt(v) + eps), params, mhat, vhat)
         return params, {"m": m, "v": v, "t": t}
 
@@ -126,7 +137,9 @@ def main(steps: int = 60, seed: int = 0, verbose: bool = True) -> list[float]:
             print(f"step {i:3d}  loss {losses[-1]:.5f}")
     losses.append(float(jax.jit(loss_fn)(adapters, base, x, y)))
     if verbose:
-        print(f"final     loss {losses[-1]:.5f}  ({losses[0] / losses[-1]:.1f}x lower than at start)")
+        print(
+            f"final     loss {losses[-1]:.5f}  ({losses[0] / losses[-1]:.1f}x lower than at start)"
+        )
     return losses
 
 

@@ -35,11 +35,15 @@ from pathlib import Path
 
 def parse_args(argv=None):
     """The command line; defined before the imports below so that --help answers without them."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--save-checkpoint", metavar="PATH",
-                        help="also save the NVFP4 layers as a ModelOpt .safetensors file, reload it "
-                             "into a fresh model and check the embeddings are identical")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--save-checkpoint",
+        metavar="PATH",
+        help="also save the NVFP4 layers as a ModelOpt .safetensors file, reload it "
+        "into a fresh model and check the embeddings are identical",
+    )
     return parser.parse_args(argv)
 
 
@@ -106,6 +110,7 @@ def model_dir() -> Path:
 
 # ---- the BERT encoder in NNX --------------------------------------------------------------------
 
+
 class Embeddings(nnx.Module):
     def __init__(self, vocab, hidden, max_positions, type_vocab, *, rngs):
         self.word = nnx.Embed(vocab, hidden, rngs=rngs)
@@ -146,20 +151,33 @@ class Layer(nnx.Module):
         attention = jax.nn.softmax(scores, axis=-1)
         context = jnp.einsum("bhqk,bkhd->bqhd", attention, v).reshape(b, t, h)
         x = self.attention_norm(x + self.attention_out(context))
-        return self.output_norm(x + self.output(jax.nn.gelu(self.intermediate(x), approximate=False)))
+        return self.output_norm(
+            x + self.output(jax.nn.gelu(self.intermediate(x), approximate=False))
+        )
 
 
 class MiniLM(nnx.Module):
     """all-MiniLM-L6-v2: BERT encoder, mean pooling over real tokens, L2-normalised output."""
 
     def __init__(self, config: dict, *, rngs):
-        self.embeddings = Embeddings(config["vocab_size"], config["hidden_size"],
-                                     config["max_position_embeddings"], config["type_vocab_size"],
-                                     rngs=rngs)
-        self.layers = nnx.List([
-            Layer(config["hidden_size"], config["num_attention_heads"], config["intermediate_size"],
-                  rngs=rngs)
-            for _ in range(config["num_hidden_layers"])])
+        self.embeddings = Embeddings(
+            config["vocab_size"],
+            config["hidden_size"],
+            config["max_position_embeddings"],
+            config["type_vocab_size"],
+            rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [
+                Layer(
+                    config["hidden_size"],
+                    config["num_attention_heads"],
+                    config["intermediate_size"],
+                    rngs=rngs,
+                )
+                for _ in range(config["num_hidden_layers"])
+            ]
+        )
 
     def __call__(self, input_ids, attention_mask, token_type_ids):
         mask = attention_mask.astype(bool)
@@ -173,8 +191,11 @@ class MiniLM(nnx.Module):
 
 # Our NNX names -> the Hugging Face BERT tensor names.
 _LINEARS = {
-    "query": "attention.self.query", "key": "attention.self.key", "value": "attention.self.value",
-    "attention_out": "attention.output.dense", "intermediate": "intermediate.dense",
+    "query": "attention.self.query",
+    "key": "attention.self.key",
+    "value": "attention.self.value",
+    "attention_out": "attention.output.dense",
+    "intermediate": "intermediate.dense",
     "output": "output.dense",
 }
 _NORMS = {"attention_norm": "attention.output.LayerNorm", "output_norm": "output.LayerNorm"}
@@ -183,8 +204,10 @@ _NORMS = {"attention_norm": "attention.output.LayerNorm", "output_norm": "output
 def _assign(variable, value):
     value = jnp.asarray(value, jnp.float32)
     if value.shape != variable[...].shape:
-        raise ValueError(f"checkpoint tensor of shape {value.shape} for a variable of shape "
-                         f"{variable[...].shape}")
+        raise ValueError(
+            f"checkpoint tensor of shape {value.shape} for a variable of shape "
+            f"{variable[...].shape}"
+        )
     variable.set_value(value)
 
 
@@ -207,7 +230,9 @@ def load_model(path: Path | None = None) -> MiniLM:
         base = f"{prefix}encoder.layer.{i}."
         for ours, theirs in _LINEARS.items():
             linear = getattr(layer, ours)
-            _assign(linear.kernel, np.asarray(tensors[base + theirs + ".weight"]).T)  # [out,in] -> [in,out]
+            _assign(
+                linear.kernel, np.asarray(tensors[base + theirs + ".weight"]).T
+            )  # [out,in] -> [in,out]
             _assign(linear.bias, tensors[base + theirs + ".bias"])
         for ours, theirs in _NORMS.items():
             norm = getattr(layer, ours)
@@ -225,8 +250,10 @@ def tokenize(sentences, path: Path | None = None, max_length: int = 256):
     tokenizer.enable_truncation(max_length=max_length)
     tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
     encodings = tokenizer.encode_batch(list(sentences))
-    return tuple(np.array([getattr(e, field) for e in encodings], np.int32)
-                 for field in ("ids", "attention_mask", "type_ids"))
+    return tuple(
+        np.array([getattr(e, field) for e in encodings], np.int32)
+        for field in ("ids", "attention_mask", "type_ids")
+    )
 
 
 @nnx.jit
@@ -265,37 +292,58 @@ def compare(sentences=SENTENCES, path: Path | None = None) -> dict:
         np.fill_diagonal(s, -np.inf)
         return np.argsort(-s, axis=1)[:, :-1]
 
-    return {"f32": f32, "fp4": fp4, "cosine": cosine_to_f32(fp4), "cosine_modelopt": cosine_to_f32(modelopt),
-            "nn_f32": nearest_neighbours(f32),
-            "nn_fp4": nearest_neighbours(fp4), "ranking_f32": ranking(f32), "ranking_fp4": ranking(fp4),
-            "model": model, "fp4_model": fp4_model, "tokens": tokens}
+    return {
+        "f32": f32,
+        "fp4": fp4,
+        "cosine": cosine_to_f32(fp4),
+        "cosine_modelopt": cosine_to_f32(modelopt),
+        "nn_f32": nearest_neighbours(f32),
+        "nn_fp4": nearest_neighbours(fp4),
+        "ranking_f32": ranking(f32),
+        "ranking_fp4": ranking(fp4),
+        "model": model,
+        "fp4_model": fp4_model,
+        "tokens": tokens,
+    }
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
 
     r = compare()
-    print(f"all-MiniLM-L6-v2 on {jax.devices()[0].platform}: float32 vs every nnx.Linear through "
-          "jax_fp4 (NVFP4 weights with calibrated block scales, float32 activations)\n")
+    print(
+        f"all-MiniLM-L6-v2 on {jax.devices()[0].platform}: float32 vs every nnx.Linear through "
+        "jax_fp4 (NVFP4 weights with calibrated block scales, float32 activations)\n"
+    )
     print(f"{'#':>3}  {'cos(fp4, f32)':>13}  {'NN f32':>6}  {'NN fp4':>6}  same  sentence")
     for i, sentence in enumerate(SENTENCES):
         same = r["nn_f32"][i] == r["nn_fp4"][i]
-        print(f"{i:>3}  {r['cosine'][i]:13.5f}  {r['nn_f32'][i]:>6}  {r['nn_fp4'][i]:>6}  "
-              f"{'yes' if same else 'NO':>4}  {sentence}")
+        print(
+            f"{i:>3}  {r['cosine'][i]:13.5f}  {r['nn_f32'][i]:>6}  {r['nn_fp4'][i]:>6}  "
+            f"{'yes' if same else 'NO':>4}  {sentence}"
+        )
     agree = float(np.mean(r["nn_f32"] == r["nn_fp4"]))
     full = float(np.mean(np.all(r["ranking_f32"] == r["ranking_fp4"], axis=1)))
-    print(f"\nmean cosine {r['cosine'].mean():.5f} (min {r['cosine'].min():.5f}); nearest neighbour "
-          f"preserved for {agree:.0%} of sentences; full neighbour ranking identical for {full:.0%}")
-    print(f"ModelOpt round-to-nearest scales instead (no calibration): mean cosine "
-          f"{r['cosine_modelopt'].mean():.5f} (min {r['cosine_modelopt'].min():.5f})")
+    print(
+        f"\nmean cosine {r['cosine'].mean():.5f} (min {r['cosine'].min():.5f}); nearest neighbour "
+        f"preserved for {agree:.0%} of sentences; full neighbour ranking identical for {full:.0%}"
+    )
+    print(
+        f"ModelOpt round-to-nearest scales instead (no calibration): mean cosine "
+        f"{r['cosine_modelopt'].mean():.5f} (min {r['cosine_modelopt'].min():.5f})"
+    )
 
     if args.save_checkpoint:
-        jax_fp4.checkpoint.save_safetensors(jax_fp4.nnx.export_weights(r["fp4_model"]), args.save_checkpoint)
-        fresh = jax_fp4.nnx.quantize_model(load_model())   # any FP4 model of the same shape
+        jax_fp4.checkpoint.save_safetensors(
+            jax_fp4.nnx.export_weights(r["fp4_model"]), args.save_checkpoint
+        )
+        fresh = jax_fp4.nnx.quantize_model(load_model())  # any FP4 model of the same shape
         jax_fp4.nnx.load_weights(fresh, jax_fp4.checkpoint.load_safetensors(args.save_checkpoint))
         again = np.asarray(embed(fresh, *r["tokens"]), np.float64)
-        print(f"saved {args.save_checkpoint}; reloaded embeddings identical: "
-              f"{bool(np.array_equal(again, r['fp4']))}")
+        print(
+            f"saved {args.save_checkpoint}; reloaded embeddings identical: "
+            f"{bool(np.array_equal(again, r['fp4']))}"
+        )
     return 0
 
 

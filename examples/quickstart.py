@@ -20,8 +20,9 @@ import argparse
 
 def parse_args(argv=None):
     """The command line; defined before the imports below so that --help answers without them."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     return parser.parse_args(argv)
 
 
@@ -38,7 +39,7 @@ import jax_fp4  # noqa: E402
 def main():
     key_w1, key_w2, key_x = jax.random.split(jax.random.key(0), 3)
     d_model, d_hidden, tokens = 256, 1024, 4
-    w1 = jax.random.normal(key_w1, (d_hidden, d_model)) / np.sqrt(d_model)   # [N, K] like nn.Linear
+    w1 = jax.random.normal(key_w1, (d_hidden, d_model)) / np.sqrt(d_model)  # [N, K] like nn.Linear
     w2 = jax.random.normal(key_w2, (d_model, d_hidden)) / np.sqrt(d_hidden)
     b1 = jnp.full((d_hidden,), 0.01)
     x = jax.random.normal(key_x, (tokens, d_model)).astype(jnp.bfloat16)
@@ -73,14 +74,26 @@ def main():
     bytes_bf16 = 2 * (w1.size + w2.size)
     print(f"device: {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
     h = jax.ShapeDtypeStruct((tokens, d_hidden), jnp.bfloat16)
-    print(f"path taken: layer 1 -> {jax_fp4.dispatch_path(x, q1)}, layer 2 -> {jax_fp4.dispatch_path(h, q2)}")
-    print(f"weights: {bytes_fp4 / 1e6:.2f} MB in NVFP4 vs {bytes_bf16 / 1e6:.2f} MB in bf16 "
-          f"({bytes_bf16 / bytes_fp4:.2f}x smaller)")
-    print(f"relative error of the NVFP4 MLP against the float32 MLP: {rel:.4f} (NVFP4 quantization noise)")
-    print(f"relative error against float32 on the dequantized weights: {rel_kernel:.4f} (the kernels)")
-    print(f"prepacked weights (layout {p1.layout!r}): relative difference {rel_prepacked:.1e} from the "
-          "spec layout (summation order only)")
-    if not (rel < 0.25 and rel_kernel < 0.02):  # NVFP4 noise is ~9% rms per layer on Gaussian weights
+    print(
+        f"path taken: layer 1 -> {jax_fp4.dispatch_path(x, q1)}, layer 2 -> {jax_fp4.dispatch_path(h, q2)}"
+    )
+    print(
+        f"weights: {bytes_fp4 / 1e6:.2f} MB in NVFP4 vs {bytes_bf16 / 1e6:.2f} MB in bf16 "
+        f"({bytes_bf16 / bytes_fp4:.2f}x smaller)"
+    )
+    print(
+        f"relative error of the NVFP4 MLP against the float32 MLP: {rel:.4f} (NVFP4 quantization noise)"
+    )
+    print(
+        f"relative error against float32 on the dequantized weights: {rel_kernel:.4f} (the kernels)"
+    )
+    print(
+        f"prepacked weights (layout {p1.layout!r}): relative difference {rel_prepacked:.1e} from the "
+        "spec layout (summation order only)"
+    )
+    if not (
+        rel < 0.25 and rel_kernel < 0.02
+    ):  # NVFP4 noise is ~9% rms per layer on Gaussian weights
         raise SystemExit(f"unexpectedly large error: {rel}, {rel_kernel}")
     if not rel_prepacked < 0.01:
         raise SystemExit(f"prepacked weights differ: {rel_prepacked}")

@@ -34,8 +34,9 @@ import sys
 
 def parse_args(argv=None):
     """The command line; defined before the imports below so that --help answers without them."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     return parser.parse_args(argv)
 
 
@@ -43,14 +44,17 @@ if __name__ == "__main__":
     parse_args()  # --help and argument errors exit here, before jax is imported
 
 if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get(
-        "XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+    "XLA_FLAGS", ""
+):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import jax_fp4  # noqa: E402
 
@@ -69,13 +73,19 @@ def make_params(key, mesh):
     quantize = jax.jit(jax_fp4.quantize)
     up = quantize(jax.random.normal(k1, (D_FF, D_MODEL)) / np.sqrt(D_MODEL))
     down = quantize(jax.random.normal(k2, (D_MODEL, D_FF)) / np.sqrt(D_FF))
-    params = {"up": up, "b_up": 0.1 * jax.random.normal(k3, (D_FF,)),
-              "down": down, "b_down": 0.1 * jax.random.normal(k4, (D_MODEL,))}
+    params = {
+        "up": up,
+        "b_up": 0.1 * jax.random.normal(k3, (D_FF,)),
+        "down": down,
+        "b_down": 0.1 * jax.random.normal(k4, (D_MODEL,)),
+    }
     # A weight's PartitionSpec is over its logical [N, K]; .shardings gives one per array.
-    specs = {"up": up.shardings(P("model", None)),      # column parallel: shard N
-             "b_up": P("model"),
-             "down": down.shardings(P(None, "model")),  # row parallel: shard K (whole scale blocks)
-             "b_down": P()}
+    specs = {
+        "up": up.shardings(P("model", None)),  # column parallel: shard N
+        "b_up": P("model"),
+        "down": down.shardings(P(None, "model")),  # row parallel: shard K (whole scale blocks)
+        "b_down": P(),
+    }
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     x = jax.random.normal(k5, (BATCH, D_MODEL), jnp.bfloat16)
     return jax.device_put(params, shardings), specs, x
@@ -87,34 +97,43 @@ def mlp(params, x):
 
 
 def mlp_shard_map(mesh, specs):
-    def local(params, x):   # runs on each device with its shards
+    def local(params, x):  # runs on each device with its shards
         h = jax.nn.gelu(jax_fp4.matmul(x, params["up"], params["b_up"].astype(x.dtype)))
-        partial = jax_fp4.matmul(h, params["down"]).astype(jnp.float32)   # this K slice's share
-        y = jax.lax.psum(partial, "model") + params["b_down"]            # bias once, after the sum
+        partial = jax_fp4.matmul(h, params["down"]).astype(jnp.float32)  # this K slice's share
+        y = jax.lax.psum(partial, "model") + params["b_down"]  # bias once, after the sum
         return y.astype(x.dtype)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data", None)),
-                         out_specs=P("data", None))
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(specs, P("data", None)), out_specs=P("data", None)
+    )
 
 
 def exported_under_explicit_axes(mesh, specs, params, x):
-    mesh = jax.make_mesh(tuple(mesh.shape.values()), mesh.axis_names,
-                         axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
+    mesh = jax.make_mesh(
+        tuple(mesh.shape.values()),
+        mesh.axis_names,
+        axis_types=(AxisType.Explicit,) * len(mesh.axis_names),
+    )
     place = lambda tree, spec: jax.device_put(  # noqa: E731
-        tree, jax.tree.map(lambda s: NamedSharding(mesh, s), spec))
+        tree, jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
+    )
     args = (place(params, specs), place(x, P("data", None)))
-    exported = jax.export.export(jax.jit(mlp),
-                                 disabled_checks=jax_fp4.export_disabled_checks())(*args)
+    exported = jax.export.export(jax.jit(mlp), disabled_checks=jax_fp4.export_disabled_checks())(
+        *args
+    )
     return jax.jit(exported.call), args
 
 
 def reference(params, x):
     """float64 NumPy: dequantize every weight and run the MLP (gelu in float64 too)."""
     f64 = lambda v: np.asarray(v, np.float64)  # noqa: E731
-    unit = jax.jit(lambda w: jax_fp4.dequantize(
-        jax_fp4.NVFP4Weight(w.packed, w.scale, jnp.float32(1), w.block_size)))
+    unit = jax.jit(
+        lambda w: jax_fp4.dequantize(
+            jax_fp4.NVFP4Weight(w.packed, w.scale, jnp.float32(1), w.block_size)
+        )
+    )
 
-    def dequantize(w):   # e2m1 * e4m3 is exact in float32; the global scale is applied in float64
+    def dequantize(w):  # e2m1 * e4m3 is exact in float32; the global scale is applied in float64
         return f64(unit(w)) * f64(w.global_scale)
 
     up, down = dequantize(params["up"]), dequantize(params["down"])
@@ -135,18 +154,24 @@ def main(verbose: bool = True) -> dict:
     ref = reference(params, x)
     facts = {"mesh": dict(mesh.shape)}
     for name, (fn, args) in (
-            ("jit + NamedSharding", (jax.jit(mlp), (params, x))),
-            ("shard_map", (jax.jit(mlp_shard_map(mesh, specs)), (params, x))),
-            ("explicit axes, exported", exported_under_explicit_axes(mesh, specs, params, x))):
+        ("jit + NamedSharding", (jax.jit(mlp), (params, x))),
+        ("shard_map", (jax.jit(mlp_shard_map(mesh, specs)), (params, x))),
+        ("explicit axes, exported", exported_under_explicit_axes(mesh, specs, params, x)),
+    ):
         hlo = fn.lower(*args).compile().as_text()
         y = fn(*args)
         err = float(np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref))
-        facts[name] = {"relative_error": err, "collectives": collectives(hlo),
-                       "output_spec": tuple(y.sharding.spec)}
+        facts[name] = {
+            "relative_error": err,
+            "collectives": collectives(hlo),
+            "output_spec": tuple(y.sharding.spec),
+        }
         if verbose:
             used = {k: v for k, v in facts[name]["collectives"].items() if v} or "none"
-            print(f"{name:24s} mesh {facts['mesh']}  rel. error vs float64 {err:.2e}  "
-                  f"collectives {used}  output {y.sharding.spec}")
+            print(
+                f"{name:24s} mesh {facts['mesh']}  rel. error vs float64 {err:.2e}  "
+                f"collectives {used}  output {y.sharding.spec}"
+            )
     return facts
 
 

@@ -1,8 +1,8 @@
 """jax_fp4: NVFP4 weight-only matmul for JAX.
 
-    w = jax_fp4.quantize(weight)            # float [N, K] -> NVFP4Weight
-    w = jax_fp4.prepack(w)                  # optional, once: the decode GEMV's faster layout
-    y = jax_fp4.matmul(a, w, bias)          # a [..., K] fp16/bf16 -> y [..., N]
+w = jax_fp4.quantize(weight)            # float [N, K] -> NVFP4Weight
+w = jax_fp4.prepack(w)                  # optional, once: the decode GEMV's faster layout
+y = jax_fp4.matmul(a, w, bias)          # a [..., K] fp16/bf16 -> y [..., N]
 """
 
 from jax_fp4 import ffi as _ffi  # noqa: F401  (importing it registers the FFI targets)
@@ -27,6 +27,7 @@ def __getattr__(name):
 
         return importlib.import_module(f"jax_fp4.{name}")
     raise AttributeError(f"module 'jax_fp4' has no attribute {name!r}")
+
 
 __all__ = [
     "BACKENDS",

@@ -29,9 +29,17 @@ def info() -> str:
     return "\n".join(lines)
 
 
-def paths(n: int, k: int, *, layout: str, capability: tuple[int, int], dtype: str = "bfloat16",
-          native: bool = False, max_m: int = 8192,
-          device_kind: str | None = None) -> list[tuple[int, int, str]]:
+def paths(
+    n: int,
+    k: int,
+    *,
+    layout: str,
+    capability: tuple[int, int],
+    dtype: str = "bfloat16",
+    native: bool = False,
+    max_m: int = 8192,
+    device_kind: str | None = None,
+) -> list[tuple[int, int, str]]:
     """The CUDA path `auto` picks for an N x K weight on a GPU of `capability` (and
     `device_kind`, the key of the dispatch's table; None: the capability's entry), as ranges of M:
     [(first M, last M, path), ...] for M = 1..max_m (the dispatch rules only, no device needed),
@@ -43,13 +51,19 @@ def paths(n: int, k: int, *, layout: str, capability: tuple[int, int], dtype: st
     from jax_fp4 import ffi as _ffi
 
     architectures = _ffi.cuda_architectures() or _ffi.DEFAULT_CUDA_ARCHITECTURES
-    target = _dispatch.cuda_target(capability, device_kind=device_kind, architectures=architectures,
-                                   native_enabled=native, gemv_mma=_config.gemv_tensor_cores())
+    target = _dispatch.cuda_target(
+        capability,
+        device_kind=device_kind,
+        architectures=architectures,
+        native_enabled=native,
+        gemv_mma=_config.gemv_tensor_cores(),
+    )
 
     ranges: list[tuple[int, int, str]] = []
     for m in range(1, max_m + 1):
-        problem = _dispatch.Problem(m=m, n=n, k=k, block_size=16, dtype=np.dtype(dtype),
-                                    tiled=layout == "tiled")
+        problem = _dispatch.Problem(
+            m=m, n=n, k=k, block_size=16, dtype=np.dtype(dtype), tiled=layout == "tiled"
+        )
         path = _dispatch.plan(problem, target).path
         if ranges and ranges[-1][2] == path:
             ranges[-1] = (ranges[-1][0], m, path)
@@ -75,18 +89,35 @@ def paths_report(args) -> str:
 
         capability = _lowering.cuda_capability()
         device_kind = device_kind or _lowering.cuda_device_kind()
-        source = (_config.CAPABILITY_ENV if _config.cuda_capability_override() is not None
-                  else device_kind or "this machine's GPU")
+        source = (
+            _config.CAPABILITY_ENV
+            if _config.cuda_capability_override() is not None
+            else device_kind or "this machine's GPU"
+        )
         if capability is None:
-            raise SystemExit("paths: no CUDA device here; name the GPU with --capability "
-                             "(9.0: H100 / H200, 8.0: A100, 12.0: RTX 50xx)")
+            raise SystemExit(
+                "paths: no CUDA device here; name the GPU with --capability "
+                "(9.0: H100 / H200, 8.0: A100, 12.0: RTX 50xx)"
+            )
     n, k = args.shape
-    ranges = paths(n, k, layout=args.layout, capability=capability, dtype=args.dtype,
-                   native=args.native, max_m=args.max_m, device_kind=device_kind)
-    lines = [f"auto for N x K = {n}x{k}, {args.layout} layout, {args.dtype}, compute capability "
-             f"{capability[0]}.{capability[1]} ({source}):"]
-    lines += [f"  M = {first}" + (f"-{last}" if last > first else "") + f": {path}"
-              for first, last, path in ranges]
+    ranges = paths(
+        n,
+        k,
+        layout=args.layout,
+        capability=capability,
+        dtype=args.dtype,
+        native=args.native,
+        max_m=args.max_m,
+        device_kind=device_kind,
+    )
+    lines = [
+        f"auto for N x K = {n}x{k}, {args.layout} layout, {args.dtype}, compute capability "
+        f"{capability[0]}.{capability[1]} ({source}):"
+    ]
+    lines += [
+        f"  M = {first}" + (f"-{last}" if last > first else "") + f": {path}"
+        for first, last, path in ranges
+    ]
     return "\n".join(lines)
 
 
@@ -107,13 +138,24 @@ def main(argv=None) -> int:
     commands.add_parser("info", help="versions, CUDA architectures and FFI targets (the default)")
     p = commands.add_parser("paths", help="the path auto takes for an N x K weight at every M")
     p.add_argument("shape", type=_weight_shape, help="the weight's N x K, e.g. 4096x11008")
-    p.add_argument("--layout", choices=("spec", "tiled"), default="spec",
-                   help="tiled: a jax_fp4.prepack'ed weight (default spec)")
-    p.add_argument("--capability", type=_capability, default=None,
-                   help="the GPU's compute capability, e.g. 9.0 (default: this machine's GPU)")
-    p.add_argument("--device-kind", default=None,
-                   help="the GPU's name as JAX reports it, e.g. 'NVIDIA H200': the dispatch "
-                        "table's key (default: the capability's entry, or this machine's GPU)")
+    p.add_argument(
+        "--layout",
+        choices=("spec", "tiled"),
+        default="spec",
+        help="tiled: a jax_fp4.prepack'ed weight (default spec)",
+    )
+    p.add_argument(
+        "--capability",
+        type=_capability,
+        default=None,
+        help="the GPU's compute capability, e.g. 9.0 (default: this machine's GPU)",
+    )
+    p.add_argument(
+        "--device-kind",
+        default=None,
+        help="the GPU's name as JAX reports it, e.g. 'NVIDIA H200': the dispatch "
+        "table's key (default: the capability's entry, or this machine's GPU)",
+    )
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--native", action="store_true", help="as with JAX_FP4_NATIVE_SM120=1")
     p.add_argument("--max-m", type=int, default=8192)

@@ -101,8 +101,11 @@ _CT_IGNORED = ("input_global_scale",)
 
 def _is_float(dtype) -> bool:
     dtype = np.dtype(dtype)
-    return bool(np.issubdtype(dtype, np.floating)) or dtype.name in ("bfloat16", "float8_e4m3fn",
-                                                                     "float8_e5m2")
+    return bool(np.issubdtype(dtype, np.floating)) or dtype.name in (
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
 
 
 class CheckpointError(ValueError):
@@ -111,22 +114,29 @@ class CheckpointError(ValueError):
 
 # ---- checkpoint tensors <-> NVFP4Weight ---------------------------------------------------------
 
+
 def _get(tensors: Mapping, name: str, suffix: str, convention: str, needed: Sequence[str]):
     key = f"{name}.{suffix}"
     if key not in tensors:
         present = [f"{name}.{s}" for s in needed if f"{name}.{s}" in tensors]
         raise CheckpointError(
             f"{convention} layer {name!r}: tensor {key!r} is missing (a {convention} NVFP4 layer "
-            f"needs {', '.join(repr(f'{name}.{s}') for s in needed)}; found {present})")
+            f"needs {', '.join(repr(f'{name}.{s}') for s in needed)}; found {present})"
+        )
     value = tensors[key]
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-        raise CheckpointError(f"{convention} layer {name!r}: {key!r} must be an array, got "
-                              f"{type(value).__name__}")
+        raise CheckpointError(
+            f"{convention} layer {name!r}: {key!r} must be an array, got {type(value).__name__}"
+        )
     return key, np.asarray(value)
 
 
 def _check_block_size(block_size, where: str) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, (int, np.integer))
+        or block_size <= 0
+    ):
         raise ValueError(f"{where}: block_size must be a positive int, got {block_size!r}")
     return int(block_size)
 
@@ -152,32 +162,45 @@ def _in_layout_on_host(w: NVFP4Weight, layout: str) -> NVFP4Weight:
         out = in_layout(w, layout)
     if out is w:
         return w
-    return NVFP4Weight(np.asarray(out.packed), np.asarray(out.scale), w.global_scale,
-                       w.block_size, layout=out.layout)
+    return NVFP4Weight(
+        np.asarray(out.packed),
+        np.asarray(out.scale),
+        w.global_scale,
+        w.block_size,
+        layout=out.layout,
+    )
 
 
 def _build(convention, name, packed_key, packed, scale_key, scale, gs_key, gs, block_size):
     """Validate one layer's three tensors and build the NVFP4Weight (gs already multiplicative)."""
     where = f"{convention} layer {name!r}"
     if packed.dtype != _U8:
-        hint = (" (a float weight: this layer is not NVFP4-quantized)"
-                if _is_float(packed.dtype) else "")
-        raise CheckpointError(f"{where}: {packed_key!r} must be uint8 (two E2M1 codes per byte), got "
-                              f"dtype {packed.dtype}{hint}")
+        hint = (
+            " (a float weight: this layer is not NVFP4-quantized)"
+            if _is_float(packed.dtype)
+            else ""
+        )
+        raise CheckpointError(
+            f"{where}: {packed_key!r} must be uint8 (two E2M1 codes per byte), got "
+            f"dtype {packed.dtype}{hint}"
+        )
     if packed.ndim < 2:
-        raise CheckpointError(f"{where}: {packed_key!r} must be [N, K/2] (rank >= 2), got shape "
-                              f"{tuple(packed.shape)}")
+        raise CheckpointError(
+            f"{where}: {packed_key!r} must be [N, K/2] (rank >= 2), got shape {tuple(packed.shape)}"
+        )
     if scale.dtype != _F8:
         hint = " (uint8 block scales are E8M0: an MXFP4 checkpoint?)" if scale.dtype == _U8 else ""
-        raise CheckpointError(f"{where}: {scale_key!r} must be float8_e4m3fn (F8_E4M3), got dtype "
-                              f"{scale.dtype}{hint}")
+        raise CheckpointError(
+            f"{where}: {scale_key!r} must be float8_e4m3fn (F8_E4M3), got dtype {scale.dtype}{hint}"
+        )
     *lead, n, half_k = packed.shape
     k = 2 * half_k
     expected = (*lead, n, math.ceil(k / block_size))
     if tuple(scale.shape) != expected:
         raise CheckpointError(
             f"{where}: {scale_key!r} must have shape {expected} = [N, ceil(K/{block_size})] for "
-            f"{packed_key!r} of shape {tuple(packed.shape)} (K = {k}), got {tuple(scale.shape)}")
+            f"{packed_key!r} of shape {tuple(packed.shape)} (K = {k}), got {tuple(scale.shape)}"
+        )
     if not _is_float(gs.dtype):
         raise CheckpointError(f"{where}: {gs_key!r} must be float32, got dtype {gs.dtype}")
     lead = tuple(lead)
@@ -186,16 +209,23 @@ def _build(convention, name, packed_key, packed, scale_key, scale, gs_key, gs, b
     elif tuple(gs.shape) == (*lead, 1):
         gs = gs.reshape(lead)
     elif tuple(gs.shape) != lead:
-        raise CheckpointError(f"{where}: {gs_key!r} must be a scalar (shape () or (1,)"
-                              f"{f' or {lead}' if lead else ''}), got shape {tuple(gs.shape)}")
+        raise CheckpointError(
+            f"{where}: {gs_key!r} must be a scalar (shape () or (1,)"
+            f"{f' or {lead}' if lead else ''}), got shape {tuple(gs.shape)}"
+        )
     gs = np.array(gs, np.float32)
     if not (np.all(np.isfinite(gs)) and np.all(gs > 0)):
         raise CheckpointError(f"{where}: {gs_key!r} must be finite and positive, got {gs.tolist()}")
     return NVFP4Weight(packed, scale, gs, block_size=block_size)
 
 
-def from_modelopt(tensors: Mapping, name: str, *, block_size: int = NVFP4_BLOCK_SIZE,
-                  in_features: int | None = None) -> NVFP4Weight:
+def from_modelopt(
+    tensors: Mapping,
+    name: str,
+    *,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    in_features: int | None = None,
+) -> NVFP4Weight:
     """The NVFP4Weight of ModelOpt layer `name` from `name.weight` (uint8 [N, K/2]),
     `name.weight_scale` (float8_e4m3fn [N, K/16]) and `name.weight_scale_2` (float32 scalar,
     multiplied). `name.input_scale` is ignored. Raises CheckpointError naming the layer and the
@@ -211,8 +241,13 @@ def from_modelopt(tensors: Mapping, name: str, *, block_size: int = NVFP4_BLOCK_
     return strip_k_padding(weight, in_features, f"ModelOpt layer {name!r}")
 
 
-def from_compressed_tensors(tensors: Mapping, name: str, *, block_size: int = NVFP4_BLOCK_SIZE,
-                            in_features: int | None = None) -> NVFP4Weight:
+def from_compressed_tensors(
+    tensors: Mapping,
+    name: str,
+    *,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    in_features: int | None = None,
+) -> NVFP4Weight:
     """The NVFP4Weight of compressed-tensors (``nvfp4-pack-quantized``) layer `name` from
     `name.weight_packed`, `name.weight_scale` and `name.weight_global_scale`.
 
@@ -227,14 +262,18 @@ def from_compressed_tensors(tensors: Mapping, name: str, *, block_size: int = NV
     sk, scale = _get(tensors, name, "weight_scale", "compressed-tensors", needed)
     gk, inv = _get(tensors, name, "weight_global_scale", "compressed-tensors", needed)
     if not _is_float(inv.dtype):
-        raise CheckpointError(f"compressed-tensors layer {name!r}: {gk!r} must be float32, got dtype "
-                              f"{inv.dtype}")
+        raise CheckpointError(
+            f"compressed-tensors layer {name!r}: {gk!r} must be float32, got dtype {inv.dtype}"
+        )
     inv = inv.astype(np.float32)
     if not (np.all(np.isfinite(inv)) and np.all(inv > 0)):
-        raise CheckpointError(f"compressed-tensors layer {name!r}: {gk!r} must be finite and "
-                              f"positive, got {inv.tolist()}")
-    weight = _build("compressed-tensors", name, pk, packed, sk, scale, gk,
-                    np.float32(1.0) / inv, block_size)
+        raise CheckpointError(
+            f"compressed-tensors layer {name!r}: {gk!r} must be finite and "
+            f"positive, got {inv.tolist()}"
+        )
+    weight = _build(
+        "compressed-tensors", name, pk, packed, sk, scale, gk, np.float32(1.0) / inv, block_size
+    )
     return strip_k_padding(weight, in_features, f"compressed-tensors layer {name!r}")
 
 
@@ -247,21 +286,29 @@ def strip_k_padding(w: NVFP4Weight, in_features: int | None, where: str = "strip
     too. Logs what it dropped (INFO). None or the stored K: `w` unchanged."""
     if in_features is None:
         return w
-    if isinstance(in_features, bool) or not isinstance(in_features, (int, np.integer)) or in_features <= 0:
+    if (
+        isinstance(in_features, bool)
+        or not isinstance(in_features, (int, np.integer))
+        or in_features <= 0
+    ):
         raise ValueError(f"{where}: in_features must be a positive int, got {in_features!r}")
     k, stored = int(in_features), w.k
     if k == stored:
         return w
     if k > stored:
-        raise CheckpointError(f"{where}: in_features is {k}, but the file holds K = {stored} "
-                              f"(packed {tuple(w.packed.shape)})")
+        raise CheckpointError(
+            f"{where}: in_features is {k}, but the file holds K = {stored} "
+            f"(packed {tuple(w.packed.shape)})"
+        )
     if k % 2:
-        raise CheckpointError(f"{where}: in_features {k} is odd; NVFP4Weight packs two codes a "
-                              "byte and needs an even K")
+        raise CheckpointError(
+            f"{where}: in_features {k} is odd; NVFP4Weight packs two codes a "
+            "byte and needs an even K"
+        )
     if w.layout != "spec":
         raise ValueError(f"{where}: strip the padding before prepacking (layout {w.layout!r})")
     packed, scale = np.asarray(w.packed), np.asarray(w.scale)
-    pad = packed[..., k // 2:]
+    pad = packed[..., k // 2 :]
     bad = np.argwhere(((pad & 0x7) != 0) | ((pad & 0x70) != 0))
     if len(bad):
         row = tuple(int(i) for i in bad[0][:-1])
@@ -269,21 +316,32 @@ def strip_k_padding(w: NVFP4Weight, in_features: int | None, where: str = "strip
         raise CheckpointError(
             f"{where}: in_features is {k}, but the padding (K {k}..{stored - 1} of the stored "
             f"{stored}) holds nonzero codes, e.g. row {row} at K = {column} or {column + 1}: the "
-            "layer's true K is larger")
+            "layer's true K is larger"
+        )
     blocks = math.ceil(k / w.block_size)
-    _log.info("%s: K = %d in the file (padded), %d from in_features: dropped %d zero padding "
-              "columns%s", where, stored, k, stored - k,
-              f" and {scale.shape[-1] - blocks} block scales" if scale.shape[-1] > blocks else "")
-    return NVFP4Weight(np.ascontiguousarray(packed[..., :k // 2]),
-                       np.ascontiguousarray(scale[..., :blocks]), w.global_scale, w.block_size)
+    _log.info(
+        "%s: K = %d in the file (padded), %d from in_features: dropped %d zero padding columns%s",
+        where,
+        stored,
+        k,
+        stored - k,
+        f" and {scale.shape[-1] - blocks} block scales" if scale.shape[-1] > blocks else "",
+    )
+    return NVFP4Weight(
+        np.ascontiguousarray(packed[..., : k // 2]),
+        np.ascontiguousarray(scale[..., :blocks]),
+        w.global_scale,
+        w.block_size,
+    )
 
 
 def _weight_arrays(w, where: str):
     if not isinstance(w, NVFP4Weight):
         raise TypeError(f"{where}: w must be an NVFP4Weight, got {type(w).__name__}")
     if w.block_size != NVFP4_BLOCK_SIZE:
-        raise ValueError(f"{where}: NVFP4 checkpoints use block_size {NVFP4_BLOCK_SIZE}, got "
-                         f"{w.block_size}")
+        raise ValueError(
+            f"{where}: NVFP4 checkpoints use block_size {NVFP4_BLOCK_SIZE}, got {w.block_size}"
+        )
     packed, scale = (np.asarray(x) for x in _spec_arrays(w))  # files hold the spec layout
     if scale.dtype == _U8:
         scale = scale.view(_F8)
@@ -320,8 +378,11 @@ def to_compressed_tensors(w: NVFP4Weight, name: str) -> dict[str, np.ndarray]:
     _check_name(name, "to_compressed_tensors")
     packed, scale, gs = _weight_arrays(w, "to_compressed_tensors")
     inv = (np.float32(1.0) / gs).astype(np.float32).reshape(*gs.shape, 1)
-    return {f"{name}.weight_packed": packed, f"{name}.weight_scale": scale,
-            f"{name}.weight_global_scale": inv}
+    return {
+        f"{name}.weight_packed": packed,
+        f"{name}.weight_scale": scale,
+        f"{name}.weight_global_scale": inv,
+    }
 
 
 def _dtype_of(tensors: Mapping, key: str):
@@ -358,7 +419,8 @@ def _layer_names(tensors: Mapping) -> dict[str, str]:
         if layers.get(prefix, convention) != convention:
             raise CheckpointError(
                 f"layer {prefix!r} mixes the ModelOpt ({prefix}.weight_scale_2) and "
-                f"compressed-tensors ({prefix}.weight_global_scale) conventions")
+                f"compressed-tensors ({prefix}.weight_global_scale) conventions"
+            )
         layers[prefix] = convention
     return layers
 
@@ -373,12 +435,19 @@ def _in_features_of(in_features: InFeatures, name: str) -> int | None:
         return in_features.get(name)
     if callable(in_features):
         return in_features(name)
-    raise TypeError(f"in_features must be a mapping or a callable from layer name to K, got "
-                    f"{type(in_features).__name__}")
+    raise TypeError(
+        f"in_features must be a mapping or a callable from layer name to K, got "
+        f"{type(in_features).__name__}"
+    )
 
 
-def from_tensors(tensors: Mapping, *, block_size: int = NVFP4_BLOCK_SIZE,
-                 layout: str = "spec", in_features: InFeatures = None) -> dict:
+def from_tensors(
+    tensors: Mapping,
+    *,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    layout: str = "spec",
+    in_features: InFeatures = None,
+) -> dict:
     """Convert every NVFP4 layer of a flat tensor mapping, detecting the convention per layer.
 
     Returns a dict from layer name to NVFP4Weight for ModelOpt layers (recognised by
@@ -415,8 +484,10 @@ def from_tensors(tensors: Mapping, *, block_size: int = NVFP4_BLOCK_SIZE,
         if key in consumed:
             continue
         if key in out:
-            raise CheckpointError(f"tensor {key!r} has the same name as an NVFP4 layer built from "
-                                  f"{key!r}.weight*; cannot return both")
+            raise CheckpointError(
+                f"tensor {key!r} has the same name as an NVFP4 layer built from "
+                f"{key!r}.weight*; cannot return both"
+            )
         out[key] = value
     return out
 
@@ -442,11 +513,15 @@ def fuse(weights) -> NVFP4Weight:
     first, first_name = ws[0], names[0]
     for name, w in zip(names[1:], ws[1:]):
         if w.block_size != first.block_size:
-            raise ValueError(f"fuse: {name} has block_size {w.block_size}, expected "
-                             f"{first.block_size} (as {first_name})")
+            raise ValueError(
+                f"fuse: {name} has block_size {w.block_size}, expected "
+                f"{first.block_size} (as {first_name})"
+            )
         if w.k != first.k or w.shape[:-2] != first.shape[:-2]:
-            raise ValueError(f"fuse: {name} has shape {w.shape}; every part needs K = {first.k} and "
-                             f"leading shape {first.shape[:-2]} (as {first_name}, shape {first.shape})")
+            raise ValueError(
+                f"fuse: {name} has shape {w.shape}; every part needs K = {first.k} and "
+                f"leading shape {first.shape[:-2]} (as {first_name}, shape {first.shape})"
+            )
     scales = [np.asarray(w.global_scale, np.float32) for w in ws]
     if any(not np.array_equal(s.view(np.uint32), scales[0].view(np.uint32)) for s in scales[1:]):
         listed = ", ".join(f"{n}: {s.tolist()}" for n, s in zip(names, scales))
@@ -454,7 +529,8 @@ def fuse(weights) -> NVFP4Weight:
             f"fuse: the parts have different global scales ({listed}); a fused layer needs one "
             "shared global scale. Quantize the concatenated float weights once "
             "(jax_fp4.quantize(jnp.concatenate([...], axis=-2))) instead of fusing separately "
-            "quantized parts")
+            "quantized parts"
+        )
     parts = [_spec_arrays(w) for w in ws]
     packed = np.concatenate([np.asarray(p) for p, _ in parts], axis=-2)
     scale = np.concatenate([np.asarray(s).view(_U8) for _, s in parts], axis=-2)
@@ -465,9 +541,12 @@ def fuse(weights) -> NVFP4Weight:
 
 # ---- safetensors files ------------------------------------------------------------------------
 
+
 def _check_little_endian() -> None:
     if sys.byteorder != "little":
-        raise NotImplementedError("jax_fp4.checkpoint reads and writes safetensors on little-endian hosts only")
+        raise NotImplementedError(
+            "jax_fp4.checkpoint reads and writes safetensors on little-endian hosts only"
+        )
 
 
 def _read_one(path: Path) -> dict[str, np.ndarray]:
@@ -476,14 +555,20 @@ def _read_one(path: Path) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            raise CheckpointError(
+                f"{path}: not a safetensors file (shorter than its 8-byte header length)"
+            )
         (header_len,) = struct.unpack("<Q", head)
         if header_len > size - 8:
-            raise CheckpointError(f"{path}: header length {header_len} exceeds the file size {size}")
+            raise CheckpointError(
+                f"{path}: header length {header_len} exceeds the file size {size}"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+            raise CheckpointError(
+                f"{path}: the safetensors header is not valid JSON ({e})"
+            ) from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: the safetensors header must be a JSON object")
         data_start = 8 + header_len
@@ -495,23 +580,33 @@ def _read_one(path: Path) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         try:
-            st_dtype, shape, (begin, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+            st_dtype, shape, (begin, end) = (
+                info["dtype"],
+                [int(d) for d in info["shape"]],
+                info["data_offsets"],
+            )
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry {info!r}"
+            ) from None
         if st_dtype not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {st_dtype!r}, which jax_fp4 "
-                                  f"cannot read (supported: {', '.join(sorted(_ST_DTYPES))})")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {st_dtype!r}, which jax_fp4 "
+                f"cannot read (supported: {', '.join(sorted(_ST_DTYPES))})"
+            )
         dtype = _ST_DTYPES[st_dtype]
         count = math.prod(shape)
         if not (0 <= begin <= end <= data_len) or end - begin != count * dtype.itemsize:
             raise CheckpointError(
                 f"{path}: tensor {name!r} ({st_dtype} {shape}) needs {count * dtype.itemsize} bytes, "
-                f"its data_offsets are [{begin}, {end}) of a {data_len}-byte data section")
+                f"its data_offsets are [{begin}, {end}) of a {data_len}-byte data section"
+            )
         if count == 0:
             out[name] = np.zeros(shape, dtype)
         else:
-            out[name] = np.frombuffer(buf, dtype=dtype, count=count,
-                                      offset=data_start + begin).reshape(shape)
+            out[name] = np.frombuffer(
+                buf, dtype=dtype, count=count, offset=data_start + begin
+            ).reshape(shape)
     return out
 
 
@@ -523,7 +618,9 @@ def _index_weight_map(index: Path) -> dict:
     except FileNotFoundError:
         raise
     except (KeyError, TypeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
+        raise CheckpointError(
+            f"{index}: not a safetensors index (needs a 'weight_map' object): {e}"
+        ) from None
     return weight_map
 
 
@@ -547,7 +644,9 @@ def _sources(path_or_paths) -> tuple[list[Path], dict[str, Path]]:
         if item.is_dir():
             indexes = sorted(item.glob("*.safetensors.index.json"))
             if len(indexes) > 1:
-                raise CheckpointError(f"{item}: several index files {[p.name for p in indexes]}; pass one")
+                raise CheckpointError(
+                    f"{item}: several index files {[p.name for p in indexes]}; pass one"
+                )
             if indexes:
                 add_index(indexes[0])
             else:
@@ -577,8 +676,9 @@ def read_safetensors(path_or_paths) -> dict[str, np.ndarray]:
     origin: dict[str, Path] = {}
     for path in files:
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such safetensors file"
-                                    f"{' (listed in an index)' if promised else ''}")
+            raise FileNotFoundError(
+                f"{path}: no such safetensors file{' (listed in an index)' if promised else ''}"
+            )
         for name, array in _read_one(path).items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} is in both {origin[name]} and {path}")
@@ -586,13 +686,20 @@ def read_safetensors(path_or_paths) -> dict[str, np.ndarray]:
             origin[name] = path
     missing = [name for name in promised if name not in tensors]
     if missing:
-        raise CheckpointError(f"{promised[missing[0]]}: {len(missing)} tensor(s) listed in the index "
-                              f"are absent from their files, e.g. {missing[:5]}")
+        raise CheckpointError(
+            f"{promised[missing[0]]}: {len(missing)} tensor(s) listed in the index "
+            f"are absent from their files, e.g. {missing[:5]}"
+        )
     return tensors
 
 
-def load_safetensors(path_or_paths, *, block_size: int = NVFP4_BLOCK_SIZE,
-                     layout: str = "spec", in_features: InFeatures = None) -> dict:
+def load_safetensors(
+    path_or_paths,
+    *,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    layout: str = "spec",
+    in_features: InFeatures = None,
+) -> dict:
     """Read one or several .safetensors files (see `read_safetensors`) and convert every NVFP4
     layer, ModelOpt or compressed-tensors, detected per layer (see `from_tensors`).
 
@@ -601,8 +708,12 @@ def load_safetensors(path_or_paths, *, block_size: int = NVFP4_BLOCK_SIZE,
     ``in_features``: each layer's true K (a mapping or a callable from layer name to K), where
     the file holds K padded; the files do not record it (config.json implies it)."""
     layout = _check_layout(layout, "load_safetensors")  # before reading any file
-    return from_tensors(read_safetensors(path_or_paths), block_size=block_size, layout=layout,
-                        in_features=in_features)
+    return from_tensors(
+        read_safetensors(path_or_paths),
+        block_size=block_size,
+        layout=layout,
+        in_features=in_features,
+    )
 
 
 def save_safetensors(tensors: Mapping, path, *, metadata: Mapping[str, str] | None = None) -> None:
@@ -616,13 +727,17 @@ def save_safetensors(tensors: Mapping, path, *, metadata: Mapping[str, str] | No
 
     def put(name, array):
         if name in arrays:
-            raise ValueError(f"save_safetensors: tensor {name!r} appears twice (an NVFP4Weight "
-                             "expands to NAME.weight, NAME.weight_scale, NAME.weight_scale_2)")
+            raise ValueError(
+                f"save_safetensors: tensor {name!r} appears twice (an NVFP4Weight "
+                "expands to NAME.weight, NAME.weight_scale, NAME.weight_scale_2)"
+            )
         arrays[name] = array
 
     for name, value in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
-            raise ValueError(f"save_safetensors: tensor names must be non-empty strings, got {name!r}")
+            raise ValueError(
+                f"save_safetensors: tensor names must be non-empty strings, got {name!r}"
+            )
         if isinstance(value, NVFP4Weight):
             for key, array in to_modelopt(value, name).items():
                 put(key, array)
@@ -631,11 +746,14 @@ def save_safetensors(tensors: Mapping, path, *, metadata: Mapping[str, str] | No
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("="))
         if array.dtype not in _ST_NAMES:
-            raise TypeError(f"save_safetensors: tensor {name!r} has dtype {array.dtype}, which "
-                            f"safetensors cannot store (supported: {sorted(map(str, _ST_NAMES))})")
+            raise TypeError(
+                f"save_safetensors: tensor {name!r} has dtype {array.dtype}, which "
+                f"safetensors cannot store (supported: {sorted(map(str, _ST_NAMES))})"
+            )
         put(name, array)
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str)
-                                        for k, v in metadata.items()):
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise TypeError("save_safetensors: metadata must map str to str")
 
     _check_little_endian()
@@ -647,8 +765,11 @@ def save_safetensors(tensors: Mapping, path, *, metadata: Mapping[str, str] | No
     for name in order:
         array = arrays[name]
         nbytes = array.size * array.dtype.itemsize
-        header[name] = {"dtype": _ST_NAMES[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _ST_NAMES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)

@@ -50,8 +50,9 @@ def env_flag(name: str, default: bool) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"environment variable {name} must be a boolean (0/1/true/false/yes/no), "
-                     f"got {raw!r}")
+    raise ValueError(
+        f"environment variable {name} must be a boolean (0/1/true/false/yes/no), got {raw!r}"
+    )
 
 
 def gemv_tensor_cores() -> bool:
@@ -145,24 +146,39 @@ class KernelTuning:
             else:
                 choices = _ALLOWED[field.name]
                 # bool is an int: 1 must not pass for True, nor True for 1.
-                ok = any(value is c if c is None or isinstance(c, bool) else
-                         (type(value) is int and value == c) for c in choices)
+                ok = any(
+                    value is c
+                    if c is None or isinstance(c, bool)
+                    else (type(value) is int and value == c)
+                    for c in choices
+                )
                 allowed = ", ".join(map(repr, choices))
             if not ok:
-                raise ValueError(f"KernelTuning.{field.name} must be one of {allowed}, got {value!r}")
+                raise ValueError(
+                    f"KernelTuning.{field.name} must be one of {allowed}, got {value!r}"
+                )
 
     def gemv_attributes(self) -> dict:
         """The GEMV target's tuning attributes (INTERFACE: col_tiles, k_split, rows_per_block,
         programmatic)."""
-        return dict(col_tiles=self.gemv_col_tiles, k_split=self.gemv_k_split,
-                    rows_per_block=self.gemv_rows_per_block, programmatic=self.programmatic_launch)
+        return dict(
+            col_tiles=self.gemv_col_tiles,
+            k_split=self.gemv_k_split,
+            rows_per_block=self.gemv_rows_per_block,
+            programmatic=self.programmatic_launch,
+        )
 
     def fused_attributes(self) -> dict:
         """The fused GEMM target's tuning attributes (-1: the heuristic, for the tri-state ones)."""
         tri = {None: -1, False: 0, True: 1}
-        return dict(split=self.fused_split, tile_m=self.fused_tile_m, tile_n=self.fused_tile_n,
-                    warp_specialized=tri[self.fused_warp_specialized],
-                    stream_k=tri[self.fused_stream_k], programmatic=self.programmatic_launch)
+        return dict(
+            split=self.fused_split,
+            tile_m=self.fused_tile_m,
+            tile_n=self.fused_tile_n,
+            warp_specialized=tri[self.fused_warp_specialized],
+            stream_k=tri[self.fused_stream_k],
+            programmatic=self.programmatic_launch,
+        )
 
 
 DEFAULT_TUNING = KernelTuning()

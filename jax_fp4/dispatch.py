@@ -53,14 +53,14 @@ class Crossovers:
     the GEMV runs its mma.sync kernel (`gemv_tensor_cores`).
     """
 
-    gemv_max_m: int                            # the GEMV on any weight
-    gemv_max_m_without_fused: int              # ... no fused GEMM for it, GEMV on tensor cores
-    gemv_max_m_small: int | None = None        # ... N <= small_n, K <= long_k, tensor cores
+    gemv_max_m: int  # the GEMV on any weight
+    gemv_max_m_without_fused: int  # ... no fused GEMM for it, GEMV on tensor cores
+    gemv_max_m_small: int | None = None  # ... N <= small_n, K <= long_k, tensor cores
     gemv_max_m_small_weight: int | None = None  # ... N * K <= small_weight, tensor cores
     gemv_max_m_narrow_long: int | None = None  # ... N <= narrow_n and K >= long_k
-    fused_min_m_wide_long: int | None = None   # the fused GEMM from here: N >= wide_n, K >= long_k
-    fused_max_m: int = 0                       # the fused GEMM past the GEMV to here (0: never)
-    fused_max_m_large: int = 0                 # ... N >= wide_n and N * K >= large_weight
+    fused_min_m_wide_long: int | None = None  # the fused GEMM from here: N >= wide_n, K >= long_k
+    fused_max_m: int = 0  # the fused GEMM past the GEMV to here (0: never)
+    fused_max_m_large: int = 0  # ... N >= wide_n and N * K >= large_weight
     small_n: int = 0
     small_weight: int = 0
     narrow_n: int = 0
@@ -214,17 +214,24 @@ def gemv_tensor_cores(p: Problem, target: Target) -> bool:
     tiled layout has them by construction), unless JAX_FP4_GEMV_MMA=0; the scalar kernel
     otherwise. The one place this is decided: the lowering passes it to the kernel."""
     cap = target.capability
-    return (target.platform == "cuda" and target.gemv_mma and cap is not None
-            and tuple(cap) >= (8, 0) and (p.tiled or p.k % 128 == 0))
+    return (
+        target.platform == "cuda"
+        and target.gemv_mma
+        and cap is not None
+        and tuple(cap) >= (8, 0)
+        and (p.tiled or p.k % 128 == 0)
+    )
 
 
 def gemv_max_m(p: Problem, c: Crossovers, *, tensor_cores: bool, fused_serves: bool) -> int:
     """The largest M at which "auto" takes the GEMV: the largest bound of the rules that apply."""
-    rules = [(c.gemv_max_m, True),
-             (c.gemv_max_m_without_fused, tensor_cores and not fused_serves),
-             (c.gemv_max_m_small, tensor_cores and p.n <= c.small_n and p.k <= c.long_k),
-             (c.gemv_max_m_small_weight, tensor_cores and p.n * p.k <= c.small_weight),
-             (c.gemv_max_m_narrow_long, p.n <= c.narrow_n and p.k >= c.long_k)]
+    rules = [
+        (c.gemv_max_m, True),
+        (c.gemv_max_m_without_fused, tensor_cores and not fused_serves),
+        (c.gemv_max_m_small, tensor_cores and p.n <= c.small_n and p.k <= c.long_k),
+        (c.gemv_max_m_small_weight, tensor_cores and p.n * p.k <= c.small_weight),
+        (c.gemv_max_m_narrow_long, p.n <= c.narrow_n and p.k >= c.long_k),
+    ]
     return max(bound for bound, applies in rules if applies and bound is not None)
 
 
@@ -232,15 +239,21 @@ def prefers_fused(p: Problem, c: Crossovers, gemv_bound: int) -> bool:
     """Whether "auto" takes the fused GEMM (where it can serve) over the GEMV / dequant."""
     wide = p.n >= c.wide_n
     if p.m <= gemv_bound:
-        return c.fused_min_m_wide_long is not None and p.m >= c.fused_min_m_wide_long and (
-            wide and p.k >= c.long_k)
+        return (
+            c.fused_min_m_wide_long is not None
+            and p.m >= c.fused_min_m_wide_long
+            and (wide and p.k >= c.long_k)
+        )
     large = wide and p.n * p.k >= c.large_weight
     return p.m <= (c.fused_max_m_large if large else c.fused_max_m)
 
 
 _PLATFORM_OF = {"cpu": "cpu", "gemv": "cuda", "dequant": "cuda", "fused": "cuda", "native": "cuda"}
-_UNSUPPORTED = {"gemv": gemv_unsupported_reason, "dequant": half_dtype_unsupported_reason,
-                "xla": half_dtype_unsupported_reason}
+_UNSUPPORTED = {
+    "gemv": gemv_unsupported_reason,
+    "dequant": half_dtype_unsupported_reason,
+    "xla": half_dtype_unsupported_reason,
+}
 
 
 def check_backend(backend: str, p: Problem) -> None:
@@ -277,22 +290,36 @@ def cuda_kernels_run_on(architectures: str, capability) -> bool:
     return False
 
 
-def cuda_target(capability, *, device_kind: str | None = None, architectures: str = "",
-                native_enabled: bool = False, gemv_mma: bool = True) -> Target:
+def cuda_target(
+    capability,
+    *,
+    device_kind: str | None = None,
+    architectures: str = "",
+    native_enabled: bool = False,
+    gemv_mma: bool = True,
+) -> Target:
     """A CUDA device of `capability` with jax_fp4's kernels compiled for `architectures` (empty:
     for that device): for judging the rules without the device (`python -m jax_fp4 paths`,
     benchmarks/dispatch_check.py)."""
-    return Target("cuda", capability=capability, device_kind=device_kind,
-                  has_cuda_kernels=cuda_kernels_run_on(architectures, capability),
-                  native_enabled=native_enabled, gemv_mma=gemv_mma)
+    return Target(
+        "cuda",
+        capability=capability,
+        device_kind=device_kind,
+        has_cuda_kernels=cuda_kernels_run_on(architectures, capability),
+        native_enabled=native_enabled,
+        gemv_mma=gemv_mma,
+    )
 
 
 def _check_platform(backend: str, platform: str, has_cuda_kernels: bool) -> None:
     needed = _PLATFORM_OF[backend]
     if platform != needed or (needed == "cuda" and not has_cuda_kernels):
-        why = ("this jax_fp4 build has no CUDA kernels for this GPU (none compiled in, or none for "
-               "its compute capability: `python -m jax_fp4 info` lists the architectures)"
-               if platform == needed else f"the computation is lowered for platform {platform!r}")
+        why = (
+            "this jax_fp4 build has no CUDA kernels for this GPU (none compiled in, or none for "
+            "its compute capability: `python -m jax_fp4 info` lists the architectures)"
+            if platform == needed
+            else f"the computation is lowered for platform {platform!r}"
+        )
         raise ValueError(f"backend={backend!r} needs platform {needed!r}, but {why}")
 
 
@@ -314,8 +341,9 @@ def _path(p: Problem, target: Target, backend: str, tensor_cores: bool) -> str:
     if backend != "auto":
         _check_platform(backend, target.platform, target.has_cuda_kernels)
         if backend == "native":  # raises ValueError with the reason when it cannot run
-            _native.native_path_applies(capability, target.native_enabled, "native", p.m, p.n,
-                                        p.k, p.block_size, p.dtype)
+            _native.native_path_applies(
+                capability, target.native_enabled, "native", p.m, p.n, p.k, p.block_size, p.dtype
+            )
         elif backend == "fused" and (reason := fused_unsupported_reason(p, capability)):
             raise ValueError(f"backend='fused' cannot serve this matmul: {reason}")
         return backend
@@ -325,10 +353,14 @@ def _path(p: Problem, target: Target, backend: str, tensor_cores: bool) -> str:
         c = target.crossovers.for_layout(p.tiled)
         fused_serves = fused_unsupported_reason(p, capability) is None
         # The native path, opted into, keeps everything past the GEMV's decode range.
-        native = _native.native_path_applies(capability, target.native_enabled, "auto", p.m, p.n,
-                                             p.k, p.block_size, p.dtype)
-        bound = c.gemv_max_m if native else gemv_max_m(p, c, tensor_cores=tensor_cores,
-                                                       fused_serves=fused_serves)
+        native = _native.native_path_applies(
+            capability, target.native_enabled, "auto", p.m, p.n, p.k, p.block_size, p.dtype
+        )
+        bound = (
+            c.gemv_max_m
+            if native
+            else gemv_max_m(p, c, tensor_cores=tensor_cores, fused_serves=fused_serves)
+        )
         if fused_serves and prefers_fused(p, c, bound):
             return "fused"
         if gemv_unsupported_reason(p) is None and p.m <= bound:

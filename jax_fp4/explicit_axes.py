@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def axes_of(entry) -> tuple[str, ...]:
@@ -84,9 +85,9 @@ def by_row_tiles(fn, x, rows: int, *, keep_type: bool):
     if x.shape[-2] % (axes_size(mesh, n_axes) * rows):
         n_axes = ()
     local = P(*(spec_entry(e) for e in lead), spec_entry(n_axes), None)
-    y = jax.shard_map(fn, mesh=mesh, in_specs=local, out_specs=local,
-                      axis_names=set(mesh.explicit_axes))(
-        jax.sharding.reshard(x, NamedSharding(mesh, local)))
+    y = jax.shard_map(
+        fn, mesh=mesh, in_specs=local, out_specs=local, axis_names=set(mesh.explicit_axes)
+    )(jax.sharding.reshard(x, NamedSharding(mesh, local)))
     return jax.sharding.reshard(y, sharding) if keep_type else y
 
 

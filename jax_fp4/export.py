@@ -30,20 +30,27 @@ def export_disabled_checks() -> list:
                                      disabled_checks=jax_fp4.export_disabled_checks())(params, x)
 
     One waiver per FFI target of jax_fp4 (every platform, built here or not)."""
-    return [jax.export.DisabledSafetyCheck.custom_call(name)
-            for names in _ffi.FFI_TARGETS.values() for name in names]
+    return [
+        jax.export.DisabledSafetyCheck.custom_call(name)
+        for names in _ffi.FFI_TARGETS.values()
+        for name in names
+    ]
 
 
 def _register_serialization() -> None:
     # Static data: NVFP4Weight's (block_size, layout), PrepackedNVFP4Weight's block_size.
     jax.export.register_pytree_node_serialization(
-        NVFP4Weight, serialized_name="jax_fp4.NVFP4Weight",
+        NVFP4Weight,
+        serialized_name="jax_fp4.NVFP4Weight",
         serialize_auxdata=lambda static: json.dumps(list(static)).encode(),
-        deserialize_auxdata=lambda data: tuple(json.loads(data)))
+        deserialize_auxdata=lambda data: tuple(json.loads(data)),
+    )
     jax.export.register_pytree_node_serialization(
-        PrepackedNVFP4Weight, serialized_name="jax_fp4.PrepackedNVFP4Weight",
+        PrepackedNVFP4Weight,
+        serialized_name="jax_fp4.PrepackedNVFP4Weight",
         serialize_auxdata=lambda block_size: json.dumps(block_size).encode(),
-        deserialize_auxdata=json.loads)
+        deserialize_auxdata=json.loads,
+    )
 
 
 _register_serialization()

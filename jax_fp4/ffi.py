@@ -7,7 +7,6 @@ from pathlib import Path
 
 import jax
 
-
 from jax_fp4 import config
 
 _CPU_MODULE = "_jax_fp4_cpu"
@@ -26,7 +25,8 @@ def missing_cpu_module_error(package_dir: Path, search_path: list[str]) -> Impor
     if _compiled_files(package_dir, _CPU_MODULE):
         return ImportError(
             f"jax_fp4's compiled CPU module in {package_dir} failed to load (the error above: built for "
-            "another Python or jaxlib?); reinstall jax_fp4 for this interpreter")
+            "another Python or jaxlib?); reinstall jax_fp4 for this interpreter"
+        )
     root = package_dir.parent
     if (root / "pyproject.toml").is_file():
         installed = None
@@ -35,14 +35,19 @@ def missing_cpu_module_error(package_dir: Path, search_path: list[str]) -> Impor
             if candidate != package_dir and _compiled_files(candidate, _CPU_MODULE):
                 installed = candidate
                 break
-        where = (f"an installed jax_fp4 is at {installed}: run from another directory to use it"
-                 if installed else "run from another directory to use an installed jax_fp4")
+        where = (
+            f"an installed jax_fp4 is at {installed}: run from another directory to use it"
+            if installed
+            else "run from another directory to use an installed jax_fp4"
+        )
         return ImportError(
             f"you are importing jax_fp4 from its source tree ({package_dir}), which has no compiled "
-            f"modules; {where}, or install the checkout in place with `pip install -e .` (from {root})")
+            f"modules; {where}, or install the checkout in place with `pip install -e .` (from {root})"
+        )
     return ImportError(
         f"jax_fp4 in {package_dir} has no compiled CPU module ({_CPU_MODULE}): the install is broken; "
-        "reinstall it (`pip install --force-reinstall jax_fp4`, or `pip install .` from its source)")
+        "reinstall it (`pip install --force-reinstall jax_fp4`, or `pip install .` from its source)"
+    )
 
 
 try:
@@ -61,8 +66,14 @@ _PLATFORM_MODULES = {"cpu": _jax_fp4_cpu, "CUDA": _jax_fp4_cuda}
 # exported for a platform this build lacks; tests/test_info.py keeps this equal to the modules').
 FFI_TARGETS = {
     "cpu": ("jax_fp4_matmul_cpu",),
-    "CUDA": ("jax_fp4_gemv_cuda", "jax_fp4_dequant_cuda", "jax_fp4_quantize_activation_cuda",
-             "jax_fp4_swizzle_scales_cuda", "jax_fp4_native_sm120_cuda", "jax_fp4_fused_cuda"),
+    "CUDA": (
+        "jax_fp4_gemv_cuda",
+        "jax_fp4_dequant_cuda",
+        "jax_fp4_quantize_activation_cuda",
+        "jax_fp4_swizzle_scales_cuda",
+        "jax_fp4_native_sm120_cuda",
+        "jax_fp4_fused_cuda",
+    ),
 }
 
 

@@ -13,10 +13,16 @@ def quantize_kernel(kernel, block_size, method="modelopt", importance=None):
     and can reject NaN or inf in it. Its errors say which matrix their indices refer to, in the
     message itself so that the converters' own wrapping (layer names) keeps it."""
     try:
-        return quantize(jnp.swapaxes(kernel, -1, -2), block_size=block_size, method=method,
-                        importance=importance)
+        return quantize(
+            jnp.swapaxes(kernel, -1, -2),
+            block_size=block_size,
+            method=method,
+            importance=importance,
+        )
     except ValueError as e:
-        raise ValueError(f"{e} (quantize's w is the Flax kernel transposed: [..., out, in])") from None
+        raise ValueError(
+            f"{e} (quantize's w is the Flax kernel transposed: [..., out, in])"
+        ) from None
 
 
 def compute_dtype(inputs, dtype, param_dtype, bias):
@@ -37,7 +43,9 @@ def input_square_sums(inputs):
 
 def check_calibration_method(caller: str, method: str, calibration) -> None:
     if calibration is not None and method != "mse":
-        raise ValueError(f"{caller}: calibration is used by method='mse' only, got method={method!r}")
+        raise ValueError(
+            f"{caller}: calibration is used by method='mse' only, got method={method!r}"
+        )
 
 
 def layer_importance(calibration, module_path: tuple):
@@ -46,6 +54,8 @@ def layer_importance(calibration, module_path: tuple):
         return None
     importance = calibration.get(tuple(module_path))
     if importance is None:
-        raise ValueError("calibration has no statistics for it (was it called while calibrating?); "
-                         "skip it with a filter")
+        raise ValueError(
+            "calibration has no statistics for it (was it called while calibrating?); "
+            "skip it with a filter"
+        )
     return importance

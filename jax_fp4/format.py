@@ -70,22 +70,29 @@ class NVFP4Weight:
         if np.dtype(packed.dtype) != np.uint8:
             raise TypeError(f"NVFP4Weight: packed must be uint8 [N, K/2], got dtype {packed.dtype}")
         if packed.ndim < 2:
-            raise ValueError(f"NVFP4Weight: packed must be [N, K/2] (rank >= 2), got shape {packed.shape}")
+            raise ValueError(
+                f"NVFP4Weight: packed must be [N, K/2] (rank >= 2), got shape {packed.shape}"
+            )
         if np.dtype(scale.dtype) not in _SCALE_DTYPES:
             raise TypeError(
-                f"NVFP4Weight: scale must be float8_e4m3fn or uint8 (raw E4M3 bytes), got dtype {scale.dtype}")
+                f"NVFP4Weight: scale must be float8_e4m3fn or uint8 (raw E4M3 bytes), got dtype {scale.dtype}"
+            )
         if not jnp.issubdtype(global_scale.dtype, jnp.floating):
-            raise TypeError(f"NVFP4Weight: global_scale must be float32, got dtype {global_scale.dtype}")
+            raise TypeError(
+                f"NVFP4Weight: global_scale must be float32, got dtype {global_scale.dtype}"
+            )
         *lead, n, half_k = packed.shape
         expected_scale = (*lead, n, math.ceil(2 * half_k / block_size))
         if tuple(scale.shape) != expected_scale:
             raise ValueError(
                 f"NVFP4Weight: scale must have shape {expected_scale} = [N, ceil(K/block_size)] for "
-                f"packed {tuple(packed.shape)} and block_size {block_size}, got {tuple(scale.shape)}")
+                f"packed {tuple(packed.shape)} and block_size {block_size}, got {tuple(scale.shape)}"
+            )
         if tuple(global_scale.shape) != tuple(lead):
             raise ValueError(
                 f"NVFP4Weight: global_scale must be a scalar (shape {tuple(lead)}), got shape "
-                f"{tuple(global_scale.shape)}")
+                f"{tuple(global_scale.shape)}"
+            )
         if layout == "tiled":
             if (reason := _layout.tiled_layout_unsupported(n, 2 * half_k, block_size)) is not None:
                 raise ValueError(f"NVFP4Weight: layout='tiled' {reason}")
@@ -136,8 +143,10 @@ class NVFP4Weight:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                   for x in (self.packed, self.scale, self.global_scale))
+        return sum(
+            int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+            for x in (self.packed, self.scale, self.global_scale)
+        )
 
     def shardings(self, sharding):
         """This weight's arrays sharded like its logical [..., N, K] array by `sharding`.
@@ -155,11 +164,15 @@ class NVFP4Weight:
         elif isinstance(sharding, jax.sharding.PartitionSpec):
             spec = sharding
         else:
-            raise TypeError(f"shardings: sharding must be a PartitionSpec or NamedSharding over the "
-                            f"weight's [..., N, K], got {type(sharding).__name__}")
+            raise TypeError(
+                f"shardings: sharding must be a PartitionSpec or NamedSharding over the "
+                f"weight's [..., N, K], got {type(sharding).__name__}"
+            )
         if len(spec) > self.ndim:
-            raise ValueError(f"shardings: {spec} has {len(spec)} entries for a weight of rank "
-                             f"{self.ndim} (shape {self.shape})")
+            raise ValueError(
+                f"shardings: {spec} has {len(spec)} entries for a weight of rank "
+                f"{self.ndim} (shape {self.shape})"
+            )
         entries = tuple(spec) + (None,) * (self.ndim - len(spec))
         specs = self._array_specs(entries)
         if mesh is not None:
@@ -202,8 +215,10 @@ def unpack_codes(packed):
     """uint8 [..., K/2] -> uint8 E2M1 codes [..., K] (low nibble first)."""
     packed = jnp.asarray(packed)
     if packed.dtype != jnp.uint8 or packed.ndim < 1:
-        raise TypeError(f"unpack_codes: packed must be uint8 [..., K/2], got {packed.dtype} of shape "
-                        f"{packed.shape}")
+        raise TypeError(
+            f"unpack_codes: packed must be uint8 [..., K/2], got {packed.dtype} of shape "
+            f"{packed.shape}"
+        )
     codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
     return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
@@ -212,8 +227,10 @@ def pack_codes(codes):
     """Integer E2M1 codes 0-15 [..., K] (K even) -> packed uint8 [..., K/2]."""
     codes = jnp.asarray(codes)
     if not jnp.issubdtype(codes.dtype, jnp.integer) or codes.ndim < 1:
-        raise TypeError(f"pack_codes: codes must be integers 0-15 [..., K], got {codes.dtype} of "
-                        f"shape {codes.shape}")
+        raise TypeError(
+            f"pack_codes: codes must be integers 0-15 [..., K], got {codes.dtype} of "
+            f"shape {codes.shape}"
+        )
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_codes: the last axis must be even, got {codes.shape[-1]}")
     values = host_values(codes)  # None when traced (quantize's own codes)
@@ -221,7 +238,9 @@ def pack_codes(codes):
         bad = np.argwhere((values < 0) | (values > 15))
         if len(bad):
             where = tuple(int(i) for i in bad[0])
-            raise ValueError(f"pack_codes: codes must be 0-15 (4 bits), got {values[where]} at index {where}")
+            raise ValueError(
+                f"pack_codes: codes must be 0-15 (4 bits), got {values[where]} at index {where}"
+            )
     codes = codes.astype(jnp.uint8)
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
@@ -248,8 +267,9 @@ def e2m1_codes_to_float32(codes):
     exponent = ((codes >> 1) & 3).astype(jnp.uint32)
     mantissa = (codes & 1).astype(jnp.uint32)
     # Exponent bias 1 -> 127, the mantissa bit on top of float32's; exponent 0 is 0 or 0.5 (126).
-    magnitude = jnp.where(exponent == 0, mantissa * (126 << 23),
-                          ((exponent + 126) << 23) | (mantissa << 22))
+    magnitude = jnp.where(
+        exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22)
+    )
     bits = magnitude | ((codes & 8).astype(jnp.uint32) << 28)  # the sign, bit 3 -> bit 31
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -289,8 +309,9 @@ def dense_weight(w: NVFP4Weight, dtype):
     # Each block scale over its block_size elements, by broadcast and reshape rather than
     # jnp.repeat: both keep a sharding of K (row-parallel weights under explicit mesh axes).
     block_scale = e4m3_to_float32(scale)
-    block_scale = jax.lax.broadcast_in_dim(block_scale, (*block_scale.shape, w.block_size),
-                                           tuple(range(block_scale.ndim)))
+    block_scale = jax.lax.broadcast_in_dim(
+        block_scale, (*block_scale.shape, w.block_size), tuple(range(block_scale.ndim))
+    )
     *rows, k_blocks, block_size = block_scale.shape
     block_scale = block_scale.reshape(*rows, k_blocks * block_size)  # no -1: N or a stack may be 0
     if block_scale.shape[-1] != k:  # a partial last block
@@ -313,9 +334,11 @@ def dense_weight(w: NVFP4Weight, dtype):
 
 # Formats `_multiply_rounded` writes: (significand bits with the implicit one, smallest normal
 # exponent, bits of +inf, the integer type of the result's bits).
-_ROUNDED_FORMATS = {"bfloat16": (8, -126, 0x7F80, jnp.uint16),
-                    "float16": (11, -14, 0x7C00, jnp.uint16),
-                    "odd": (24, -126, 0x7F800000, jnp.uint32)}
+_ROUNDED_FORMATS = {
+    "bfloat16": (8, -126, 0x7F80, jnp.uint16),
+    "float16": (11, -14, 0x7C00, jnp.uint16),
+    "odd": (24, -126, 0x7F800000, jnp.uint32),
+}
 
 
 def _multiply_rounded(p, gs, target: str):

@@ -13,16 +13,16 @@ import numpy as np
 
 TARGET = "jax_fp4_fused_cuda"
 
-BLOCK_SIZE = 16        # NVFP4 block size, the only one served
-K_MULTIPLE = 128       # K per pipeline stage
-MAX_M_TILES = 65535    # grid.y limit
-TILE_M_LARGE = 128     # the smallest activation tile above M = 64 (bounds the M tiles)
+BLOCK_SIZE = 16  # NVFP4 block size, the only one served
+K_MULTIPLE = 128  # K per pipeline stage
+MAX_M_TILES = 65535  # grid.y limit
+TILE_M_LARGE = 128  # the smallest activation tile above M = 64 (bounds the M tiles)
 _INT_LIMIT = 2**31 - 1
 
 _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 
 
-FRAGMENT_BLOCK = 64    # the fragment K order permutes K inside blocks of this many elements
+FRAGMENT_BLOCK = 64  # the fragment K order permutes K inside blocks of this many elements
 
 
 def to_fragment_order(a, tiled: bool = False):
@@ -46,7 +46,7 @@ def to_fragment_order(a, tiled: bool = False):
     return x.reshape(*lead, k)
 
 
-MAX_STREAM_K_CTAS = 132          # the most SMs of an sm_90 part
+MAX_STREAM_K_CTAS = 132  # the most SMs of an sm_90 part
 STREAM_K_TILE_ELEMS = 128 * 256  # the largest CTA tile (activation rows x weight rows)
 
 

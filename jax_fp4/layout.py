@@ -44,8 +44,8 @@ WINDOW = 128  # K elements per window (kGemvWindow)
 def _word_bits() -> np.ndarray:
     """int [32]: WORD_BITS[src] = the bit of the tiled word that holds bit `src` of a spec word."""
     dst = np.empty(32, np.int64)
-    bf16_pos = (6, 7, 8, 15)   # nibble bits (mantissa, exp0, exp1, sign) -> bf16 bits
-    pair3_pos = (4, 0, 1, 3)   # where pair 3 keeps them (0x1084 adds 2, 7, 12: -> 6, 7, 8, 15)
+    bf16_pos = (6, 7, 8, 15)  # nibble bits (mantissa, exp0, exp1, sign) -> bf16 bits
+    pair3_pos = (4, 0, 1, 3)  # where pair 3 keeps them (0x1084 adds 2, 7, 12: -> 6, 7, 8, 15)
     for e in range(8):
         p, h = divmod(e, 2)
         for bit in range(4):
@@ -99,13 +99,16 @@ def _check(shape, k_per_byte: int, what: str):
 def _row_tile_transform(k_per_byte: int, what: str):
     """A transform of the tiled layout's 16-row tiles: checked on the whole array, applied per
     shard under explicit mesh axes (`by_row_tiles`), same shape and type as its input."""
+
     def decorate(local):
         @functools.wraps(local)
         def transform(x):
             x = jnp.asarray(x)
             _check(x.shape, k_per_byte, what)
             return by_row_tiles(local, x, TILE_ROWS, keep_type=True)
+
         return transform
+
     return decorate
 
 

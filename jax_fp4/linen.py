@@ -29,11 +29,16 @@ from flax import linen as nn
 from flax.core import meta
 from flax.core.frozen_dict import FrozenDict
 
+from jax_fp4.flax_common import (
+    check_calibration_method,
+    compute_dtype,
+    input_square_sums,
+    layer_importance,
+    quantize_kernel,
+)
 from jax_fp4.format import NVFP4Weight
-from jax_fp4.prepacking import prepack
-from jax_fp4.flax_common import (check_calibration_method, compute_dtype, input_square_sums,
-                             layer_importance, quantize_kernel)
 from jax_fp4.ops import matmul
+from jax_fp4.prepacking import prepack
 
 __all__ = ["FP4Dense", "calibrate", "params_from_weight", "quantize_params", "weight_from_params"]
 
@@ -42,20 +47,25 @@ default_kernel_init = nn.initializers.lecun_normal()
 _FP4_KEYS = ("packed", "scale", "global_scale")
 
 
-def _quantize_boxed(kernel, block_size: int, where: str, method: str = "modelopt",
-                    importance=None) -> dict[str, Any]:
+def _quantize_boxed(
+    kernel, block_size: int, where: str, method: str = "modelopt", importance=None
+) -> dict[str, Any]:
     """A (possibly nn.Partitioned-boxed) kernel [..., in, out] -> packed / scale / global_scale,
     boxed the same way with the axis names moved to the [..., out, in] layout."""
     box = kernel if isinstance(kernel, meta.AxisMetadata) else None
     if box is not None and not isinstance(box, meta.Partitioned):
-        raise TypeError(f"{where}: cannot carry kernel metadata of type {type(box).__name__} over to "
-                        "the NVFP4 arrays (supported: nn.Partitioned, nn.LogicallyPartitioned)")
+        raise TypeError(
+            f"{where}: cannot carry kernel metadata of type {type(box).__name__} over to "
+            "the NVFP4 arrays (supported: nn.Partitioned, nn.LogicallyPartitioned)"
+        )
     value = jnp.asarray(kernel.value if box is not None else kernel)
     if value.ndim < 2:
         raise ValueError(f"{where}: kernel must be [..., in, out], got shape {tuple(value.shape)}")
     if value.shape[-2] % 2:
-        raise ValueError(f"{where}: the kernel's in-features (K) must be even to pack two E2M1 codes "
-                         f"per byte, got kernel shape {tuple(value.shape)}")
+        raise ValueError(
+            f"{where}: the kernel's in-features (K) must be even to pack two E2M1 codes "
+            f"per byte, got kernel shape {tuple(value.shape)}"
+        )
     try:
         w = quantize_kernel(value, block_size, method, importance)
     except ValueError as e:
@@ -66,9 +76,11 @@ def _quantize_boxed(kernel, block_size: int, where: str, method: str = "modelopt
     names = tuple(box.names) + (None,) * (value.ndim - len(box.names))
     *lead, ax_in, ax_out = names
     matrix_names = (*lead, ax_out, ax_in)
-    return {"packed": box.replace(value=arrays["packed"], names=matrix_names),
-            "scale": box.replace(value=arrays["scale"], names=matrix_names),
-            "global_scale": box.replace(value=arrays["global_scale"], names=tuple(lead))}
+    return {
+        "packed": box.replace(value=arrays["packed"], names=matrix_names),
+        "scale": box.replace(value=arrays["scale"], names=matrix_names),
+        "global_scale": box.replace(value=arrays["global_scale"], names=tuple(lead)),
+    }
 
 
 def _unboxed(x):
@@ -111,28 +123,37 @@ class FP4Dense(nn.Module):
         """[..., K] -> [..., features]."""
         inputs = jnp.asarray(inputs)
         if inputs.ndim < 1:
-            raise ValueError(f"FP4Dense: inputs must be [..., K], got a scalar of shape {inputs.shape}")
+            raise ValueError(
+                f"FP4Dense: inputs must be [..., K], got a scalar of shape {inputs.shape}"
+            )
         k, n = inputs.shape[-1], self.features
         # One float kernel feeds all three NVFP4 params, so they are drawn from one key. Outside init
         # the initializer only runs abstractly (flax's shape check), so any key does.
-        key = self.make_rng("params") if self.is_initializing() and not self.has_variable(
-            "params", "packed") else jax.random.key(0)
+        key = (
+            self.make_rng("params")
+            if self.is_initializing() and not self.has_variable("params", "packed")
+            else jax.random.key(0)
+        )
 
         def init(name):
             def fn(_rng, key):
                 kernel = self.kernel_init(key, (k, n), self.param_dtype)
                 return _quantize_boxed(kernel, self.block_size, "FP4Dense")[name]
+
             return fn
 
         packed = self.param("packed", init("packed"), key)
         scale = self.param("scale", init("scale"), key)
         global_scale = self.param("global_scale", init("global_scale"), key)
         bias = self.param("bias", self.bias_init, (n,), self.param_dtype) if self.use_bias else None
-        weight = NVFP4Weight(packed, scale, global_scale, block_size=self.block_size,
-                             layout=self.layout)
+        weight = NVFP4Weight(
+            packed, scale, global_scale, block_size=self.block_size, layout=self.layout
+        )
         if weight.shape != (n, k):
-            raise ValueError(f"FP4Dense: params hold a weight [N, K] = {weight.shape}, expected "
-                             f"{(n, k)} for features={n} and inputs of shape {tuple(inputs.shape)}")
+            raise ValueError(
+                f"FP4Dense: params hold a weight [N, K] = {weight.shape}, expected "
+                f"{(n, k)} for features={n} and inputs of shape {tuple(inputs.shape)}"
+            )
         dtype = compute_dtype(inputs, self.dtype, self.param_dtype, bias)
         return matmul(inputs.astype(dtype), weight, bias, backend=self.backend)
 
@@ -141,41 +162,60 @@ def params_from_weight(weight: NVFP4Weight, bias=None) -> dict[str, Any]:
     """FP4Dense params ``{packed, scale, global_scale[, bias]}`` holding `weight` (an NVFP4Weight
     [N, K], e.g. from jax_fp4.checkpoint) and an optional bias [N]."""
     if not isinstance(weight, NVFP4Weight):
-        raise TypeError(f"params_from_weight: weight must be an NVFP4Weight, got {type(weight).__name__}")
-    params = {"packed": jnp.asarray(weight.packed), "scale": jnp.asarray(weight.scale),
-              "global_scale": jnp.asarray(weight.global_scale, jnp.float32)}
+        raise TypeError(
+            f"params_from_weight: weight must be an NVFP4Weight, got {type(weight).__name__}"
+        )
+    params = {
+        "packed": jnp.asarray(weight.packed),
+        "scale": jnp.asarray(weight.scale),
+        "global_scale": jnp.asarray(weight.global_scale, jnp.float32),
+    }
     if bias is not None:
         bias = jnp.asarray(bias)
         if tuple(bias.shape) != weight.shape[:-1]:
-            raise ValueError(f"params_from_weight: bias must have shape {weight.shape[:-1]} for a weight "
-                             f"[N, K] = {weight.shape}, got {tuple(bias.shape)}")
+            raise ValueError(
+                f"params_from_weight: bias must have shape {weight.shape[:-1]} for a weight "
+                f"[N, K] = {weight.shape}, got {tuple(bias.shape)}"
+            )
         params["bias"] = bias
     return params
 
 
-def weight_from_params(params: Mapping[str, Any], block_size: int = 16,
-                       layout: str = "spec") -> NVFP4Weight:
+def weight_from_params(
+    params: Mapping[str, Any], block_size: int = 16, layout: str = "spec"
+) -> NVFP4Weight:
     """The NVFP4Weight held by FP4Dense params (boxed or not)."""
     missing = [k for k in _FP4_KEYS if k not in params]
     if missing:
-        raise KeyError(f"weight_from_params: FP4Dense params need {list(_FP4_KEYS)}; missing {missing}")
-    return NVFP4Weight(*(_unboxed(params[k]) for k in _FP4_KEYS), block_size=block_size,
-                       layout=layout)
+        raise KeyError(
+            f"weight_from_params: FP4Dense params need {list(_FP4_KEYS)}; missing {missing}"
+        )
+    return NVFP4Weight(
+        *(_unboxed(params[k]) for k in _FP4_KEYS), block_size=block_size, layout=layout
+    )
 
 
 def _is_dense(tree) -> bool:
     if not isinstance(tree, Mapping) or "kernel" not in tree or not set(tree) <= {"kernel", "bias"}:
         return False
     kernel = _unboxed(tree["kernel"])
-    return hasattr(kernel, "ndim") and kernel.ndim >= 2 and jnp.issubdtype(kernel.dtype, jnp.floating)
+    return (
+        hasattr(kernel, "ndim") and kernel.ndim >= 2 and jnp.issubdtype(kernel.dtype, jnp.floating)
+    )
 
 
 _AUTONAME = re.compile(r"Dense_(\d+)")
 
 
-def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, block_size: int = 16,
-                    rename: bool = True, method: str = "modelopt",
-                    calibration: Mapping[tuple, Any] | None = None):
+def quantize_params(
+    params,
+    filter: Callable[[tuple], bool] | None = None,
+    *,
+    block_size: int = 16,
+    rename: bool = True,
+    method: str = "modelopt",
+    calibration: Mapping[tuple, Any] | None = None,
+):
     """Convert nn.Dense params into FP4Dense params.
 
     `params` is the params of one Dense (``{"kernel", "bias"}``) or of a whole model (any nesting
@@ -223,16 +263,21 @@ def quantize_params(params, filter: Callable[[tuple], bool] | None = None, *, bl
             converted = {key: convert(value, (*path, key)) for key, value in tree.items()}
             names = {key: key for key in converted}
             if rename:
-                auto = sorted((int(m.group(1)), key) for key, (_, done) in converted.items()
-                              if done and isinstance(key, str) and (m := _AUTONAME.fullmatch(key)))
+                auto = sorted(
+                    (int(m.group(1)), key)
+                    for key, (_, done) in converted.items()
+                    if done and isinstance(key, str) and (m := _AUTONAME.fullmatch(key))
+                )
                 for j, (_, key) in enumerate(auto):
                     names[key] = f"FP4Dense_{j}"
                 taken = set(converted) - {key for _, key in auto}
                 clash = taken & {names[key] for _, key in auto}
                 if clash:
-                    raise ValueError(f"quantize_params: renaming Dense_<i> layers under "
-                                     f"{'/'.join(map(str, path)) or '<root>'} would overwrite {sorted(clash)}; "
-                                     "pass rename=False")
+                    raise ValueError(
+                        f"quantize_params: renaming Dense_<i> layers under "
+                        f"{'/'.join(map(str, path)) or '<root>'} would overwrite {sorted(clash)}; "
+                        "pass rename=False"
+                    )
             out = {names[key]: value for key, (value, _) in converted.items()}
             return (FrozenDict(out) if isinstance(tree, FrozenDict) else out), False
         return tree, False
@@ -260,7 +305,11 @@ def prepack_params(params, filter: Callable[[tuple], bool] | None = None):
                 raise ValueError(f"{where}: {e}") from None
             out = dict(tree)
             for key, value in (("packed", tiled.packed), ("scale", tiled.scale)):
-                out[key] = tree[key].replace_boxed(value) if isinstance(tree[key], meta.AxisMetadata) else value
+                out[key] = (
+                    tree[key].replace_boxed(value)
+                    if isinstance(tree[key], meta.AxisMetadata)
+                    else value
+                )
             return FrozenDict(out) if isinstance(tree, FrozenDict) else out
         if isinstance(tree, Mapping):
             out = {key: convert(value, (*path, key)) for key, value in tree.items()}

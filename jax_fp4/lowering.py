@@ -41,6 +41,7 @@ def split_operands(operands, has_bias, has_swizzled):
 
 # ---- path implementations (traced inside the lowering) ----------------------------------------
 
+
 def _empty(a, packed, scale, global_scale, bias, *, block_size, **_):
     out = jnp.zeros(a.shape[:-1] + (packed.shape[0],), a.dtype)
     return out if bias is None else out + bias
@@ -49,8 +50,9 @@ def _empty(a, packed, scale, global_scale, bias, *, block_size, **_):
 def dense(packed, scale, global_scale, block_size, layout="spec", dtype=jnp.float32):
     """The dequantized weight [N, K]: computed in float32 and rounded once to `dtype` (float32 for
     the reference decomposition and dA, the activations' dtype for the xla path)."""
-    return dense_weight(NVFP4Weight.tree_unflatten((block_size, layout), (packed, scale, global_scale)),
-                        dtype)
+    return dense_weight(
+        NVFP4Weight.tree_unflatten((block_size, layout), (packed, scale, global_scale)), dtype
+    )
 
 
 def _times_transposed(a, w, **kwargs):
@@ -70,11 +72,13 @@ def _reference(a, packed, scale, global_scale, bias, *, block_size, **_):
 
 def _as_2d(fn):
     """Run a kernel on a [M, K] view of a [..., K] activation."""
+
     @functools.wraps(fn)
     def wrapped(a, *args, **kwargs):
         lead = a.shape[:-1]
         y = fn(_sharding.merge_leading(a), *args, **kwargs)
         return y.reshape(*lead, y.shape[-1])
+
     return wrapped
 
 
@@ -85,27 +89,58 @@ def _bias_operand(bias, dtype):
 
 def _int_attributes(attributes: dict) -> dict:
     """FFI attributes: Python ints as int64 (bools stay bools)."""
-    return {name: value if isinstance(value, bool) else np.int64(value)
-            for name, value in attributes.items()}
+    return {
+        name: value if isinstance(value, bool) else np.int64(value)
+        for name, value in attributes.items()
+    }
 
 
 @_as_2d
 def _cpu(a, packed, scale, global_scale, bias, *, block_size, tiled=False, avx512=True, **_):
     out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
     call = jax.ffi.ffi_call("jax_fp4_matmul_cpu", out)
-    return call(a, packed, scale, global_scale, _bias_operand(bias, a.dtype),
-                block_size=np.int64(block_size), tiled=tiled, avx512=avx512)
+    return call(
+        a,
+        packed,
+        scale,
+        global_scale,
+        _bias_operand(bias, a.dtype),
+        block_size=np.int64(block_size),
+        tiled=tiled,
+        avx512=avx512,
+    )
 
 
 @_as_2d
-def _gemv(a, packed, scale, global_scale, bias, *, block_size, tiled=False, tensor_cores=False,
-          row_tiling=True, tuning=None, **_):
+def _gemv(
+    a,
+    packed,
+    scale,
+    global_scale,
+    bias,
+    *,
+    block_size,
+    tiled=False,
+    tensor_cores=False,
+    row_tiling=True,
+    tuning=None,
+    **_,
+):
     out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
     call = jax.ffi.ffi_call("jax_fp4_gemv_cuda", out)
     tuning = _config.DEFAULT_TUNING if tuning is None else tuning
-    return call(a, packed, scale, global_scale, _bias_operand(bias, a.dtype),
-                block_size=np.int64(block_size), tiled=tiled, tensor_cores=tensor_cores,
-                row_tiling=row_tiling, **_int_attributes(tuning.gemv_attributes()))
+    return call(
+        a,
+        packed,
+        scale,
+        global_scale,
+        _bias_operand(bias, a.dtype),
+        block_size=np.int64(block_size),
+        tiled=tiled,
+        tensor_cores=tensor_cores,
+        row_tiling=row_tiling,
+        **_int_attributes(tuning.gemv_attributes()),
+    )
 
 
 def _dequant(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
@@ -134,36 +169,63 @@ def _dot_dequantized(a, w, bias):
 @_as_2d
 def _fused_gemm(a, packed, scale, global_scale, bias, *, block_size, tiled=False, tuning=None, **_):
     m, n, k = a.shape[0], packed.shape[0], a.shape[1]
-    outs = (jax.ShapeDtypeStruct((m, n), a.dtype),
-            jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),), jnp.float32))
+    outs = (
+        jax.ShapeDtypeStruct((m, n), a.dtype),
+        jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),), jnp.float32),
+    )
     tuning = _config.DEFAULT_TUNING if tuning is None else tuning
     y, _ = jax.ffi.ffi_call(_fused.TARGET, outs)(
-        _fused.to_fragment_order(a, tiled), packed, scale, global_scale,
-        _bias_operand(bias, a.dtype), block_size=np.int64(block_size), tiled=tiled,
-        **_int_attributes(tuning.fused_attributes()))
+        _fused.to_fragment_order(a, tiled),
+        packed,
+        scale,
+        global_scale,
+        _bias_operand(bias, a.dtype),
+        block_size=np.int64(block_size),
+        tiled=tiled,
+        **_int_attributes(tuning.fused_attributes()),
+    )
     return y
 
 
-_PATHS = {"empty": _empty, "reference": _reference, "cpu": _cpu, "gemv": _gemv, "dequant": _dequant,
-          "fused": _fused_gemm, "native": _native.native_matmul, "xla": _xla}
+_PATHS = {
+    "empty": _empty,
+    "reference": _reference,
+    "cpu": _cpu,
+    "gemv": _gemv,
+    "dequant": _dequant,
+    "fused": _fused_gemm,
+    "native": _native.native_matmul,
+    "xla": _xla,
+}
 
 
 def _reading_spec_layout(impl):
     """`impl` on a tiled weight: the weight's spec layout back first (traced into the program)."""
+
     @functools.wraps(impl)
     def wrapped(a, packed, scale, global_scale, bias, **kwargs):
-        return impl(a, _layout.untile_packed(packed), _layout.untile_scale(scale), global_scale,
-                    bias, **kwargs)
+        return impl(
+            a,
+            _layout.untile_packed(packed),
+            _layout.untile_scale(scale),
+            global_scale,
+            bias,
+            **kwargs,
+        )
+
     return wrapped
 
 
 def _reading_tiled_layout(impl):
     """`impl` (a kernel with a `tiled` flag) reading the tiled layout itself."""
+
     @functools.wraps(impl)
     def wrapped(a, packed, scale, global_scale, bias, *, block_size, **kwargs):
         kwargs.pop("tiled", None)
-        return impl(a, packed, scale, global_scale, bias, block_size=block_size, tiled=True,
-                    **kwargs)
+        return impl(
+            a, packed, scale, global_scale, bias, block_size=block_size, tiled=True, **kwargs
+        )
+
     return wrapped
 
 
@@ -171,8 +233,13 @@ def _reading_tiled_layout(impl):
 # The kernels read the tiled layout; the reference, xla and native paths transform it back.
 _TILED_PATHS = {path: _reading_spec_layout(impl) for path, impl in _PATHS.items()}
 _SCALAR_GEMV_ON_TILED = _TILED_PATHS["gemv"]
-_TILED_PATHS.update(empty=_empty, cpu=_reading_tiled_layout(_cpu), gemv=_reading_tiled_layout(_gemv),
-                    dequant=_reading_tiled_layout(_dequant), fused=_reading_tiled_layout(_fused_gemm))
+_TILED_PATHS.update(
+    empty=_empty,
+    cpu=_reading_tiled_layout(_cpu),
+    gemv=_reading_tiled_layout(_gemv),
+    dequant=_reading_tiled_layout(_dequant),
+    fused=_reading_tiled_layout(_fused_gemm),
+)
 
 
 def _impl_for(plan: _dispatch.Plan, layout: str):
@@ -189,17 +256,23 @@ def _kernel_attributes(plan: _dispatch.Plan, tuning) -> dict:
     if plan.path == "cpu":
         return dict(avx512=_config.cpu_avx512())
     if plan.path == "gemv":
-        return dict(tensor_cores=plan.gemv_tensor_cores, row_tiling=_config.gemv_row_tiling(),
-                    tuning=tuning)
+        return dict(
+            tensor_cores=plan.gemv_tensor_cores, row_tiling=_config.gemv_row_tiling(), tuning=tuning
+        )
     if plan.path == "fused":
         return dict(tuning=tuning)
     return {}
 
 
 def problem_of(a_shape, a_dtype, packed_shape, block_size, layout) -> _dispatch.Problem:
-    return _dispatch.Problem(m=math.prod(a_shape[:-1]), n=packed_shape[0], k=2 * packed_shape[1],
-                             block_size=block_size, dtype=np.dtype(a_dtype),
-                             tiled=layout == "tiled")
+    return _dispatch.Problem(
+        m=math.prod(a_shape[:-1]),
+        n=packed_shape[0],
+        k=2 * packed_shape[1],
+        block_size=block_size,
+        dtype=np.dtype(a_dtype),
+        tiled=layout == "tiled",
+    )
 
 
 def cuda_capability():
@@ -223,31 +296,50 @@ def target_for(platform: str) -> _dispatch.Target:
     capability = cuda_capability()
     # Kernels this GPU can run: an older GPU than the architectures compiled in takes the xla path.
     has_kernels = _ffi.has_cuda_kernels() and _dispatch.cuda_kernels_run_on(
-        _ffi.cuda_architectures(), capability)
-    return _dispatch.Target("cuda", capability=capability, device_kind=cuda_device_kind(),
-                            has_cuda_kernels=has_kernels, native_enabled=_config.native_sm120(),
-                            gemv_mma=_config.gemv_tensor_cores())
+        _ffi.cuda_architectures(), capability
+    )
+    return _dispatch.Target(
+        "cuda",
+        capability=capability,
+        device_kind=cuda_device_kind(),
+        has_cuda_kernels=has_kernels,
+        native_enabled=_config.native_sm120(),
+        gemv_mma=_config.gemv_tensor_cores(),
+    )
 
 
-def plan_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout) -> _dispatch.Plan:
-    return _dispatch.plan(problem_of(a_shape, a_dtype, packed_shape, block_size, layout),
-                          target_for(platform), backend)
+def plan_for(
+    platform, a_shape, a_dtype, packed_shape, block_size, backend, layout
+) -> _dispatch.Plan:
+    return _dispatch.plan(
+        problem_of(a_shape, a_dtype, packed_shape, block_size, layout),
+        target_for(platform),
+        backend,
+    )
 
 
 def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout) -> str:
     return plan_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layout).path
 
 
-def _lowering(ctx, *operands, block_size, backend, layout, has_bias, has_swizzled, tuning=None,
-              platform):
+def _lowering(
+    ctx, *operands, block_size, backend, layout, has_bias, has_swizzled, tuning=None, platform
+):
     a_aval, packed_aval = ctx.avals_in[0], ctx.avals_in[1]
-    plan = plan_for(platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend,
-                    layout)
+    plan = plan_for(
+        platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend, layout
+    )
     path = plan.path
     attributes = _kernel_attributes(plan, tuning)
-    impl = _sharding.wrap_impl(ctx, path, _impl_for(plan, layout), block_size=block_size,
-                               has_bias=has_bias, tiled=layout == "tiled",
-                               impl_kwargs=tuple(sorted(attributes.items())))
+    impl = _sharding.wrap_impl(
+        ctx,
+        path,
+        _impl_for(plan, layout),
+        block_size=block_size,
+        has_bias=has_bias,
+        tiled=layout == "tiled",
+        impl_kwargs=tuple(sorted(attributes.items())),
+    )
 
     def lowered(*ops):
         *five, swizzled = split_operands(ops, has_bias, has_swizzled)
@@ -264,5 +356,6 @@ def register(primitive) -> None:
     paths: xla, or reference for float32."""
     mlir.register_lowering(primitive, functools.partial(_lowering, platform="other"))
     for platform in ("cpu", "cuda"):
-        mlir.register_lowering(primitive, functools.partial(_lowering, platform=platform),
-                               platform=platform)
+        mlir.register_lowering(
+            primitive, functools.partial(_lowering, platform=platform), platform=platform
+        )

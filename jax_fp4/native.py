@@ -71,6 +71,7 @@ _HALF_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"))
 
 # ---- the swizzled scale layout ------------------------------------------------------------------
 
+
 def swizzled_scale_shape(rows: int, k_blocks: int) -> tuple[int, int]:
     """Shape of the swizzled scales of a [rows, k_blocks] scale matrix: one row per 128-row tile."""
     return (math.ceil(rows / SF_ATOM_ROWS), SF_ATOM_BYTES * math.ceil(k_blocks / SF_ATOM_KBLOCKS))
@@ -81,8 +82,12 @@ def swizzle_offsets(rows: int, k_blocks: int) -> np.ndarray:
     r = np.arange(rows, dtype=np.int64)[:, None]
     kb = np.arange(k_blocks, dtype=np.int64)[None, :]
     k_tiles = math.ceil(k_blocks / SF_ATOM_KBLOCKS)
-    return (((r // 128) * k_tiles + kb // 4) * SF_ATOM_BYTES
-            + (r % 32) * 16 + ((r % 128) // 32) * 4 + kb % 4)
+    return (
+        ((r // 128) * k_tiles + kb // 4) * SF_ATOM_BYTES
+        + (r % 32) * 16
+        + ((r % 128) // 32) * 4
+        + kb % 4
+    )
 
 
 def swizzle_scales_np(scale) -> np.ndarray:
@@ -138,6 +143,7 @@ def _bytes_np(scale):
 
 # ---- activation quantization: NumPy reference, bit-exact with the CUDA kernel --------------------
 
+
 def f32_to_e4m3_rne_np(s) -> np.ndarray:
     """float32 values in [2^-9, 448] -> E4M3FN bytes, nearest, ties to even (the kernel's bit
     arithmetic, written again in NumPy)."""
@@ -163,8 +169,15 @@ def e2m1_round_np(q) -> np.ndarray:
     below zero (a negative value that rounds to zero gets 0x8, -0, as ModelOpt writes it)."""
     q = np.asarray(q, np.float32)
     m = np.abs(q)
-    code = ((m > 0.25).astype(np.uint8) + (m >= 0.75) + (m > 1.25) + (m >= 1.75) + (m > 2.5)
-            + (m >= 3.5) + (m > 5.0)).astype(np.uint8)
+    code = (
+        (m > 0.25).astype(np.uint8)
+        + (m >= 0.75)
+        + (m > 1.25)
+        + (m >= 1.75)
+        + (m > 2.5)
+        + (m >= 3.5)
+        + (m > 5.0)
+    ).astype(np.uint8)
     return code | np.where(q < 0, 8, 0).astype(np.uint8)
 
 
@@ -190,10 +203,15 @@ def quantize_activation_reference(a, activation_scale=None, block_size: int = NA
         raise ValueError(f"quantize_activation_reference: block_size must be 16, got {block_size}")
     a32 = np.asarray(a).astype(np.float32)
     if a32.ndim != 2 or a32.shape[1] % 16:
-        raise ValueError(f"quantize_activation_reference: a must be [M, K] with K % 16 == 0, got {a32.shape}")
+        raise ValueError(
+            f"quantize_activation_reference: a must be [M, K] with K % 16 == 0, got {a32.shape}"
+        )
     m, k = a32.shape
-    gs_in = (activation_global_scale_np(a32) if activation_scale is None
-             else np.float32(np.asarray(activation_scale, np.float32).reshape(())))
+    gs_in = (
+        activation_global_scale_np(a32)
+        if activation_scale is None
+        else np.float32(np.asarray(activation_scale, np.float32).reshape(()))
+    )
     gs_valid = bool(gs_in > 0 and np.isfinite(gs_in))
     gs = np.float32(max(gs_in, _MIN_GLOBAL_SCALE)) if gs_valid else gs_in
 
@@ -217,19 +235,25 @@ def quantize_activation_reference(a, activation_scale=None, block_size: int = NA
 
 # ---- dispatch -----------------------------------------------------------------------------------
 
+
 def _format_capability(capability) -> str:
-    return "unknown (not a CUDA device)" if capability is None else f"{capability[0]}.{capability[1]}"
+    return (
+        "unknown (not a CUDA device)" if capability is None else f"{capability[0]}.{capability[1]}"
+    )
 
 
-def native_unsupported_reason(capability, m: int, n: int, k: int, block_size: int,
-                              dtype=None) -> str | None:
+def native_unsupported_reason(
+    capability, m: int, n: int, k: int, block_size: int, dtype=None
+) -> str | None:
     """Why the native SM120 GEMM cannot serve a matmul (None if it can), ignoring the M > 8 rule.
 
     `capability` is (major, minor) of the device, or None for a non-CUDA platform."""
     del m  # any M works for the GEMM itself
     if capability is None or not 12 <= int(capability[0]) < 13:
-        return ("it needs a Blackwell SM120 GPU (compute capability 12.x), and this device has "
-                f"compute capability {_format_capability(capability)}")
+        return (
+            "it needs a Blackwell SM120 GPU (compute capability 12.x), and this device has "
+            f"compute capability {_format_capability(capability)}"
+        )
     if block_size != NATIVE_BLOCK_SIZE:
         return f"block_size must be 16, got {block_size}"
     if k % 32:
@@ -241,8 +265,9 @@ def native_unsupported_reason(capability, m: int, n: int, k: int, block_size: in
     return None
 
 
-def native_path_applies(capability, env_enabled: bool, backend, m: int, n: int, k: int,
-                        block_size: int, dtype=None) -> bool:
+def native_path_applies(
+    capability, env_enabled: bool, backend, m: int, n: int, k: int, block_size: int, dtype=None
+) -> bool:
     """Whether a matmul takes the native SM120 NVFP4 x NVFP4 path (pure: no device, no environment).
 
     - backend "native" forces it for any non-empty matmul, and raises ValueError with the reason
@@ -298,6 +323,7 @@ def device_kind(device=None) -> str | None:
 
 # ---- prepack (spec section 7) -------------------------------------------------------------------
 
+
 @jax.tree_util.register_pytree_node_class
 class PrepackedNVFP4Weight(NVFP4Weight):
     """An NVFP4Weight that also carries its block scales in the SM120 swizzled layout.
@@ -310,10 +336,14 @@ class PrepackedNVFP4Weight(NVFP4Weight):
         super().__init__(packed, scale, global_scale, block_size)
         expected = (*self.packed.shape[:-2], *swizzled_scale_shape(self.n, self.scale.shape[-1]))
         if not hasattr(swizzled_scale, "shape") or tuple(swizzled_scale.shape) != expected:
-            raise ValueError(f"PrepackedNVFP4Weight: swizzled_scale must have shape {expected}, got "
-                             f"{getattr(swizzled_scale, 'shape', type(swizzled_scale).__name__)}")
+            raise ValueError(
+                f"PrepackedNVFP4Weight: swizzled_scale must have shape {expected}, got "
+                f"{getattr(swizzled_scale, 'shape', type(swizzled_scale).__name__)}"
+            )
         if np.dtype(swizzled_scale.dtype) != np.uint8:
-            raise TypeError(f"PrepackedNVFP4Weight: swizzled_scale must be uint8, got {swizzled_scale.dtype}")
+            raise TypeError(
+                f"PrepackedNVFP4Weight: swizzled_scale must be uint8, got {swizzled_scale.dtype}"
+            )
         self.swizzled_scale = swizzled_scale
 
     def tree_flatten(self):
@@ -349,13 +379,17 @@ def prepack(w: NVFP4Weight, target: str = "sm120") -> PrepackedNVFP4Weight:
     if w.block_size != NATIVE_BLOCK_SIZE:
         raise ValueError(f"prepack: the SM120 native path needs block_size 16, got {w.block_size}")
     if w.layout != "spec":
-        raise ValueError(f"prepack: target 'sm120' needs a weight in the spec layout, got layout "
-                         f"{w.layout!r} (jax_fp4.unprepack gives it back)")
-    return PrepackedNVFP4Weight(w.packed, w.scale, w.global_scale, w.block_size,
-                                swizzled_scale=swizzle_scales(w.scale))
+        raise ValueError(
+            f"prepack: target 'sm120' needs a weight in the spec layout, got layout "
+            f"{w.layout!r} (jax_fp4.unprepack gives it back)"
+        )
+    return PrepackedNVFP4Weight(
+        w.packed, w.scale, w.global_scale, w.block_size, swizzled_scale=swizzle_scales(w.scale)
+    )
 
 
 # ---- the FFI calls ------------------------------------------------------------------------------
+
 
 def quantize_activation(a, activation_scale=None, *, swizzled: bool = True):
     """CUDA: A [M, K] fp16/bf16 -> (packed uint8 [M, K/2], scales, global scale float32 [1]).
@@ -365,14 +399,20 @@ def quantize_activation(a, activation_scale=None, *, swizzled: bool = True):
     k_blocks = k // NATIVE_BLOCK_SIZE
     scale_shape = swizzled_scale_shape(m, k_blocks) if swizzled else (m, k_blocks)
     dynamic = activation_scale is None
-    outs = (jax.ShapeDtypeStruct((m, k // 2), jnp.uint8),
-            jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
-            jax.ShapeDtypeStruct((1,), jnp.float32),
-            jax.ShapeDtypeStruct((ACTIVATION_PARTIALS if dynamic else 0,), jnp.float32))
-    static = (jnp.zeros((0,), jnp.float32) if dynamic
-              else jnp.asarray(activation_scale, jnp.float32).reshape(1))
+    outs = (
+        jax.ShapeDtypeStruct((m, k // 2), jnp.uint8),
+        jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
+        jax.ShapeDtypeStruct((1,), jnp.float32),
+        jax.ShapeDtypeStruct((ACTIVATION_PARTIALS if dynamic else 0,), jnp.float32),
+    )
+    static = (
+        jnp.zeros((0,), jnp.float32)
+        if dynamic
+        else jnp.asarray(activation_scale, jnp.float32).reshape(1)
+    )
     packed, scale, gs, _ = jax.ffi.ffi_call(QUANTIZE_ACTIVATION_TARGET, outs)(
-        a, static, block_size=np.int64(NATIVE_BLOCK_SIZE), swizzled=bool(swizzled))
+        a, static, block_size=np.int64(NATIVE_BLOCK_SIZE), swizzled=bool(swizzled)
+    )
     return packed, scale, gs
 
 
@@ -383,8 +423,18 @@ def swizzle_scales_cuda(scale):
     return jax.ffi.ffi_call(SWIZZLE_SCALES_TARGET, out)(scale)
 
 
-def native_matmul(a, packed, scale, global_scale, bias, *, block_size, swizzled_scale=None,
-                  activation_scale=None, **_):
+def native_matmul(
+    a,
+    packed,
+    scale,
+    global_scale,
+    bias,
+    *,
+    block_size,
+    swizzled_scale=None,
+    activation_scale=None,
+    **_,
+):
     """The native SM120 path (CUDA only): Y [..., N] = W4A4 product of a [..., K] and the weight.
 
     Same operands as the other path implementations; `swizzled_scale` is the prepacked weight
@@ -403,10 +453,18 @@ def native_matmul(a, packed, scale, global_scale, bias, *, block_size, swizzled_
     else:
         b_scale = jnp.asarray(swizzled_scale).reshape(swizzled_scale_shape(n, k_blocks))
     bias_operand = jnp.zeros((0,), a.dtype) if bias is None else bias.astype(a.dtype)
-    outs = (jax.ShapeDtypeStruct((m, n), a.dtype),
-            jax.ShapeDtypeStruct((NATIVE_WORKSPACE_BYTES,), jnp.uint8))
+    outs = (
+        jax.ShapeDtypeStruct((m, n), a.dtype),
+        jax.ShapeDtypeStruct((NATIVE_WORKSPACE_BYTES,), jnp.uint8),
+    )
     y, _ = jax.ffi.ffi_call(NATIVE_GEMM_TARGET, outs)(
-        a_packed, a_scale, a_gs, packed, b_scale,
-        jnp.asarray(global_scale, jnp.float32).reshape(1), bias_operand,
-        block_size=np.int64(NATIVE_BLOCK_SIZE))
+        a_packed,
+        a_scale,
+        a_gs,
+        packed,
+        b_scale,
+        jnp.asarray(global_scale, jnp.float32).reshape(1),
+        bias_operand,
+        block_size=np.int64(NATIVE_BLOCK_SIZE),
+    )
     return y.reshape(*lead, n)

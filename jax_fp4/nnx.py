@@ -36,14 +36,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_fp4.flax_common import (
+    check_calibration_method,
+    compute_dtype,
+    input_square_sums,
+    layer_importance,
+    quantize_kernel,
+)
 from jax_fp4.format import NVFP4Weight
 from jax_fp4.layout import tiled_layout_unsupported
-from jax_fp4.prepacking import prepack, unprepack
-from jax_fp4.flax_common import (check_calibration_method, compute_dtype, input_square_sums,
-                             layer_importance, quantize_kernel)
 from jax_fp4.ops import matmul
+from jax_fp4.prepacking import prepack, unprepack
 
-__all__ = ["FP4Linear", "QuantizedWeight", "calibrate", "export_weights", "load_weights", "quantize_model"]
+__all__ = [
+    "FP4Linear",
+    "QuantizedWeight",
+    "calibrate",
+    "export_weights",
+    "load_weights",
+    "quantize_model",
+]
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
@@ -69,12 +81,16 @@ def _axes_tuple(value, ndim: int, where: str) -> tuple:
     if isinstance(value, jax.sharding.PartitionSpec):
         value = tuple(value) + (None,) * (ndim - len(value))
     if not isinstance(value, (tuple, list)):
-        raise TypeError(f"{where}: the sharding metadata must be a tuple of mesh axis names (one per "
-                        f"kernel axis) or a PartitionSpec, got {value!r}")
+        raise TypeError(
+            f"{where}: the sharding metadata must be a tuple of mesh axis names (one per "
+            f"kernel axis) or a PartitionSpec, got {value!r}"
+        )
     value = tuple(value)
     if len(value) != ndim:
-        raise ValueError(f"{where}: the sharding metadata {value!r} must name {ndim} axes (kernel "
-                         f"[..., in_features, out_features]), got {len(value)}")
+        raise ValueError(
+            f"{where}: the sharding metadata {value!r} must name {ndim} axes (kernel "
+            f"[..., in_features, out_features]), got {len(value)}"
+        )
     return value
 
 
@@ -138,7 +154,8 @@ class FP4Linear(nnx.Module):
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
         backend: str | None = None,
-        _weights: tuple | None = None,  # internal: (NVFP4Weight, bias) from from_linear / from_weight
+        _weights: tuple
+        | None = None,  # internal: (NVFP4Weight, bias) from from_linear / from_weight
     ):
         for arg, value in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -147,8 +164,10 @@ class FP4Linear(nnx.Module):
             weight, bias = _weights
         else:
             if in_features % 2:
-                raise ValueError(f"FP4Linear: in_features (K) must be even to pack two E2M1 codes per "
-                                 f"byte, got {in_features}")
+                raise ValueError(
+                    f"FP4Linear: in_features (K) must be even to pack two E2M1 codes per "
+                    f"byte, got {in_features}"
+                )
             shape = (in_features, out_features)
             if rngs is None:
                 kernel = jnp.zeros(shape, param_dtype)
@@ -157,10 +176,14 @@ class FP4Linear(nnx.Module):
                 kernel = kernel_init(rngs.params(), shape, param_dtype)
                 bias = bias_init(rngs.params(), (out_features,), param_dtype) if use_bias else None
             weight = quantize_kernel(kernel, block_size)
-        matrix_meta, scalar_meta = _weight_metadata(kernel_metadata, weight.packed.ndim, "FP4Linear")
+        matrix_meta, scalar_meta = _weight_metadata(
+            kernel_metadata, weight.packed.ndim, "FP4Linear"
+        )
         self.packed = QuantizedWeight(jnp.asarray(weight.packed), **matrix_meta)
         self.scale = QuantizedWeight(jnp.asarray(weight.scale), **matrix_meta)
-        self.global_scale = QuantizedWeight(jnp.asarray(weight.global_scale, jnp.float32), **scalar_meta)
+        self.global_scale = QuantizedWeight(
+            jnp.asarray(weight.global_scale, jnp.float32), **scalar_meta
+        )
         if bias is not None:
             self.bias = nnx.Param(jnp.asarray(bias), **_bias_metadata(bias_metadata))
         else:
@@ -175,8 +198,15 @@ class FP4Linear(nnx.Module):
         self.backend = backend
 
     @classmethod
-    def from_linear(cls, linear: nnx.Linear, *, block_size: int = 16, backend: str | None = None,
-                    method: str = "modelopt", importance=None) -> FP4Linear:
+    def from_linear(
+        cls,
+        linear: nnx.Linear,
+        *,
+        block_size: int = 16,
+        backend: str | None = None,
+        method: str = "modelopt",
+        importance=None,
+    ) -> FP4Linear:
         """Quantize an `nnx.Linear` (kernel [..., in, out]; leading axes from nnx.vmap/scan stay
         stacked) with `jax_fp4.quantize`: ModelOpt's NVFP4 algorithm by default, or
         ``method="mse"`` with the optional per-input-channel `importance` [in] (from `calibrate`).
@@ -185,49 +215,83 @@ class FP4Linear(nnx.Module):
         onto the same layout, which (as creating it did) needs the mesh: call this under the same
         ``jax.set_mesh`` context."""
         if not isinstance(linear, nnx.Linear):
-            raise TypeError(f"FP4Linear.from_linear: expected an nnx.Linear, got {type(linear).__name__}")
+            raise TypeError(
+                f"FP4Linear.from_linear: expected an nnx.Linear, got {type(linear).__name__}"
+            )
         kernel = linear.kernel[...]
         if kernel.ndim < 2:
-            raise ValueError(f"FP4Linear.from_linear: kernel must be [..., in, out], got shape {kernel.shape}")
+            raise ValueError(
+                f"FP4Linear.from_linear: kernel must be [..., in, out], got shape {kernel.shape}"
+            )
         in_features, out_features = kernel.shape[-2:]
         if in_features % 2:
-            raise ValueError(f"FP4Linear.from_linear: in_features (K) must be even to pack two E2M1 "
-                             f"codes per byte, got kernel shape {tuple(kernel.shape)}")
+            raise ValueError(
+                f"FP4Linear.from_linear: in_features (K) must be even to pack two E2M1 "
+                f"codes per byte, got kernel shape {tuple(kernel.shape)}"
+            )
         weight = quantize_kernel(kernel, block_size, method, importance)
         bias = None if linear.bias is None else linear.bias[...]
-        return cls(in_features, out_features, use_bias=bias is not None, dtype=linear.dtype,
-                   param_dtype=linear.param_dtype, block_size=block_size,
-                   kernel_metadata=linear.kernel.get_metadata(),
-                   bias_metadata={} if linear.bias is None else linear.bias.get_metadata(),
-                   backend=backend, _weights=(weight, bias))
+        return cls(
+            in_features,
+            out_features,
+            use_bias=bias is not None,
+            dtype=linear.dtype,
+            param_dtype=linear.param_dtype,
+            block_size=block_size,
+            kernel_metadata=linear.kernel.get_metadata(),
+            bias_metadata={} if linear.bias is None else linear.bias.get_metadata(),
+            backend=backend,
+            _weights=(weight, bias),
+        )
 
     @classmethod
-    def from_weight(cls, weight: NVFP4Weight, bias=None, *, dtype=None, param_dtype=None,
-                    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-                    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-                    backend: str | None = None) -> FP4Linear:
+    def from_weight(
+        cls,
+        weight: NVFP4Weight,
+        bias=None,
+        *,
+        dtype=None,
+        param_dtype=None,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        backend: str | None = None,
+    ) -> FP4Linear:
         """An FP4Linear holding `weight` (an NVFP4Weight [N, K], e.g. from jax_fp4.checkpoint) and
         an optional `bias` [N]. `param_dtype` defaults to the bias dtype (float32 without bias)."""
         if not isinstance(weight, NVFP4Weight):
-            raise TypeError(f"FP4Linear.from_weight: weight must be an NVFP4Weight, got "
-                            f"{type(weight).__name__}")
+            raise TypeError(
+                f"FP4Linear.from_weight: weight must be an NVFP4Weight, got {type(weight).__name__}"
+            )
         *lead, n, k = weight.shape
         if bias is not None:
             bias = jnp.asarray(bias)
             if tuple(bias.shape) != (*lead, n):
-                raise ValueError(f"FP4Linear.from_weight: bias must have shape {(*lead, n)} to match the "
-                                 f"weight [N, K] = {weight.shape}, got {tuple(bias.shape)}")
+                raise ValueError(
+                    f"FP4Linear.from_weight: bias must have shape {(*lead, n)} to match the "
+                    f"weight [N, K] = {weight.shape}, got {tuple(bias.shape)}"
+                )
         if param_dtype is None:
             param_dtype = bias.dtype if bias is not None else jnp.float32
-        return cls(k, n, use_bias=bias is not None, dtype=dtype, param_dtype=param_dtype,
-                   block_size=weight.block_size, kernel_metadata=kernel_metadata,
-                   bias_metadata=bias_metadata, backend=backend, _weights=(weight, bias))
+        return cls(
+            k,
+            n,
+            use_bias=bias is not None,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            block_size=weight.block_size,
+            kernel_metadata=kernel_metadata,
+            bias_metadata=bias_metadata,
+            backend=backend,
+            _weights=(weight, bias),
+        )
 
     @property
     def weight(self) -> NVFP4Weight:
         """The layer's NVFP4Weight [out_features, in_features]."""
         return NVFP4Weight.tree_unflatten(
-            (self.block_size, self.layout), (self.packed[...], self.scale[...], self.global_scale[...]))
+            (self.block_size, self.layout),
+            (self.packed[...], self.scale[...], self.global_scale[...]),
+        )
 
     def prepack(self) -> bool:
         """Put the weight in the decode GEMV's tiled layout (`jax_fp4.prepack`), in place.
@@ -253,11 +317,15 @@ class FP4Linear(nnx.Module):
         inputs = jnp.asarray(inputs)
         weight = self.weight
         if weight.packed.ndim != 2:
-            raise ValueError(f"FP4Linear: this layer holds stacked weights of shape {weight.shape}; call it "
-                             "inside nnx.scan / nnx.vmap over the stacked axis")
+            raise ValueError(
+                f"FP4Linear: this layer holds stacked weights of shape {weight.shape}; call it "
+                "inside nnx.scan / nnx.vmap over the stacked axis"
+            )
         if inputs.ndim < 1 or inputs.shape[-1] != weight.k:
-            raise ValueError(f"FP4Linear: inputs must be [..., in_features={weight.k}], got shape "
-                             f"{tuple(inputs.shape)}")
+            raise ValueError(
+                f"FP4Linear: inputs must be [..., in_features={weight.k}], got shape "
+                f"{tuple(inputs.shape)}"
+            )
         bias = self.bias[...] if self.bias is not None else None
         dtype = compute_dtype(inputs, self.dtype, self.param_dtype, bias)
         y = matmul(inputs.astype(dtype), weight, bias, backend=self.backend)
@@ -268,12 +336,17 @@ class FP4Linear(nnx.Module):
 
 def _constrain(y, sharding):
     mesh = jax.sharding.get_abstract_mesh()
-    if isinstance(sharding, jax.sharding.PartitionSpec) and not mesh.empty and mesh.are_all_axes_explicit:
+    if (
+        isinstance(sharding, jax.sharding.PartitionSpec)
+        and not mesh.empty
+        and mesh.are_all_axes_explicit
+    ):
         return jax.sharding.reshard(y, sharding)
     return jax.lax.with_sharding_constraint(y, sharding)
 
 
 # ---- whole models -----------------------------------------------------------------------------
+
 
 def _path_name(path) -> str:
     return ".".join(str(p) for p in path)
@@ -289,17 +362,25 @@ def _child(node, key):
 
 def _set_child(node, key, value, path):
     if isinstance(node, tuple):
-        raise TypeError(f"quantize_model: cannot replace the Linear at {_path_name(path)!r}: it sits in "
-                        "a tuple; use a list (nnx.List) or a filter that skips it")
+        raise TypeError(
+            f"quantize_model: cannot replace the Linear at {_path_name(path)!r}: it sits in "
+            "a tuple; use a list (nnx.List) or a filter that skips it"
+        )
     if _by_item(node, key):
         node[key] = value
     else:
         setattr(node, key, value)
 
 
-def quantize_model(model, filter: Callable[[tuple], bool] | None = None, *, block_size: int = 16,
-                   backend: str | None = None, method: str = "modelopt",
-                   calibration: Mapping[tuple, Any] | None = None):
+def quantize_model(
+    model,
+    filter: Callable[[tuple], bool] | None = None,
+    *,
+    block_size: int = 16,
+    backend: str | None = None,
+    method: str = "modelopt",
+    calibration: Mapping[tuple, Any] | None = None,
+):
     """Replace the `nnx.Linear` layers of `model` by FP4Linear layers, in place, and return it.
 
     Args:
@@ -318,13 +399,18 @@ def quantize_model(model, filter: Callable[[tuple], bool] | None = None, *, bloc
     made by nnx.vmap (kernel [L, in, out]) become stacked FP4Linear layers for nnx.scan.
     """
     if isinstance(model, nnx.Linear) and not isinstance(model, FP4Linear):
-        raise TypeError("quantize_model: model is itself an nnx.Linear; use FP4Linear.from_linear(model)")
+        raise TypeError(
+            "quantize_model: model is itself an nnx.Linear; use FP4Linear.from_linear(model)"
+        )
     check_calibration_method("quantize_model", method, calibration)
     converted: dict[int, FP4Linear] = {}
     declined: set[int] = set()
     while True:
-        todo = [(path, node) for path, node in nnx.iter_graph(model)
-                if isinstance(node, nnx.Linear) and id(node) not in declined]
+        todo = [
+            (path, node)
+            for path, node in nnx.iter_graph(model)
+            if isinstance(node, nnx.Linear) and id(node) not in declined
+        ]
         if not todo:
             return model
         for path, linear in todo:
@@ -334,8 +420,12 @@ def quantize_model(model, filter: Callable[[tuple], bool] | None = None, *, bloc
                     continue
                 try:
                     converted[id(linear)] = FP4Linear.from_linear(
-                        linear, block_size=block_size, backend=backend, method=method,
-                        importance=layer_importance(calibration, path))
+                        linear,
+                        block_size=block_size,
+                        backend=backend,
+                        method=method,
+                        importance=layer_importance(calibration, path),
+                    )
                 except (TypeError, ValueError) as e:
                     where = f"quantize_model: cannot quantize the Linear at {_path_name(path)!r}"
                     if type(e) not in (TypeError, ValueError):  # e.g. JAX's tracer errors
@@ -360,7 +450,7 @@ def _record_inputs(call):
     return recording_call
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _recording(cls: type) -> type:
     """A subclass of a Linear class that records its inputs (the same object layout as `cls`, so a
     calibration probe's layers can switch to it in place)."""
@@ -383,8 +473,10 @@ def calibrate(model, forward: Callable[..., Any], *args, **kwargs) -> dict[tuple
         if not isinstance(node, nnx.Linear) or isinstance(node, FP4Linear):
             continue
         if node.kernel.ndim != 2:
-            raise ValueError(f"calibrate: the Linear at {_path_name(path)!r} has a stacked kernel of shape "
-                             f"{tuple(node.kernel.shape)}; only 2-D kernels [in, out] are supported")
+            raise ValueError(
+                f"calibrate: the Linear at {_path_name(path)!r} has a stacked kernel of shape "
+                f"{tuple(node.kernel.shape)}; only 2-D kernels [in, out] are supported"
+            )
         node.calibration_sum_squares = nnx.Variable(jnp.zeros((node.kernel.shape[0],), jnp.float32))
         node.calibration_rows = nnx.Variable(jnp.zeros((), jnp.int32))
         # Every reference to the layer records (shared layers); past nnx's __setattr__, which would
@@ -392,8 +484,11 @@ def calibrate(model, forward: Callable[..., Any], *args, **kwargs) -> dict[tuple
         object.__setattr__(node, "__class__", _recording(type(node)))
         layers[tuple(path)] = node
     forward(probe, *args, **kwargs)
-    return {path: layer.calibration_sum_squares[...] / layer.calibration_rows[...].astype(jnp.float32)
-            for path, layer in layers.items() if int(layer.calibration_rows[...]) > 0}
+    return {
+        path: layer.calibration_sum_squares[...] / layer.calibration_rows[...].astype(jnp.float32)
+        for path, layer in layers.items()
+        if int(layer.calibration_rows[...]) > 0
+    }
 
 
 def _fp4_layers(model, prefix: str) -> dict[str, FP4Linear]:
@@ -433,30 +528,40 @@ def load_weights(model, tensors: Mapping[str, Any], *, prefix: str = "", strict:
         weight = tensors.get(name)
         if weight is None:
             if strict:
-                raise CheckpointError(f"load_weights: no NVFP4 weight {name!r} in the tensors for the "
-                                      f"FP4Linear at that path")
+                raise CheckpointError(
+                    f"load_weights: no NVFP4 weight {name!r} in the tensors for the "
+                    f"FP4Linear at that path"
+                )
             continue
         if not isinstance(weight, NVFP4Weight):
-            raise CheckpointError(f"load_weights: {name!r} must be an NVFP4Weight, got "
-                                  f"{type(weight).__name__} (load the file with load_safetensors)")
+            raise CheckpointError(
+                f"load_weights: {name!r} must be an NVFP4Weight, got "
+                f"{type(weight).__name__} (load the file with load_safetensors)"
+            )
         if weight.shape != layer.weight.shape or weight.block_size != layer.block_size:
             raise CheckpointError(
                 f"load_weights: {name!r} has shape {weight.shape} and block_size {weight.block_size}, the "
-                f"FP4Linear expects {layer.weight.shape} and block_size {layer.block_size}")
+                f"FP4Linear expects {layer.weight.shape} and block_size {layer.block_size}"
+            )
         bias_name = f"{name}.bias"
         if layer.use_bias:
             if bias_name not in tensors:
-                raise CheckpointError(f"load_weights: the FP4Linear {name!r} has a bias but "
-                                      f"{bias_name!r} is missing")
+                raise CheckpointError(
+                    f"load_weights: the FP4Linear {name!r} has a bias but {bias_name!r} is missing"
+                )
             bias = jnp.asarray(tensors[bias_name])
             expected = tuple(layer.bias[...].shape)
             if tuple(bias.shape) != expected:
-                raise CheckpointError(f"load_weights: {bias_name!r} must have shape {expected}, got "
-                                      f"{tuple(bias.shape)}")
+                raise CheckpointError(
+                    f"load_weights: {bias_name!r} must have shape {expected}, got "
+                    f"{tuple(bias.shape)}"
+                )
             layer.bias.set_value(bias.astype(layer.bias[...].dtype))
         elif bias_name in tensors:
-            raise CheckpointError(f"load_weights: {bias_name!r} is given but the FP4Linear {name!r} "
-                                  "has no bias (use_bias=False)")
+            raise CheckpointError(
+                f"load_weights: {bias_name!r} is given but the FP4Linear {name!r} "
+                "has no bias (use_bias=False)"
+            )
         weight = prepack(weight) if layer.layout == "tiled" else unprepack(weight)
         layer.packed.set_value(jnp.asarray(weight.packed))
         layer.scale.set_value(jnp.asarray(weight.scale))

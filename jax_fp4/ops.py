@@ -27,18 +27,37 @@ from jax_fp4.format import NVFP4Weight, scale_as_bytes
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
 
 
-def bind(a, packed, scale, global_scale, bias, *, block_size: int, backend: str,
-         swizzled_scale=None, layout: str = "spec", tuning: KernelTuning | None = None):
+def bind(
+    a,
+    packed,
+    scale,
+    global_scale,
+    bias,
+    *,
+    block_size: int,
+    backend: str,
+    swizzled_scale=None,
+    layout: str = "spec",
+    tuning: KernelTuning | None = None,
+):
     """Bind the primitive; `bias` and `swizzled_scale` (prepacked SM120 scales) may be None.
     Operands must already be validated; `tuning` is static (None: the kernels' heuristics)."""
     operands = (a, packed, scale, global_scale) + tuple(
-        x for x in (bias, swizzled_scale) if x is not None)
-    return nvfp4_matmul_p.bind(*operands, block_size=block_size, backend=backend, layout=layout,
-                               has_bias=bias is not None, has_swizzled=swizzled_scale is not None,
-                               tuning=tuning)
+        x for x in (bias, swizzled_scale) if x is not None
+    )
+    return nvfp4_matmul_p.bind(
+        *operands,
+        block_size=block_size,
+        backend=backend,
+        layout=layout,
+        has_bias=bias is not None,
+        has_swizzled=swizzled_scale is not None,
+        tuning=tuning,
+    )
 
 
 # ---- abstract evaluation ------------------------------------------------------------------------
+
 
 def _abstract_eval(*operands, **params):
     del params
@@ -66,6 +85,7 @@ _lowering.register(nvfp4_matmul_p)
 
 # ---- batching -----------------------------------------------------------------------------------
 
+
 def _batch(operands, dims, **params):
     a_dim, weight_dims = dims[0], dims[1:]
     if all(d is None for d in weight_dims):
@@ -74,8 +94,7 @@ def _batch(operands, dims, **params):
         return nvfp4_matmul_p.bind(a, *operands[1:], **params), 0
     # vmap over stacked weights (experts, layers) or biases: one matmul per weight, in a loop.
     size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
-    batched = [jnp.moveaxis(x, d, 0) if d is not None else None
-               for x, d in zip(operands, dims)]
+    batched = [jnp.moveaxis(x, d, 0) if d is not None else None for x, d in zip(operands, dims)]
 
     def one(sliced):
         ops = [s if b is not None else x for x, s, b in zip(operands, sliced, batched)]
@@ -93,22 +112,32 @@ batching.primitive_batchers[nvfp4_matmul_p] = _batch
 # scale, and linear in the global scale for fixed a. The packed codes and block scales are integer
 # data and have no tangent.
 
+
 def _is_zero(t):
     return type(t) is ad.Zero
 
 
 def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzled, tuning=None):
-    a, packed, scale, global_scale, bias, swizzled = _lowering.split_operands(primals, has_bias, has_swizzled)
+    a, packed, scale, global_scale, bias, swizzled = _lowering.split_operands(
+        primals, has_bias, has_swizzled
+    )
     da, _, _, dgs, dbias, _ = _lowering.split_operands(tangents, has_bias, has_swizzled)
-    weight = dict(block_size=block_size, backend=backend, swizzled_scale=swizzled, layout=layout,
-                  tuning=tuning)
+    weight = dict(
+        block_size=block_size,
+        backend=backend,
+        swizzled_scale=swizzled,
+        layout=layout,
+        tuning=tuning,
+    )
     y = bind(a, packed, scale, global_scale, bias, **weight)
     out_tangents = []
     dbias = None if dbias is None or _is_zero(dbias) else dbias
     if not _is_zero(da):
         out_tangents.append(bind(da, packed, scale, global_scale, dbias, **weight))
     elif dbias is not None:  # only the bias moves: no matmul needed
-        out_tangents.append(_explicit_axes.typed_like(jnp.broadcast_to(dbias, y.shape), jax.typeof(y)))
+        out_tangents.append(
+            _explicit_axes.typed_like(jnp.broadcast_to(dbias, y.shape), jax.typeof(y))
+        )
     if not _is_zero(dgs):
         out_tangents.append(bind(a, packed, scale, dgs, None, **weight))
     if not out_tangents:
@@ -117,27 +146,46 @@ def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzl
 
 
 def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzled, tuning=None):
-    a, packed, scale, global_scale, bias, swizzled = _lowering.split_operands(operands, has_bias, has_swizzled)
+    a, packed, scale, global_scale, bias, swizzled = _lowering.split_operands(
+        operands, has_bias, has_swizzled
+    )
     if ad.is_undefined_primal(packed) or ad.is_undefined_primal(scale):
-        raise TypeError("jax_fp4: the quantized weight (packed codes, block scales) is not differentiable")
+        raise TypeError(
+            "jax_fp4: the quantized weight (packed codes, block scales) is not differentiable"
+        )
     if _is_zero(ct):
         ct = jnp.zeros(ct.aval.shape, ct.aval.dtype)
     ct_a = ct_gs = ct_bias = None
     if ad.is_undefined_primal(global_scale):
         # y is linear in gs: dL/dgs = sum(ct * y(gs=1)), with `a` a known primal here.
-        unit = bind(a, packed, scale, jnp.float32(1), None, block_size=block_size, backend=backend,
-                    swizzled_scale=swizzled, layout=layout, tuning=tuning)
+        unit = bind(
+            a,
+            packed,
+            scale,
+            jnp.float32(1),
+            None,
+            block_size=block_size,
+            backend=backend,
+            swizzled_scale=swizzled,
+            layout=layout,
+            tuning=tuning,
+        )
         ct_gs = jnp.sum(ct.astype(jnp.float32) * unit.astype(jnp.float32))
     else:
         if ad.is_undefined_primal(a):
             w = _lowering.dense(packed, scale, global_scale, block_size, layout)
             # Under explicit mesh axes a column-parallel weight makes N, the contracted axis here,
             # sharded on both sides: dA must be typed like a (the sum over N's shards is implied).
-            ct_a = jnp.matmul(ct.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST,
-                              out_sharding=_explicit_axes.explicit_type(a.aval)).astype(a.aval.dtype)
+            ct_a = jnp.matmul(
+                ct.astype(jnp.float32),
+                w,
+                precision=jax.lax.Precision.HIGHEST,
+                out_sharding=_explicit_axes.explicit_type(a.aval),
+            ).astype(a.aval.dtype)
         if has_bias and ad.is_undefined_primal(bias):
             ct_bias = jnp.sum(ct.astype(jnp.float32), axis=tuple(range(ct.ndim - 1))).astype(
-                bias.aval.dtype)
+                bias.aval.dtype
+            )
             ct_bias = _explicit_axes.typed_like(ct_bias, bias.aval)
     result = [ct_a, None, None, ct_gs]
     return result + ([ct_bias] if has_bias else []) + ([None] if has_swizzled else [])
@@ -158,7 +206,8 @@ def _check_weight(w) -> None:
     if w.packed.ndim != 2:
         raise ValueError(
             f"matmul: w must be a single [N, K] weight, got stacked shape {w.shape}; "
-            "use jax.vmap or lax.scan over stacked weights")
+            "use jax.vmap or lax.scan over stacked weights"
+        )
 
 
 def _check_activation(a, w: NVFP4Weight):
@@ -171,7 +220,8 @@ def _check_activation(a, w: NVFP4Weight):
     if a.shape[-1] != w.k:
         raise ValueError(
             f"matmul: a's last axis must equal the weight's K = {w.k} (w.shape = {w.shape}), "
-            f"got a.shape = {tuple(a.shape)}")
+            f"got a.shape = {tuple(a.shape)}"
+        )
     return a
 
 
@@ -190,19 +240,23 @@ def _check_bias(bias, w: NVFP4Weight, dtype):
 def _resolve_backend(backend) -> str:
     backend = "auto" if backend is None else backend
     if not isinstance(backend, str) or backend not in _dispatch.BACKENDS:
-        raise ValueError(f"matmul: backend must be one of {_dispatch.BACKENDS} or None, got {backend!r}")
+        raise ValueError(
+            f"matmul: backend must be one of {_dispatch.BACKENDS} or None, got {backend!r}"
+        )
     return backend
 
 
 def _check_tuning(tuning) -> KernelTuning | None:
     if tuning is not None and not isinstance(tuning, KernelTuning):
-        raise TypeError(f"matmul: tuning must be a jax_fp4.KernelTuning or None, got "
-                        f"{type(tuning).__name__}")
+        raise TypeError(
+            f"matmul: tuning must be a jax_fp4.KernelTuning or None, got {type(tuning).__name__}"
+        )
     return tuning
 
 
-def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None,
-           tuning: KernelTuning | None = None):
+def matmul(
+    a, w: NVFP4Weight, bias=None, *, backend: str | None = None, tuning: KernelTuning | None = None
+):
     """Y = A @ dequant(W)^T (+ bias).
 
     Args:
@@ -224,12 +278,21 @@ def matmul(a, w: NVFP4Weight, bias=None, *, backend: str | None = None,
     bias = _check_bias(bias, w, a.dtype)
     backend = _resolve_backend(backend)
     tuning = _check_tuning(tuning)
-    _dispatch.check_backend(backend, _lowering.problem_of(a.shape, a.dtype, w.packed.shape, w.block_size,
-                                                           w.layout))
-    return bind(a, w.packed, scale_as_bytes(w.scale), jnp.asarray(w.global_scale, jnp.float32),
-                bias, block_size=w.block_size, backend=backend,
-                swizzled_scale=getattr(w, "swizzled_scale", None),  # prepack(target="sm120")
-                layout=w.layout, tuning=tuning)
+    _dispatch.check_backend(
+        backend, _lowering.problem_of(a.shape, a.dtype, w.packed.shape, w.block_size, w.layout)
+    )
+    return bind(
+        a,
+        w.packed,
+        scale_as_bytes(w.scale),
+        jnp.asarray(w.global_scale, jnp.float32),
+        bias,
+        block_size=w.block_size,
+        backend=backend,
+        swizzled_scale=getattr(w, "swizzled_scale", None),  # prepack(target="sm120")
+        layout=w.layout,
+        tuning=tuning,
+    )
 
 
 def default_device():
@@ -241,7 +304,9 @@ def default_device():
     return jax.devices(device)[0] if isinstance(device, str) else device
 
 
-def dispatch_path(a, w: NVFP4Weight, *, backend: str | None = None, platform: str | None = None) -> str:
+def dispatch_path(
+    a, w: NVFP4Weight, *, backend: str | None = None, platform: str | None = None
+) -> str:
     """The path `matmul(a, w, backend=backend)` takes when lowered for `platform` (default: the
     default device's platform, `jax.default_device` honoured). `a` may be an array or a
     jax.ShapeDtypeStruct."""
@@ -250,5 +315,12 @@ def dispatch_path(a, w: NVFP4Weight, *, backend: str | None = None, platform: st
     if platform is None:
         platform = default_device().platform
     platform = {"gpu": "cuda"}.get(platform, platform)
-    return _lowering.path_for(platform, a.shape, a.dtype, w.packed.shape, w.block_size,
-                               _resolve_backend(backend), w.layout)
+    return _lowering.path_for(
+        platform,
+        a.shape,
+        a.dtype,
+        w.packed.shape,
+        w.block_size,
+        _resolve_backend(backend),
+        w.layout,
+    )

@@ -1,19 +1,20 @@
 """`prepack` / `unprepack`: weight layouts prepared once at load time for a kernel path.
 
-  target="tiled"  the tiled layout (jax_fp4/layout.py): the packed codes and block scales
-                  reordered (same shapes and bytes). The CUDA GEMV, fused GEMM and dequant kernels
-                  and the CPU kernel read it directly (the CUDA ones faster than the spec layout
-                  on the H200); the reference and native paths transform it back inside the
-                  program (on SM120 with the native path, use target="sm120").
-  target="sm120"  the native Blackwell SM120 path's swizzled scales, kept beside the plain ones
-                  (jax_fp4/native.py).
+target="tiled"  the tiled layout (jax_fp4/layout.py): the packed codes and block scales
+                reordered (same shapes and bytes). The CUDA GEMV, fused GEMM and dequant kernels
+                and the CPU kernel read it directly (the CUDA ones faster than the spec layout
+                on the H200); the reference and native paths transform it back inside the
+                program (on SM120 with the native path, use target="sm120").
+target="sm120"  the native Blackwell SM120 path's swizzled scales, kept beside the plain ones
+                (jax_fp4/native.py).
 """
 
 from __future__ import annotations
 
 import jax
 
-from jax_fp4 import layout as _layout, native as _native
+from jax_fp4 import layout as _layout
+from jax_fp4 import native as _native
 from jax_fp4.format import NVFP4Weight, spec_arrays
 
 TARGETS = ("tiled", "sm120")
@@ -48,8 +49,13 @@ def unprepack(w: NVFP4Weight) -> NVFP4Weight:
 # longer (11008x4096 on two CPU cores: 0.66-0.93 s against 0.044 s).
 @jax.jit
 def _tile(w: NVFP4Weight) -> NVFP4Weight:
-    return NVFP4Weight(_layout.tile_packed(w.packed), _layout.tile_scale(w.scale), w.global_scale,
-                       w.block_size, layout="tiled")
+    return NVFP4Weight(
+        _layout.tile_packed(w.packed),
+        _layout.tile_scale(w.scale),
+        w.global_scale,
+        w.block_size,
+        layout="tiled",
+    )
 
 
 @jax.jit

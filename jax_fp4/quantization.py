@@ -24,13 +24,23 @@ def _e2m1_round(x):
     """Float32 values already clipped to [-6, 6] -> E2M1 codes, round to nearest, ties to even."""
     mag = jnp.abs(x)
     # Thresholds between neighbouring magnitudes; `<=` where the tie goes down to the even code.
-    code = jnp.where(mag <= 0.25, 0,
-           jnp.where(mag < 0.75, 1,
-           jnp.where(mag <= 1.25, 2,
-           jnp.where(mag < 1.75, 3,
-           jnp.where(mag <= 2.5, 4,
-           jnp.where(mag < 3.5, 5,
-           jnp.where(mag <= 5.0, 6, 7)))))))
+    code = jnp.where(
+        mag <= 0.25,
+        0,
+        jnp.where(
+            mag < 0.75,
+            1,
+            jnp.where(
+                mag <= 1.25,
+                2,
+                jnp.where(
+                    mag < 1.75,
+                    3,
+                    jnp.where(mag <= 2.5, 4, jnp.where(mag < 3.5, 5, jnp.where(mag <= 5.0, 6, 7))),
+                ),
+            ),
+        ),
+    )
     # A negative value that rounds to zero keeps its sign (code 0x8, -0), as ModelOpt and
     # compressed-tensors write it; an exact -0.0 is not below zero and gets code 0x0, as theirs.
     sign = jnp.where(x < 0, 8, 0)
@@ -71,7 +81,11 @@ def quantize(w, block_size: int = 16, *, method: str = "modelopt", importance=No
     w must be finite: NaN or inf raises ValueError. Under `jit` (w traced) that cannot be
     checked, and a matrix holding them quantizes to an undefined weight.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, (int, np.integer))
+        or block_size <= 0
+    ):
         raise ValueError(f"quantize: block_size must be a positive int, got {block_size!r}")
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"quantize: method must be one of {QUANTIZE_METHODS}, got {method!r}")
@@ -82,10 +96,14 @@ def quantize(w, block_size: int = 16, *, method: str = "modelopt", importance=No
         raise ValueError(f"quantize: w must be [N, K] (rank >= 2), got shape {w.shape}")
     k = w.shape[-1]
     if k % 2:
-        raise ValueError(f"quantize: K (the last axis) must be even to pack two codes per byte, got {k}")
+        raise ValueError(
+            f"quantize: K (the last axis) must be even to pack two codes per byte, got {k}"
+        )
     if importance is not None:
         if method != "mse":
-            raise ValueError("quantize: importance weights only method='mse'; got method='modelopt'")
+            raise ValueError(
+                "quantize: importance weights only method='mse'; got method='modelopt'"
+            )
         importance = _check_importance(importance, w.shape)
     weight, finite = _quantize_compiled(w, importance, block_size=int(block_size), method=method)
     try:
@@ -103,8 +121,10 @@ def _raise_nonfinite(w):
     coarsens every other block), so say where instead of returning a silently wrong weight."""
     bad = np.argwhere(~np.isfinite(np.asarray(w, np.float32)))
     count, where = len(bad), tuple(int(i) for i in bad[0])
-    raise ValueError(f"quantize: w must be finite, got {count} NaN or infinite value"
-                     f"{'s' if count > 1 else ''} (the first at index {where} of shape {tuple(w.shape)})")
+    raise ValueError(
+        f"quantize: w must be finite, got {count} NaN or infinite value"
+        f"{'s' if count > 1 else ''} (the first at index {where} of shape {tuple(w.shape)})"
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "method"))
@@ -118,7 +138,9 @@ def _quantize_compiled(w, importance, *, block_size: int, method: str):
     pad = [(0, 0)] * (w.ndim - 1) + [(0, k_blocks * block_size - k)]
 
     amax = jnp.max(jnp.abs(w), axis=(-2, -1), initial=0.0)  # 0 for an empty matrix (N or K = 0)
-    gscale = jnp.where(amax > 0, _divide(amax, jnp.float32(E2M1_MAX * E4M3_MAX)), 1.0).astype(jnp.float32)
+    gscale = jnp.where(amax > 0, _divide(amax, jnp.float32(E2M1_MAX * E4M3_MAX)), 1.0).astype(
+        jnp.float32
+    )
 
     blocks = jnp.pad(w, pad).reshape(*w.shape[:-1], k_blocks, block_size)
     block_amax = jnp.max(jnp.abs(blocks), axis=-1)
@@ -131,8 +153,11 @@ def _quantize_compiled(w, importance, *, block_size: int, method: str):
     codes = _round_blocks(blocks, step)
 
     if method == "mse":
-        weights = (jnp.ones((k_blocks * block_size,), jnp.float32) if importance is None
-                   else jnp.pad(importance, [(0, 0)] * (importance.ndim - 1) + pad[-1:]))
+        weights = (
+            jnp.ones((k_blocks * block_size,), jnp.float32)
+            if importance is None
+            else jnp.pad(importance, [(0, 0)] * (importance.ndim - 1) + pad[-1:])
+        )
         weights = weights.reshape(*weights.shape[:-1], 1, k_blocks, block_size)  # [..., 1, kb, bs]
         scale, codes = _search_scales(blocks, scale, step, codes, gs_blocks, weights)
     codes = codes.reshape(*w.shape[:-1], k_blocks * block_size)[..., :k]
@@ -151,14 +176,16 @@ def _round_blocks(blocks, step):
 
 def _search_scales(blocks, scale, step, codes, gs_blocks, weights):
     """method="mse": the least-error scale per block among ModelOpt's and its neighbours."""
+
     def error(step, codes):
         return jnp.sum(weights * jnp.square(e2m1_codes_to_float32(codes) * step - blocks), axis=-1)
 
     base = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)  # positive: ordered
     best_err = error(step, codes)
     for delta in [d for n in range(1, MSE_SCALE_STEPS + 1) for d in (-n, n)]:
-        cand = jax.lax.bitcast_convert_type(jnp.clip(base + delta, 1, 0x7E).astype(jnp.uint8),
-                                            jnp.float8_e4m3fn)
+        cand = jax.lax.bitcast_convert_type(
+            jnp.clip(base + delta, 1, 0x7E).astype(jnp.uint8), jnp.float8_e4m3fn
+        )
         cand_step = _step(cand, gs_blocks)
         cand_codes = _round_blocks(blocks, cand_step)
         cand_err = error(cand_step, cand_codes)
@@ -175,9 +202,11 @@ def _check_importance(importance, w_shape):
     allowed = [(k,), tuple(w_shape[:-2]) + (k,)]
     shape = tuple(np.shape(importance))
     if shape not in allowed:
-        raise ValueError(f"quantize: importance must have shape {allowed[0]}"
-                         + (f" or {allowed[1]}" if allowed[1] != allowed[0] else "")
-                         + f" (one weight per input channel), got {shape}")
+        raise ValueError(
+            f"quantize: importance must have shape {allowed[0]}"
+            + (f" or {allowed[1]}" if allowed[1] != allowed[0] else "")
+            + f" (one weight per input channel), got {shape}"
+        )
     values = host_values(importance, np.float64)  # None when traced: unchecked here
     if values is not None and not (np.isfinite(values).all() and (values >= 0).all()):
         raise ValueError("quantize: importance must be finite and non-negative")

@@ -92,8 +92,9 @@ def _spec(sharding, ndim) -> list[tuple[str, ...]] | None:
     return spec_axes(sharding, ndim) if isinstance(sharding, NamedSharding) else None
 
 
-def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_k_check=None,
-         tiled=False):
+def plan(
+    mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_k_check=None, tiled=False
+):
     """Choose (lead_axes per leading dim, n_axes, k_axes, reasons) from the proposed shardings.
 
     Pure function of shapes and shardings; `reasons` lists why a proposed sharding was dropped.
@@ -112,8 +113,10 @@ def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_
         reasons.append(f"N={n} is not divisible by the {n_shards} shards of {n_axes}")
         n_axes = ()
     if n_axes and tiled and (n // n_shards) % 16:
-        reasons.append(f"tiled layout: N shards of {n // n_shards} rows would split its "
-                       "16-row tiles: gathering N")
+        reasons.append(
+            f"tiled layout: N shards of {n // n_shards} rows would split its "
+            "16-row tiles: gathering N"
+        )
         n_axes = ()
     if k_axes and tiled:
         reasons.append("tiled layout: its 16-row tiles hold all of K: gathering K")
@@ -123,7 +126,8 @@ def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_
         if block_size % 2 or k % (block_size * shards):
             reasons.append(
                 f"row-parallel K={k} over {shards} shards needs K % (block_size*shards) == 0 with an "
-                f"even block_size (block_size={block_size}): gathering K")
+                f"even block_size (block_size={block_size}): gathering K"
+            )
             k_axes = ()
         elif local_k_check is not None and (why := local_k_check(k // shards)) is not None:
             reasons.append(f"row-parallel K slice {k // shards}: {why}: gathering K")
@@ -146,6 +150,7 @@ def plan(mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_
 def _on_local_shards(run, k_axes):
     """The per-device program of a plan: `run` on the local shards; with K split (row parallel)
     the partial products are summed in float32 over `k_axes`, then bias is added once."""
+
     def local(a, packed, scale, global_scale, *maybe_bias):
         bias = maybe_bias[0] if maybe_bias else None
         if not k_axes:
@@ -155,23 +160,28 @@ def _on_local_shards(run, k_axes):
         if bias is not None:
             y = y + bias.astype(jnp.float32)
         return y.astype(a.dtype)
+
     return local
 
 
 @functools.cache
-def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k_check=None,
-             tiled=False):
+def _wrapped(
+    impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k_check=None, tiled=False
+):
     """custom_partitioning around `impl` for one static configuration."""
 
     def run(a, packed, scale, global_scale, bias):
         return impl(a, packed, scale, global_scale, bias, block_size=block_size)
 
     if has_bias:
+
         def fn(a, packed, scale, global_scale, bias):
             return run(a, packed, scale, global_scale, bias)
     else:
+
         def fn(a, packed, scale, global_scale):
             return run(a, packed, scale, global_scale, None)
+
     fn.__name__ = f"jax_fp4_{getattr(impl, '__name__', 'kernel').lstrip('_')}"
     cp = custom_partitioning(fn)
 
@@ -181,12 +191,21 @@ def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k
     def partition(mesh, arg_shapes, result_shape):
         a_shape = arg_shapes[0].shape
         n = arg_shapes[1].shape[0]
-        lead, n_axes, k_axes, _ = plan(mesh, a_shape, arg_shapes[0].sharding,
-                                       arg_shapes[1].sharding, n=n, k=k, block_size=block_size,
-                                       local_k_check=local_k_check, tiled=tiled)
+        lead, n_axes, k_axes, _ = plan(
+            mesh,
+            a_shape,
+            arg_shapes[0].sharding,
+            arg_shapes[1].sharding,
+            n=n,
+            k=k,
+            block_size=block_size,
+            local_k_check=local_k_check,
+            tiled=tiled,
+        )
         if mesh is None or mesh.empty or not isinstance(arg_shapes[0].sharding, NamedSharding):
             # Shardings without a mesh (GSPMDSharding): run the kernel on replicated operands.
             from jax._src.sharding_impls import GSPMDSharding  # noqa: PLC0415 - no public name
+
             rep = GSPMDSharding.get_replicated(arg_shapes[0].sharding._device_assignment)
             return mesh, run_unsharded, rep, tuple(rep for _ in arg_shapes)
         lead_spec = [spec_entry(ax) for ax in lead]
@@ -203,10 +222,19 @@ def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k
         # Used by the GSPMD partitioner (jax_use_shardy_partitioner=False); Shardy uses the rule.
         if mesh is None or mesh.empty or not isinstance(arg_shapes[0].sharding, NamedSharding):
             from jax._src.sharding_impls import GSPMDSharding  # noqa: PLC0415
+
             return GSPMDSharding.get_replicated(arg_shapes[0].sharding._device_assignment)
-        lead, n_axes, _, _ = plan(mesh, arg_shapes[0].shape, arg_shapes[0].sharding,
-                                  arg_shapes[1].sharding, n=arg_shapes[1].shape[0], k=k,
-                                  block_size=block_size, local_k_check=local_k_check, tiled=tiled)
+        lead, n_axes, _, _ = plan(
+            mesh,
+            arg_shapes[0].shape,
+            arg_shapes[0].sharding,
+            arg_shapes[1].sharding,
+            n=arg_shapes[1].shape[0],
+            k=k,
+            block_size=block_size,
+            local_k_check=local_k_check,
+            tiled=tiled,
+        )
         return NamedSharding(mesh, P(*[spec_entry(ax) for ax in lead], spec_entry(n_axes)))
 
     lead = " ".join(f"m{i}" for i in range(a_ndim - 1))
@@ -215,18 +243,28 @@ def _wrapped(impl, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k
         # One factor `kb` (the scale blocks) ties the K dims of a, packed and scale together, so
         # Shardy shards them consistently; `b` and `h` are the elements and bytes inside a block.
         rule = f"{lead} (kb b), n (kb h), n kb, {bias_rule} -> {lead} n"
-        cp.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                         sharding_rule=rule, reduction_factors=("kb",),
-                         b=block_size, h=block_size // 2)
+        cp.def_partition(
+            partition,
+            infer_sharding_from_operands=infer_sharding_from_operands,
+            sharding_rule=rule,
+            reduction_factors=("kb",),
+            b=block_size,
+            h=block_size // 2,
+        )
     else:
         rule = f"{lead} k, n kh, n kb, {bias_rule} -> {lead} n"
-        cp.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                         sharding_rule=rule, need_replication_factors=("k", "kh", "kb"))
+        cp.def_partition(
+            partition,
+            infer_sharding_from_operands=infer_sharding_from_operands,
+            sharding_rule=rule,
+            need_replication_factors=("k", "kh", "kb"),
+        )
     return cp
 
 
-def partitioned(impl, *, block_size: int, has_bias: bool, a_ndim: int, k: int,
-                local_k_check=None, tiled=False):
+def partitioned(
+    impl, *, block_size: int, has_bias: bool, a_ndim: int, k: int, local_k_check=None, tiled=False
+):
     """`impl` (a path implementation) as a call XLA's partitioner splits with the rules above.
 
     `impl(a, packed, scale, global_scale, bias_or_None, *, block_size)` must take a of any rank
@@ -249,6 +287,7 @@ def _needs_rule(ctx) -> bool:
     """Whether this lowering is for a multi-device program that XLA's partitioner will split
     (single-device programs and fully manual shard_map bodies run the kernel as is)."""
     from jax._src import sharding_impls  # noqa: PLC0415 - private; only the context types
+
     axis_context = ctx.module_context.axis_context
     if isinstance(axis_context, sharding_impls.ShardingContext):
         return axis_context.num_devices > 1 and axis_context.device_assignment is not None
@@ -266,11 +305,20 @@ def _with_kwargs(impl, impl_kwargs):
     @functools.wraps(impl)
     def bound(*args, **more):
         return impl(*args, **kwargs, **more)
+
     return bound
 
 
-def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool, tiled: bool = False,
-              impl_kwargs: tuple = ()):
+def wrap_impl(
+    ctx,
+    path: str,
+    impl,
+    *,
+    block_size: int,
+    has_bias: bool,
+    tiled: bool = False,
+    impl_kwargs: tuple = (),
+):
     """The implementation the lowering should trace: `impl`, or `impl` under the partitioning
     rules when `path` is a kernel path lowered into a multi-device program. `tiled`: the weight
     operands are in the tiled layout. `impl_kwargs`: ((name, value), ...) of hashable static
@@ -284,25 +332,56 @@ def wrap_impl(ctx, path: str, impl, *, block_size: int, has_bias: bool, tiled: b
     a_aval = ctx.avals_in[0]
     local_k_check = _local_k_check(path, block_size, np.dtype(a_aval.dtype))
     if typed_mesh(a_aval) is not None:  # jit or a shard_map body, with Explicit axes
-        return by_sharding_types(impl, a_aval, ctx.avals_in[1], ctx.avals_out[0],
-                                 block_size=block_size, has_bias=has_bias,
-                                 local_k_check=local_k_check, tiled=tiled)
+        return by_sharding_types(
+            impl,
+            a_aval,
+            ctx.avals_in[1],
+            ctx.avals_out[0],
+            block_size=block_size,
+            has_bias=has_bias,
+            local_k_check=local_k_check,
+            tiled=tiled,
+        )
     if not _needs_rule(ctx):
         return impl
-    return partitioned(impl, block_size=block_size, has_bias=has_bias, a_ndim=a_aval.ndim,
-                       k=a_aval.shape[-1], local_k_check=local_k_check, tiled=tiled)
+    return partitioned(
+        impl,
+        block_size=block_size,
+        has_bias=has_bias,
+        a_ndim=a_aval.ndim,
+        k=a_aval.shape[-1],
+        local_k_check=local_k_check,
+        tiled=tiled,
+    )
 
 
-def by_sharding_types(impl, a_aval, packed_aval, out_aval, *, block_size: int, has_bias: bool,
-                      local_k_check=None, tiled=False):
+def by_sharding_types(
+    impl,
+    a_aval,
+    packed_aval,
+    out_aval,
+    *,
+    block_size: int,
+    has_bias: bool,
+    local_k_check=None,
+    tiled=False,
+):
     """`impl` laid out by the operands' sharding types (a mesh whose axes are all Explicit):
     the same plans as the partitioning rules, taken at trace time from the types and written as
     a shard_map, so the program holds no partitioner callback (jax.export can serialize it).
     Operands are resharded to the plan and the result to the type abstract eval gave it."""
     mesh = a_aval.sharding.mesh
-    lead, n_axes, k_axes, _ = plan(mesh, a_aval.shape, a_aval.sharding, packed_aval.sharding,
-                                   n=packed_aval.shape[0], k=a_aval.shape[-1],
-                                   block_size=block_size, local_k_check=local_k_check, tiled=tiled)
+    lead, n_axes, k_axes, _ = plan(
+        mesh,
+        a_aval.shape,
+        a_aval.sharding,
+        packed_aval.sharding,
+        n=packed_aval.shape[0],
+        k=a_aval.shape[-1],
+        block_size=block_size,
+        local_k_check=local_k_check,
+        tiled=tiled,
+    )
     lead_spec = [spec_entry(ax) for ax in lead]
     weight_spec = P(spec_entry(n_axes), spec_entry(k_axes))
     specs = (P(*lead_spec, spec_entry(k_axes)), weight_spec, weight_spec, P())
@@ -311,15 +390,21 @@ def by_sharding_types(impl, a_aval, packed_aval, out_aval, *, block_size: int, h
     def run(a, packed, scale, global_scale, bias):
         return impl(a, packed, scale, global_scale, bias, block_size=block_size)
 
-    local = jax.shard_map(_on_local_shards(run, k_axes), mesh=mesh, in_specs=specs,
-                          out_specs=P(*lead_spec, spec_entry(n_axes)),
-                          axis_names=set(mesh.explicit_axes), check_vma=False)
+    local = jax.shard_map(
+        _on_local_shards(run, k_axes),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=P(*lead_spec, spec_entry(n_axes)),
+        axis_names=set(mesh.explicit_axes),
+        check_vma=False,
+    )
 
     def call(a, packed, scale, global_scale, bias, *, block_size):
         del block_size
         operands = (a, packed, scale, global_scale) + (() if bias is None else (bias,))
-        operands = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
-                    for x, spec in zip(operands, specs)]
+        operands = [
+            jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(operands, specs)
+        ]
         return jax.sharding.reshard(local(*operands), out_aval.sharding)
 
     return call
@@ -334,8 +419,9 @@ def _local_k_check(path: str, block_size: int, dtype):
     check = _dispatch._UNSUPPORTED.get(path)
     if check is None:
         return None
-    return lambda k_local: check(_dispatch.Problem(m=1, n=1, k=k_local, block_size=block_size,
-                                                   dtype=dtype))
+    return lambda k_local: check(
+        _dispatch.Problem(m=1, n=1, k=k_local, block_size=block_size, dtype=dtype)
+    )
 
 
 def merge_leading(a):

@@ -25,6 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # ---- the devices ---------------------------------------------------------------------------------
 
+
 def gpus() -> list:
     """The CUDA devices jax sees (none where it has no GPU backend)."""
     try:
@@ -51,7 +52,7 @@ class Device:
 
     @property
     def platform(self) -> str:
-        """"cpu" or "gpu", as jax names the platform."""
+        """ "cpu" or "gpu", as jax names the platform."""
         return self.jax_device.platform
 
     @property
@@ -78,6 +79,7 @@ def has_sm90() -> bool:
 
 # ---- random problems and checks of jax_fp4.matmul ------------------------------------------------
 
+
 def random_case(rng, lead, n, k, block_size, dtype, with_bias):
     """A random weight, activations of shape lead + (K,), an optional bias, and the float64
     reference product."""
@@ -86,8 +88,14 @@ def random_case(rng, lead, n, k, block_size, dtype, with_bias):
     a = rng.standard_normal(lead + (k,)).astype(np.float32)
     a = jnp.asarray(a, dtype)
     bias = jnp.asarray(rng.standard_normal(n), dtype) if with_bias else None
-    ref = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, block_size,
-                           None if bias is None else np.asarray(bias, np.float64))
+    ref = reference.matmul(
+        np.asarray(a, np.float64),
+        packed,
+        scale,
+        gs,
+        block_size,
+        None if bias is None else np.asarray(bias, np.float64),
+    )
     return a, w, bias, ref
 
 
@@ -96,9 +104,15 @@ def weight_rounding_reference(a, w, bias):
     multiply: rounded to a's dtype. With few terms that cancel, that rounding alone can exceed
     the output's tolerance, so for those paths it is part of the model, not of the error."""
     w = jax_fp4.unprepack(w) if w.layout == "tiled" else w
-    return reference.matmul(np.asarray(a, np.float64), w.packed, w.scale_bytes, w.global_scale,
-                            w.block_size, None if bias is None else np.asarray(bias, np.float64),
-                            weight_dtype=a.dtype)
+    return reference.matmul(
+        np.asarray(a, np.float64),
+        w.packed,
+        w.scale_bytes,
+        w.global_scale,
+        w.block_size,
+        None if bias is None else np.asarray(bias, np.float64),
+        weight_dtype=a.dtype,
+    )
 
 
 EPS = {"bfloat16": 2**-7, "float16": 2**-10, "float32": 2**-20}
@@ -144,24 +158,36 @@ def _tristate(value) -> np.int64:
 def fused_attributes(tuning=None) -> dict:
     """The jax_fp4_fused_cuda attributes of a KernelTuning's choices (None: the heuristics)."""
     t = _tuning(tuning)
-    return dict(split=np.int64(t.fused_split), tile_m=np.int64(t.fused_tile_m),
-                tile_n=np.int64(t.fused_tile_n), warp_specialized=_tristate(t.fused_warp_specialized),
-                stream_k=_tristate(t.fused_stream_k), programmatic=bool(t.programmatic_launch))
+    return dict(
+        split=np.int64(t.fused_split),
+        tile_m=np.int64(t.fused_tile_m),
+        tile_n=np.int64(t.fused_tile_n),
+        warp_specialized=_tristate(t.fused_warp_specialized),
+        stream_k=_tristate(t.fused_stream_k),
+        programmatic=bool(t.programmatic_launch),
+    )
 
 
-def gemv_attributes(k, *, use_mma=True, row_tiling=True, tiled=False, tuning=None,
-                    device=None) -> dict:
+def gemv_attributes(
+    k, *, use_mma=True, row_tiling=True, tiled=False, tuning=None, device=None
+) -> dict:
     """The jax_fp4_gemv_cuda attributes (block_size aside). The handler runs the variant it is
     given; `use_mma` (JAX_FP4_GEMV_MMA) and the GPU decide it as the dispatch does."""
     t = _tuning(tuning)
     cap = capability(device if device is not None else (gpus() or [None])[0])
-    problem = dispatch.Problem(m=1, n=16, k=k, block_size=16, dtype=np.dtype("bfloat16"),
-                               tiled=bool(tiled))
+    problem = dispatch.Problem(
+        m=1, n=16, k=k, block_size=16, dtype=np.dtype("bfloat16"), tiled=bool(tiled)
+    )
     target = dispatch.Target("cuda", capability=cap, gemv_mma=bool(use_mma))
-    return dict(tiled=bool(tiled), tensor_cores=dispatch.gemv_tensor_cores(problem, target),
-                row_tiling=bool(row_tiling), col_tiles=np.int64(t.gemv_col_tiles),
-                k_split=np.int64(t.gemv_k_split), rows_per_block=np.int64(t.gemv_rows_per_block),
-                programmatic=bool(t.programmatic_launch))
+    return dict(
+        tiled=bool(tiled),
+        tensor_cores=dispatch.gemv_tensor_cores(problem, target),
+        row_tiling=bool(row_tiling),
+        col_tiles=np.int64(t.gemv_col_tiles),
+        k_split=np.int64(t.gemv_k_split),
+        rows_per_block=np.int64(t.gemv_rows_per_block),
+        programmatic=bool(t.programmatic_launch),
+    )
 
 
 # ---- jitted chains of matmuls (programmatic dependent launch) -------------------------------------
@@ -189,6 +215,7 @@ def cpu_has_avx512() -> bool:
 
 
 # ---- the repository's scripts -----------------------------------------------------------------------
+
 
 def load_repo_script(relative_path: str) -> ModuleType:
     """The module of ROOT / relative_path (e.g. "benchmarks/ab_compare.py"), a script of the

@@ -25,10 +25,13 @@ def chain_weights(random_weight, dims=CHAIN_DIMS):
     return weights
 
 
-def matmul_chain(a, weights, *, backend: str, tiled: bool,
-                 tuning: jax_fp4.KernelTuning | None = None) -> list[np.ndarray]:
+def matmul_chain(
+    a, weights, *, backend: str, tiled: bool, tuning: jax_fp4.KernelTuning | None = None
+) -> list[np.ndarray]:
     """Every layer's output of one jitted chain (a fresh function: a new trace and kernel launch)."""
-    ws = [jax_fp4.NVFP4Weight(jnp.asarray(p), jnp.asarray(s), jnp.asarray(g)) for p, s, g in weights]
+    ws = [
+        jax_fp4.NVFP4Weight(jnp.asarray(p), jnp.asarray(s), jnp.asarray(g)) for p, s, g in weights
+    ]
     if tiled:
         ws = [jax_fp4.prepack(w) for w in ws]
 
@@ -45,6 +48,13 @@ def matmul_chain(a, weights, *, backend: str, tiled: bool,
 
 def plain_and_programmatic(a, weights, *, backend: str, tiled: bool):
     """The chain's outputs with plain launches, then with programmatic dependent launches."""
-    return [matmul_chain(a, weights, backend=backend, tiled=tiled,
-                         tuning=jax_fp4.KernelTuning(programmatic_launch=flag))
-            for flag in (False, True)]
+    return [
+        matmul_chain(
+            a,
+            weights,
+            backend=backend,
+            tiled=tiled,
+            tuning=jax_fp4.KernelTuning(programmatic_launch=flag),
+        )
+        for flag in (False, True)
+    ]

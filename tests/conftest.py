@@ -117,5 +117,6 @@ def pytest_runtest_makereport(item, call):
     seed = item.stash.get(_seed_key, None)
     if report.failed and seed is not None:
         report.sections.append(
-            ("random inputs", f"seed {seed}; replay: {SEED_VARIABLE}={seed} pytest '{item.nodeid}'"))
+            ("random inputs", f"seed {seed}; replay: {SEED_VARIABLE}={seed} pytest '{item.nodeid}'")
+        )
     return report

@@ -15,8 +15,9 @@ def e2m1_decode(codes) -> np.ndarray:
     sign = np.where(codes & 8, -1.0, 1.0)
     exponent = (codes >> 1) & 3
     mantissa = codes & 1
-    magnitude = np.where(exponent == 0, 0.5 * mantissa,
-                         (1.0 + 0.5 * mantissa) * np.exp2(exponent - 1.0))
+    magnitude = np.where(
+        exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * np.exp2(exponent - 1.0)
+    )
     return sign * magnitude
 
 
@@ -26,8 +27,9 @@ def e4m3_decode(bytes_) -> np.ndarray:
     sign = np.where(b & 0x80, -1.0, 1.0)
     exponent = (b >> 3) & 0xF
     mantissa = b & 7
-    magnitude = np.where(exponent == 0, mantissa * 2.0**-9,
-                         (1.0 + mantissa / 8.0) * np.exp2(exponent - 7.0))
+    magnitude = np.where(
+        exponent == 0, mantissa * 2.0**-9, (1.0 + mantissa / 8.0) * np.exp2(exponent - 7.0)
+    )
     magnitude = np.where((exponent == 15) & (mantissa == 7), np.nan, magnitude)
     return sign * magnitude
 
@@ -72,9 +74,14 @@ def round_once(x, dtype) -> np.ndarray:
     values = np.where(candidates == inf_bits, inf_value, values)
     dist = np.abs(values - np.abs(x)[..., None])
     nearest = dist == dist.min(axis=-1, keepdims=True)
-    pick = np.where(nearest & (candidates % 2 == 0), candidates, 1 << 20).min(axis=-1)  # a tie: even
-    pick = np.where(nearest.sum(axis=-1) == 1, np.take_along_axis(
-        candidates, nearest.argmax(axis=-1)[..., None], axis=-1)[..., 0], pick)
+    pick = np.where(nearest & (candidates % 2 == 0), candidates, 1 << 20).min(
+        axis=-1
+    )  # a tie: even
+    pick = np.where(
+        nearest.sum(axis=-1) == 1,
+        np.take_along_axis(candidates, nearest.argmax(axis=-1)[..., None], axis=-1)[..., 0],
+        pick,
+    )
     bits = (pick | np.where(np.signbit(x), 0x8000, 0)).astype(np.uint16)
     out = bits.view(dtype)
     return np.where(np.isnan(x), guess, out).astype(dtype)
@@ -86,8 +93,9 @@ def dequantize_as(packed, scale_bytes, global_scale, block_size, dtype) -> np.nd
         return round_once(dequantize(packed, scale_bytes, global_scale, block_size), dtype)
 
 
-def matmul(a, packed, scale_bytes, global_scale, block_size, bias=None, *,
-           weight_dtype=None) -> np.ndarray:
+def matmul(
+    a, packed, scale_bytes, global_scale, block_size, bias=None, *, weight_dtype=None
+) -> np.ndarray:
     """float64 Y = A @ W^T (+ bias).
 
     `weight_dtype` (fp16/bf16): W as the dequantizing paths (xla, dequant) hold it, the exact
@@ -143,7 +151,7 @@ def random_weight(rng, n, k, block_size=16, scale_low=0x28, scale_high=0x48, *, 
     (about 2^-2 .. 2^2) and a random positive global scale (unit_gain: unit_gain_global_scale's)."""
     packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
     scale = rng.integers(scale_low, scale_high, size=(n, math.ceil(k / block_size)), dtype=np.uint8)
-    global_scale = np.float32(rng.uniform(0.5, 2.0) * 2.0**rng.integers(-8, 1))
+    global_scale = np.float32(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-8, 1))
     if unit_gain:
         global_scale = unit_gain_global_scale(packed, scale, block_size)
     return packed, scale, global_scale

@@ -33,16 +33,23 @@ def _same_bits(a: jax_fp4.NVFP4Weight, b: jax_fp4.NVFP4Weight):
     assert a.shape == b.shape and a.block_size == b.block_size
     np.testing.assert_array_equal(np.asarray(a.packed), np.asarray(b.packed))
     np.testing.assert_array_equal(np.asarray(a.scale_bytes), np.asarray(b.scale_bytes))
-    np.testing.assert_array_equal(np.asarray(a.global_scale, np.float32).view(np.uint32),
-                                  np.asarray(b.global_scale, np.float32).view(np.uint32))
+    np.testing.assert_array_equal(
+        np.asarray(a.global_scale, np.float32).view(np.uint32),
+        np.asarray(b.global_scale, np.float32).view(np.uint32),
+    )
 
 
 def _ref_dense(w) -> np.ndarray:
-    return reference.dequantize(np.asarray(w.packed), np.asarray(w.scale_bytes),
-                                np.float64(np.asarray(w.global_scale)), w.block_size)
+    return reference.dequantize(
+        np.asarray(w.packed),
+        np.asarray(w.scale_bytes),
+        np.float64(np.asarray(w.global_scale)),
+        w.block_size,
+    )
 
 
 # ---- round trips ------------------------------------------------------------------------------
+
 
 def test_modelopt_round_trip_through_a_file_is_bit_exact(tmp_path):
     w = quantize(_float_weight(0))
@@ -54,8 +61,14 @@ def test_modelopt_round_trip_through_a_file_is_bit_exact(tmp_path):
     }
     bias = np.random.default_rng(1).standard_normal(48).astype(np.float32)
     path = tmp_path / "model.safetensors"
-    ck.save_safetensors({**tensors, "model.layers.0.mlp.down_proj.bias": bias,
-                         "model.layers.0.mlp.down_proj.input_scale": np.float32(0.5)}, path)
+    ck.save_safetensors(
+        {
+            **tensors,
+            "model.layers.0.mlp.down_proj.bias": bias,
+            "model.layers.0.mlp.down_proj.input_scale": np.float32(0.5),
+        },
+        path,
+    )
     loaded = ck.load_safetensors(path)
     assert set(loaded) == {"model.layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj.bias"}
     _same_bits(loaded["model.layers.0.mlp.down_proj"], w)
@@ -77,12 +90,16 @@ def test_compressed_tensors_stores_the_reciprocal_global_scale(tmp_path):
     tensors = ck.to_compressed_tensors(w, "proj")
     inv = tensors["proj.weight_global_scale"]
     assert inv.dtype == np.float32 and inv.shape == (1,)
-    np.testing.assert_allclose(np.float64(inv[0]) * np.float64(np.asarray(w.global_scale)), 1.0, rtol=2**-23)
+    np.testing.assert_allclose(
+        np.float64(inv[0]) * np.float64(np.asarray(w.global_scale)), 1.0, rtol=2**-23
+    )
     # Dequantization DIVIDES by the stored value (compressed-tensors' definition), in float64:
-    expected = reference.dequantize(tensors["proj.weight_packed"],
-                                    tensors["proj.weight_scale"].view(np.uint8), 1.0, 16) / np.float64(inv[0])
-    ck.save_safetensors({**tensors, "proj.input_global_scale": np.ones(1, np.float32)},
-                        tmp_path / "ct.safetensors")
+    expected = reference.dequantize(
+        tensors["proj.weight_packed"], tensors["proj.weight_scale"].view(np.uint8), 1.0, 16
+    ) / np.float64(inv[0])
+    ck.save_safetensors(
+        {**tensors, "proj.input_global_scale": np.ones(1, np.float32)}, tmp_path / "ct.safetensors"
+    )
     loaded = ck.load_safetensors(tmp_path / "ct.safetensors")
     assert set(loaded) == {"proj"}
     got = loaded["proj"]
@@ -99,31 +116,47 @@ def test_a_checkpoint_with_both_conventions_and_other_tensors(tmp_path):
     b = quantize(_float_weight(5, n=32, k=32))
     fp8_weight = np.random.default_rng(6).standard_normal((8, 16)).astype(F8)
     others = {
-        "embed.weight": np.random.default_rng(7).standard_normal((10, 4)).astype(ml_dtypes.bfloat16),
+        "embed.weight": np.random.default_rng(7)
+        .standard_normal((10, 4))
+        .astype(ml_dtypes.bfloat16),
         "norm.weight": np.ones(64, np.float16),
-        "fp8.weight": fp8_weight, "fp8.weight_scale": np.float32(0.25),   # FP8 layer: passed through
-        "w4.weight_packed": np.arange(8, dtype=np.int32).reshape(2, 4),       # int4 pack-quantized too
-        "w4.weight_scale": np.ones((2, 1), ml_dtypes.bfloat16), "w4.weight_shape": np.array([2, 32]),
+        "fp8.weight": fp8_weight,
+        "fp8.weight_scale": np.float32(0.25),  # FP8 layer: passed through
+        "w4.weight_packed": np.arange(8, dtype=np.int32).reshape(2, 4),  # int4 pack-quantized too
+        "w4.weight_scale": np.ones((2, 1), ml_dtypes.bfloat16),
+        "w4.weight_shape": np.array([2, 32]),
         "position_ids": np.arange(12, dtype=np.int64).reshape(1, 12),
         "flags": np.array([True, False]),
     }
-    ck.save_safetensors({**ck.to_modelopt(a, "q"), **ck.to_compressed_tensors(b, "k"), **others,
-                         "q.input_scale": np.float32(1.0)}, tmp_path / "mixed.safetensors",
-                        metadata={"format": "pt"})
+    ck.save_safetensors(
+        {
+            **ck.to_modelopt(a, "q"),
+            **ck.to_compressed_tensors(b, "k"),
+            **others,
+            "q.input_scale": np.float32(1.0),
+        },
+        tmp_path / "mixed.safetensors",
+        metadata={"format": "pt"},
+    )
     loaded = ck.load_safetensors(tmp_path / "mixed.safetensors")
     assert set(loaded) == {"q", "k", *others}
     _same_bits(loaded["q"], a)
     np.testing.assert_array_equal(np.asarray(loaded["k"].packed), np.asarray(b.packed))
     for name, value in others.items():
-        assert loaded[name].dtype == np.asarray(value).dtype and loaded[name].shape == np.shape(value)
-        np.testing.assert_array_equal(loaded[name].reshape(-1).view(np.uint8),
-                                      np.asarray(value).reshape(-1).view(np.uint8))
+        assert loaded[name].dtype == np.asarray(value).dtype and loaded[name].shape == np.shape(
+            value
+        )
+        np.testing.assert_array_equal(
+            loaded[name].reshape(-1).view(np.uint8), np.asarray(value).reshape(-1).view(np.uint8)
+        )
 
 
 def test_sharded_checkpoint_with_index(tmp_path):
     weights = {f"layers.{i}.proj": quantize(_float_weight(10 + i)) for i in range(3)}
-    files = {"model-00001-of-00002.safetensors": ["layers.0.proj", "layers.1.proj"],
-             "model-00002-of-00002.safetensors": ["layers.2.proj"]}
+    files = {
+        "model-00001-of-00002.safetensors": ["layers.0.proj", "layers.1.proj"],
+        "model-00002-of-00002.safetensors": ["layers.2.proj"],
+    }
     weight_map = {}
     for filename, names in files.items():
         tensors = {}
@@ -132,7 +165,9 @@ def test_sharded_checkpoint_with_index(tmp_path):
         if filename.startswith("model-00002"):
             # A layer split over two shards: its scale_2 sits in the other file.
             del tensors["layers.2.proj.weight_scale_2"]
-            extra = {"layers.2.proj.weight_scale_2": np.asarray(weights["layers.2.proj"].global_scale)}
+            extra = {
+                "layers.2.proj.weight_scale_2": np.asarray(weights["layers.2.proj"].global_scale)
+            }
             ck.save_safetensors(extra, tmp_path / "model-extra.safetensors")
             weight_map["layers.2.proj.weight_scale_2"] = "model-extra.safetensors"
         ck.save_safetensors(tensors, tmp_path / filename)
@@ -147,7 +182,9 @@ def test_sharded_checkpoint_with_index(tmp_path):
     # An index promising a tensor its file lacks.
     weight_map["layers.9.proj.weight"] = "model-extra.safetensors"
     index.write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(ck.CheckpointError, match=r"absent from their files.*layers\.9\.proj\.weight"):
+    with pytest.raises(
+        ck.CheckpointError, match=r"absent from their files.*layers\.9\.proj\.weight"
+    ):
         ck.load_safetensors(tmp_path)
     # The same tensor in two files.
     copy = tmp_path / "copy.safetensors"
@@ -166,23 +203,36 @@ def test_stacked_weights_round_trip(tmp_path):
 def test_load_in_the_tiled_layout(tmp_path):
     """layout="tiled": every layer the tiled layout takes comes back prepacked, as host NumPy,
     bit for bit `jax_fp4.prepack`'s; the others stay in the spec layout; values are unchanged."""
-    tileable = quantize(_float_weight(40, n=48, k=256))                       # N % 16, K % 128
+    tileable = quantize(_float_weight(40, n=48, k=256))  # N % 16, K % 128
     stacked = quantize(np.stack([_float_weight(41, n=32, k=128), _float_weight(42, n=32, k=128)]))
-    ragged = quantize(_float_weight(43, n=40, k=256))                         # N % 16 != 0
-    short = quantize(_float_weight(44, n=48, k=96))                           # K % 128 != 0
+    ragged = quantize(_float_weight(43, n=40, k=256))  # N % 16 != 0
+    short = quantize(_float_weight(44, n=48, k=96))  # K % 128 != 0
     bias = np.arange(48, dtype=np.float32)
-    ck.save_safetensors({**ck.to_modelopt(tileable, "a"), **ck.to_compressed_tensors(ragged, "b"),
-                         "experts": stacked, "c": short, "a.bias": bias}, tmp_path / "m.safetensors")
+    ck.save_safetensors(
+        {
+            **ck.to_modelopt(tileable, "a"),
+            **ck.to_compressed_tensors(ragged, "b"),
+            "experts": stacked,
+            "c": short,
+            "a.bias": bias,
+        },
+        tmp_path / "m.safetensors",
+    )
     spec = ck.load_safetensors(tmp_path / "m.safetensors")
     tiled = ck.load_safetensors(tmp_path / "m.safetensors", layout="tiled")
     assert {k: getattr(v, "layout", None) for k, v in tiled.items()} == {
-        "a": "tiled", "experts": "tiled", "b": "spec", "c": "spec", "a.bias": None}
+        "a": "tiled",
+        "experts": "tiled",
+        "b": "spec",
+        "c": "spec",
+        "a.bias": None,
+    }
     for name in ("a", "experts"):
         w, expected = tiled[name], jax_fp4.prepack(spec[name])
         assert isinstance(w.packed, np.ndarray) and isinstance(w.scale, np.ndarray)
         np.testing.assert_array_equal(w.packed, np.asarray(expected.packed))
         np.testing.assert_array_equal(np.asarray(w.scale_bytes), np.asarray(expected.scale_bytes))
-        assert not np.array_equal(w.packed, np.asarray(spec[name].packed))   # really reordered
+        assert not np.array_equal(w.packed, np.asarray(spec[name].packed))  # really reordered
         _same_bits(jax_fp4.unprepack(w), spec[name])
     for name in ("b", "c"):
         _same_bits(tiled[name], spec[name])
@@ -205,13 +255,19 @@ def test_load_in_the_tiled_layout(tmp_path):
 
 # ---- fusing -----------------------------------------------------------------------------------
 
+
 def test_fuse_parts_that_share_a_global_scale():
     q, k, v = _float_weight(30, n=32), _float_weight(31, n=16), _float_weight(32, n=16)
-    whole = quantize(np.concatenate([q, k, v]))      # one global scale, as ModelOpt exports
+    whole = quantize(np.concatenate([q, k, v]))  # one global scale, as ModelOpt exports
     bounds = [(0, 32), (32, 48), (48, 64)]
-    parts = {name: jax_fp4.NVFP4Weight(np.asarray(whole.packed)[a:b], np.asarray(whole.scale)[a:b],
-                                       np.asarray(whole.global_scale))
-             for name, (a, b) in zip(("q_proj", "k_proj", "v_proj"), bounds)}
+    parts = {
+        name: jax_fp4.NVFP4Weight(
+            np.asarray(whole.packed)[a:b],
+            np.asarray(whole.scale)[a:b],
+            np.asarray(whole.global_scale),
+        )
+        for name, (a, b) in zip(("q_proj", "k_proj", "v_proj"), bounds)
+    }
     _same_bits(ck.fuse(parts), whole)
     _same_bits(ck.fuse(list(parts.values())), whole)
 
@@ -230,6 +286,7 @@ def test_fuse_refuses_different_global_scales():
 
 # ---- bad checkpoints --------------------------------------------------------------------------
 
+
 def _modelopt(seed=40):
     return ck.to_modelopt(quantize(_float_weight(seed)), "layer")
 
@@ -237,36 +294,56 @@ def _modelopt(seed=40):
 def test_missing_companion_tensors_name_the_layer():
     t = _modelopt()
     del t["layer.weight_scale"]
-    with pytest.raises(ck.CheckpointError,
-                       match=r"ModelOpt layer 'layer': tensor 'layer.weight_scale' is missing"):
+    with pytest.raises(
+        ck.CheckpointError, match=r"ModelOpt layer 'layer': tensor 'layer.weight_scale' is missing"
+    ):
         ck.from_modelopt(t, "layer")
     t = _modelopt()
     del t["layer.weight_scale_2"]
     with pytest.raises(ck.CheckpointError, match=r"'layer.weight_scale_2' is missing"):
-        ck.from_tensors(t)          # uint8 weight + block scales: recognised, then refused
+        ck.from_tensors(t)  # uint8 weight + block scales: recognised, then refused
     t = ck.to_compressed_tensors(quantize(_float_weight(41)), "ct")
     del t["ct.weight_global_scale"]
-    with pytest.raises(ck.CheckpointError,
-                       match=r"compressed-tensors layer 'ct'.*'ct.weight_global_scale' is missing"):
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"compressed-tensors layer 'ct'.*'ct.weight_global_scale' is missing",
+    ):
         ck.from_tensors(t)
     with pytest.raises(ck.CheckpointError, match=r"'absent.weight' is missing"):
         ck.from_modelopt(_modelopt(), "absent")
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("layer.weight_scale", np.zeros((48, 3), F8),
-     r"must have shape \(48, 4\) = \[N, ceil\(K/16\)\].*got \(48, 3\)"),
-    ("layer.weight_scale", np.zeros((47, 4), F8), r"must have shape \(48, 4\).*got \(47, 4\)"),
-    ("layer.weight_scale", np.ones((48, 4), np.float32),
-     r"must be float8_e4m3fn \(F8_E4M3\), got dtype float32"),
-    ("layer.weight_scale", np.ones((48, 4), np.uint8), r"got dtype uint8 \(uint8 block scales are E8M0"),
-    ("layer.weight", np.ones((48, 64), np.float16), r"must be uint8 .* got dtype float16 \(a float weight"),
-    ("layer.weight", np.ones(32, np.uint8), r"must be \[N, K/2\] \(rank >= 2\)"),
-    ("layer.weight_scale_2", np.ones(3, np.float32), r"must be a scalar .* got shape \(3,\)"),
-    ("layer.weight_scale_2", np.int32(1), r"must be float32, got dtype int32"),
-    ("layer.weight_scale_2", np.float32(np.nan), r"must be finite and positive"),
-    ("layer.weight_scale_2", np.float32(-1.0), r"must be finite and positive"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "layer.weight_scale",
+            np.zeros((48, 3), F8),
+            r"must have shape \(48, 4\) = \[N, ceil\(K/16\)\].*got \(48, 3\)",
+        ),
+        ("layer.weight_scale", np.zeros((47, 4), F8), r"must have shape \(48, 4\).*got \(47, 4\)"),
+        (
+            "layer.weight_scale",
+            np.ones((48, 4), np.float32),
+            r"must be float8_e4m3fn \(F8_E4M3\), got dtype float32",
+        ),
+        (
+            "layer.weight_scale",
+            np.ones((48, 4), np.uint8),
+            r"got dtype uint8 \(uint8 block scales are E8M0",
+        ),
+        (
+            "layer.weight",
+            np.ones((48, 64), np.float16),
+            r"must be uint8 .* got dtype float16 \(a float weight",
+        ),
+        ("layer.weight", np.ones(32, np.uint8), r"must be \[N, K/2\] \(rank >= 2\)"),
+        ("layer.weight_scale_2", np.ones(3, np.float32), r"must be a scalar .* got shape \(3,\)"),
+        ("layer.weight_scale_2", np.int32(1), r"must be float32, got dtype int32"),
+        ("layer.weight_scale_2", np.float32(np.nan), r"must be finite and positive"),
+        ("layer.weight_scale_2", np.float32(-1.0), r"must be finite and positive"),
+    ],
+)
 def test_wrong_shapes_and_dtypes_raise_clearly(key, value, message):
     t = _modelopt()
     t[key] = value
@@ -283,7 +360,7 @@ def test_bad_files(tmp_path):
     with pytest.raises(ck.CheckpointError, match="exceeds the file size"):
         ck.read_safetensors(path)
     header = json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
-    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)   # truncated data
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)  # truncated data
     with pytest.raises(ck.CheckpointError, match=r"tensor 'x' \(F32 \[4\]\) needs 16 bytes"):
         ck.read_safetensors(path)
     header = json.dumps({"x": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
@@ -306,17 +383,23 @@ def test_writer_arguments():
     with pytest.raises(TypeError, match="must be an NVFP4Weight"):
         ck.to_modelopt(np.zeros((4, 4)), "x")
     with pytest.raises(ValueError, match="appears twice"):
-        ck.save_safetensors({"x": quantize(_float_weight(50)), "x.weight": np.zeros(1)}, "/dev/null")
+        ck.save_safetensors(
+            {"x": quantize(_float_weight(50)), "x.weight": np.zeros(1)}, "/dev/null"
+        )
     with pytest.raises(TypeError, match="cannot store"):
         ck.save_safetensors({"x": np.array(["a"])}, "/dev/null")
 
 
 # ---- interoperability -------------------------------------------------------------------------
 
+
 def test_files_read_by_the_safetensors_library(tmp_path):
     safetensors_numpy = pytest.importorskip("safetensors.numpy")
-    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones((0, 2), np.int64),
-               "c": np.array([1.5], np.float16)}
+    tensors = {
+        "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "b": np.ones((0, 2), np.int64),
+        "c": np.array([1.5], np.float16),
+    }
     ck.save_safetensors(tensors, tmp_path / "x.safetensors", metadata={"format": "np"})
     theirs = safetensors_numpy.load_file(str(tmp_path / "x.safetensors"))
     for name, value in tensors.items():
@@ -335,16 +418,19 @@ def test_float8_interoperates_with_torch(tmp_path):
     ck.save_safetensors({"layer": w}, tmp_path / "ours.safetensors")
     theirs = st_torch.load_file(str(tmp_path / "ours.safetensors"))
     assert theirs["layer.weight_scale"].dtype == torch.float8_e4m3fn
-    np.testing.assert_array_equal(theirs["layer.weight_scale"].view(torch.uint8).numpy(),
-                                  np.asarray(w.scale_bytes))
+    np.testing.assert_array_equal(
+        theirs["layer.weight_scale"].view(torch.uint8).numpy(), np.asarray(w.scale_bytes)
+    )
     st_torch.save_file(theirs, str(tmp_path / "torch.safetensors"))
     _same_bits(ck.load_safetensors(tmp_path / "torch.safetensors")["layer"], w)
 
 
 def test_core_imports_neither_flax_nor_safetensors():
-    code = ("import sys, jax_fp4, jax_fp4.checkpoint; "
-            "bad = [m for m in ('flax', 'safetensors', 'torch') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, jax_fp4, jax_fp4.checkpoint; "
+        "bad = [m for m in ('flax', 'safetensors', 'torch') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -356,8 +442,12 @@ def test_nnx_model_save_and_load(tmp_path):
 
     class Net(nnx.Module):
         def __init__(self, rngs):
-            self.blocks = nnx.List([nnx.Linear(32, 32, rngs=rngs, bias_init=nnx.initializers.normal(1.0))
-                                    for _ in range(2)])
+            self.blocks = nnx.List(
+                [
+                    nnx.Linear(32, 32, rngs=rngs, bias_init=nnx.initializers.normal(1.0))
+                    for _ in range(2)
+                ]
+            )
             self.out = nnx.Linear(32, 8, use_bias=False, rngs=rngs)
 
         def __call__(self, x):
@@ -376,7 +466,9 @@ def test_nnx_model_save_and_load(tmp_path):
     fp4nnx.load_weights(fresh, loaded)
     np.testing.assert_array_equal(fresh(x), model(x))
     del loaded["blocks.1.bias"]
-    with pytest.raises(ck.CheckpointError, match=r"'blocks.1' has a bias but 'blocks.1.bias' is missing"):
+    with pytest.raises(
+        ck.CheckpointError, match=r"'blocks.1' has a bias but 'blocks.1.bias' is missing"
+    ):
         fp4nnx.load_weights(fresh, loaded)
     loaded["blocks.1.bias"] = np.zeros(32, np.float32)
     loaded["out"] = quantize(_float_weight(71, n=8, k=64))
@@ -403,6 +495,7 @@ def test_tiled_weights_save_and_fuse_in_the_spec_layout(tmp_path):
 
 # ---- K padding (ModelOpt pads K to a multiple of 16 when it packs) -------------------------------
 
+
 def _padded_modelopt_layer(tmp_path, k=40, padded=48, n=8):
     """A ModelOpt file of one layer with true K = k stored padded to `padded` (zero columns), as
     ModelOpt writes a layer whose in_features is not a multiple of its block; and the weight
@@ -422,10 +515,17 @@ def test_padded_k_is_stripped_with_in_features(tmp_path, caplog):
             got = ck.load_safetensors(tmp_path, in_features=in_features)[name]
         assert got.shape == (8, 40)
         _same_bits(got, expected)
-        assert "K = 48 in the file (padded), 40 from in_features: dropped 8 zero padding" in caplog.text
+        assert (
+            "K = 48 in the file (padded), 40 from in_features: dropped 8 zero padding"
+            in caplog.text
+        )
         caplog.clear()
-    np.testing.assert_array_equal(np.asarray(jax_fp4.dequantize(got)), reference.dequantize_as(
-        expected.packed, expected.scale_bytes, expected.global_scale, 16, np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(jax_fp4.dequantize(got)),
+        reference.dequantize_as(
+            expected.packed, expected.scale_bytes, expected.global_scale, 16, np.float32
+        ),
+    )
     # The stored K itself, or no entry: unchanged, nothing logged.
     assert ck.load_safetensors(tmp_path, in_features={name: 48})[name].k == 48
     assert "padding" not in caplog.text

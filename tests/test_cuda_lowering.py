@@ -74,7 +74,7 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     assert _targets(matmul, a, w) == GEMV  # spec layout: the GEMV
     tiled = jax_fp4.prepack(w)
     assert _targets(matmul, a, tiled) == FUSED  # prepacked, wide, long K
-    assert _targets(matmul, a[:_dispatch.DECODE_MAX_M], tiled) == GEMV  # decode
+    assert _targets(matmul, a[: _dispatch.DECODE_MAX_M], tiled) == GEMV  # decode
     a, w = _case(TILED.gemv_max_m, n=wide, k=long_k - 128 * 24)
     assert _targets(matmul, a, jax_fp4.prepack(w)) == GEMV  # K too short
     a, w = _case(TILED.gemv_max_m, n=wide - 128, k=long_k)
@@ -113,7 +113,9 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     assert _targets(matmul, a[:, :4096], _case(1, n=wide, k=4096)[1]) == DEQUANT
     assert _targets(matmul, *_case(large + 1, n=wide, k=long_k)) == DEQUANT
     assert _targets(matmul, *_case(large, n=SPEC.large_weight // 4096, k=4096)) == FUSED  # the edge
-    assert _targets(matmul, *_case(SPEC.gemv_max_m + 1, dtype=jnp.float32)) == []  # float32 -> reference
+    assert (
+        _targets(matmul, *_case(SPEC.gemv_max_m + 1, dtype=jnp.float32)) == []
+    )  # float32 -> reference
     assert _targets(lambda a, w: jax_fp4.matmul(a, w, backend="fused"), *_case(64)) == FUSED
 
 
@@ -148,8 +150,11 @@ def test_native_path_only_when_enabled_on_sm120(cuda_device, monkeypatch):
     matmul = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731
     assert _targets(matmul, *_case(80)) == ["jax_fp4_dequant_cuda"]  # off by default
     monkeypatch.setenv("JAX_FP4_NATIVE_SM120", "1")
-    native = ["jax_fp4_native_sm120_cuda", "jax_fp4_quantize_activation_cuda",
-              "jax_fp4_swizzle_scales_cuda"]
+    native = [
+        "jax_fp4_native_sm120_cuda",
+        "jax_fp4_quantize_activation_cuda",
+        "jax_fp4_swizzle_scales_cuda",
+    ]
     assert _targets(matmul, *_case(64)) == native
     decode = _dispatch.DEFAULT.spec.gemv_max_m
     assert _targets(matmul, *_case(decode)) == GEMV  # the GEMV keeps its decode range
@@ -164,8 +169,10 @@ def test_prepacked_scales_skip_the_per_call_swizzle(cuda_device):
     a, w = _case(32)
     forced = lambda a, w: jax_fp4.matmul(a, w, backend="native")  # noqa: E731
     assert "jax_fp4_swizzle_scales_cuda" in _targets(forced, a, w)
-    assert _targets(forced, a, _native.prepack(w)) == ["jax_fp4_native_sm120_cuda",
-                                                       "jax_fp4_quantize_activation_cuda"]
+    assert _targets(forced, a, _native.prepack(w)) == [
+        "jax_fp4_native_sm120_cuda",
+        "jax_fp4_quantize_activation_cuda",
+    ]
 
 
 def test_prepacked_weight_runs_every_other_path_unchanged():
@@ -175,8 +182,9 @@ def test_prepacked_weight_runs_every_other_path_unchanged():
     np.testing.assert_array_equal(np.asarray(jax.jit(jax_fp4.matmul)(a, p)), want)
     # stacked prepacked weights under vmap, and gradients, carry the extra operand along
     stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), p)
-    np.testing.assert_array_equal(np.asarray(jax.vmap(lambda w: jax_fp4.matmul(a, w))(stacked)),
-                                  np.stack([want, want]))
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(lambda w: jax_fp4.matmul(a, w))(stacked)), np.stack([want, want])
+    )
     a32 = a.astype(jnp.float32)
     grads = [jax.grad(lambda a, w: jnp.sum(jax_fp4.matmul(a, w) ** 2))(a32, x) for x in (w, p)]
     np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
@@ -202,27 +210,65 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
     a, w = _case(4)
     matmul = lambda a, w: jax_fp4.matmul(a, w)  # noqa: E731
     assert _attributes(matmul, a, w)["jax_fp4_gemv_cuda"] == {
-        "block_size": "16", "tiled": "false", "tensor_cores": "true", "row_tiling": "true",
-        "col_tiles": "0", "k_split": "0", "rows_per_block": "0", "programmatic": "false"}
+        "block_size": "16",
+        "tiled": "false",
+        "tensor_cores": "true",
+        "row_tiling": "true",
+        "col_tiles": "0",
+        "k_split": "0",
+        "rows_per_block": "0",
+        "programmatic": "false",
+    }
     assert _attributes(matmul, *_case(4, k=160))["jax_fp4_gemv_cuda"]["tensor_cores"] == "false"
-    tuning = jax_fp4.KernelTuning(gemv_col_tiles=2, gemv_k_split=4, gemv_rows_per_block=1,
-                                  fused_split=3, fused_tile_m=64, fused_tile_n=128,
-                                  fused_warp_specialized=False, fused_stream_k=True,
-                                  programmatic_launch=True)
+    tuning = jax_fp4.KernelTuning(
+        gemv_col_tiles=2,
+        gemv_k_split=4,
+        gemv_rows_per_block=1,
+        fused_split=3,
+        fused_tile_m=64,
+        fused_tile_n=128,
+        fused_warp_specialized=False,
+        fused_stream_k=True,
+        programmatic_launch=True,
+    )
     tuned = lambda backend: lambda a, w: jax_fp4.matmul(a, w, backend=backend, tuning=tuning)  # noqa: E731
     assert _attributes(tuned(None), a, w)["jax_fp4_gemv_cuda"] == {
-        "block_size": "16", "tiled": "false", "tensor_cores": "true", "row_tiling": "true",
-        "col_tiles": "2", "k_split": "4", "rows_per_block": "1", "programmatic": "true"}
+        "block_size": "16",
+        "tiled": "false",
+        "tensor_cores": "true",
+        "row_tiling": "true",
+        "col_tiles": "2",
+        "k_split": "4",
+        "rows_per_block": "1",
+        "programmatic": "true",
+    }
     assert _attributes(matmul, *_case(64))["jax_fp4_fused_cuda"] == {
-        "block_size": "16", "tiled": "false", "split": "0", "tile_m": "0", "tile_n": "0",
-        "warp_specialized": "-1", "stream_k": "-1", "programmatic": "false"}
+        "block_size": "16",
+        "tiled": "false",
+        "split": "0",
+        "tile_m": "0",
+        "tile_n": "0",
+        "warp_specialized": "-1",
+        "stream_k": "-1",
+        "programmatic": "false",
+    }
     assert _attributes(tuned("fused"), a, jax_fp4.prepack(w))["jax_fp4_fused_cuda"] == {
-        "block_size": "16", "tiled": "true", "split": "3", "tile_m": "64", "tile_n": "128",
-        "warp_specialized": "0", "stream_k": "1", "programmatic": "true"}
+        "block_size": "16",
+        "tiled": "true",
+        "split": "3",
+        "tile_m": "64",
+        "tile_n": "128",
+        "warp_specialized": "0",
+        "stream_k": "1",
+        "programmatic": "true",
+    }
     monkeypatch.setenv("JAX_FP4_GEMV_ROW_TILING", "0")
     assert _attributes(matmul, a, w)["jax_fp4_gemv_cuda"]["row_tiling"] == "false"
     assert _attributes(matmul, a, w, platform="cpu")["jax_fp4_matmul_cpu"] == {
-        "avx512": "true", "block_size": "16", "tiled": "false"}
+        "avx512": "true",
+        "block_size": "16",
+        "tiled": "false",
+    }
     monkeypatch.setenv("JAX_FP4_CPU_AVX512", "0")
     assert _attributes(matmul, a, w, platform="cpu")["jax_fp4_matmul_cpu"]["avx512"] == "false"
     with pytest.raises(TypeError, match="tuning must be a jax_fp4.KernelTuning"):
@@ -252,12 +298,19 @@ def test_a_gpu_older_than_the_build_lowers_to_xla(cuda_device):
     plain XLA, and a forced kernel path is a clear error, not a launch failure on the device."""
     cuda_device((7, 5))
     a, w = _case(4)
-    text = jax.jit(lambda a, w: jax_fp4.matmul(a, w)).trace(a, w).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(lambda a, w: jax_fp4.matmul(a, w))
+        .trace(a, w)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert "dot_general" in text and _targets(lambda a, w: jax_fp4.matmul(a, w), a, w) == []
     assert jax_fp4.dispatch_path(a, w, platform="cuda") == "xla"
-    with pytest.raises(ValueError, match=r"backend='gemv' needs platform 'cuda', but this jax_fp4 "
-                                         r"build has no CUDA kernels for this GPU"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='gemv' needs platform 'cuda', but this jax_fp4 "
+        r"build has no CUDA kernels for this GPU",
+    ):
         _targets(lambda a, w: jax_fp4.matmul(a, w, backend="gemv"), a, w)
 
 
@@ -272,8 +325,10 @@ def test_capability_override_lowers_for_another_gpu(cuda_device, monkeypatch):
     assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
     cuda_device((8, 0), kind="NVIDIA A100-SXM4-80GB")  # the override's entry, not this GPU's
     assert _targets(matmul, a, w) == ["jax_fp4_fused_cuda"]
-    monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "7.5")        # no image of the default build
-    assert _targets(matmul, a, w) == []                         # the xla path: plain JAX
+    monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "7.5")  # no image of the default build
+    assert _targets(matmul, a, w) == []  # the xla path: plain JAX
     monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "sm_90")
-    with pytest.raises(ValueError, match=r"JAX_FP4_CUDA_CAPABILITY: expected MAJOR.MINOR .* 'sm_90'"):
+    with pytest.raises(
+        ValueError, match=r"JAX_FP4_CUDA_CAPABILITY: expected MAJOR.MINOR .* 'sm_90'"
+    ):
         _targets(matmul, a, w)

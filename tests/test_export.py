@@ -28,16 +28,18 @@ def _random_problem(rng, n, k, lead, dtype, layout="spec"):
         w = jax_fp4.prepack(w)
     a = jnp.asarray(rng.standard_normal((*lead, k)), dtype)
     bias = jnp.asarray(rng.standard_normal(n), dtype)
-    ref = (np.asarray(a, np.float64) @ reference.dequantize(packed, scale, gs, 16).T
-           + np.asarray(bias, np.float64))
+    ref = np.asarray(a, np.float64) @ reference.dequantize(packed, scale, gs, 16).T + np.asarray(
+        bias, np.float64
+    )
     return (a, w, bias), ref
 
 
 def _export_for_cpu(fn, *args):
     # For the CPU by name: export's default platform is jax's default backend, the GPU where there
     # is one, even under jax.default_device(cpu) (tests/conftest.py).
-    return jax.export.export(jax.jit(fn), platforms=("cpu",),
-                             disabled_checks=jax_fp4.export_disabled_checks())(*args)
+    return jax.export.export(
+        jax.jit(fn), platforms=("cpu",), disabled_checks=jax_fp4.export_disabled_checks()
+    )(*args)
 
 
 def _export(fn, *args):
@@ -59,8 +61,8 @@ def test_export_round_trip_on_one_device(dtype, layout):
     args, ref = _random_problem(rng, n, k, (3, 5), dtype, layout)
     exported = _export(jax_fp4.matmul, *args)
 
-    assert KERNEL in exported.mlir_module()                   # the kernel, not a pure-JAX path
-    assert exported.in_tree == jax.tree.structure((args, {}))   # the weight is an argument
+    assert KERNEL in exported.mlir_module()  # the kernel, not a pure-JAX path
+    assert exported.in_tree == jax.tree.structure((args, {}))  # the weight is an argument
     y = exported.call(*args)
     _check(y, ref, dtype)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(jax_fp4.matmul)(*args)))
@@ -86,11 +88,26 @@ def test_exported_program_runs_in_a_fresh_process(tmp_path: pathlib.Path):
         return jax.nn.gelu(jax_fp4.matmul(a, w, bias))
 
     (tmp_path / "layer.bin").write_bytes(_export_for_cpu(layer, a, w, bias).serialize())
-    np.savez(tmp_path / "inputs.npz", a=np.asarray(a).view(np.uint16), packed=w.packed,
-             scale=w.scale, global_scale=w.global_scale, bias=np.asarray(bias).view(np.uint16))
-    subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(tmp_path / "layer.bin"),
-                    str(tmp_path / "inputs.npz"), str(tmp_path / "y.npy")], check=True,
-                   env={**os.environ, "JAX_PLATFORMS": "cpu"})  # the CPU beside a GPU too
+    np.savez(
+        tmp_path / "inputs.npz",
+        a=np.asarray(a).view(np.uint16),
+        packed=w.packed,
+        scale=w.scale,
+        global_scale=w.global_scale,
+        bias=np.asarray(bias).view(np.uint16),
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FRESH_PROCESS,
+            str(tmp_path / "layer.bin"),
+            str(tmp_path / "inputs.npz"),
+            str(tmp_path / "y.npy"),
+        ],
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # the CPU beside a GPU too
 
     y = np.load(tmp_path / "y.npy").view(jnp.bfloat16)
     np.testing.assert_array_equal(y, np.asarray(jax.jit(layer)(a, w, bias)))
@@ -105,15 +122,18 @@ def test_one_artifact_for_this_cpu_and_an_h200(monkeypatch):
     from jax_fp4 import native as _native
 
     monkeypatch.setattr(_native, "device_capability", lambda device=None: None)
-    monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)    # a CUDA build (CI's is)
+    monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)  # a CUDA build (CI's is)
     monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.DEFAULT_CUDA_ARCHITECTURES)
     monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "9.0")
     rng = np.random.default_rng()
     # N = 1088: past the small-N rule of the H200 entry (dispatch.TABLES: N <= small_n takes the
     # GEMV to gemv_max_m_small); M = 64 is past its other GEMV bounds.
     args, ref = _random_problem(rng, 1088, 256, (64,), "bfloat16")
-    exported = jax.export.export(jax.jit(jax_fp4.matmul), platforms=("cpu", "cuda"),
-                                 disabled_checks=jax_fp4.export_disabled_checks())(*args)
+    exported = jax.export.export(
+        jax.jit(jax_fp4.matmul),
+        platforms=("cpu", "cuda"),
+        disabled_checks=jax_fp4.export_disabled_checks(),
+    )(*args)
     exported = jax.export.deserialize(exported.serialize())
 
     text = exported.mlir_module()
@@ -126,7 +146,8 @@ def test_one_artifact_for_this_cpu_and_an_h200(monkeypatch):
 
 needs_8_cpu_devices = pytest.mark.skipif(
     jax.device_count() < 8 or jax.devices()[0].platform != "cpu",
-    reason="needs 8 CPU devices (tests/conftest.py sets XLA_FLAGS before jax is imported)")
+    reason="needs 8 CPU devices (tests/conftest.py sets XLA_FLAGS before jax is imported)",
+)
 
 
 def _sharded_problem(rng, mesh, w_spec, a_spec, bias_spec):
@@ -152,7 +173,7 @@ def test_sharded_export_under_explicit_axes(mode):
     text = exported.mlir_module()
     assert exported.nr_devices == 8
     assert "CustomSPMDPartitioning" not in text and "sdy.manual_computation" in text
-    assert text.count("stablehlo.all_reduce") == int(mode == "row")   # row parallel: one sum
+    assert text.count("stablehlo.all_reduce") == int(mode == "row")  # row parallel: one sum
     y = exported.call(*args)
     _check(y, ref, "bfloat16")
     assert y.sharding.spec == out_spec

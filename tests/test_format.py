@@ -20,8 +20,18 @@ SCALE_ONE = 0x38  # E4M3 byte of 1.0
 
 def test_reference_decoders_match_hand_values():
     np.testing.assert_array_equal(reference.e2m1_decode(np.arange(16)), E2M1_BY_HAND)
-    hand = {0x00: 0.0, 0x01: 2.0**-9, 0x07: 7 * 2.0**-9, 0x08: 2.0**-6, 0x38: 1.0, 0x3A: 1.25,
-            0x7E: 448.0, 0x80: -0.0, 0xB8: -1.0, 0xFE: -448.0}
+    hand = {
+        0x00: 0.0,
+        0x01: 2.0**-9,
+        0x07: 7 * 2.0**-9,
+        0x08: 2.0**-6,
+        0x38: 1.0,
+        0x3A: 1.25,
+        0x7E: 448.0,
+        0x80: -0.0,
+        0xB8: -1.0,
+        0xFE: -448.0,
+    }
     for byte, value in hand.items():
         assert reference.e4m3_decode(byte) == value, hex(byte)
     assert np.isnan(reference.e4m3_decode(0x7F)) and np.isnan(reference.e4m3_decode(0xFF))
@@ -29,17 +39,18 @@ def test_reference_decoders_match_hand_values():
 
 def test_all_e2m1_codes_decode():
     codes = np.arange(16, dtype=np.uint8)
-    w = jax_fp4.NVFP4Weight(jax_fp4.pack_codes(codes[None]), np.full((1, 1), SCALE_ONE, np.uint8),
-                            1.0, block_size=16)
+    w = jax_fp4.NVFP4Weight(
+        jax_fp4.pack_codes(codes[None]), np.full((1, 1), SCALE_ONE, np.uint8), 1.0, block_size=16
+    )
     got = np.asarray(jax_fp4.dequantize(w))[0]
     np.testing.assert_array_equal(got, E2M1_BY_HAND)
     assert np.signbit(got[8])  # code 0x8 is -0 and decodes to zero
 
 
 def test_all_packed_bytes_decode_to_two_e2m1_values():
-    all_bytes = np.arange(256, dtype=np.uint8).reshape(2, 128)      # leading axes kept
+    all_bytes = np.arange(256, dtype=np.uint8).reshape(2, 128)  # leading axes kept
     got = np.asarray(e2m1_to_float32(all_bytes))
-    want = reference.e2m1_decode(reference.unpack(all_bytes))     # low nibble first
+    want = reference.e2m1_decode(reference.unpack(all_bytes))  # low nibble first
     assert got.shape == (2, 256) and got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0 for code 0x8 too
@@ -84,9 +95,15 @@ def test_dequantize_matches_reference_any_block_size():
 # float32 lands on bf16 / fp16 midpoints far more often than random bits do; 0x3A855555 is the
 # issue's), plain ones, one whose products are bf16 subnormals, one past fp16's range and one past
 # float32's (448 * 6 * 3e38).
-ROUNDING_GLOBAL_SCALES = [np.uint32(0x3A855555).view(np.float32), np.float32(1.0), np.float32(0.37),
-                          np.float32(np.float32(0.8125) / np.float32(2688)), np.float32(2.0**-135),
-                          np.float32(60.0), np.float32(3e38)]
+ROUNDING_GLOBAL_SCALES = [
+    np.uint32(0x3A855555).view(np.float32),
+    np.float32(1.0),
+    np.float32(0.37),
+    np.float32(np.float32(0.8125) / np.float32(2688)),
+    np.float32(2.0**-135),
+    np.float32(60.0),
+    np.float32(3e38),
+]
 
 
 def _np_dtype(name):
@@ -110,7 +127,9 @@ def _assert_same_bits(got, want):
     nan = np.isnan(want.astype(np.float32))
     np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
     bits = {2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
-    np.testing.assert_array_equal(np.where(nan, 0, got.view(bits)), np.where(nan, 0, want.view(bits)))
+    np.testing.assert_array_equal(
+        np.where(nan, 0, got.view(bits)), np.where(nan, 0, want.view(bits))
+    )
 
 
 def test_dequantize_to_bf16_is_correctly_rounded_the_issues_value():
@@ -161,8 +180,9 @@ def test_xla_path_weight_rounds_once(dtype):
     for gs in ROUNDING_GLOBAL_SCALES[:4]:  # finite products in both dtypes
         w = _every_code_and_scale_byte(gs, nan_scales=False)
         want = reference.dequantize_as(w.packed, w.scale_bytes, gs, 16, np_dtype)
-        np.testing.assert_array_equal(_identity_product(w, np_dtype, "xla").astype(np.float64),
-                                      want.astype(np.float64))
+        np.testing.assert_array_equal(
+            _identity_product(w, np_dtype, "xla").astype(np.float64), want.astype(np.float64)
+        )
 
 
 def _has_cuda() -> bool:
@@ -186,21 +206,30 @@ def test_gpu_dequantize_paths_round_once(dtype):
         want = reference.dequantize_as(w.packed, w.scale_bytes, gs, 16, np_dtype)
         _assert_same_bits(jax_fp4.dequantize(w, np_dtype), want)
         call = jax.ffi.ffi_call("jax_fp4_dequant_cuda", jax.ShapeDtypeStruct((w.n, w.k), np_dtype))
-        _assert_same_bits(call(w.packed, w.scale_bytes, gs, block_size=np.int64(16), tiled=False), want)
-        tiled = call(_layout.tile_packed(w.packed), _layout.tile_scale(w.scale_bytes), gs,
-                     block_size=np.int64(16), tiled=True)
+        _assert_same_bits(
+            call(w.packed, w.scale_bytes, gs, block_size=np.int64(16), tiled=False), want
+        )
+        tiled = call(
+            _layout.tile_packed(w.packed),
+            _layout.tile_scale(w.scale_bytes),
+            gs,
+            block_size=np.int64(16),
+            tiled=True,
+        )
         _assert_same_bits(tiled, want)
     rng = np.random.default_rng()
     w = jax_fp4.quantize((rng.standard_normal((256, 512)) * 0.02).astype(np.float32))
     want = reference.dequantize_as(w.packed, w.scale_bytes, w.global_scale, 16, np_dtype)
     call = jax.ffi.ffi_call("jax_fp4_dequant_cuda", jax.ShapeDtypeStruct((w.n, w.k), np_dtype))
-    _assert_same_bits(call(w.packed, w.scale_bytes, w.global_scale, block_size=np.int64(16),
-                           tiled=False), want)
+    _assert_same_bits(
+        call(w.packed, w.scale_bytes, w.global_scale, block_size=np.int64(16), tiled=False), want
+    )
     for gs in ROUNDING_GLOBAL_SCALES[:4]:
         w = _every_code_and_scale_byte(gs, nan_scales=False)
         want = reference.dequantize_as(w.packed, w.scale_bytes, gs, 16, np_dtype)
-        np.testing.assert_array_equal(_identity_product(w, np_dtype, "dequant").astype(np.float64),
-                                      want.astype(np.float64))
+        np.testing.assert_array_equal(
+            _identity_product(w, np_dtype, "dequant").astype(np.float64), want.astype(np.float64)
+        )
 
 
 def _one_block(values):
@@ -209,7 +238,24 @@ def _one_block(values):
 
 def test_quantize_ties_and_codes_by_hand():
     # Global amax 2688 gives g = 1, so each block scale is amax_block / 6.
-    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0]
+    ties = [
+        0.25,
+        0.75,
+        1.25,
+        1.75,
+        2.5,
+        3.5,
+        5.0,
+        6.0,
+        -0.25,
+        -0.75,
+        -1.25,
+        -1.75,
+        -2.5,
+        -3.5,
+        -5.0,
+        -6.0,
+    ]
     w = np.concatenate([_one_block(ties), _one_block([2688.0] + [0.0] * 15)], axis=1)
     q = jax_fp4.quantize(w)
     assert float(q.global_scale) == 1.0
@@ -218,16 +264,20 @@ def test_quantize_ties_and_codes_by_hand():
     # 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4, 6->6. -0.25 rounds to zero and
     # keeps its sign, code 0x8 (-0): ModelOpt and compressed-tensors write 0x8 there, and a quantizer
     # that claims ModelOpt's bytes must too (tests/data/real_tools/modelopt_quantize holds them).
-    np.testing.assert_array_equal(codes[:16], [0, 2, 2, 4, 4, 6, 6, 7, 8, 10, 10, 12, 12, 14, 14, 15])
+    np.testing.assert_array_equal(
+        codes[:16], [0, 2, 2, 4, 4, 6, 6, 7, 8, 10, 10, 12, 12, 14, 14, 15]
+    )
     np.testing.assert_array_equal(codes[16:], [7] + [0] * 15)
 
 
 def test_quantize_scale_rounding_saturation_zero_and_tiny_blocks():
     g_block = [2688.0] + [0.0] * 15
-    saturating = [6.375] + [0.0] * 15   # s = 1.0625 rounds (tie, to even) to 1.0; 6.375/1 saturates to 6
+    saturating = [6.375] + [
+        0.0
+    ] * 15  # s = 1.0625 rounds (tie, to even) to 1.0; 6.375/1 saturates to 6
     tie_up = [6 * 1.1875] + [0.0] * 15  # s = 1.1875 is a tie between 1.125 and 1.25: even is 1.25
-    zeros = [0.0] * 16                  # zero block: scale 1.0, codes 0
-    tiny = [1e-6] + [0.0] * 15          # s below 2^-9 is clamped to the smallest subnormal
+    zeros = [0.0] * 16  # zero block: scale 1.0, codes 0
+    tiny = [1e-6] + [0.0] * 15  # s below 2^-9 is clamped to the smallest subnormal
     w = np.concatenate([_one_block(b) for b in (g_block, saturating, tie_up, zeros, tiny)], axis=1)
     q = jax_fp4.quantize(w)
     np.testing.assert_array_equal(np.asarray(q.scale_bytes), [[0x7E, 0x38, 0x3A, 0x38, 0x01]])
@@ -240,7 +290,7 @@ def test_quantize_is_bit_exact_with_modelopt():
     # next to E2M1 ties, where a reciprocal-multiply (XLA's rewrite of a division by a broadcast)
     # lands on the wrong side about once per thousand elements.
     rng = np.random.default_rng()
-    w = (rng.standard_normal((256, 1040)) * np.exp2(rng.integers(-6, 6, (256, 1))))
+    w = rng.standard_normal((256, 1040)) * np.exp2(rng.integers(-6, 6, (256, 1)))
     w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
     w[3, :16] = 0.0
     for bs in (16, 13):
@@ -254,8 +304,9 @@ def test_quantize_is_bit_exact_with_modelopt():
 REAL_TOOLS = Path(__file__).parent / "data" / "real_tools"
 
 
-@pytest.mark.parametrize("name", ["normal_f32_256x512", "normal_bf16_256x512", "zero_row_f32_128x256",
-                                  "ties_f32_64x256"])
+@pytest.mark.parametrize(
+    "name", ["normal_f32_256x512", "normal_bf16_256x512", "zero_row_f32_128x256", "ties_f32_64x256"]
+)
 def test_quantize_gives_modelopts_exported_bytes(name):
     """The bytes nvidia-modelopt 0.47 exports for four known matrices (its README says how they were
     made): codes, block scales and global scale equal, -0 codes (negative values that round to
@@ -268,8 +319,12 @@ def test_quantize_gives_modelopts_exported_bytes(name):
     layer = "model.layers.0.self_attn.o_proj"
     q = jax_fp4.quantize(w)
     np.testing.assert_array_equal(np.asarray(q.packed), stored[f"{layer}.weight"])
-    np.testing.assert_array_equal(np.asarray(q.scale_bytes), stored[f"{layer}.weight_scale"].view(np.uint8))
-    assert np.asarray(q.global_scale).view(np.uint32) == stored[f"{layer}.weight_scale_2"].view(np.uint32)
+    np.testing.assert_array_equal(
+        np.asarray(q.scale_bytes), stored[f"{layer}.weight_scale"].view(np.uint8)
+    )
+    assert np.asarray(q.global_scale).view(np.uint32) == stored[f"{layer}.weight_scale_2"].view(
+        np.uint32
+    )
     # The NumPy stand-in of ModelOpt in tests/reference.py agrees (it checks quantize elsewhere).
     codes, scale, gs = reference.modelopt_quantize(np.asarray(w, np.float32))
     np.testing.assert_array_equal(codes, reference.unpack(stored[f"{layer}.weight"]))
@@ -312,11 +367,17 @@ def test_quantize_mse_picks_the_least_error_scale(bs, with_importance):
 
     def error(scale_bytes):
         codes = reference.round_to_e2m1(blocks32, scale_bytes, gs)
-        deq = reference.e2m1_decode(codes) * reference.e4m3_decode(scale_bytes)[..., None] * float(gs)
+        deq = (
+            reference.e2m1_decode(codes) * reference.e4m3_decode(scale_bytes)[..., None] * float(gs)
+        )
         return codes, np.sum(weights * (deq - blocks32) ** 2, axis=-1)
 
-    candidates = np.stack([error(np.clip(scale0.astype(int) + d, 1, 0x7E).astype(np.uint8))[1]
-                           for d in (-2, -1, 0, 1, 2)])
+    candidates = np.stack(
+        [
+            error(np.clip(scale0.astype(int) + d, 1, 0x7E).astype(np.uint8))[1]
+            for d in (-2, -1, 0, 1, 2)
+        ]
+    )
     assert (np.abs(got_scale.astype(int) - scale0.astype(int)) <= 2).all()
     codes, err = error(got_scale)
     # The codes are round-to-nearest at the chosen scale, and no neighbour does clearly better.
@@ -341,13 +402,19 @@ def test_quantize_mse_under_jit_and_stacked():
     np.testing.assert_array_equal(np.asarray(eager.scale_bytes[1]), np.asarray(one.scale_bytes))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(method="gptq"), "method must be one of"),
-    (dict(importance=np.ones(64, np.float32)), "importance weights only method='mse'"),
-    (dict(method="mse", importance=np.ones(63, np.float32)), r"importance must have shape \(64,\)"),
-    (dict(method="mse", importance=-np.ones(64, np.float32)), "finite and non-negative"),
-    (dict(method="mse", importance=np.full(64, np.nan, np.float32)), "finite and non-negative"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(method="gptq"), "method must be one of"),
+        (dict(importance=np.ones(64, np.float32)), "importance weights only method='mse'"),
+        (
+            dict(method="mse", importance=np.ones(63, np.float32)),
+            r"importance must have shape \(64,\)",
+        ),
+        (dict(method="mse", importance=-np.ones(64, np.float32)), "finite and non-negative"),
+        (dict(method="mse", importance=np.full(64, np.nan, np.float32)), "finite and non-negative"),
+    ],
+)
 def test_quantize_rejects_bad_method_and_importance(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jax_fp4.quantize(np.ones((8, 64), np.float32), **kwargs)
@@ -361,8 +428,11 @@ def test_quantize_rejects_non_finite_weights(bad, method):
     w = rng.standard_normal((3, 24, 64)).astype(np.float32)  # stacked
     idx = (int(rng.integers(3)), int(rng.integers(24)), int(rng.integers(64)))
     w[idx] = bad
-    with pytest.raises(ValueError, match=rf"w must be finite, got 1 NaN or infinite value \(the "
-                                         rf"first at index \{re.escape(str(idx))[1:]}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"w must be finite, got 1 NaN or infinite value \(the "
+        rf"first at index \{re.escape(str(idx))[1:]}",
+    ):
         jax_fp4.quantize(w, method=method)
     w[0, 0, :2] = np.nan
     with pytest.raises(ValueError, match=r"got \d+ NaN or infinite values"):
@@ -423,33 +493,42 @@ def test_weight_container_pytree_and_transforms():
     w_bytes = jax_fp4.NVFP4Weight(packed, scale, gs)
     w_fp8 = jax_fp4.NVFP4Weight(packed, scale.view(ml_dtypes.float8_e4m3fn), gs)
     assert w_bytes.shape == (6, 32) and w_bytes.n == 6 and w_bytes.k == 32
-    np.testing.assert_array_equal(np.asarray(jax_fp4.dequantize(w_bytes)),
-                                  np.asarray(jax_fp4.dequantize(w_fp8)))
+    np.testing.assert_array_equal(
+        np.asarray(jax_fp4.dequantize(w_bytes)), np.asarray(jax_fp4.dequantize(w_fp8))
+    )
     leaves, treedef = jax.tree_util.tree_flatten(w_fp8)
     assert len(leaves) == 3
     rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
     assert rebuilt.block_size == 16 and rebuilt.shape == (6, 32)
     # Through jit, device_put and scan as a leaf container.
     doubled = jax.jit(lambda w: jax_fp4.NVFP4Weight(w.packed, w.scale, 2 * w.global_scale))(w_fp8)
-    np.testing.assert_allclose(np.asarray(jax_fp4.dequantize(doubled)),
-                               2 * np.asarray(jax_fp4.dequantize(w_fp8)))
+    np.testing.assert_allclose(
+        np.asarray(jax_fp4.dequantize(doubled)), 2 * np.asarray(jax_fp4.dequantize(w_fp8))
+    )
     placed = jax.device_put(w_fp8, jax.devices()[0])
     assert isinstance(placed, jax_fp4.NVFP4Weight) and placed.block_size == 16
 
 
-@pytest.mark.parametrize("bad, error", [
-    (dict(packed=np.zeros((4, 8), np.int8)), TypeError),
-    (dict(packed=np.zeros((8,), np.uint8)), ValueError),
-    (dict(scale=np.zeros((4, 2), np.float32)), TypeError),
-    (dict(scale=np.zeros((4, 3), np.uint8)), ValueError),
-    (dict(global_scale=np.ones((2,), np.float32)), ValueError),
-    (dict(global_scale=np.int32(1)), TypeError),
-    (dict(block_size=0), ValueError),
-    (dict(block_size=1.5), TypeError),
-])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (dict(packed=np.zeros((4, 8), np.int8)), TypeError),
+        (dict(packed=np.zeros((8,), np.uint8)), ValueError),
+        (dict(scale=np.zeros((4, 2), np.float32)), TypeError),
+        (dict(scale=np.zeros((4, 3), np.uint8)), ValueError),
+        (dict(global_scale=np.ones((2,), np.float32)), ValueError),
+        (dict(global_scale=np.int32(1)), TypeError),
+        (dict(block_size=0), ValueError),
+        (dict(block_size=1.5), TypeError),
+    ],
+)
 def test_weight_container_rejects_bad_input(bad, error):
-    args = dict(packed=np.zeros((4, 8), np.uint8), scale=np.zeros((4, 1), np.uint8),
-                global_scale=np.float32(1), block_size=16)
+    args = dict(
+        packed=np.zeros((4, 8), np.uint8),
+        scale=np.zeros((4, 1), np.uint8),
+        global_scale=np.float32(1),
+        block_size=16,
+    )
     args.update(bad)
     with pytest.raises(error, match="NVFP4Weight"):
         jax_fp4.NVFP4Weight(**args)
@@ -461,11 +540,16 @@ def test_pack_and_unpack_reject_bad_codes():
     where = (int(rng.integers(3)), int(rng.integers(10)))
     for bad in (16, 255, -1):
         codes[where] = bad
-        with pytest.raises(ValueError, match=rf"codes must be 0-15 \(4 bits\), got {bad} at index "
-                                             rf"\({where[0]}, {where[1]}\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"codes must be 0-15 \(4 bits\), got {bad} at index "
+            rf"\({where[0]}, {where[1]}\)",
+        ):
             jax_fp4.pack_codes(codes)
     codes[where] = 15
-    np.testing.assert_array_equal(np.asarray(jax_fp4.unpack_codes(jax_fp4.pack_codes(codes))), codes)
+    np.testing.assert_array_equal(
+        np.asarray(jax_fp4.unpack_codes(jax_fp4.pack_codes(codes))), codes
+    )
     with pytest.raises(TypeError, match="pack_codes: codes must be integers"):
         jax_fp4.pack_codes(codes.astype(np.float32))
     with pytest.raises(TypeError, match="unpack_codes: packed must be uint8"):

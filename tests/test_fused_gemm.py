@@ -51,8 +51,9 @@ HAS_TARGET = TARGET in _ffi.REGISTERED_TARGETS.get("CUDA", [])
 
 def needs_sm90(fn):
     """GPU tests: an sm_90 device and the registered target."""
-    fn = pytest.mark.skipif(HAS_SM90 and not HAS_TARGET,
-                            reason="jax_fp4_fused_cuda not registered (built without nvcc)")(fn)
+    fn = pytest.mark.skipif(
+        HAS_SM90 and not HAS_TARGET, reason="jax_fp4_fused_cuda not registered (built without nvcc)"
+    )(fn)
     fn = pytest.mark.skipif(not HAS_SM90, reason="needs a compute capability 9.0 CUDA device")(fn)
     return pytest.mark.gpu(fn)
 
@@ -60,8 +61,9 @@ def needs_sm90(fn):
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
-def fused(a, packed, scale, gs, bias=None, *, block_size=16, tiled=False, tuning=None,
-          attributes=None):
+def fused(
+    a, packed, scale, gs, bias=None, *, block_size=16, tiled=False, tuning=None, attributes=None
+):
     """The fused target on spec-layout packed / scale (tiled=True: handed the tiled layout), with
     the attributes of `tuning` (None: the heuristics), overridden by `attributes`."""
     a = jnp.asarray(a)
@@ -73,12 +75,19 @@ def fused(a, packed, scale, gs, bias=None, *, block_size=16, tiled=False, tuning
         packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
     ws = _fused.fused_workspace_elems(m, n, k)
     poison((m, n), a.dtype)
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), a.dtype),
-                                     jax.ShapeDtypeStruct((ws,), jnp.float32)))
-    y, _ = call(_fused.to_fragment_order(a, tiled), jnp.asarray(packed), jnp.asarray(scale),
-                jnp.asarray(gs, jnp.float32).reshape(1), jnp.asarray(bias),
-                block_size=np.int64(block_size), tiled=bool(tiled),
-                **{**fused_attributes(tuning), **(attributes or {})})
+    call = jax.ffi.ffi_call(
+        TARGET, (jax.ShapeDtypeStruct((m, n), a.dtype), jax.ShapeDtypeStruct((ws,), jnp.float32))
+    )
+    y, _ = call(
+        _fused.to_fragment_order(a, tiled),
+        jnp.asarray(packed),
+        jnp.asarray(scale),
+        jnp.asarray(gs, jnp.float32).reshape(1),
+        jnp.asarray(bias),
+        block_size=np.int64(block_size),
+        tiled=bool(tiled),
+        **{**fused_attributes(tuning), **(attributes or {})},
+    )
     return np.asarray(y)
 
 
@@ -88,7 +97,7 @@ def random_weight(rng, n, k, special=False):
     if special:
         mask = rng.random(scale.shape) < 0.2
         scale[mask] = rng.choice(SPECIAL_SCALES, size=int(mask.sum()))
-    gs = np.float32(rng.uniform(0.5, 2.0) * 2.0**rng.integers(-8, 1))
+    gs = np.float32(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-8, 1))
     return packed, scale, gs
 
 
@@ -105,9 +114,11 @@ def check_close(y, a, packed, scale, gs, bias, dtype):
     err = np.abs(y64 - ref)
     bound = 2 * EPS[dtype] * np.abs(ref) + 1e-5 * mag + 1e-30
     bad = err > bound
-    assert not bad.any(), (f"{int(bad.sum())} of {bad.size} elements off; first at "
-                           f"{np.argwhere(bad)[0]}: got {y64[tuple(np.argwhere(bad)[0])]}, "
-                           f"want {ref[tuple(np.argwhere(bad)[0])]}")
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {bad.size} elements off; first at "
+        f"{np.argwhere(bad)[0]}: got {y64[tuple(np.argwhere(bad)[0])]}, "
+        f"want {ref[tuple(np.argwhere(bad)[0])]}"
+    )
     assert reference.relative_error(y64, ref) < {"float16": 2e-3, "bfloat16": 1e-2}[dtype]
 
 
@@ -116,13 +127,13 @@ SHAPES = [
     (1, 256, 128),
     (9, 300, 256),
     (17, 1000, 384),
-    (16, 256, 8192),      # one tile, 64 stages: the largest split
+    (16, 256, 8192),  # one tile, 64 stages: the largest split
     (64, 257, 512),
-    (65, 512, 256),       # first M served by the 128-row tile
+    (65, 512, 256),  # first M served by the 128-row tile
     (128, 384, 640),
     (200, 1030, 1024),
-    (300, 96, 128),       # N below one tile
-    (48, 4096, 11008),    # a real shape, several splits
+    (300, 96, 128),  # N below one tile
+    (48, 4096, 11008),  # a real shape, several splits
     (256, 2048, 4096),
     (1000, 520, 1152),
 ]
@@ -159,11 +170,12 @@ def _exact_problem(rng, m, n, k, dtype):
     """Inputs of test_exact_arithmetic_bit_for_bit, and the rounded float64 result they must give."""
     packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
     scale = rng.choice(np.array([0x01, 0x08, 0x30, 0x38, 0x40], np.uint8), size=(n, k // 16))
-    gs = np.float32(2.0**rng.integers(-3, 2))
+    gs = np.float32(2.0 ** rng.integers(-3, 2))
     a = rng.integers(-2, 3, size=(m, k)).astype(NP_DTYPES[dtype])
     bias = rng.integers(-4, 5, size=n).astype(NP_DTYPES[dtype])
-    want = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16,
-                            np.asarray(bias, np.float64)).astype(NP_DTYPES[dtype])
+    want = reference.matmul(
+        np.asarray(a, np.float64), packed, scale, gs, 16, np.asarray(bias, np.float64)
+    ).astype(NP_DTYPES[dtype])
     return a, packed, scale, gs, bias, want
 
 
@@ -192,7 +204,9 @@ def test_bit_identical_reruns(m, n, k):
     a = rng.standard_normal((m, k)).astype(NP_DTYPES["bfloat16"])
     y0 = fused(a, packed, scale, gs)
     for _ in range(3):
-        np.testing.assert_array_equal(fused(a, packed, scale, gs).view(np.uint16), y0.view(np.uint16))
+        np.testing.assert_array_equal(
+            fused(a, packed, scale, gs).view(np.uint16), y0.view(np.uint16)
+        )
 
 
 @needs_sm90
@@ -255,8 +269,12 @@ def test_warp_specialized_equals_multistage(tile_m, tiled, dtype):
         ys = {}
         for ws in (True, False):
             # both kernels: cluster split-K
-            tuning = KernelTuning(fused_tile_m=tile_m, fused_stream_k=False, fused_split=split,
-                                  fused_warp_specialized=ws)
+            tuning = KernelTuning(
+                fused_tile_m=tile_m,
+                fused_stream_k=False,
+                fused_split=split,
+                fused_warp_specialized=ws,
+            )
             ys[ws] = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
         check_close(ys[True], a, packed, scale, gs, bias, dtype)
         np.testing.assert_array_equal(ys[True].view(np.uint16), ys[False].view(np.uint16))
@@ -275,8 +293,12 @@ def test_tile_n_128_equals_default_tile(warp_specialized, tiled):
     bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
     for m, split in ((70, 1), (200, 3)):
         a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
-        tuning = KernelTuning(fused_tile_m=128, fused_warp_specialized=warp_specialized,
-                              fused_split=split, fused_tile_n=128)
+        tuning = KernelTuning(
+            fused_tile_m=128,
+            fused_warp_specialized=warp_specialized,
+            fused_split=split,
+            fused_tile_n=128,
+        )
         y = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
         tuning = dataclasses.replace(tuning, fused_tile_n=256)
         y_default = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
@@ -290,16 +312,28 @@ def test_tile_n_128_equals_default_tile(warp_specialized, tiled):
 # 4-byte stores with one 64-row weight tile per warpgroup, 2-byte ones with two), the same with
 # N % 4 != 0 (2-byte stores; spec layout only, the tiled one needs N % 16 == 0), and runs crossing
 # several tiles.
-STREAM_K_CASES = [(70, 528, 1152, 128, 256), (200, 528, 1152, 128, 128),
-                  (300, 528, 1152, 256, 128), (1000, 4240, 256, 256, 128),
-                  (1000, 4240, 256, 128, 256), (1000, 4234, 256, 256, 128),
-                  (129, 8208, 384, 128, 256), (65, 144, 11008, 64, 256)]
+STREAM_K_CASES = [
+    (70, 528, 1152, 128, 256),
+    (200, 528, 1152, 128, 128),
+    (300, 528, 1152, 256, 128),
+    (1000, 4240, 256, 256, 128),
+    (1000, 4240, 256, 128, 256),
+    (1000, 4234, 256, 256, 128),
+    (129, 8208, 384, 128, 256),
+    (65, 144, 11008, 64, 256),
+]
 
 
 @needs_sm90
-@pytest.mark.parametrize("m, n, k, tile_m, tile_n, tiled", [
-    (*case, tiled) for case in STREAM_K_CASES for tiled in (False, True)
-    if not (tiled and case[1] % 16)])
+@pytest.mark.parametrize(
+    "m, n, k, tile_m, tile_n, tiled",
+    [
+        (*case, tiled)
+        for case in STREAM_K_CASES
+        for tiled in (False, True)
+        if not (tiled and case[1] % 16)
+    ],
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stream_k_matches_reference(m, n, k, tile_m, tile_n, tiled, dtype):
     """Stream-K splits the tiles' K stages evenly over one CTA per SM; partial tiles meet in the
@@ -310,8 +344,12 @@ def test_stream_k_matches_reference(m, n, k, tile_m, tile_n, tiled, dtype):
     packed, scale, gs = random_weight(rng, n, k, special=True)
     bias = rng.standard_normal(n).astype(NP_DTYPES[dtype])
     a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
-    tuning = KernelTuning(fused_tile_m=tile_m, fused_warp_specialized=True, fused_stream_k=True,
-                          fused_tile_n=tile_n if tile_m == 128 else 0)
+    tuning = KernelTuning(
+        fused_tile_m=tile_m,
+        fused_warp_specialized=True,
+        fused_stream_k=True,
+        fused_tile_n=tile_n if tile_m == 128 else 0,
+    )
     y = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
     check_close(y, a, packed, scale, gs, bias, dtype)
     again = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
@@ -340,7 +378,9 @@ def test_warp_specialized_needs_the_64_row_tile():
     tuning = KernelTuning(fused_warp_specialized=True)
     for m in (16, 20):  # the 16- and 32-row tiles
         a = rng.standard_normal((m, 256)).astype(np.float16)
-        with pytest.raises(Exception, match=r"(?i)warp_specialized\W*(=\W*)?(1|true)\W* needs 64-row"):
+        with pytest.raises(
+            Exception, match=r"(?i)warp_specialized\W*(=\W*)?(1|true)\W* needs 64-row"
+        ):
             fused(a, packed, scale, gs, tuning=tuning)
     a = rng.standard_normal((40, 256)).astype(np.float16)  # the 64-row tile serves it
     check_close(fused(a, packed, scale, gs, tuning=tuning), a, packed, scale, gs, None, "float16")
@@ -361,9 +401,12 @@ def test_tile_n_128_needs_the_128_row_tile():
     w = jax_fp4.NVFP4Weight(packed, scale, gs)
     a = jnp.asarray(rng.standard_normal((40, 256)), jnp.bfloat16)
     tuning = KernelTuning(fused_tile_m=64, fused_tile_n=128)
-    with pytest.raises(Exception, match=r"(?i)tile_n\W*(=\W*)?128\W* needs 128-row activation tiles"):
-        jax.block_until_ready(jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="fused",
-                                                                 tuning=tuning))(a, w))
+    with pytest.raises(
+        Exception, match=r"(?i)tile_n\W*(=\W*)?128\W* needs 128-row activation tiles"
+    ):
+        jax.block_until_ready(
+            jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="fused", tuning=tuning))(a, w)
+        )
 
 
 # Values outside each field's set: KernelTuning rejects them where it is built
@@ -405,16 +448,27 @@ def test_programmatic_launch_chain(m, tiled, dtype):
     plain, programmatic = plain_and_programmatic(a, weights, backend="fused", tiled=tiled)
     x = a
     for i, ((packed, scale, gs), y, y_pdl) in enumerate(zip(weights, plain, programmatic)):
-        np.testing.assert_array_equal(y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}")
+        np.testing.assert_array_equal(
+            y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}"
+        )
         check_close(y, x, packed, scale, gs, None, dtype)
         x = y
 
 
 # Weights in the tiled layout (jax_fp4.prepack): N % 16 == 0, ragged against the 128 / 256-row
 # CTA tiles; every activation tile and several splits.
-TILED_SHAPES = [(1, 16, 128), (9, 304, 256), (17, 1008, 384), (16, 256, 8192), (64, 272, 512),
-                (65, 512, 256), (200, 1040, 1024), (300, 96, 128), (48, 4096, 11008),
-                (1000, 528, 1152)]
+TILED_SHAPES = [
+    (1, 16, 128),
+    (9, 304, 256),
+    (17, 1008, 384),
+    (16, 256, 8192),
+    (64, 272, 512),
+    (65, 512, 256),
+    (200, 1040, 1024),
+    (300, 96, 128),
+    (48, 4096, 11008),
+    (1000, 528, 1152),
+]
 QUICK_TILED_SHAPES = [(9, 304, 256), (70, 528, 384), (16, 256, 2048)]
 
 
@@ -431,7 +485,9 @@ def test_tiled_random_sweep(m, n, k, dtype):
 
 
 @needs_sm90
-@pytest.mark.parametrize("m, n, k", [(70, 304, 256), (16, 256, 384), (5, 1024, 256), (300, 528, 1152)])
+@pytest.mark.parametrize(
+    "m, n, k", [(70, 304, 256), (16, 256, 384), (5, 1024, 256), (300, 528, 1152)]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tiled_exact_arithmetic_bit_for_bit(m, n, k, dtype):
     rng = np.random.default_rng()
@@ -451,8 +507,15 @@ def test_tiled_forced_tiles_and_splits(tile_m, split):
     tuning = KernelTuning(fused_tile_m=tile_m, fused_split=split)
     for m in (1, 33, 300):
         a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
-        check_close(fused(a, packed, scale, gs, bias, tiled=True, tuning=tuning), a, packed, scale,
-                    gs, bias, "bfloat16")
+        check_close(
+            fused(a, packed, scale, gs, bias, tiled=True, tuning=tuning),
+            a,
+            packed,
+            scale,
+            gs,
+            bias,
+            "bfloat16",
+        )
 
 
 @needs_sm90
@@ -460,12 +523,26 @@ def test_tiled_rejects_ragged_n():
     rng = np.random.default_rng()
     packed, scale, gs = random_weight(rng, 40, 256)
     a = rng.standard_normal((8, 256)).astype(np.float16)
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((8, 40), a.dtype),
-                                     jax.ShapeDtypeStruct((0,), jnp.float32)))
-    with pytest.raises(Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
-                                        "got block_size 16, N = 40"):
-        np.asarray(call(a, packed, scale, jnp.asarray([gs]), jnp.zeros((0,), a.dtype),
-                        block_size=np.int64(16), tiled=True, **fused_attributes())[0])
+    call = jax.ffi.ffi_call(
+        TARGET, (jax.ShapeDtypeStruct((8, 40), a.dtype), jax.ShapeDtypeStruct((0,), jnp.float32))
+    )
+    with pytest.raises(
+        Exception,
+        match="tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
+        "got block_size 16, N = 40",
+    ):
+        np.asarray(
+            call(
+                a,
+                packed,
+                scale,
+                jnp.asarray([gs]),
+                jnp.zeros((0,), a.dtype),
+                block_size=np.int64(16),
+                tiled=True,
+                **fused_attributes(),
+            )[0]
+        )
 
 
 def test_tiled_fragment_order_is_the_spec_order_with_o_and_j0_swapped():
@@ -498,9 +575,21 @@ def _stream_k_runs(units: int, ctas: int, ks: int) -> list[list[tuple[int, int, 
     return runs
 
 
-@pytest.mark.parametrize("tiles, ks, ctas", [(43, 32, 132), (16, 86, 132), (86, 32, 132), (68, 40, 132),
-                                             (5, 9, 45), (136, 2, 132), (224, 64, 132), (1, 3, 3),
-                                             (7, 1, 7), (200, 7, 131)])
+@pytest.mark.parametrize(
+    "tiles, ks, ctas",
+    [
+        (43, 32, 132),
+        (16, 86, 132),
+        (86, 32, 132),
+        (68, 40, 132),
+        (5, 9, 45),
+        (136, 2, 132),
+        (224, 64, 132),
+        (1, 3, 3),
+        (7, 1, 7),
+        (200, 7, 131),
+    ],
+)
 def test_stream_k_plan_lets_owners_reduce(tiles, ks, ctas):
     """What the owner-reduced fixup relies on, on the kernel's plan: a split tile's contributors are
     consecutive CTAs; its owner (the CTA holding K stage 0) reaches it in its run's last segment and
@@ -514,7 +603,9 @@ def test_stream_k_plan_lets_owners_reduce(tiles, ks, ctas):
     assert sorted(contributors) == list(range(tiles))
     handed_on = [0] * ctas
     for tile, cs in contributors.items():
-        assert cs == list(range(cs[0], cs[-1] + 1))  # consecutive: AddPartials reads slots first + 1 ..
+        assert cs == list(
+            range(cs[0], cs[-1] + 1)
+        )  # consecutive: AddPartials reads slots first + 1 ..
         segments = {c: next(seg for seg in runs[c] if seg[0] == tile) for c in cs}
         assert sum(seg[2] for seg in segments.values()) == ks
         owner = cs[0]
@@ -585,8 +676,12 @@ class _Half:
         return (nibbles * ((1 << (6 - p)) + (1 << (12 - p)))) & 0x81C081C0
 
     def decode_tiled(self, q, p):  # decode_tiled_pair<T, p>(q): elements 2p, 2p + 1
-        x = [q, ((q >> 3) | (q << 29)) & 0xFFFFFFFF, ((q >> 6) | (q << 26)) & 0xFFFFFFFF,
-             ((q & 0x001B001B) * 0x1084) & 0xFFFFFFFF][p]
+        x = [
+            q,
+            ((q >> 3) | (q << 29)) & 0xFFFFFFFF,
+            ((q >> 6) | (q << 26)) & 0xFFFFFFFF,
+            ((q & 0x001B001B) * 0x1084) & 0xFFFFFFFF,
+        ][p]
         if self.dt == np.float16:
             return (((x & 0x01C001C0) << 3) | (x & 0x80008000)) & 0xFFFFFFFF
         return x & 0x81C081C0
@@ -626,8 +721,9 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
                             row = m0 + r0 + act_rows * i
                             dst = dst0 + act_rows * 128 * i
                             if row < m:
-                                act[dst:dst + 16] = \
-                                    a[row, 128 * c + 8 * ch:128 * c + 8 * ch + 8].view(np.uint8)
+                                act[dst : dst + 16] = a[
+                                    row, 128 * c + 8 * ch : 128 * c + 8 * ch + 8
+                                ].view(np.uint8)
                     pk = np.zeros(tile_n * 64, np.uint8)
                     pk_rows = loaders // 4  # rows per pass
                     for tid in range(loaders):
@@ -636,22 +732,34 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
                         for i in range(tile_n // pk_rows):
                             row = min(n0 + r0 + pk_rows * i, n - 1)
                             if tiled:  # the row's quarter q of window c in its tile's 1 KB run
-                                src = (((row // 16) * ks * 2 + (row // 8) % 2) * 512
-                                       + ((row % 8) * 4 + q) * 16 + 1024 * c)
-                                chunk = flat_packed[src:src + 16]
+                                src = (
+                                    ((row // 16) * ks * 2 + (row // 8) % 2) * 512
+                                    + ((row % 8) * 4 + q) * 16
+                                    + 1024 * c
+                                )
+                                chunk = flat_packed[src : src + 16]
                             else:
-                                chunk = packed[row, 64 * c + 16 * q:64 * c + 16 * q + 16]
-                            pk[dst0 + pk_rows * 64 * i:dst0 + pk_rows * 64 * i + 16] = chunk
-                    sc = np.zeros(tile_n * 8, np.uint8)  # raw bytes; 8 of row r from thread r % loaders
-                    for r in (tid + loaders * i for tid in range(loaders)
-                              for i in range(-(-tile_n // loaders))):
+                                chunk = packed[row, 64 * c + 16 * q : 64 * c + 16 * q + 16]
+                            pk[dst0 + pk_rows * 64 * i : dst0 + pk_rows * 64 * i + 16] = chunk
+                    sc = np.zeros(
+                        tile_n * 8, np.uint8
+                    )  # raw bytes; 8 of row r from thread r % loaders
+                    for r in (
+                        tid + loaders * i
+                        for tid in range(loaders)
+                        for i in range(-(-tile_n // loaders))
+                    ):
                         if r >= tile_n:
                             continue
                         if tiled:  # bytes 8 (r % 16).. of tile n0 / 16 + r / 16's 128-byte run
-                            src = min(n0 // 16 + r // 16, n // 16 - 1) * ks * 128 + (r % 16) * 8 + 128 * c
-                            sc[8 * r:8 * r + 8] = flat_scale[src:src + 8]
+                            src = (
+                                min(n0 // 16 + r // 16, n // 16 - 1) * ks * 128
+                                + (r % 16) * 8
+                                + 128 * c
+                            )
+                            sc[8 * r : 8 * r + 8] = flat_scale[src : src + 8]
                         else:
-                            sc[8 * r:8 * r + 8] = scale[min(n0 + r, n - 1), 8 * c:8 * c + 8]
+                            sc[8 * r : 8 * r + 8] = scale[min(n0 + r, n - 1), 8 * c : 8 * c + 8]
                     pk32 = pk.view(np.uint32)
                     for h in range(2):
                         b_mat = np.zeros((64, bm))  # B[k][act row] read through the descriptor
@@ -660,7 +768,9 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
                                 for kk in range(16):
                                     logical = (col // 8) * 1024 + (col % 8) * 128 + 32 * s + 2 * kk
                                     phys = h * bm * 128 + (logical ^ (((logical >> 7) & 7) << 4))
-                                    b_mat[16 * s + kk, col] = act[phys:phys + 2].view(NP_DTYPES[dtype])[0]
+                                    b_mat[16 * s + kk, col] = act[phys : phys + 2].view(
+                                        NP_DTYPES[dtype]
+                                    )[0]
                         for wg in range(2):
                             for j in range(tj):
                                 a_mat = np.full((64, 64), np.nan)  # A[row of the m64 tile][k]
@@ -672,8 +782,12 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
                                             quarter = (2 * h + (t >> 1)) ^ (((g >> 1) & 1) << 1)
                                             w = (row * 64 + (quarter << 4) + 8 * (t & 1)) // 4
                                             if tiled:
-                                                byte = ((r_lo // 16) * 128 + (4 * g + 2 * h + (t >> 1)) * 4
-                                                        + (t & 1) + 2 * r)
+                                                byte = (
+                                                    (r_lo // 16) * 128
+                                                    + (4 * g + 2 * h + (t >> 1)) * 4
+                                                    + (t & 1)
+                                                    + 2 * r
+                                                )
                                             else:
                                                 byte = row * 8 + 4 * h + t
                                             v = reference.e4m3_decode(sc[byte]) * h16.mul
@@ -682,13 +796,18 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
                                                 q = int(pk32[w + sb])
                                                 for jj in range(4):
                                                     s_, off = 2 * sb + (jj >> 1), 8 * (jj & 1)
-                                                    bits = (h16.decode_tiled(q, (jj >> 1) + 2 * (jj & 1)) if tiled
-                                                            else h16.decode_split(q, jj))
+                                                    bits = (
+                                                        h16.decode_tiled(
+                                                            q, (jj >> 1) + 2 * (jj & 1)
+                                                        )
+                                                        if tiled
+                                                        else h16.decode_split(q, jj)
+                                                    )
                                                     pair = h16.halves(h16.pair_mul(bits, sp))
                                                     col = 16 * s_ + off + 2 * t
-                                                    a_mat[16 * wq + g + 8 * r, col:col + 2] = pair
+                                                    a_mat[16 * wq + g + 8 * r, col : col + 2] = pair
                                 base = wg * 64 * tj + 64 * j
-                                acc[base:base + 64] += a_mat @ b_mat
+                                acc[base : base + 64] += a_mat @ b_mat
                 epi = np.full(bm * epi_stride, np.nan)
                 for wg in range(2):
                     for wq in range(4):
@@ -708,32 +827,38 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
                     c4, ml = tid % col_threads, rank + splits * (tid // col_threads)
                     nn = n0 + 4 * c4
                     while ml < bm and m0 + ml < m and nn < n:
-                        total = sum(e[ml * epi_stride + 4 * c4:ml * epi_stride + 4 * c4 + 4] for e in staged)
+                        total = sum(
+                            e[ml * epi_stride + 4 * c4 : ml * epi_stride + 4 * c4 + 4]
+                            for e in staged
+                        )
                         for e in range(min(4, n - nn)):
                             y[m0 + ml, nn + e] = total[e] * 128.0 * gs
                         ml += splits * (256 // col_threads)
     return y
 
 
-@pytest.mark.parametrize("m, n, k, dtype, bm, splits, tiled, loaders, tile_n", [
-    (5, 300, 256, "float16", 64, 1, False, 256, None),
-    (13, 270, 256, "bfloat16", 16, 2, False, 256, None),
-    (40, 260, 256, "float16", 32, 1, False, 256, None),
-    (70, 260, 384, "bfloat16", 128, 3, False, 256, None),
-    (300, 140, 256, "float16", 256, 2, False, 256, None),
-    (5, 304, 256, "float16", 64, 1, True, 256, None),
-    (13, 272, 256, "bfloat16", 16, 2, True, 256, None),
-    (70, 272, 384, "bfloat16", 128, 3, True, 256, None),
-    (300, 144, 256, "float16", 256, 2, True, 256, None),
-    # the warp-specialized kernel's 128-thread copier (tiles of 64 rows and more)
-    (5, 300, 256, "float16", 64, 1, False, 128, None),
-    (70, 272, 384, "bfloat16", 128, 3, True, 128, None),
-    (300, 140, 256, "float16", 256, 2, False, 128, None),
-    (270, 144, 256, "bfloat16", 256, 1, True, 128, None),
-    # 128 weight rows per CTA at the 128-row tile (fused_tile_n=128)
-    (70, 272, 384, "bfloat16", 128, 3, True, 128, 128),
-    (130, 300, 256, "float16", 128, 2, False, 256, 128),
-])
+@pytest.mark.parametrize(
+    "m, n, k, dtype, bm, splits, tiled, loaders, tile_n",
+    [
+        (5, 300, 256, "float16", 64, 1, False, 256, None),
+        (13, 270, 256, "bfloat16", 16, 2, False, 256, None),
+        (40, 260, 256, "float16", 32, 1, False, 256, None),
+        (70, 260, 384, "bfloat16", 128, 3, False, 256, None),
+        (300, 140, 256, "float16", 256, 2, False, 256, None),
+        (5, 304, 256, "float16", 64, 1, True, 256, None),
+        (13, 272, 256, "bfloat16", 16, 2, True, 256, None),
+        (70, 272, 384, "bfloat16", 128, 3, True, 256, None),
+        (300, 144, 256, "float16", 256, 2, True, 256, None),
+        # the warp-specialized kernel's 128-thread copier (tiles of 64 rows and more)
+        (5, 300, 256, "float16", 64, 1, False, 128, None),
+        (70, 272, 384, "bfloat16", 128, 3, True, 128, None),
+        (300, 140, 256, "float16", 256, 2, False, 128, None),
+        (270, 144, 256, "bfloat16", 256, 1, True, 128, None),
+        # 128 weight rows per CTA at the 128-row tile (fused_tile_n=128)
+        (70, 272, 384, "bfloat16", 128, 3, True, 128, 128),
+        (130, 300, 256, "float16", 128, 2, False, 256, 128),
+    ],
+)
 def test_layout_model_matches_reference(m, n, k, dtype, bm, splits, tiled, loaders, tile_n):
     rng = np.random.default_rng()
     packed, scale, _ = random_weight(rng, n, k, special=True)

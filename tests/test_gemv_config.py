@@ -35,10 +35,20 @@ def test_launch_heuristic(name, tmp_path):
     if name == "none":
         pytest.skip("no C++ compiler found")
     exe = tmp_path / "gemv_config_check"
-    cmd = [*COMPILERS[name], "-std=c++17", "-O2", "-Wall", "-I", str(ROOT / "ffi" / "include"),
-           str(ROOT / "tests" / "cpp" / "gemv_config_check.cc"), "-o", str(exe)]
+    cmd = [
+        *COMPILERS[name],
+        "-std=c++17",
+        "-O2",
+        "-Wall",
+        "-I",
+        str(ROOT / "ffi" / "include"),
+        str(ROOT / "tests" / "cpp" / "gemv_config_check.cc"),
+        "-o",
+        str(exe),
+    ]
     built = subprocess.run(cmd, capture_output=True, text=True)
     assert built.returncode == 0, f"{' '.join(cmd)}:\n{built.stderr[-3000:]}"
     out = subprocess.run([str(exe)], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "0", (
-        f"{name}: {out.stdout}{out.stderr[-3000:]}")
+        f"{name}: {out.stdout}{out.stderr[-3000:]}"
+    )

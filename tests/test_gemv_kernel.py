@@ -58,8 +58,20 @@ NORM_TOL = {"float16": 2e-3, "bfloat16": 1e-2}
 # Helpers
 
 
-def gemv(a, packed, scale, gs, bias, *, use_mma=True, row_tiling=True, block_size=16,
-         tiled=False, tuning=None, attributes=None):
+def gemv(
+    a,
+    packed,
+    scale,
+    gs,
+    bias,
+    *,
+    use_mma=True,
+    row_tiling=True,
+    block_size=16,
+    tiled=False,
+    tuning=None,
+    attributes=None,
+):
     """The GEMV target on spec-layout packed / scale; tiled=True hands it the same weight in the
     tiled layout (jax_fp4.prepack's). use_mma: the tensor-core kernel where it can run (else the
     scalar one); `tuning`: the launch configuration (None: the heuristic); `attributes` override
@@ -72,8 +84,15 @@ def gemv(a, packed, scale, gs, bias, *, use_mma=True, row_tiling=True, block_siz
         packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
     poison((m, n), a.dtype)
     call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((m, n), a.dtype))
-    y = call(a, packed, scale, gs, bias, block_size=np.int64(block_size),
-             **{**attrs, **(attributes or {})})
+    y = call(
+        a,
+        packed,
+        scale,
+        gs,
+        bias,
+        block_size=np.int64(block_size),
+        **{**attrs, **(attributes or {})},
+    )
     return np.asarray(y)
 
 
@@ -105,8 +124,14 @@ def random_problem(rng, m, n, k, dtype, with_bias, block_size=16):
 
 
 def reference_gemv(a, packed, scale, gs, bias):
-    return reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16,
-                            None if bias is None else np.asarray(bias, np.float64))
+    return reference.matmul(
+        np.asarray(a, np.float64),
+        packed,
+        scale,
+        gs,
+        16,
+        None if bias is None else np.asarray(bias, np.float64),
+    )
 
 
 def check_close(y, ref, dtype, what=""):
@@ -119,8 +144,9 @@ def check_close(y, ref, dtype, what=""):
     err = reference.relative_error(y64[finite], ref[finite])
     assert err <= NORM_TOL[dtype], f"{what}: relative error {err:.3g}"
     scale = np.abs(ref[finite]).max() if finite.any() else 1.0
-    np.testing.assert_allclose(y64[finite], ref[finite], rtol=2 * EPS[dtype],
-                               atol=4 * EPS[dtype] * scale, err_msg=what)
+    np.testing.assert_allclose(
+        y64[finite], ref[finite], rtol=2 * EPS[dtype], atol=4 * EPS[dtype] * scale, err_msg=what
+    )
 
 
 def as_dtype(x, dtype):
@@ -133,8 +159,18 @@ def as_dtype(x, dtype):
 # GEMV: random sweep over M, ragged N, K (K % 128 != 0 and == 0), dtype, bias, kernel flags.
 
 M_VALUES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 32, 33, 64, 65, 128]
-NK_SHAPES = [(1, 128), (7, 96), (100, 512), (129, 160), (1000, 4096), (33, 256), (300, 1024),
-             (17, 32), (64, 384), (250, 2048)]
+NK_SHAPES = [
+    (1, 128),
+    (7, 96),
+    (100, 512),
+    (129, 160),
+    (1000, 4096),
+    (33, 256),
+    (300, 1024),
+    (17, 32),
+    (64, 384),
+    (250, 2048),
+]
 if QUICK:
     M_VALUES = [1, 3, 8, 9, 17]
     NK_SHAPES = [(1, 128), (7, 96), (129, 160), (33, 256)]
@@ -142,8 +178,16 @@ if QUICK:
 
 # The tiled layout (jax_fp4.prepack): N % 16 == 0, K % 128 == 0, the tensor-core kernel only. Tile
 # counts are odd where they can be, so that the two-tile launches have a partial last block.
-TILED_SHAPES = [(16, 128), (48, 256), (112, 512), (1008, 4096), (8496, 128), (17008, 256),
-                (96, 4096), (272, 2816)]
+TILED_SHAPES = [
+    (16, 128),
+    (48, 256),
+    (112, 512),
+    (1008, 4096),
+    (8496, 128),
+    (17008, 256),
+    (96, 4096),
+    (272, 2816),
+]
 if QUICK:
     TILED_SHAPES = [(16, 128), (48, 256), (8496, 128), (96, 4096)]
 
@@ -161,25 +205,27 @@ def test_gemv_random_sweep(m, dtype, tiled):
         ref = reference_gemv(a, packed, scale, gs, bias)
         for use_mma in (True,) if tiled else (True, False):
             for row_tiling in (True, False):
-                y = gemv(a, packed, scale, gs, bias, use_mma=use_mma, row_tiling=row_tiling,
-                         tiled=tiled)
-                check_close(y, ref, dtype,
-                            f"M={m} N={n} K={k} mma={use_mma} rt={row_tiling} tiled={tiled}")
+                y = gemv(
+                    a, packed, scale, gs, bias, use_mma=use_mma, row_tiling=row_tiling, tiled=tiled
+                )
+                check_close(
+                    y, ref, dtype, f"M={m} N={n} K={k} mma={use_mma} rt={row_tiling} tiled={tiled}"
+                )
 
 
 # Shapes that reach the launch-config branches on an H200 (132 SMs): scalar row tiling (N/8 >=
 # a wave, K % 128 != 0), mma with one and two column tiles (large ragged N), two row tiles,
 # k_split 8 and a non-power-of-two k_split.
 WIDE_CASES = [
-    (5, 1100, 160),    # scalar, rows_per_block 4 with a partial tile
-    (2, 2056, 96),     # scalar, rows_per_block 2
-    (3, 8500, 128),    # mma col_tiles 2, ragged N
-    (9, 8500, 256),    # mma two row tiles, ragged N, a partial second row tile
-    (5, 17000, 256),   # mma col_tiles 2 (M > 4), ragged N
-    (2, 17000, 256),   # mma one tile where M <= 4 (two tiles would be just over a wave)
-    (2, 5110, 3072),   # mma k_split 6, ragged N
-    (1, 100, 4096),    # mma k_split 8
-    (4, 4097, 1024),   # ragged by one column
+    (5, 1100, 160),  # scalar, rows_per_block 4 with a partial tile
+    (2, 2056, 96),  # scalar, rows_per_block 2
+    (3, 8500, 128),  # mma col_tiles 2, ragged N
+    (9, 8500, 256),  # mma two row tiles, ragged N, a partial second row tile
+    (5, 17000, 256),  # mma col_tiles 2 (M > 4), ragged N
+    (2, 17000, 256),  # mma one tile where M <= 4 (two tiles would be just over a wave)
+    (2, 5110, 3072),  # mma k_split 6, ragged N
+    (1, 100, 4096),  # mma k_split 8
+    (4, 4097, 1024),  # ragged by one column
 ]
 if QUICK:
     WIDE_CASES = [(5, 1100, 160), (3, 8500, 128), (5, 17000, 256), (2, 5110, 3072), (1, 100, 4096)]
@@ -204,13 +250,23 @@ def exact_problem(rng, m, n, k, dtype, with_bias):
     packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
     scale = (rng.integers(5, 10, size=(n, k // 16)) * 8).astype(np.uint8)
     a = jnp.asarray(rng.integers(-4, 5, size=(m, k)).astype(np.float32) * 0.5, dtype)
-    bias = (jnp.asarray(rng.integers(-8, 9, size=n).astype(np.float32) * 0.5, dtype)
-            if with_bias else None)
+    bias = (
+        jnp.asarray(rng.integers(-8, 9, size=n).astype(np.float32) * 0.5, dtype)
+        if with_bias
+        else None
+    )
     return a, packed, scale, np.float32(1.0), bias
 
 
-EXACT_CASES = [(1, 16, 128), (4, 40, 256), (8, 33, 4096), (9, 7, 96), (3, 100, 160),
-               (17, 130, 512), (5, 1100, 128)]
+EXACT_CASES = [
+    (1, 16, 128),
+    (4, 40, 256),
+    (8, 33, 4096),
+    (9, 7, 96),
+    (3, 100, 160),
+    (17, 130, 512),
+    (5, 1100, 128),
+]
 if QUICK:
     EXACT_CASES = EXACT_CASES[:3]
 
@@ -226,8 +282,10 @@ def test_gemv_exact_bitwise(m, n, k, dtype):
             for row_tiling in (True, False):
                 y = gemv(a, packed, scale, gs, bias, use_mma=use_mma, row_tiling=row_tiling)
                 np.testing.assert_array_equal(
-                    y.view(np.uint16), expected.view(np.uint16),
-                    err_msg=f"M={m} N={n} K={k} mma={use_mma} rt={row_tiling} bias={with_bias}")
+                    y.view(np.uint16),
+                    expected.view(np.uint16),
+                    err_msg=f"M={m} N={n} K={k} mma={use_mma} rt={row_tiling} bias={with_bias}",
+                )
 
 
 def launch_config(config: str) -> KernelTuning:
@@ -237,8 +295,26 @@ def launch_config(config: str) -> KernelTuning:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", ["1,1", "1,2", "1,3", "1,6", "1,8", "1,16", "2,1", "2,3", "2,8",
-                                    "1,4,1", "1,4,2", "1,4,4", "2,16", "2,6,2", "1,16,4"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "1,1",
+        "1,2",
+        "1,3",
+        "1,6",
+        "1,8",
+        "1,16",
+        "2,1",
+        "2,3",
+        "2,8",
+        "1,4,1",
+        "1,4,2",
+        "1,4,4",
+        "2,16",
+        "2,6,2",
+        "1,16,4",
+    ],
+)
 def test_gemv_every_launch_config(config, dtype):
     """Every kernel variant (col_tiles, k_split, rows_per_block), forced through
     KernelTuning(gemv_col_tiles, gemv_k_split, gemv_rows_per_block), on exact inputs: all must match the reference bit for bit.
@@ -252,15 +328,19 @@ def test_gemv_every_launch_config(config, dtype):
         expected = as_dtype(reference_gemv(a, packed, scale, gs, bias), dtype)
         for use_mma in (True, False):
             y = gemv(a, packed, scale, gs, bias, use_mma=use_mma, row_tiling=True, tuning=tuning)
-            np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16),
-                                          err_msg=f"config={config} M={m} N={n} K={k} mma={use_mma}")
+            np.testing.assert_array_equal(
+                y.view(np.uint16),
+                expected.view(np.uint16),
+                err_msg=f"config={config} M={m} N={n} K={k} mma={use_mma}",
+            )
 
 
 # (attribute, a valid value, an invalid value): the handler checks the attributes it is handed.
 BAD_ATTRIBUTES = (
     [("col_tiles", 2, v) for v in (3, 4, -1)]
     + [("k_split", 4, v) for v in (-1,)]
-    + [("rows_per_block", 4, v) for v in (3, 8, -1)])
+    + [("rows_per_block", 4, v) for v in (3, 8, -1)]
+)
 
 
 @pytest.mark.parametrize("attribute, valid, value", BAD_ATTRIBUTES)
@@ -271,12 +351,19 @@ def test_gemv_attributes_reject_malformed_values(attribute, valid, value):
     rng = np.random.default_rng()
     a, packed, scale, gs, _ = random_problem(rng, 2, 40, 256, "bfloat16", with_bias=False)
     for use_mma in (True, False):
-        y = gemv(a, packed, scale, gs, None, use_mma=use_mma,
-                 attributes={attribute: np.int64(valid)})
-        check_close(y, reference_gemv(a, packed, scale, gs, None), "bfloat16",
-                    f"{attribute}={valid} mma={use_mma}")
+        y = gemv(
+            a, packed, scale, gs, None, use_mma=use_mma, attributes={attribute: np.int64(valid)}
+        )
+        check_close(
+            y,
+            reference_gemv(a, packed, scale, gs, None),
+            "bfloat16",
+            f"{attribute}={valid} mma={use_mma}",
+        )
         with pytest.raises(Exception, match=attribute):
-            gemv(a, packed, scale, gs, None, use_mma=use_mma, attributes={attribute: np.int64(value)})
+            gemv(
+                a, packed, scale, gs, None, use_mma=use_mma, attributes={attribute: np.int64(value)}
+            )
 
 
 def test_gemv_variant_the_handler_cannot_run_is_an_error():
@@ -306,7 +393,9 @@ def test_gemv_programmatic_launch_chain(m, tiled, dtype):
     plain, programmatic = plain_and_programmatic(a, weights, backend="gemv", tiled=tiled)
     x = a
     for i, (w, y, y_pdl) in enumerate(zip(weights, plain, programmatic)):
-        np.testing.assert_array_equal(y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}")
+        np.testing.assert_array_equal(
+            y_pdl.view(np.uint16), y.view(np.uint16), err_msg=f"layer {i}"
+        )
         check_close(y, reference_gemv(x, *w, None), dtype, f"layer {i}")
         x = y
 
@@ -333,8 +422,11 @@ def test_gemv_lane_ownership_probe(dtype, use_mma):
         a[np.arange(m), ks] = 1.0
         y = gemv(jnp.asarray(a, dtype), packed, scale, np.float32(1.0), None, use_mma=use_mma)
         expected = as_dtype(w[:, ks].T, dtype)
-        np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16),
-                                      err_msg=f"trial {trial}, k per row {ks.tolist()}")
+        np.testing.assert_array_equal(
+            y.view(np.uint16),
+            expected.view(np.uint16),
+            err_msg=f"trial {trial}, k per row {ks.tolist()}",
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -382,8 +474,7 @@ def test_gemv_under_jit_and_graphs():
 
     @jax.jit
     def f(a, packed, scale, gs, bias):
-        y = call(a * 1, packed, scale, gs, bias, block_size=np.int64(16),
-                 **gemv_attributes(512))
+        y = call(a * 1, packed, scale, gs, bias, block_size=np.int64(16), **gemv_attributes(512))
         return y, y.astype(jnp.float32).sum()
 
     for _ in range(3):
@@ -396,8 +487,9 @@ def test_gemv_rejects_bad_operands():
     a, packed, scale, gs, _ = random_problem(rng, 2, 8, 48, "float16", with_bias=False)
     with pytest.raises(Exception, match="multiple of 32"):
         gemv(a, packed, scale, gs, None)
-    a, packed, scale, gs, _ = random_problem(rng, 2, 8, 64, "float16", with_bias=False,
-                                             block_size=32)
+    a, packed, scale, gs, _ = random_problem(
+        rng, 2, 8, 64, "float16", with_bias=False, block_size=32
+    )
     with pytest.raises(Exception, match="block_size"):
         gemv(a, packed, scale, gs, None, block_size=32)
 
@@ -407,16 +499,29 @@ def test_gemv_rejects_bad_operands():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m, n, k", [(1, 16, 128), (4, 48, 256), (8, 32, 4096), (9, 16, 128),
-                                     (17, 128, 512), (5, 1104, 128), (2, 8496, 256)])
+@pytest.mark.parametrize(
+    "m, n, k",
+    [
+        (1, 16, 128),
+        (4, 48, 256),
+        (8, 32, 4096),
+        (9, 16, 128),
+        (17, 128, 512),
+        (5, 1104, 128),
+        (2, 8496, 256),
+    ],
+)
 def test_gemv_tiled_exact_bitwise(m, n, k, dtype):
     rng = np.random.default_rng()
     for with_bias in (False, True):
         a, packed, scale, gs, bias = exact_problem(rng, m, n, k, dtype, with_bias)
         expected = as_dtype(reference_gemv(a, packed, scale, gs, bias), dtype)
         y = gemv(a, packed, scale, gs, bias, tiled=True)
-        np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16),
-                                      err_msg=f"tiled M={m} N={n} K={k} bias={with_bias}")
+        np.testing.assert_array_equal(
+            y.view(np.uint16),
+            expected.view(np.uint16),
+            err_msg=f"tiled M={m} N={n} K={k} bias={with_bias}",
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -428,8 +533,11 @@ def test_gemv_tiled_every_launch_config(config, dtype):
         a, packed, scale, gs, bias = exact_problem(rng, m, n, k, dtype, with_bias=True)
         expected = as_dtype(reference_gemv(a, packed, scale, gs, bias), dtype)
         y = gemv(a, packed, scale, gs, bias, tiled=True, tuning=tuning)
-        np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16),
-                                      err_msg=f"tiled config={config} M={m} N={n} K={k}")
+        np.testing.assert_array_equal(
+            y.view(np.uint16),
+            expected.view(np.uint16),
+            err_msg=f"tiled config={config} M={m} N={n} K={k}",
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -450,8 +558,11 @@ def test_gemv_tiled_lane_ownership_probe(dtype):
         a = np.zeros((m, k), np.float32)
         a[np.arange(m), ks] = 1.0
         y = gemv(jnp.asarray(a, dtype), packed, scale, np.float32(1.0), None, tiled=True)
-        np.testing.assert_array_equal(y.view(np.uint16), as_dtype(w[:, ks].T, dtype).view(np.uint16),
-                                      err_msg=f"trial {trial}, k per row {ks.tolist()}")
+        np.testing.assert_array_equal(
+            y.view(np.uint16),
+            as_dtype(w[:, ks].T, dtype).view(np.uint16),
+            err_msg=f"trial {trial}, k per row {ks.tolist()}",
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -469,18 +580,31 @@ def test_gemv_tiled_nan_scale_and_determinism(dtype):
     assert np.isnan(y[:, nan_cols].astype(np.float32)).all()
     check_close(y, reference_gemv(a, packed, scale, gs, bias), dtype, "tiled NaN scale")
     for _ in range(3):
-        np.testing.assert_array_equal(gemv(a, packed, scale, gs, bias, tiled=True).view(np.uint16),
-                                      y.view(np.uint16))
+        np.testing.assert_array_equal(
+            gemv(a, packed, scale, gs, bias, tiled=True).view(np.uint16), y.view(np.uint16)
+        )
 
 
 def test_gemv_tiled_rejects_untileable_shapes():
     rng = np.random.default_rng()
     a, packed, scale, gs, _ = random_problem(rng, 2, 40, 256, "bfloat16", with_bias=False)
     call = jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((2, 40), a.dtype))
-    with pytest.raises(Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
-                                        "got block_size 16, N = 40"):
-        np.asarray(call(a, packed, scale, gs, jnp.zeros((0,), a.dtype), block_size=np.int64(16),
-                        **gemv_attributes(256, tiled=True)))
+    with pytest.raises(
+        Exception,
+        match="tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
+        "got block_size 16, N = 40",
+    ):
+        np.asarray(
+            call(
+                a,
+                packed,
+                scale,
+                gs,
+                jnp.zeros((0,), a.dtype),
+                block_size=np.int64(16),
+                **gemv_attributes(256, tiled=True),
+            )
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,9 +618,19 @@ def reference_dequant(packed, scale, gs, block_size, dtype):
 
 DEQUANT_CASES = [
     # (N, K, block_size)
-    (7, 64, 16), (100, 4096, 16), (33, 96, 32), (5, 160, 16), (9, 40, 16),  # K % 32 != 0
-    (3, 42, 7), (17, 30, 3), (4, 2, 1), (1, 14, 16), (65, 200, 48), (2, 512, 64),
-    (11, 18, 5), (1000, 256, 16),
+    (7, 64, 16),
+    (100, 4096, 16),
+    (33, 96, 32),
+    (5, 160, 16),
+    (9, 40, 16),  # K % 32 != 0
+    (3, 42, 7),
+    (17, 30, 3),
+    (4, 2, 1),
+    (1, 14, 16),
+    (65, 200, 48),
+    (2, 512, 64),
+    (11, 18, 5),
+    (1000, 256, 16),
 ]
 if QUICK:
     DEQUANT_CASES = [(7, 64, 16), (9, 40, 16), (3, 42, 7), (17, 30, 3), (1, 14, 16)]
@@ -506,8 +640,9 @@ def _same_bits(y, expected):
     y = np.asarray(y)
     nan_y, nan_e = np.isnan(y.astype(np.float32)), np.isnan(expected.astype(np.float32))
     assert np.array_equal(nan_y, nan_e), "NaN pattern differs"
-    np.testing.assert_array_equal(np.where(nan_y, 0, y.view(np.uint16)),
-                                  np.where(nan_e, 0, expected.view(np.uint16)))
+    np.testing.assert_array_equal(
+        np.where(nan_y, 0, y.view(np.uint16)), np.where(nan_e, 0, expected.view(np.uint16))
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,8 +12,9 @@ from tests._helpers import cpu_flags, cpu_has_avx512
 
 
 def test_info_lists_versions_and_registered_targets():
-    out = subprocess.run([sys.executable, "-m", "jax_fp4", "info"], check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "jax_fp4", "info"], check=True, capture_output=True, text=True
+    ).stdout
     assert "jax_fp4 0.1.0" in out and "jaxlib" in out
     assert "cpu: jax_fp4_matmul_cpu" in out
     # _ffi.FFI_TARGETS (what export_disabled_checks waives) is what the built modules register.
@@ -28,8 +29,13 @@ def test_info_lists_versions_and_registered_targets():
 
 
 def _cpu_kernel_line(**env) -> str:
-    out = subprocess.run([sys.executable, "-m", "jax_fp4", "info"], check=True, capture_output=True,
-                         text=True, env=dict(os.environ, **env)).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "jax_fp4", "info"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **env),
+    ).stdout
     return next(line for line in out.splitlines() if line.startswith("CPU kernel on this CPU: "))
 
 
@@ -40,7 +46,11 @@ def test_info_names_the_cpu_kernels_instruction_sets():
     if "x86-64-v4" in default:
         assert cpu_has_avx512()
         assert default.endswith("x86-64-v4 (AVX-512) GEMM, x86-64-v3 (AVX2, FMA) decode")
-    if platform.machine() == "x86_64" and sys.platform == "linux" and {"avx2", "fma"} <= cpu_flags():
+    if (
+        platform.machine() == "x86_64"
+        and sys.platform == "linux"
+        and {"avx2", "fma"} <= cpu_flags()
+    ):
         assert narrow.endswith(": x86-64-v3 (AVX2, FMA)")
     elif "x86-64-v4" not in default:
         assert default == narrow and "plain C++" in narrow
@@ -57,33 +67,61 @@ def test_paths_reports_auto_as_ranges_of_m(capsys, monkeypatch):
     monkeypatch.setattr(_ffi, "cuda_architectures", lambda: "")
 
     assert cli.paths(4096, 11008, layout="tiled", capability=(9, 0), max_m=4096) == [
-        (1, 32, "gemv"), (33, 1024, "fused"), (1025, 4096, "dequant")]
+        (1, 32, "gemv"),
+        (33, 1024, "fused"),
+        (1025, 4096, "dequant"),
+    ]
     assert cli.paths(4096, 11008, layout="spec", capability=(9, 0), max_m=2000) == [
-        (1, 16, "gemv"), (17, 1024, "fused"), (1025, 2000, "dequant")]
+        (1, 16, "gemv"),
+        (17, 1024, "fused"),
+        (1025, 2000, "dequant"),
+    ]
     assert cli.paths(1024, 8192, layout="tiled", capability=(9, 0), max_m=2000) == [
-        (1, 64, "gemv"), (65, 1024, "fused"), (1025, 2000, "dequant")]
+        (1, 64, "gemv"),
+        (65, 1024, "fused"),
+        (1025, 2000, "dequant"),
+    ]
     assert cli.paths(14336, 4096, layout="spec", capability=(9, 0), max_m=3000) == [
-        (1, 16, "gemv"), (17, 2048, "fused"), (2049, 3000, "dequant")]
+        (1, 16, "gemv"),
+        (17, 2048, "fused"),
+        (2049, 3000, "dequant"),
+    ]
     assert cli.paths(28672, 8192, layout="tiled", capability=(9, 0), max_m=3000) == [
-        (1, 8, "gemv"), (9, 2048, "fused"), (2049, 3000, "dequant")]
+        (1, 8, "gemv"),
+        (9, 2048, "fused"),
+        (2049, 3000, "dequant"),
+    ]
     assert cli.paths(4096, 4096, layout="spec", capability=(8, 0), max_m=100) == [
-        (1, 64, "gemv"), (65, 100, "dequant")]
+        (1, 64, "gemv"),
+        (65, 100, "dequant"),
+    ]
     assert cli.paths(4096, 4096, layout="spec", capability=(12, 0), native=True, max_m=100) == [
-        (1, 16, "gemv"), (17, 100, "native")]
+        (1, 16, "gemv"),
+        (17, 100, "native"),
+    ]
     # A GPU older than every architecture compiled in (a T4): XLA alone.
     assert cli.paths(4096, 4096, layout="spec", capability=(7, 5), max_m=100) == [(1, 100, "xla")]
-    assert cli.main(["paths", "4096x11008", "--layout", "tiled", "--capability", "9.0",
-                     "--max-m", "64"]) == 0
+    assert (
+        cli.main(
+            ["paths", "4096x11008", "--layout", "tiled", "--capability", "9.0", "--max-m", "64"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.splitlines() == [
         "auto for N x K = 4096x11008, tiled layout, bfloat16, compute capability 9.0 (given):",
-        "  M = 1-32: gemv", "  M = 33-64: fused"]
+        "  M = 1-32: gemv",
+        "  M = 33-64: fused",
+    ]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["paths", "4096"], "a shape is NxK"),
-    (["paths", "0x64", "--capability", "9.0"], "must be positive"),
-    (["paths", "64x64", "--capability", "9"], "expected MAJOR.MINOR"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["paths", "4096"], "a shape is NxK"),
+        (["paths", "0x64", "--capability", "9.0"], "must be positive"),
+        (["paths", "64x64", "--capability", "9"], "expected MAJOR.MINOR"),
+    ],
+)
 def test_paths_rejects_bad_arguments(argv, message, capsys):
     from jax_fp4 import __main__ as cli
 
@@ -110,7 +148,10 @@ def test_paths_reads_the_capability_override(monkeypatch, capsys):
     assert cli.main(["paths", "4096x11008", "--max-m", "20"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "auto for N x K = 4096x11008, spec layout, bfloat16, compute capability 9.0 "
-        "(JAX_FP4_CUDA_CAPABILITY):", "  M = 1-16: gemv", "  M = 17-20: fused"]
+        "(JAX_FP4_CUDA_CAPABILITY):",
+        "  M = 1-16: gemv",
+        "  M = 17-20: fused",
+    ]
 
 
 def test_default_cuda_architectures_are_the_builds():
@@ -136,7 +177,7 @@ def test_the_compiled_architectures_are_read_by_the_dispatch():
     built = _ffi.cuda_architectures()
     for entry in built.split(","):
         assert re.fullmatch(r"\d+[af]?(-real|-virtual)?", entry), built
-    assert not _dispatch.cuda_kernels_run_on(built, (7, 0))    # no entry reaches below 7.5
+    assert not _dispatch.cuda_kernels_run_on(built, (7, 0))  # no entry reaches below 7.5
     if built == _ffi.DEFAULT_CUDA_ARCHITECTURES.replace(";", ","):
         assert _dispatch.cuda_kernels_run_on(built, (9, 0))
         assert not _dispatch.cuda_kernels_run_on(built, (7, 5))

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jax_fp4
-from jax_fp4 import layout as _layout, native as _native
+from jax_fp4 import layout as _layout
+from jax_fp4 import native as _native
 from jax_fp4.format import E2M1_VALUES
 from tests import reference
 
@@ -44,11 +45,13 @@ def test_tiled_bytes_follow_the_definition(n, k):
                     row = 16 * tile + 8 * h + g
                     base = ((tile * windows + win) * 2 + h) * 512 + 16 * lane
                     for word in range(4):
-                        q = int.from_bytes(tiled[base + 4 * word: base + 4 * word + 4], "little")
+                        q = int.from_bytes(tiled[base + 4 * word : base + 4 * word + 4], "little")
                         for e in range(8):  # element e of the word: spec bits 4e..4e+3
                             code = spec_codes[row, 128 * win + 32 * t + 8 * word + e]
-                            got = sum(((q >> int(_layout.WORD_BITS[4 * e + b])) & 1) << b
-                                      for b in range(4))
+                            got = sum(
+                                ((q >> int(_layout.WORD_BITS[4 * e + b])) & 1) << b
+                                for b in range(4)
+                            )
                             assert got == code, (tile, win, h, lane, word, e)
                     for i in range(2):
                         sbyte = tiled_scale[((tile * windows + win) * 32 + lane) * 4 + 2 * h + i]
@@ -87,7 +90,9 @@ def test_gemv_decode_of_tiled_words_is_exact(dtype):
     codes = _codes(np.asarray(w.packed))
     windows = k // 128
     words = np.asarray(_layout.tile_packed(w.packed)).reshape(n // 16, windows, 2, 8, 4, 16)
-    words = words.astype(np.uint32).reshape(n // 16, windows, 2, 8, 4, 4, 4)  # [T, w, h, g, t, W, byte]
+    words = words.astype(np.uint32).reshape(
+        n // 16, windows, 2, 8, 4, 4, 4
+    )  # [T, w, h, g, t, W, byte]
     words = sum(words[..., i] << (8 * i) for i in range(4)).astype(np.uint32)  # [T, w, h, g, t, W]
     unit = 2.0**-126 if dtype == "bfloat16" else 2.0**-14
     decoded = _decode_tiled(words, dtype)
@@ -98,10 +103,14 @@ def test_gemv_decode_of_tiled_words_is_exact(dtype):
         lo, hi = _half_values(decoded[p], dtype)
         kk = 128 * win + 32 * t + 8 * word + 2 * p
         np.testing.assert_array_equal(lo, E2M1_VALUES[codes[row, kk]] * unit, err_msg=f"pair {p}")
-        np.testing.assert_array_equal(hi, E2M1_VALUES[codes[row, kk + 1]] * unit, err_msg=f"pair {p}")
+        np.testing.assert_array_equal(
+            hi, E2M1_VALUES[codes[row, kk + 1]] * unit, err_msg=f"pair {p}"
+        )
 
 
-@pytest.mark.parametrize("lead, n, k", [((), 16, 128), ((), 64, 640), ((3,), 32, 256), ((2, 2), 48, 128)])
+@pytest.mark.parametrize(
+    "lead, n, k", [((), 16, 128), ((), 64, 640), ((3,), 32, 256), ((2, 2), 48, 128)]
+)
 def test_prepack_round_trip_and_same_values(lead, n, k):
     rng = np.random.default_rng()
     w = _weight(rng, n, k, lead)
@@ -112,10 +121,13 @@ def test_prepack_round_trip_and_same_values(lead, n, k):
     assert back.layout == "spec"
     np.testing.assert_array_equal(np.asarray(back.packed), np.asarray(w.packed))
     np.testing.assert_array_equal(np.asarray(back.scale), np.asarray(w.scale))
-    np.testing.assert_array_equal(np.asarray(jax_fp4.dequantize(p)), np.asarray(jax_fp4.dequantize(w)))
+    np.testing.assert_array_equal(
+        np.asarray(jax_fp4.dequantize(p)), np.asarray(jax_fp4.dequantize(w))
+    )
     assert jax_fp4.prepack(p) is p and jax_fp4.unprepack(w) is w
-    np.testing.assert_array_equal(np.asarray(jax_fp4.prepack(w, target="tiled").packed),
-                                  np.asarray(p.packed))
+    np.testing.assert_array_equal(
+        np.asarray(jax_fp4.prepack(w, target="tiled").packed), np.asarray(p.packed)
+    )
 
 
 def test_prepack_is_a_jittable_pytree():
@@ -128,7 +140,9 @@ def test_prepack_is_a_jittable_pytree():
     np.testing.assert_array_equal(np.asarray(q.packed), np.asarray(jax_fp4.prepack(w).packed))
     assert "layout='tiled'" in repr(p)
     # float8 scales stay float8
-    w8 = jax_fp4.NVFP4Weight(w.packed, np.asarray(w.scale).view(ml_dtypes.float8_e4m3fn), w.global_scale)
+    w8 = jax_fp4.NVFP4Weight(
+        w.packed, np.asarray(w.scale).view(ml_dtypes.float8_e4m3fn), w.global_scale
+    )
     assert jax_fp4.prepack(w8).scale.dtype == jnp.float8_e4m3fn
 
 
@@ -147,11 +161,17 @@ def test_matmul_on_prepacked_weights_is_bit_identical(backend, dtype):
     np.testing.assert_array_equal(np.asarray(f(a, p, bias)), np.asarray(f(a, w, bias)))
     # vmap over stacked prepacked weights, and the gradients, see the same weight
     stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), p, jax_fp4.prepack(w))
-    np.testing.assert_array_equal(np.asarray(jax.vmap(lambda w: f(a, w, bias))(stacked))[1],
-                                  np.asarray(f(a, w, bias)))
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(lambda w: f(a, w, bias))(stacked))[1], np.asarray(f(a, w, bias))
+    )
     if dtype == jnp.float32:
-        loss = lambda a, w, gs: jnp.sum(jax_fp4.matmul(a, jax.tree_util.tree_unflatten(  # noqa: E731
-            jax.tree_util.tree_structure(w), [w.packed, w.scale, gs]), bias) ** 2)
+
+        def loss(a, w, gs):
+            w = jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(w), [w.packed, w.scale, gs]
+            )
+            return jnp.sum(jax_fp4.matmul(a, w, bias) ** 2)
+
         for argnum in (0, 2):
             grads = [jax.grad(loss, argnum)(a, x, x.global_scale) for x in (w, p)]
             np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
@@ -171,11 +191,13 @@ def test_prepack_errors():
     with pytest.raises(TypeError, match="w must be an NVFP4Weight"):
         jax_fp4.prepack(np.zeros((32, 128), np.uint8))
     with pytest.raises(ValueError, match="layout must be one of"):
-        jax_fp4.NVFP4Weight(np.zeros((16, 64), np.uint8), np.zeros((16, 8), np.uint8), 1.0,
-                            layout="swizzled")
+        jax_fp4.NVFP4Weight(
+            np.zeros((16, 64), np.uint8), np.zeros((16, 8), np.uint8), 1.0, layout="swizzled"
+        )
     with pytest.raises(ValueError, match="layout='tiled' needs N % 16"):
-        jax_fp4.NVFP4Weight(np.zeros((8, 64), np.uint8), np.zeros((8, 8), np.uint8), 1.0,
-                            layout="tiled")
+        jax_fp4.NVFP4Weight(
+            np.zeros((8, 64), np.uint8), np.zeros((8, 8), np.uint8), 1.0, layout="tiled"
+        )
     with pytest.raises(ValueError, match="target 'sm120' needs a weight in the spec layout"):
         _native.prepack(jax_fp4.prepack(_weight(rng, 32, 256)))
 
@@ -186,4 +208,6 @@ def test_sm120_prepack_of_a_tiled_weight_restores_the_spec_layout():
     s = jax_fp4.prepack(jax_fp4.prepack(w), target="sm120")
     assert isinstance(s, _native.PrepackedNVFP4Weight) and s.layout == "spec"
     np.testing.assert_array_equal(np.asarray(s.packed), np.asarray(w.packed))
-    np.testing.assert_array_equal(np.asarray(s.swizzled_scale), np.asarray(_native.prepack(w).swizzled_scale))
+    np.testing.assert_array_equal(
+        np.asarray(s.swizzled_scale), np.asarray(_native.prepack(w).swizzled_scale)
+    )

@@ -15,11 +15,24 @@ import jax_fp4
 from tests import reference
 from tests._helpers import load_repo_script
 
-CONFIG = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "vocab_size": 96,
-          "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+CONFIG = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "vocab_size": 96,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +43,9 @@ def example():
 def _as_float(tensors: dict, name: str) -> np.ndarray:
     value = tensors[name]
     if isinstance(value, jax_fp4.NVFP4Weight):
-        return reference.dequantize(value.packed, value.scale_bytes, value.global_scale, value.block_size)
+        return reference.dequantize(
+            value.packed, value.scale_bytes, value.global_scale, value.block_size
+        )
     return np.asarray(value, np.float64)
 
 
@@ -55,7 +70,8 @@ def _inv_freq(config: dict) -> np.ndarray:
                 f = f / s["factor"]
             elif wavelen >= high_wl:
                 t = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
-                    s["high_freq_factor"] - s["low_freq_factor"])
+                    s["high_freq_factor"] - s["low_freq_factor"]
+                )
                 f = (1 - t) * f / s["factor"] + t * f
         out.append(f)
     return np.array(out)
@@ -63,7 +79,11 @@ def _inv_freq(config: dict) -> np.ndarray:
 
 def _reference_logits(config: dict, t: dict, tokens) -> np.ndarray:
     """Logits [S, vocab] of one sequence, float64, no cache."""
-    hd, heads, kvh = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    hd, heads, kvh = (
+        config["head_dim"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
     eps = config["rms_norm_eps"]
     inv_freq = _inv_freq(config)
 
@@ -118,19 +138,33 @@ def _config(variant: str) -> dict:
     return dict(CONFIG, rope_scaling=LLAMA3_SCALING if variant == "llama3_rope" else None)
 
 
-@pytest.mark.parametrize("variant, layout, convention, stack_layers", [
-    ("llama", "tiled", "modelopt", False), ("llama3_rope", "spec", "compressed-tensors", True),
-    ("qwen2_bias", "tiled", "compressed-tensors", False), ("qwen3_qk_norm", "tiled", "modelopt", True),
-    ("llama31_rope_parameters", "tiled", "modelopt", False)])
-def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path, variant, layout,
-                                                               convention, stack_layers):
+@pytest.mark.parametrize(
+    "variant, layout, convention, stack_layers",
+    [
+        ("llama", "tiled", "modelopt", False),
+        ("llama3_rope", "spec", "compressed-tensors", True),
+        ("qwen2_bias", "tiled", "compressed-tensors", False),
+        ("qwen3_qk_norm", "tiled", "modelopt", True),
+        ("llama31_rope_parameters", "tiled", "modelopt", False),
+    ],
+)
+def test_prefill_and_cached_decode_match_the_float64_reference(
+    example, tmp_path, variant, layout, convention, stack_layers
+):
     config = _config(variant)
     rng = np.random.default_rng()
-    tensors = example.write_demo_checkpoint(tmp_path, config, seed=int(rng.integers(2**31)),
-                                            qkv_bias=variant == "qwen2_bias",
-                                            qk_norm=variant == "qwen3_qk_norm", convention=convention)
+    tensors = example.write_demo_checkpoint(
+        tmp_path,
+        config,
+        seed=int(rng.integers(2**31)),
+        qkv_bias=variant == "qwen2_bias",
+        qk_norm=variant == "qwen3_qk_norm",
+        convention=convention,
+    )
     stored = example.ckpt.read_safetensors(tmp_path / "model.safetensors")
-    assert ("model.layers.1.mlp.down_proj.weight_packed" in stored) == (convention == "compressed-tensors")
+    assert ("model.layers.1.mlp.down_proj.weight_packed" in stored) == (
+        convention == "compressed-tensors"
+    )
     cfg, params = example.load_model(tmp_path, layout=layout, stack_layers=stack_layers)
     # Stacked: one dict of [layers, ...] weights (lax.scan); else a dict per layer (unrolled).
     layer = params["layers"] if stack_layers else params["layers"][1]
@@ -147,15 +181,20 @@ def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path
 
     # Prefill of the prompt, then one token at a time through the cache (teacher-forced), into a
     # cache whose unwritten positions hold large values: they must stay masked.
-    forward = jax.jit(example.forward, static_argnums=0)  # compiled once for the prompt, once per token
-    k_cache, v_cache = jax.tree.map(lambda c: jnp.full_like(c, 3e4),
-                                    example.empty_cache(cfg, params, 1, total))
-    logits, k_cache, v_cache = forward(cfg, params, jnp.asarray(tokens[None, :prompt_len]), 0,
-                                       k_cache, v_cache)
+    forward = jax.jit(
+        example.forward, static_argnums=0
+    )  # compiled once for the prompt, once per token
+    k_cache, v_cache = jax.tree.map(
+        lambda c: jnp.full_like(c, 3e4), example.empty_cache(cfg, params, 1, total)
+    )
+    logits, k_cache, v_cache = forward(
+        cfg, params, jnp.asarray(tokens[None, :prompt_len]), 0, k_cache, v_cache
+    )
     got = [np.asarray(logits[0])]
     for p in range(prompt_len, total):
-        logits, k_cache, v_cache = forward(cfg, params, jnp.asarray(tokens[None, p:p + 1]), p,
-                                           k_cache, v_cache)
+        logits, k_cache, v_cache = forward(
+            cfg, params, jnp.asarray(tokens[None, p : p + 1]), p, k_cache, v_cache
+        )
         got.append(np.asarray(logits[0]))
     got = np.concatenate(got)
     assert got.shape == expected.shape and np.isfinite(got).all()
@@ -166,7 +205,9 @@ def test_prefill_and_cached_decode_match_the_float64_reference(example, tmp_path
 
 def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypatch):
     config = dict(CONFIG, tie_word_embeddings=True)
-    example.write_demo_checkpoint(tmp_path, config, seed=int(np.random.default_rng().integers(2**31)))
+    example.write_demo_checkpoint(
+        tmp_path, config, seed=int(np.random.default_rng().integers(2**31))
+    )
     cfg, params = example.load_model(tmp_path)
     assert params["lm_head"] is params["embed"]
     prompt = np.random.default_rng().integers(0, cfg.vocab, size=(2, 5))
@@ -181,8 +222,9 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
     assert 2 * windows[0] + 2 * windows[1] + windows[2] == pytest.approx(timings8["decode_s"])
     # Each generated token is the argmax of the logits of everything before it, recomputed whole.
     sequence = np.concatenate([prompt, tokens], axis=1)
-    logits, _, _ = example.forward(cfg, params, jnp.asarray(sequence[:, :-1]), 0,
-                                   *example.empty_cache(cfg, params, 2, 11))
+    logits, _, _ = example.forward(
+        cfg, params, jnp.asarray(sequence[:, :-1]), 0, *example.empty_cache(cfg, params, 2, 11)
+    )
     np.testing.assert_array_equal(np.argmax(np.asarray(logits)[:, 4:], axis=-1), tokens)
     # The same model stacked under lax.scan: the same logits but for the bf16 activations' rounding
     # (XLA fuses the two programs differently).
@@ -202,21 +244,41 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
     assert "prompt (5 tokens): [3, 1, 4, 1, 5]" in out and "jax_fp4 path: prefill" in out
     # Random weights of a preset's shapes, decoded with NVFP4 and with the same weights in bf16.
     record_file = tmp_path / "timings.json"
-    assert example.main(["--random", "demo", "--batch", "2", "--max-new-tokens", "5", "--compare-bf16",
-                         "--scan-layers", "--json", str(record_file)]) == 0
+    assert (
+        example.main(
+            [
+                "--random",
+                "demo",
+                "--batch",
+                "2",
+                "--max-new-tokens",
+                "5",
+                "--compare-bf16",
+                "--scan-layers",
+                "--json",
+                str(record_file),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "NVFP4 (jax_fp4): prefill" in out and "batch 2, 2 steps" in out
     assert "bf16 (the same weights dequantized, XLA's dot)" in out and "NVFP4 against bf16: " in out
     record = json.loads(record_file.read_text())
     assert record["batch"] == 2 and record["new_tokens"] == 5
-    assert record["paths"]["decode"] == "cpu"  # tests/conftest.py: on the CPU device even beside a GPU
+    assert (
+        record["paths"]["decode"] == "cpu"
+    )  # tests/conftest.py: on the CPU device even beside a GPU
     assert record["scan_layers"] is True
     assert record["model"]["layers"] == example.DEMO_CONFIG["num_hidden_layers"]
     # A step reads every weight but the embedding table: the projections and lm_head (bf16, or
     # NVFP4 at ~0.28 of it), the fp32 norms and RoPE frequencies.
     cfg = example.Config.from_json(example.DEMO_CONFIG)
-    projections = cfg.layers * ((cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim * cfg.hidden
-                                + cfg.heads * cfg.head_dim * cfg.hidden + 3 * cfg.hidden * cfg.intermediate)
+    projections = cfg.layers * (
+        (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim * cfg.hidden
+        + cfg.heads * cfg.head_dim * cfg.hidden
+        + 3 * cfg.hidden * cfg.intermediate
+    )
     fp32 = cfg.layers * 2 * cfg.hidden + cfg.hidden + cfg.head_dim // 2
     dense_bytes = 2 * (projections + cfg.vocab * cfg.hidden) + 4 * fp32
     assert record["bf16"]["weight_bytes_per_step"] == dense_bytes
@@ -227,9 +289,12 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
         step = record[run]["ms_per_step"] / 1e3
         assert record[run]["decode_steps"] == 2 and step > 0
         assert record[run]["tokens_per_s"] == pytest.approx(2 / step)
-        assert record[run]["weight_gb_per_s"] == pytest.approx(record[run]["weight_bytes_per_step"] / step / 1e9)
+        assert record[run]["weight_gb_per_s"] == pytest.approx(
+            record[run]["weight_bytes_per_step"] / step / 1e9
+        )
     assert record["speedup_over_bf16"] == pytest.approx(
-        record["nvfp4"]["tokens_per_s"] / record["bf16"]["tokens_per_s"])
+        record["nvfp4"]["tokens_per_s"] / record["bf16"]["tokens_per_s"]
+    )
     assert f"{record['nvfp4']['tokens_per_s']:.1f} tokens/s" in out
     for bad in ([], ["--random", "demo", "--prompt-ids", "1,512"]):
         with pytest.raises(SystemExit):
@@ -238,20 +303,31 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
 
 
 def test_a_bf16_checkpoint_quantized_on_load(example, tmp_path, capsys):
-    tensors = example.write_demo_checkpoint(tmp_path, CONFIG, convention="bf16",
-                                            seed=int(np.random.default_rng().integers(2**31)))
+    tensors = example.write_demo_checkpoint(
+        tmp_path, CONFIG, convention="bf16", seed=int(np.random.default_rng().integers(2**31))
+    )
     cfg, dense = example.load_model(tmp_path)
     assert not isinstance(dense["layers"][0]["q_proj"], jax_fp4.NVFP4Weight)
     _, params = example.load_model(tmp_path, quantize=True)
     for name in ("q_proj", "down_proj"):
         w = params["layers"][1][name]
         assert w.layout == "tiled"
-        expected = jax_fp4.prepack(jax_fp4.quantize(np.asarray(
-            tensors[f"model.layers.1.{'self_attn' if name == 'q_proj' else 'mlp'}.{name}.weight"], np.float32)))
+        expected = jax_fp4.prepack(
+            jax_fp4.quantize(
+                np.asarray(
+                    tensors[
+                        f"model.layers.1.{'self_attn' if name == 'q_proj' else 'mlp'}.{name}.weight"
+                    ],
+                    np.float32,
+                )
+            )
+        )
         for got, want in zip(jax.tree.leaves(w), jax.tree.leaves(expected)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not isinstance(params["lm_head"], jax_fp4.NVFP4Weight)
-    assert example.main([str(tmp_path), "--quantize", "--compare-bf16", "--max-new-tokens", "4"]) == 0
+    assert (
+        example.main([str(tmp_path), "--quantize", "--compare-bf16", "--max-new-tokens", "4"]) == 0
+    )
     out = capsys.readouterr().out
     assert "bf16 (the checkpoint's weights, XLA's dot)" in out and "NVFP4 against bf16: " in out
 
@@ -260,34 +336,66 @@ def test_rope_parameters_are_read_like_the_older_top_level_keys(example):
     """transformers 5 writes rope_theta and the scaling under "rope_parameters" (current ModelOpt
     and llm-compressor exports): read like the older top-level keys, not defaulted to theta 10000
     without scaling (which moved a Qwen3 export's logits by half the largest logit)."""
-    legacy = example.Config.from_json(dict(CONFIG, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING))
+    legacy = example.Config.from_json(
+        dict(CONFIG, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)
+    )
     new = example.Config.from_json(_config("llama31_rope_parameters"))
     assert new.rope_theta == 500000.0 and new.rope_scaling == ("llama3", 8.0, 1.0, 4.0, 16.0)
     np.testing.assert_array_equal(example.rope_frequencies(new), example.rope_frequencies(legacy))
-    qwen3 = example.Config.from_json(dict(CONFIG, rope_theta=None,
-                                          rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
+    qwen3 = example.Config.from_json(
+        dict(CONFIG, rope_theta=None, rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    )
     assert qwen3.rope_theta == 1e6 and qwen3.rope_scaling is None
     # One entry per layer type, all alike (as transformers writes for models with several).
-    per_type = {"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
-                "sliding_attention": {"rope_theta": 1e6, "rope_type": "default"}}
+    per_type = {
+        "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+        "sliding_attention": {"rope_theta": 1e6, "rope_type": "default"},
+    }
     assert example.Config.from_json(dict(CONFIG, rope_parameters=per_type)).rope_theta == 1e6
     assert example.Config.from_json(CONFIG).rope_theta == 10000.0  # no RoPE keys: the default
 
 
-@pytest.mark.parametrize("rope, match", [
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"RoPE type 'yarn' \(rope_scaling\) is not supported"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "RoPE type 'linear'"),
-    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
-     r"RoPE type 'dynamic' \(rope_parameters\) is not supported"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "RoPE type 'longrope'"),
-    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
-     "rope_parameters differ by layer type"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
-     "partial_rotary_factor 0.5 is not supported"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
-     "the llama3 RoPE scaling .rope_parameters. lacks"),
-])
+@pytest.mark.parametrize(
+    "rope, match",
+    [
+        (
+            dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+            r"RoPE type 'yarn' \(rope_scaling\) is not supported",
+        ),
+        (dict(rope_scaling={"type": "linear", "factor": 2.0}), "RoPE type 'linear'"),
+        (
+            dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+            r"RoPE type 'dynamic' \(rope_parameters\) is not supported",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
+            "RoPE type 'longrope'",
+        ),
+        (
+            dict(
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            ),
+            "rope_parameters differ by layer type",
+        ),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            ),
+            "partial_rotary_factor 0.5 is not supported",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+            "the llama3 RoPE scaling .rope_parameters. lacks",
+        ),
+    ],
+)
 def test_unsupported_rope_is_refused(example, rope, match):
     with pytest.raises(ValueError, match=match):
         example.Config.from_json(dict(CONFIG, **rope))
@@ -297,9 +405,17 @@ def test_k_not_a_multiple_of_16_as_modelopt_pads_it(example, tmp_path, caplog):
     """hidden 40 and intermediate 72: ModelOpt stores those K padded to 48 and 80 (zero codes);
     the example passes each projection's true K from config.json, and the loader strips the
     padding (and says so), where the file alone loaded as K = 48 and 80."""
-    config = dict(CONFIG, hidden_size=40, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                  intermediate_size=72)
-    tensors = example.write_demo_checkpoint(tmp_path, config, seed=int(np.random.default_rng().integers(2**31)))
+    config = dict(
+        CONFIG,
+        hidden_size=40,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=72,
+    )
+    tensors = example.write_demo_checkpoint(
+        tmp_path, config, seed=int(np.random.default_rng().integers(2**31))
+    )
     stored = {}
     for name, value in tensors.items():
         if isinstance(value, jax_fp4.NVFP4Weight) and value.k % 16:
@@ -311,12 +427,15 @@ def test_k_not_a_multiple_of_16_as_modelopt_pads_it(example, tmp_path, caplog):
     assert example.ckpt.load_safetensors(tmp_path)["model.layers.0.mlp.down_proj"].k == 80
     with caplog.at_level("INFO", logger="jax_fp4.checkpoint"):
         cfg, params = example.load_model(tmp_path, dtype=jnp.float32, layout="spec")
-    assert ("layer 'model.layers.0.mlp.down_proj': K = 80 in the file (padded), 72 from in_features"
-            in caplog.text)
+    assert (
+        "layer 'model.layers.0.mlp.down_proj': K = 80 in the file (padded), 72 from in_features"
+        in caplog.text
+    )
     assert params["layers"][0]["q_proj"].k == 40 and params["layers"][1]["down_proj"].k == 72
     tokens = np.random.default_rng().integers(0, cfg.vocab, size=10)
-    logits, _, _ = example.forward(cfg, params, jnp.asarray(tokens[None]), 0,
-                                   *example.empty_cache(cfg, params, 1, 10))
+    logits, _, _ = example.forward(
+        cfg, params, jnp.asarray(tokens[None]), 0, *example.empty_cache(cfg, params, 1, 10)
+    )
     expected = _reference_logits(config, tensors, tokens)
     assert np.abs(np.asarray(logits[0]) - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
 
@@ -324,7 +443,9 @@ def test_k_not_a_multiple_of_16_as_modelopt_pads_it(example, tmp_path, caplog):
 REAL_TOOLS = Path(__file__).parent / "data" / "real_tools"
 
 
-@pytest.mark.parametrize("checkpoint", ["modelopt_llama_nvfp4", "llmc_llama_nvfp4a16", "modelopt_qwen3_nvfp4"])
+@pytest.mark.parametrize(
+    "checkpoint", ["modelopt_llama_nvfp4", "llmc_llama_nvfp4a16", "modelopt_qwen3_nvfp4"]
+)
 def test_real_tool_checkpoints_match_transformers(example, checkpoint):
     """Checkpoints exported by ModelOpt 0.47 and llm-compressor 0.14 (tests/data/real_tools, whose
     README.md says how they were made), run by the example with float32 activations on the CPU:
@@ -335,8 +456,9 @@ def test_real_tool_checkpoints_match_transformers(example, checkpoint):
     oracle = np.load(path / "oracle.npz")
     cfg, params = example.load_model(path, dtype=jnp.float32)
     prompt = oracle["prompt_ids"][None].astype(np.int32)
-    logits, _, _ = example.forward(cfg, params, jnp.asarray(prompt), 0,
-                                   *example.empty_cache(cfg, params, 1, prompt.shape[1]))
+    logits, _, _ = example.forward(
+        cfg, params, jnp.asarray(prompt), 0, *example.empty_cache(cfg, params, 1, prompt.shape[1])
+    )
     expected = oracle["prefill_logits"]
     error = np.abs(np.asarray(logits[0]) - expected).max()
     assert error <= 1e-4 * max(1.0, np.abs(expected).max()), error
@@ -349,8 +471,14 @@ def test_help_describes_the_example_and_runs_nothing(example, capsys):
         example.main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for text in ("Greedy text generation from an NVFP4 checkpoint", "rope_parameters", "--compare-bf16",
-                 "--prompt-ids", "--scan-layers", "in_features"):
+    for text in (
+        "Greedy text generation from an NVFP4 checkpoint",
+        "rope_parameters",
+        "--compare-bf16",
+        "--prompt-ids",
+        "--scan-layers",
+        "in_features",
+    ):
         assert text in out
 
 

@@ -3,7 +3,6 @@
 backend the device serves, the CPU kernel across its blocking, and the bad-input catalogue. The
 kernels' own sweeps on the GPU are tests/test_gemv_kernel.py's and tests/test_fused_gemm.py's."""
 
-
 import os
 import subprocess
 import sys
@@ -49,10 +48,10 @@ SHAPES = [
     # (leading dims of a, N, K, block_size)
     ((1,), 37, 64, 16),
     ((5,), 100, 96, 16),
-    ((3, 7), 19, 48, 16),      # K not a multiple of 32
+    ((3, 7), 19, 48, 16),  # K not a multiple of 32
     ((64,), 33, 160, 32),
-    ((9,), 21, 50, 16),        # partial trailing block
-    ((2, 2, 3), 8, 42, 7),     # odd block size splitting bytes, partial trailing block
+    ((9,), 21, 50, 16),  # partial trailing block
+    ((2, 2, 3), 8, 42, 7),  # odd block size splitting bytes, partial trailing block
     ((17,), 5, 6, 3),
     ((1,), 1, 2, 1),
     ((33,), 129, 130, 16),
@@ -61,13 +60,13 @@ SHAPES = [
 
 # The GPU's paths: (leading dims of a, N, K, block_size).
 GPU_SHAPES = [
-    ((1,), 100, 4096, 16),      # decode: gemv (mma)
-    ((4,), 129, 160, 16),       # gemv scalar (K % 128 != 0)
-    ((2, 3), 64, 256, 16),      # leading dims
-    ((9,), 33, 256, 16),        # just past the GEMV: dequant
+    ((1,), 100, 4096, 16),  # decode: gemv (mma)
+    ((4,), 129, 160, 16),  # gemv scalar (K % 128 != 0)
+    ((2, 3), 64, 256, 16),  # leading dims
+    ((9,), 33, 256, 16),  # just past the GEMV: dequant
     ((65,), 1000, 512, 16),
-    ((17,), 21, 50, 16),        # K % 32 != 0: dequant
-    ((3,), 8, 42, 7),           # odd block size: dequant
+    ((17,), 21, 50, 16),  # K % 32 != 0: dequant
+    ((3,), 8, 42, 7),  # odd block size: dequant
     ((1000,), 48, 128, 32),
 ]
 
@@ -91,8 +90,9 @@ def test_matmul_matches_reference(device, lead, n, k, block_size, dtype, with_bi
     eps = {"bfloat16": 2**-7, "float16": 2**-10}[dtype]
     scale = np.abs(results["reference"]).max() if ref.size else 1.0
     for backend, y in results.items():  # each forced backend equals "reference" within rounding
-        np.testing.assert_allclose(y, results["reference"], rtol=2 * eps, atol=4 * eps * scale,
-                                   err_msg=backend)
+        np.testing.assert_allclose(
+            y, results["reference"], rtol=2 * eps, atol=4 * eps * scale, err_msg=backend
+        )
 
 
 # The CPU kernel's blocking (ffi/cpu/matmul.cc): units of 480 rows of M against 64 weight rows,
@@ -102,13 +102,16 @@ def test_matmul_matches_reference(device, lead, n, k, block_size, dtype, with_bi
 # partial panel and partial 8-row lanes along N, a partial last K step, blocks that straddle a K
 # step (block 24), and the element-by-element decode where a block or K is not whole words (block
 # 12; K = 1030).
-@pytest.mark.parametrize("m, n, k, block_size, layout", [
-    (487, 83, 528, 16, "spec"),
-    (487, 80, 640, 16, "tiled"),
-    (7, 150, 600, 24, "spec"),
-    (13, 70, 300, 12, "spec"),
-    (1, 17, 1030, 16, "spec"),
-])
+@pytest.mark.parametrize(
+    "m, n, k, block_size, layout",
+    [
+        (487, 83, 528, 16, "spec"),
+        (487, 80, 640, 16, "tiled"),
+        (7, 150, 600, 24, "spec"),
+        (13, 70, 300, 12, "spec"),
+        (1, 17, 1030, 16, "spec"),
+    ],
+)
 def test_cpu_kernel_across_its_blocking(m, n, k, block_size, layout):
     rng = np.random.default_rng()
     a, w, bias, ref = _random_case(rng, (m,), n, k, block_size, "bfloat16", True)
@@ -121,11 +124,14 @@ def test_cpu_kernel_across_its_blocking(m, n, k, block_size, layout):
 # Up to 8 rows of M the CPU kernel multiplies each weight word as it decodes it; from 9 rows it
 # decodes a panel first and runs its micro-kernel. Both do the same operations in the same order
 # per output, so a row's result does not depend on how many rows come with it.
-@pytest.mark.parametrize("n, k, block_size, layout", [
-    (83, 528, 16, "spec"),    # partial 8-row lanes, a partial last K step
-    (40, 600, 24, "spec"),    # blocks straddling K steps
-    (80, 640, 16, "tiled"),
-])
+@pytest.mark.parametrize(
+    "n, k, block_size, layout",
+    [
+        (83, 528, 16, "spec"),  # partial 8-row lanes, a partial last K step
+        (40, 600, 24, "spec"),  # blocks straddling K steps
+        (80, 640, 16, "tiled"),
+    ],
+)
 def test_cpu_kernel_rows_do_not_depend_on_m(n, k, block_size, layout):
     rng = np.random.default_rng()
     a, w, bias, ref = _random_case(rng, (24,), n, k, block_size, "float32", True)
@@ -149,26 +155,45 @@ np.save(sys.argv[2], np.asarray(y))
 
 
 @pytest.mark.skipif(not cpu_has_avx512(), reason="the CPU has no AVX-512: one panel product")
-@pytest.mark.parametrize("m, n, k, block_size, layout", [
-    (29, 83, 528, 16, "spec"),   # 12 + 12 + 5 rows; weight panels of 4 and 2 groups of 16 rows
-    (40, 40, 600, 24, "spec"),   # a group pair and a lone group; blocks straddling K steps
-    (13, 80, 640, 16, "tiled"),  # a lone group in the last panel
-])
+@pytest.mark.parametrize(
+    "m, n, k, block_size, layout",
+    [
+        (29, 83, 528, 16, "spec"),  # 12 + 12 + 5 rows; weight panels of 4 and 2 groups of 16 rows
+        (40, 40, 600, 24, "spec"),  # a group pair and a lone group; blocks straddling K steps
+        (13, 80, 640, 16, "tiled"),  # a lone group in the last panel
+    ],
+)
 def test_cpu_avx512_and_avx2_panel_products_agree(tmp_path, m, n, k, block_size, layout):
     # The AVX-512 build (12 x 32 outputs a micro-kernel call) runs the same fused multiply-adds in
     # the same order per output as the AVX2 build (6 x 16): the same bits. JAX_FP4_CPU_AVX512=0
     # runs the AVX2 one, here in a fresh process (nothing of this one's traces or caches).
     rng = np.random.default_rng()
     a, w, bias, ref = _random_case(rng, (m,), n, k, block_size, "float32", True)
-    np.savez(tmp_path / "case.npz", a=np.asarray(a), bias=np.asarray(bias), packed=w.packed,
-             scale=w.scale_bytes, gs=np.float32(w.global_scale), block_size=block_size,
-             tiled=layout == "tiled")
+    np.savez(
+        tmp_path / "case.npz",
+        a=np.asarray(a),
+        bias=np.asarray(bias),
+        packed=w.packed,
+        scale=w.scale_bytes,
+        gs=np.float32(w.global_scale),
+        block_size=block_size,
+        tiled=layout == "tiled",
+    )
     w = jax_fp4.prepack(w) if layout == "tiled" else w
     wide = np.asarray(jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend="cpu"))(a, w, bias))
     _check(wide, ref, "float32")
     env = dict(os.environ, JAX_FP4_CPU_AVX512="0", JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", _AVX2_PANEL_PRODUCT, str(tmp_path / "case.npz"),
-                    str(tmp_path / "narrow.npy")], check=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _AVX2_PANEL_PRODUCT,
+            str(tmp_path / "case.npz"),
+            str(tmp_path / "narrow.npy"),
+        ],
+        check=True,
+        env=env,
+    )
     np.testing.assert_array_equal(np.load(tmp_path / "narrow.npy"), wide)
 
 
@@ -228,8 +253,9 @@ def test_zero_k_and_empty_shapes():
     w0 = jax_fp4.NVFP4Weight(np.zeros((5, 0), np.uint8), np.zeros((5, 0), np.uint8), 1.0)
     bias = jnp.asarray(rng.standard_normal(5), jnp.bfloat16)
     a0 = jnp.ones((3, 0), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(jax.jit(jax_fp4.matmul)(a0, w0, bias)),
-                                  np.broadcast_to(np.asarray(bias), (3, 5)))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(jax_fp4.matmul)(a0, w0, bias)), np.broadcast_to(np.asarray(bias), (3, 5))
+    )
     assert not np.asarray(jax_fp4.matmul(a0, w0)).any()
     packed, scale, gs = reference.random_weight(rng, 5, 32)
     w = jax_fp4.NVFP4Weight(packed, scale, gs)
@@ -255,7 +281,9 @@ def test_dispatch_path_follows_the_default_device(monkeypatch):
     a, w, _, _ = _random_case(rng, (1,), 16, 128, 16, "bfloat16", False)
     cpu, real_devices = jax.devices("cpu")[0], jax.devices
     gpu = types.SimpleNamespace(platform="gpu", device_kind="a GPU")
-    monkeypatch.setattr(jax, "devices", lambda backend=None: real_devices(backend) if backend else [gpu])
+    monkeypatch.setattr(
+        jax, "devices", lambda backend=None: real_devices(backend) if backend else [gpu]
+    )
     with jax.default_device(None):  # whatever the test setup set
         assert jax_fp4.dispatch_path(a, w) == jax_fp4.dispatch_path(a, w, platform="cuda") != "cpu"
         for device in (cpu, "cpu"):
@@ -285,26 +313,37 @@ def test_prepacked_weights_on_every_backend(device, lead, dtype):
     for backend in backends(device, a, w):
         f = jax.jit(lambda a, w, b: jax_fp4.matmul(a, w, b, backend=backend))
         y = np.asarray(f(a, p, bias))
-        _check(y, weight_rounding_reference(a, w, bias) if backend == "xla" and not device.is_gpu
-               else ref, dtype)
+        _check(
+            y,
+            weight_rounding_reference(a, w, bias)
+            if backend == "xla" and not device.is_gpu
+            else ref,
+            dtype,
+        )
         if backend not in ("gemv", "auto", "xla", "reference"):
             np.testing.assert_array_equal(y, np.asarray(f(a, w, bias)), err_msg=backend)
 
 
 # The H200 dispatch rules' edges (jax_fp4/dispatch.py): (M, N, K, layout, auto's path on sm_90).
 RULE_EDGES = [
-    (32, 4096, 8192, "tiled", "gemv"),     # narrow prepacked weight, long rows: the GEMV to M = 32
+    (32, 4096, 8192, "tiled", "gemv"),  # narrow prepacked weight, long rows: the GEMV to M = 32
     (33, 4096, 8192, "tiled", "fused"),
     (32, 4096, 8192, "spec", "fused"),
-    (64, 1024, 8192, "tiled", "gemv"),     # small weight, either layout: the GEMV to M = 64
+    (64, 1024, 8192, "tiled", "gemv"),  # small weight, either layout: the GEMV to M = 64
     (64, 1024, 8192, "spec", "gemv"),
     (65, 1024, 8192, "tiled", "fused"),
     (65, 1024, 8192, "spec", "fused"),
     (64, 1040, 4096, "tiled", "fused"),
-    (32, 2048, 4096, "spec", "gemv"),      # spec layout, N * K <= 2^23: the GEMV to M = 32
+    (32, 2048, 4096, "spec", "gemv"),  # spec layout, N * K <= 2^23: the GEMV to M = 32
     (33, 2048, 4096, "spec", "fused"),
     (32, 2112, 4096, "spec", "fused"),
-    (1100, 12288, 4096, "spec", "fused"),  # N >= 8192, N * K >= 3 * 2^24: the fused GEMM to M = 2048
+    (
+        1100,
+        12288,
+        4096,
+        "spec",
+        "fused",
+    ),  # N >= 8192, N * K >= 3 * 2^24: the fused GEMM to M = 2048
     (1100, 8192, 4096, "spec", "dequant"),
 ]
 
@@ -354,8 +393,9 @@ def test_quickstart_mlp(device):
     _check(y, np.asarray(x, np.float64) @ deq.T, "bfloat16")
 
 
-@pytest.mark.parametrize("m, n, k, layout", [(1, 256, 4096, "tiled"), (64, 2112, 4096, "spec"),
-                                             (2048, 128, 256, "spec")])
+@pytest.mark.parametrize(
+    "m, n, k, layout", [(1, 256, 4096, "tiled"), (64, 2112, 4096, "spec"), (2048, 128, 256, "spec")]
+)
 def test_exported_program_runs_its_kernel(device, m, n, k, layout):
     """jax.export on the device: the program keeps the kernel auto picked (its FFI target in the
     module) and the exported call gives the live call's bits (tests/test_export.py: serialization
@@ -371,28 +411,55 @@ def test_exported_program_runs_its_kernel(device, m, n, k, layout):
     assert target in exported.mlir_module()
     y = exported.call(a, w, bias)
     _check(y, weight_rounding_reference(a, w, bias) if path == "dequant" else ref, "bfloat16")
-    np.testing.assert_array_equal(np.asarray(y).view(np.uint16),
-                                  np.asarray(live(a, w, bias)).view(np.uint16))
+    np.testing.assert_array_equal(
+        np.asarray(y).view(np.uint16), np.asarray(live(a, w, bias)).view(np.uint16)
+    )
 
 
 # ---- bad input: clear errors at trace time, naming the argument -----------------------------
+
 
 def _weight(n=8, k=32, block_size=16):
     packed, scale, gs = reference.random_weight(np.random.default_rng(), n, k, block_size)
     return jax_fp4.NVFP4Weight(packed, scale, gs, block_size=block_size)
 
 
-@pytest.mark.parametrize("make_args, error, match", [
-    (lambda w: (jnp.ones((2, 48), jnp.bfloat16), w), ValueError, r"K = 32.*\(2, 48\)"),
-    (lambda w: (jnp.ones((2, 32), jnp.int32), w), TypeError, "a must be float16, bfloat16 or float32"),
-    (lambda w: (jnp.ones((2, 32), jnp.float64 if jax.config.jax_enable_x64 else jnp.int8), w),
-     TypeError, "dtype"),
-    (lambda w: (jnp.ones((), jnp.bfloat16), w), ValueError, "rank"),
-    (lambda w: (jnp.ones((2, 32), jnp.bfloat16), w.packed), TypeError, "w must be an NVFP4Weight"),
-    (lambda w: (jnp.ones((2, 32), jnp.bfloat16), w, jnp.ones((7,))), ValueError, r"bias must have shape \(N,\) = \(8,\)"),
-    (lambda w: (jnp.ones((2, 32), jnp.bfloat16), w, jnp.ones((1, 8))), ValueError, "bias"),
-    (lambda w: (jnp.ones((2, 32), jnp.bfloat16), w, jnp.ones((8,), jnp.int32)), TypeError, "bias must be a float"),
-])
+@pytest.mark.parametrize(
+    "make_args, error, match",
+    [
+        (lambda w: (jnp.ones((2, 48), jnp.bfloat16), w), ValueError, r"K = 32.*\(2, 48\)"),
+        (
+            lambda w: (jnp.ones((2, 32), jnp.int32), w),
+            TypeError,
+            "a must be float16, bfloat16 or float32",
+        ),
+        (
+            lambda w: (
+                jnp.ones((2, 32), jnp.float64 if jax.config.jax_enable_x64 else jnp.int8),
+                w,
+            ),
+            TypeError,
+            "dtype",
+        ),
+        (lambda w: (jnp.ones((), jnp.bfloat16), w), ValueError, "rank"),
+        (
+            lambda w: (jnp.ones((2, 32), jnp.bfloat16), w.packed),
+            TypeError,
+            "w must be an NVFP4Weight",
+        ),
+        (
+            lambda w: (jnp.ones((2, 32), jnp.bfloat16), w, jnp.ones((7,))),
+            ValueError,
+            r"bias must have shape \(N,\) = \(8,\)",
+        ),
+        (lambda w: (jnp.ones((2, 32), jnp.bfloat16), w, jnp.ones((1, 8))), ValueError, "bias"),
+        (
+            lambda w: (jnp.ones((2, 32), jnp.bfloat16), w, jnp.ones((8,), jnp.int32)),
+            TypeError,
+            "bias must be a float",
+        ),
+    ],
+)
 def test_matmul_bad_input(make_args, error, match):
     args = make_args(_weight())
     with pytest.raises(error, match=match):
@@ -407,10 +474,15 @@ def test_matmul_bad_backend_and_unservable_forced_backend():
     with pytest.raises(ValueError, match="K must be a multiple of 32, got 48"):
         jax_fp4.matmul(a, w, backend="gemv")
     with pytest.raises(ValueError, match="block_size must be 16, got 32"):
-        jax_fp4.matmul(jnp.ones((2, 64), jnp.bfloat16), _weight(k=64, block_size=32), backend="gemv")
+        jax_fp4.matmul(
+            jnp.ones((2, 64), jnp.bfloat16), _weight(k=64, block_size=32), backend="gemv"
+        )
     for backend in ("dequant", "xla"):
-        with pytest.raises(ValueError, match=rf"backend='{backend}' cannot serve this matmul: a must "
-                                             r"be float16 or bfloat16, got float32"):
+        with pytest.raises(
+            ValueError,
+            match=rf"backend='{backend}' cannot serve this matmul: a must "
+            r"be float16 or bfloat16, got float32",
+        ):
             jax_fp4.matmul(jnp.ones((2, 48), jnp.float32), w, backend=backend)
 
 
@@ -439,8 +511,9 @@ def test_kernel_tuning_is_static_and_hashable():
     """matmul's `tuning` is a static parameter: equal tunings hash alike, and it reaches the
     kernels of the CUDA paths only (the CPU kernel gives the same bits with and without it)."""
     tuning = jax_fp4.KernelTuning(fused_tile_m=64, gemv_col_tiles=2, programmatic_launch=True)
-    assert hash(tuning) == hash(jax_fp4.KernelTuning(fused_tile_m=64, gemv_col_tiles=2,
-                                                     programmatic_launch=True))
+    assert hash(tuning) == hash(
+        jax_fp4.KernelTuning(fused_tile_m=64, gemv_col_tiles=2, programmatic_launch=True)
+    )
     assert jax_fp4.KernelTuning is jax_fp4.config.KernelTuning
     w = _weight(k=128)
     a = jnp.ones((2, 128), jnp.bfloat16)
@@ -461,14 +534,43 @@ def test_cpu_handler_validates_operands():
     w = _weight()
     call = jax.ffi.ffi_call("jax_fp4_matmul_cpu", jax.ShapeDtypeStruct((2, 8), jnp.float32))
     with pytest.raises(Exception, match="scale must be"):
-        jax.block_until_ready(call(jnp.ones((2, 32), jnp.float32), w.packed, np.zeros((8, 1), np.uint8),
-                                   w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(16),
-                                   tiled=False, avx512=False))
+        jax.block_until_ready(
+            call(
+                jnp.ones((2, 32), jnp.float32),
+                w.packed,
+                np.zeros((8, 1), np.uint8),
+                w.global_scale,
+                jnp.zeros((0,), jnp.float32),
+                block_size=np.int64(16),
+                tiled=False,
+                avx512=False,
+            )
+        )
     with pytest.raises(Exception, match="block_size must be positive"):
-        jax.block_until_ready(call(jnp.ones((2, 32), jnp.float32), w.packed, w.scale_bytes,
-                                   w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(0),
-                                   tiled=False, avx512=False))
-    with pytest.raises(Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128"):
-        jax.block_until_ready(call(jnp.ones((2, 32), jnp.float32), w.packed, w.scale_bytes,
-                                   w.global_scale, jnp.zeros((0,), jnp.float32), block_size=np.int64(16),
-                                   tiled=True, avx512=False))
+        jax.block_until_ready(
+            call(
+                jnp.ones((2, 32), jnp.float32),
+                w.packed,
+                w.scale_bytes,
+                w.global_scale,
+                jnp.zeros((0,), jnp.float32),
+                block_size=np.int64(0),
+                tiled=False,
+                avx512=False,
+            )
+        )
+    with pytest.raises(
+        Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128"
+    ):
+        jax.block_until_ready(
+            call(
+                jnp.ones((2, 32), jnp.float32),
+                w.packed,
+                w.scale_bytes,
+                w.global_scale,
+                jnp.zeros((0,), jnp.float32),
+                block_size=np.int64(16),
+                tiled=True,
+                avx512=False,
+            )
+        )

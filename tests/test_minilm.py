@@ -57,7 +57,9 @@ def test_nvfp4_embeddings_match_float32(result):
     import jax_fp4.nnx
 
     example, r = result
-    fp4_layers = [n for _, n in nnx.iter_graph(r["fp4_model"]) if isinstance(n, jax_fp4.nnx.FP4Linear)]
+    fp4_layers = [
+        n for _, n in nnx.iter_graph(r["fp4_model"]) if isinstance(n, jax_fp4.nnx.FP4Linear)
+    ]
     assert len(fp4_layers) == 36
     assert not any(isinstance(n, nnx.Linear) for _, n in nnx.iter_graph(r["fp4_model"]))
     cosine, modelopt = r["cosine"], r["cosine_modelopt"]
@@ -65,7 +67,7 @@ def test_nvfp4_embeddings_match_float32(result):
     assert cosine.min() >= 0.96, cosine
     assert modelopt.mean() >= 0.97, modelopt
     assert cosine.mean() > modelopt.mean(), (cosine.mean(), modelopt.mean())
-    assert cosine.max() < 0.9999   # the weights really are quantized
+    assert cosine.max() < 0.9999  # the weights really are quantized
     np.testing.assert_array_equal(r["nn_fp4"], r["nn_f32"])
     f32, fp4 = r["f32"], r["fp4"]
     sim32, sim4 = f32 @ f32.T, fp4 @ fp4.T

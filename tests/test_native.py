@@ -40,11 +40,23 @@ from jax_fp4 import native as _native
 from tests import reference
 from tests._helpers import gpus
 
-SHAPES = [(1, 1), (1, 2), (9, 6), (32, 4), (127, 3), (128, 4), (129, 5), (256, 8), (300, 10),
-          (130, 256), (64, 1)]
+SHAPES = [
+    (1, 1),
+    (1, 2),
+    (9, 6),
+    (32, 4),
+    (127, 3),
+    (128, 4),
+    (129, 5),
+    (256, 8),
+    (300, 10),
+    (130, 256),
+    (64, 1),
+]
 
 
 # ---- an independent CuTe layout evaluator --------------------------------------------------------
+
 
 def _cute_eval(shape, stride, coord: int) -> int:
     """CuTe layout (nested shape, stride) applied to a 1-D coordinate (colexicographic order)."""
@@ -73,8 +85,9 @@ def _cute_sf_offset(rows: int, k: int, r: int, k_elem: int) -> int:
     atom_m, atom_k = 128, 64
     atom_size = 512
     reps_k = math.ceil(k / atom_k)
-    in_atom = (_cute_eval(ATOM_SHAPE[0], ATOM_STRIDE[0], r % atom_m)
-               + _cute_eval(ATOM_SHAPE[1], ATOM_STRIDE[1], k_elem % atom_k))
+    in_atom = _cute_eval(ATOM_SHAPE[0], ATOM_STRIDE[0], r % atom_m) + _cute_eval(
+        ATOM_SHAPE[1], ATOM_STRIDE[1], k_elem % atom_k
+    )
     return in_atom + (k_elem // atom_k) * atom_size + (r // atom_m) * reps_k * atom_size
 
 
@@ -102,14 +115,20 @@ def test_offsets_are_a_bijection_into_the_padded_buffer(rows, k_blocks):
 @pytest.mark.parametrize("rows,k_blocks", SHAPES)
 def test_swizzle_np_index_by_index_and_padding(rows, k_blocks):
     rng = np.random.default_rng(rows * 1000 + k_blocks)
-    scale = rng.integers(1, 256, size=(rows, k_blocks), dtype=np.uint8)  # no zero: padding stands out
+    scale = rng.integers(
+        1, 256, size=(rows, k_blocks), dtype=np.uint8
+    )  # no zero: padding stands out
     swz = _native.swizzle_scales_np(scale)
     flat = swz.ravel()
     covered = np.zeros(flat.size, bool)
     for r in range(rows):
         for kb in range(k_blocks):
-            off = ((r // 128) * math.ceil(k_blocks / 4) + kb // 4) * 512 + (r % 32) * 16 \
-                + ((r % 128) // 32) * 4 + kb % 4
+            off = (
+                ((r // 128) * math.ceil(k_blocks / 4) + kb // 4) * 512
+                + (r % 32) * 16
+                + ((r % 128) // 32) * 4
+                + kb % 4
+            )
             assert flat[off] == scale[r, kb]
             covered[off] = True
     assert not flat[~covered].any(), "padding bytes must be 0"
@@ -117,7 +136,16 @@ def test_swizzle_np_index_by_index_and_padding(rows, k_blocks):
 
 
 # The CUDA kernel's shapes beyond SHAPES: a real weight's scale and a ragged one.
-KERNEL_SHAPES = [(1, 2), (32, 4), (127, 3), (128, 4), (129, 6), (300, 10), (11008, 256), (4096, 688)]
+KERNEL_SHAPES = [
+    (1, 2),
+    (32, 4),
+    (127, 3),
+    (128, 4),
+    (129, 6),
+    (300, 10),
+    (11008, 256),
+    (4096, 688),
+]
 
 
 @pytest.mark.parametrize("rows,k_blocks", SHAPES + [s for s in KERNEL_SHAPES if s not in SHAPES])
@@ -168,6 +196,7 @@ int main(int argc, char** argv) {
 def _cutlass_include():
     try:
         import importlib.util
+
         spec = importlib.util.find_spec("cutlass_library")
     except Exception:
         return None
@@ -177,14 +206,28 @@ def _cutlass_include():
     return path if os.path.exists(os.path.join(path, "cutlass", "cutlass.h")) else None
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or _cutlass_include() is None,
-                    reason="needs nvcc and the nvidia-cutlass headers")
+@pytest.mark.skipif(
+    shutil.which("nvcc") is None or _cutlass_include() is None,
+    reason="needs nvcc and the nvidia-cutlass headers",
+)
 def test_offsets_match_cute_itself(tmp_path):
     src = tmp_path / "probe.cu"
     src.write_text(_CUTE_PROBE)
     exe = tmp_path / "probe"
-    subprocess.run(["nvcc", "-std=c++17", "--expt-relaxed-constexpr", "-I", _cutlass_include(),
-                    str(src), "-o", str(exe)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "nvcc",
+            "-std=c++17",
+            "--expt-relaxed-constexpr",
+            "-I",
+            _cutlass_include(),
+            str(src),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+        capture_output=True,
+    )
     shapes = [(1, 2), (130, 6), (300, 10), (9, 256)]
     args = [str(x) for s in shapes for x in s]
     out = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True).stdout
@@ -194,6 +237,7 @@ def test_offsets_match_cute_itself(tmp_path):
 
 
 # ---- prepack ------------------------------------------------------------------------------------
+
 
 def _random_weight(rng, n, k):
     return jax_fp4.quantize(rng.standard_normal((n, k)).astype(np.float32))
@@ -241,8 +285,9 @@ def test_prepack_stacked_weights():
     p = _native.prepack(w)
     assert p.swizzled_scale.shape == (3, 2, 512)
     for i in range(3):
-        np.testing.assert_array_equal(np.asarray(p.swizzled_scale[i]),
-                                      _native.swizzle_scales_np(np.asarray(w.scale_bytes[i])))
+        np.testing.assert_array_equal(
+            np.asarray(p.swizzled_scale[i]), _native.swizzle_scales_np(np.asarray(w.scale_bytes[i]))
+        )
 
 
 def test_prepack_errors():
@@ -256,11 +301,13 @@ def test_prepack_errors():
     with pytest.raises(ValueError, match="block_size 16"):
         _native.prepack(w32)
     with pytest.raises(ValueError, match="swizzled_scale"):
-        _native.PrepackedNVFP4Weight(w.packed, w.scale, w.global_scale, 16,
-                                     swizzled_scale=jnp.zeros((1, 256), jnp.uint8))
+        _native.PrepackedNVFP4Weight(
+            w.packed, w.scale, w.global_scale, 16, swizzled_scale=jnp.zeros((1, 256), jnp.uint8)
+        )
 
 
 # ---- the quantizer's NumPy model ----------------------------------------------------------------
+
 
 def test_e4m3_rounding_matches_ml_dtypes():
     rng = np.random.default_rng(4)
@@ -275,10 +322,14 @@ def test_e4m3_rounding_matches_ml_dtypes():
 
 
 def test_e2m1_rounding_ties_to_even():
-    q = np.float32([0, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, 1e30, -0.25, -0.75, -6, -0.0])
+    q = np.float32(
+        [0, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, 1e30, -0.25, -0.75, -6, -0.0]
+    )
     codes = _native.e2m1_round_np(q)
     values = jax_fp4.format.E2M1_VALUES[codes]
-    np.testing.assert_array_equal(values, np.float32([0, 0, 0.5, 1, 1, 2, 2, 4, 4, 6, 6, 6, 0, -1, -6, 0]))
+    np.testing.assert_array_equal(
+        values, np.float32([0, 0, 0.5, 1, 1, 2, 2, 4, 4, 6, 6, 6, 0, -1, -6, 0])
+    )
     # A negative value that rounds to zero keeps its sign (0x8), as ModelOpt's quantizer writes it;
     # an exact -0.0 is not below zero and gets 0x0.
     assert codes[-1] == 0 and codes[12] == 8
@@ -310,8 +361,9 @@ def test_reference_static_scale_nonfinite_and_zero():
     packed, scale, gs = _native.quantize_activation_reference(np.zeros((2, 32), np.float16))
     assert gs == 1.0 and (scale == 0x38).all() and not packed.any()
     # static scale: large values saturate at +-6 * 448 * g
-    packed, scale, gs = _native.quantize_activation_reference(np.full((1, 16), 1000, np.float32),
-                                                              activation_scale=0.01)
+    packed, scale, gs = _native.quantize_activation_reference(
+        np.full((1, 16), 1000, np.float32), activation_scale=0.01
+    )
     assert gs == np.float32(0.01) and scale[0, 0] == 0x7E  # 448
     # invalid static scale: NaN scales everywhere
     _, scale, _ = _native.quantize_activation_reference(a, activation_scale=0.0)
@@ -323,6 +375,7 @@ def test_reference_dequantizes_close_to_input():
     a = rng.standard_normal((16, 512)).astype(np.float32)
     packed, scale, gs = _native.quantize_activation_reference(a)
     from tests import reference
+
     deq = reference.dequantize(packed, scale, gs, 16)
     assert reference.relative_error(deq, a) < 0.12  # NVFP4 quantization noise
 
@@ -330,14 +383,19 @@ def test_reference_dequantizes_close_to_input():
 # ---- the CUDA targets -----------------------------------------------------------------------------
 
 HAS_CUDA = bool(gpus())
-_TARGETS = {_native.QUANTIZE_ACTIVATION_TARGET, _native.SWIZZLE_SCALES_TARGET, _native.NATIVE_GEMM_TARGET}
+_TARGETS = {
+    _native.QUANTIZE_ACTIVATION_TARGET,
+    _native.SWIZZLE_SCALES_TARGET,
+    _native.NATIVE_GEMM_TARGET,
+}
 HAS_TARGETS = _TARGETS <= set(_ffi.REGISTERED_TARGETS.get("CUDA", []))
 
 
 def cuda_targets(fn):
     """The CUDA tests: a CUDA device and the path's targets in the package's CUDA module."""
-    fn = pytest.mark.skipif(HAS_CUDA and not HAS_TARGETS,
-                            reason="the CUDA module lacks the native SM120 targets")(fn)
+    fn = pytest.mark.skipif(
+        HAS_CUDA and not HAS_TARGETS, reason="the CUDA module lacks the native SM120 targets"
+    )(fn)
     fn = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")(fn)
     return pytest.mark.gpu(fn)
 
@@ -369,9 +427,12 @@ def _activation(rng, m, k, dtype):
 
 # ---- activation quantizer -----------------------------------------------------------------------
 
+
 @cuda_targets
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
-@pytest.mark.parametrize("m,k", [(1, 16), (9, 32), (130, 96), (257, 160), (300, 4096), (1024, 1024)])
+@pytest.mark.parametrize(
+    "m,k", [(1, 16), (9, 32), (130, 96), (257, 160), (300, 4096), (1024, 1024)]
+)
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("swizzled", [True, False], ids=["swizzled", "plain"])
 def test_quantizer_bit_exact(dtype, m, k, static, swizzled):
@@ -422,23 +483,33 @@ def test_quantizer_is_deterministic_and_matches_modelopt():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with jax.default_device(jax.devices("cpu")[0]):
         w = jax_fp4.quantize(np.asarray(a, np.float32))
-    np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(w.packed), err_msg=f"seed={seed}")
-    np.testing.assert_array_equal(np.asarray(first[1]), np.asarray(w.scale_bytes), err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(
+        np.asarray(first[0]), np.asarray(w.packed), err_msg=f"seed={seed}"
+    )
+    np.testing.assert_array_equal(
+        np.asarray(first[1]), np.asarray(w.scale_bytes), err_msg=f"seed={seed}"
+    )
 
 
 # ---- the native GEMM ----------------------------------------------------------------------------
 
+
 def _problem(rng, m, n, k, dtype, with_bias):
     w = jax_fp4.quantize(rng.standard_normal((n, k)).astype(np.float32))
     a = _activation(rng, m, k, dtype)
-    bias = jnp.asarray(rng.standard_normal(n).astype(np.float32)).astype(dtype) if with_bias else None
+    bias = (
+        jnp.asarray(rng.standard_normal(n).astype(np.float32)).astype(dtype) if with_bias else None
+    )
     return a, w, bias
 
 
 def _call_native(a, w, bias, prepacked):
     swz = _native.prepack(w).swizzled_scale if prepacked else None
-    fn = jax.jit(lambda a, packed, scale, gs, bias, swz: _native.native_matmul(
-        a, packed, scale, gs, bias, block_size=16, swizzled_scale=swz))
+    fn = jax.jit(
+        lambda a, packed, scale, gs, bias, swz: _native.native_matmul(
+            a, packed, scale, gs, bias, block_size=16, swizzled_scale=swz
+        )
+    )
     return fn(a, w.packed, w.scale_bytes, w.global_scale, bias, swz)
 
 
@@ -455,9 +526,13 @@ def test_native_gemm_errors_off_sm120():
 
 
 @cuda_targets
-@pytest.mark.skipif(not IS_SM120, reason="the native NVFP4 x NVFP4 GEMM needs compute capability 12.x")
+@pytest.mark.skipif(
+    not IS_SM120, reason="the native NVFP4 x NVFP4 GEMM needs compute capability 12.x"
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
-@pytest.mark.parametrize("m,n,k", [(9, 32, 32), (128, 256, 96), (300, 512, 4096), (1000, 11008, 512)])
+@pytest.mark.parametrize(
+    "m,n,k", [(9, 32, 32), (128, 256, 96), (300, 512, 4096), (1000, 11008, 512)]
+)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("prepacked", [False, True], ids=["scratch", "prepacked"])
 def test_native_gemm_matches_activation_quantized_reference(dtype, m, n, k, with_bias, prepacked):
@@ -465,8 +540,14 @@ def test_native_gemm_matches_activation_quantized_reference(dtype, m, n, k, with
     a, w, bias = _problem(rng, m, n, k, dtype, with_bias)
     q_packed, q_scale, q_gs = _native.quantize_activation_reference(np.asarray(a))
     a_q = reference.dequantize(q_packed, q_scale, q_gs, 16)
-    expected = reference.matmul(a_q, np.asarray(w.packed), np.asarray(w.scale_bytes), w.global_scale, 16,
-                                None if bias is None else np.asarray(bias, np.float64))
+    expected = reference.matmul(
+        a_q,
+        np.asarray(w.packed),
+        np.asarray(w.scale_bytes),
+        w.global_scale,
+        16,
+        None if bias is None else np.asarray(bias, np.float64),
+    )
     _poison(m * n * 2, 0xFF)  # 0xFFFF is NaN in fp16 and bf16
     y = np.asarray(_call_native(a, w, bias, prepacked))
     assert y.shape == (m, n) and y.dtype == np.dtype(dtype)

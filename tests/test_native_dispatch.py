@@ -17,8 +17,19 @@ import pytest
 from jax_fp4 import config as _config
 from jax_fp4 import native as _native
 
-CAPABILITIES = [None, (7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1),
-                (13, 0)]
+CAPABILITIES = [
+    None,
+    (7, 5),
+    (8, 0),
+    (8, 9),
+    (9, 0),
+    (10, 0),
+    (10, 3),
+    (11, 0),
+    (12, 0),
+    (12, 1),
+    (13, 0),
+]
 BACKENDS = [None, "auto", "native", "reference", "cpu", "gemv", "dequant"]
 MS = [0, 1, 8, 9, 16, 127, 4096]
 NS = [0, 16, 32, 48, 96, 11008]
@@ -28,6 +39,7 @@ BLOCK_SIZES = [16, 32, 8]
 
 def _dtypes():
     import ml_dtypes
+
     return [np.dtype("float16"), np.dtype(ml_dtypes.bfloat16), np.dtype("float32"), None]
 
 
@@ -43,7 +55,8 @@ def _shape_ok(n, k, block_size, dtype):
 def test_every_combination():
     count = 0
     for cap, env, backend, m, n, k, bs, dtype in itertools.product(
-            CAPABILITIES, (False, True), BACKENDS, MS, NS, KS, BLOCK_SIZES, _dtypes()):
+        CAPABILITIES, (False, True), BACKENDS, MS, NS, KS, BLOCK_SIZES, _dtypes()
+    ):
         count += 1
         ok = _device_ok(cap) and _shape_ok(n, k, bs, dtype)
         nonempty = m > 0 and n > 0 and k > 0
@@ -60,8 +73,9 @@ def test_every_combination():
             expected = False
         got = _native.native_path_applies(*args, dtype=dtype)
         assert got is expected or got == expected, (args, dtype, got, expected)
-    assert count == (len(CAPABILITIES) * 2 * len(BACKENDS) * len(MS) * len(NS) * len(KS)
-                     * len(BLOCK_SIZES) * 4)
+    assert count == (
+        len(CAPABILITIES) * 2 * len(BACKENDS) * len(MS) * len(NS) * len(KS) * len(BLOCK_SIZES) * 4
+    )
 
 
 @pytest.mark.parametrize("m,expected", [(1, False), (8, False), (9, True), (4096, True)])
@@ -82,12 +96,15 @@ def test_forced_native_on_other_devices_is_a_clear_error(cap):
     assert (f"{cap[0]}.{cap[1]}" if cap else "not a CUDA device") in msg
 
 
-@pytest.mark.parametrize("n,k,bs,dtype,what", [
-    (256, 48, 16, "float16", "K must be a multiple of 32"),
-    (48, 256, 16, "float16", "N must be a multiple of 32"),
-    (256, 256, 32, "float16", "block_size must be 16"),
-    (256, 256, 16, "float32", "float16 or bfloat16"),
-])
+@pytest.mark.parametrize(
+    "n,k,bs,dtype,what",
+    [
+        (256, 48, 16, "float16", "K must be a multiple of 32"),
+        (48, 256, 16, "float16", "N must be a multiple of 32"),
+        (256, 256, 32, "float16", "block_size must be 16"),
+        (256, 256, 16, "float32", "float16 or bfloat16"),
+    ],
+)
 def test_forced_native_shape_errors(n, k, bs, dtype, what):
     with pytest.raises(ValueError, match=what):
         _native.native_path_applies((12, 0), False, "native", 64, n, k, bs, dtype=np.dtype(dtype))
@@ -97,8 +114,10 @@ def test_forced_native_serves_small_m():
     assert _native.native_path_applies((12, 0), False, "native", 1, 256, 256, 16)
 
 
-@pytest.mark.parametrize("raw,expected", [("1", True), ("true", True), ("ON", True), ("0", False),
-                                          ("", False), ("no", False)])
+@pytest.mark.parametrize(
+    "raw,expected",
+    [("1", True), ("true", True), ("ON", True), ("0", False), ("", False), ("no", False)],
+)
 def test_env_flag(monkeypatch, raw, expected):
     monkeypatch.setenv(_native.NATIVE_ENV, raw)
     assert _config.env_flag(_native.NATIVE_ENV, False) is expected

@@ -23,6 +23,8 @@ def test_successive_unseeded_draws_are_independent_streams():
 
 
 def test_seeded_calls_pass_through_and_tests_run_under_the_patch():
-    np.testing.assert_array_equal(seeded_default_rng(7)(123).integers(0, 2**62, size=4),
-                                  _numpy_default_rng(123).integers(0, 2**62, size=4))
-    assert np.random.default_rng is not _numpy_default_rng   # the autouse fixture is active here
+    np.testing.assert_array_equal(
+        seeded_default_rng(7)(123).integers(0, 2**62, size=4),
+        _numpy_default_rng(123).integers(0, 2**62, size=4),
+    )
+    assert np.random.default_rng is not _numpy_default_rng  # the autouse fixture is active here

@@ -33,14 +33,18 @@ def _needs_its_devices(request):
         if found < 2:
             pytest.skip(f"needs two or more CUDA devices, found {found}")
     elif not EIGHT_CPUS:
-        pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 set "
-                    "before jax is imported; tests/conftest.py does it)")
+        pytest.skip(
+            "needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 set "
+            "before jax is imported; tests/conftest.py does it)"
+        )
+
 
 KERNEL = "jax_fp4_matmul_cpu"
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
 
 def _mesh(shape, names, explicit=False):
     kind = AxisType.Explicit if explicit else AxisType.Auto
@@ -54,9 +58,12 @@ def _put(x, mesh, spec):
 def _weight(rng, n, k, mesh, spec, *, block_size=16, scale_spec=None):
     """A random NVFP4 weight placed with `spec` (packed and scale), plus its float64 dequant."""
     packed, scale, gs = reference.random_weight(rng, n, k, block_size)
-    w = jax_fp4.NVFP4Weight(_put(packed, mesh, spec),
-                            _put(scale, mesh, spec if scale_spec is None else scale_spec),
-                            _put(gs, mesh, P()), block_size=block_size)
+    w = jax_fp4.NVFP4Weight(
+        _put(packed, mesh, spec),
+        _put(scale, mesh, spec if scale_spec is None else scale_spec),
+        _put(gs, mesh, P()),
+        block_size=block_size,
+    )
     return w, reference.dequantize(packed, scale, gs, block_size)
 
 
@@ -78,10 +85,10 @@ def _kernel_calls(hlo: str) -> list:
         result = re.search(r"=\s*\w+\[([\d,]*)\]", line).group(1)
         start = line.index("operand_layout_constraints={") + len("operand_layout_constraints={")
         depth, end = 1, start
-        while depth:                                   # the matching brace (layouts nest {1,0})
+        while depth:  # the matching brace (layouts nest {1,0})
             depth += {"{": 1, "}": -1}.get(line[end], 0)
             end += 1
-        operands = line[start:end - 1]
+        operands = line[start : end - 1]
         shape = lambda s: tuple(int(d) for d in s.split(",") if d)  # noqa: E731
         calls.append((shape(result), [shape(s) for s in re.findall(r"\w+\[([\d,]*)\]", operands)]))
     return calls
@@ -112,6 +119,7 @@ def _assert_laid_out_by(lowered, explicit):
 
 # ---- the three patterns on a 1-D mesh -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_column_parallel_shards_n_with_no_collective(dtype, explicit):
@@ -119,7 +127,7 @@ def test_column_parallel_shards_n_with_no_collective(dtype, explicit):
     mesh = _mesh((8,), ("x",), explicit)
     n, k = 128, 96
     w, w64 = _weight(rng, n, k, mesh, P("x", None))
-    a, a64 = _activation(rng, (3, 5, k), dtype, mesh, P())           # leading dims, replicated
+    a, a64 = _activation(rng, (3, 5, k), dtype, mesh, P())  # leading dims, replicated
     bias = _put(jnp.asarray(rng.standard_normal(n), dtype), mesh, P("x"))
     lowered, hlo = _compile(jax_fp4.matmul, a, w, bias)
 
@@ -140,7 +148,7 @@ def test_column_parallel_shards_n_with_no_collective(dtype, explicit):
 def test_row_parallel_is_one_all_reduce_and_adds_bias_once(dtype, explicit):
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",), explicit)
-    n, k = 48, 512                                                  # 8 shards of 4 scale blocks
+    n, k = 48, 512  # 8 shards of 4 scale blocks
     w, w64 = _weight(rng, n, k, mesh, P(None, "x"))
     a, a64 = _activation(rng, (2, 6, k), dtype, mesh, P(None, None, "x"))
     # A large bias: adding it on every shard (8x) would be far outside the tolerance.
@@ -170,7 +178,7 @@ def test_data_parallel_keeps_leading_dims_sharded(lead_spec, explicit):
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",), explicit)
     n, k = 40, 80
-    w, w64 = _weight(rng, n, k, mesh, P())                          # replicated weight
+    w, w64 = _weight(rng, n, k, mesh, P())  # replicated weight
     a, a64 = _activation(rng, (8, 16, k), "bfloat16", mesh, lead_spec)
     lowered, hlo = _compile(jax_fp4.matmul, a, w)
     _assert_laid_out_by(lowered, explicit)
@@ -184,6 +192,7 @@ def test_data_parallel_keeps_leading_dims_sharded(lead_spec, explicit):
 
 
 # ---- 2-D meshes: data parallel combined with tensor parallel -------------------------------------
+
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
 @pytest.mark.parametrize("mode", ["column", "row"])
@@ -205,7 +214,7 @@ def test_2d_mesh_data_and_tensor_parallel(mode, explicit):
     assert _spec(y) == out_spec
     counts = _collectives(hlo)
     assert counts == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": int(mode == "row")}
-    if mode == "row":   # reduced over the 4 "model" devices of each data replica only
+    if mode == "row":  # reduced over the 4 "model" devices of each data replica only
         assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in hlo or "replica_groups=[2,4]<=[8]" in hlo
     [(out, ops)] = _kernel_calls(hlo)
     assert ops[0] == ((5, k) if mode == "column" else (5, k // 4))
@@ -232,7 +241,7 @@ def test_two_layer_tensor_parallel_mlp_needs_one_all_reduce():
     _check(y, hid @ down64.T + np.asarray(b_down, np.float64), "float32")
     assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
     shapes = sorted(ops[1] for _, ops in _kernel_calls(hlo))
-    assert shapes == sorted([(h // 8, d // 2), (d, h // 16)])     # local weight shards only
+    assert shapes == sorted([(h // 8, d // 2), (d, h // 16)])  # local weight shards only
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
@@ -255,8 +264,10 @@ def test_grad_under_tensor_parallel_weights(mode, explicit):
     if explicit:
         assert _spec(da) == _spec(a)
     # Column parallel: dA contracts over the sharded N, so one all-reduce; row parallel: none.
-    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0),
-                                 "all-reduce": int(mode == "column")}
+    assert _collectives(hlo) == {
+        **dict.fromkeys(COLLECTIVES, 0),
+        "all-reduce": int(mode == "column"),
+    }
 
 
 def _stacked(rng, e, n, k, mesh, spec, *, unit_gain=False):
@@ -270,7 +281,7 @@ def _stacked(rng, e, n, k, mesh, spec, *, unit_gain=False):
 def test_vmap_over_column_parallel_experts(explicit):
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",), explicit)
-    ws, w64 = _stacked(rng, 3, 64, 96, mesh, P(None, "x", None))   # each expert N-sharded
+    ws, w64 = _stacked(rng, 3, 64, 96, mesh, P(None, "x", None))  # each expert N-sharded
     a, a64 = _activation(rng, (5, 96), "float32", mesh, P())
     f = jax.vmap(jax_fp4.matmul, in_axes=(None, 0))
     _, hlo = _compile(f, a, ws)
@@ -302,8 +313,11 @@ def test_scan_over_row_parallel_layers(explicit):
     # One all-reduce in the loop body (once per layer at run time), and no gather of any layer.
     # Under explicit axes the partitioner keeps the carry K-sharded inside the loop (the kernel's
     # operand) and gathers the [4, d] activation once, after it.
-    assert _collectives(hlo) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1,
-                                 "all-gather": int(explicit)}
+    assert _collectives(hlo) == {
+        **dict.fromkeys(COLLECTIVES, 0),
+        "all-reduce": 1,
+        "all-gather": int(explicit),
+    }
     assert re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo) == [f"4,{d}"] * int(explicit)
     [(_, ops)] = _kernel_calls(hlo)
     assert ops[1] == (d, d // 16)
@@ -324,9 +338,11 @@ def test_rules_serve_any_path_implementation(mode):
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",))
     n, k = 64, 256
-    w_spec, a_spec, b_spec = {"column": (P("x", None), P(), P("x")),
-                              "row": (P(None, "x"), P(None, None, "x"), P()),
-                              "data": (P(), P("x", None, None), P())}[mode]
+    w_spec, a_spec, b_spec = {
+        "column": (P("x", None), P(), P("x")),
+        "row": (P(None, "x"), P(None, None, "x"), P()),
+        "data": (P(), P("x", None, None), P()),
+    }[mode]
     w, w64 = _weight(rng, n, k, mesh, w_spec)
     a, a64 = _activation(rng, (8, 3, k), "bfloat16", mesh, a_spec)
     bias = _put(jnp.asarray(10 * rng.standard_normal(n), jnp.bfloat16), mesh, b_spec)
@@ -346,9 +362,11 @@ def test_pure_jax_paths_are_partitioned_by_xla_itself(mode, backend, explicit):
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",), explicit)
     n, k = 64, 256
-    w_spec, a_spec, out_spec = {"column": (P("x", None), P(), (None, "x")),
-                                "row": (P(None, "x"), P(None, "x"), (None, None)),
-                                "data": (P(), P("x", None), ("x", None))}[mode]
+    w_spec, a_spec, out_spec = {
+        "column": (P("x", None), P(), (None, "x")),
+        "row": (P(None, "x"), P(None, "x"), (None, None)),
+        "data": (P(), P("x", None), ("x", None)),
+    }[mode]
     w, w64 = _weight(rng, n, k, mesh, w_spec)
     a, a64 = _activation(rng, (8, k), "bfloat16", mesh, a_spec)
     f = lambda a, w: jax_fp4.matmul(a, w, backend=backend)  # noqa: E731
@@ -361,6 +379,7 @@ def test_pure_jax_paths_are_partitioned_by_xla_itself(mode, backend, explicit):
 
 
 # ---- fallbacks, and proof that the HLO checks would catch a gathered weight -----------------------
+
 
 def test_without_the_rules_xla_gathers_the_weight(monkeypatch):
     """The check is meaningful: with the partitioning rules switched off, the same column-parallel
@@ -375,13 +394,16 @@ def test_without_the_rules_xla_gathers_the_weight(monkeypatch):
     _check(jax.jit(f)(a, w), a64 @ w64.T, "float32")
     assert _collectives(hlo)["all-gather"] >= 1
     [(_, ops)] = _kernel_calls(hlo)
-    assert ops[1] == (64, 32)                                      # the whole weight on each device
+    assert ops[1] == (64, 32)  # the whole weight on each device
 
 
-@pytest.mark.parametrize("k, block_size, scale_spec", [
-    (192, 16, P()),        # 12 scale blocks do not split 8 ways
-    (128, 32, P()),        # 8 shards of 16 elements would cut each 32-block in half
-])
+@pytest.mark.parametrize(
+    "k, block_size, scale_spec",
+    [
+        (192, 16, P()),  # 12 scale blocks do not split 8 ways
+        (128, 32, P()),  # 8 shards of 16 elements would cut each 32-block in half
+    ],
+)
 def test_row_parallel_on_unaligned_k_gathers_k(k, block_size, scale_spec):
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",))
@@ -397,25 +419,38 @@ def test_row_parallel_on_unaligned_k_gathers_k(k, block_size, scale_spec):
 def test_plan_explains_each_fallback():
     mesh = _mesh((2, 4), ("data", "model"))
     sh = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
-    lead, n_axes, k_axes, why = _sharding.plan(mesh, (8, 64), sh("data", "model"), sh(None, "model"),
-                                               n=32, k=64, block_size=16)
+    lead, n_axes, k_axes, why = _sharding.plan(
+        mesh, (8, 64), sh("data", "model"), sh(None, "model"), n=32, k=64, block_size=16
+    )
     assert (lead, n_axes, k_axes, why) == ([("data",)], (), ("model",), [])
-    _, _, k_axes, why = _sharding.plan(mesh, (8, 48), sh(), sh(None, "model"), n=32, k=48,
-                                       block_size=16)
+    _, _, k_axes, why = _sharding.plan(
+        mesh, (8, 48), sh(), sh(None, "model"), n=32, k=48, block_size=16
+    )
     assert k_axes == () and "block_size" in why[0]
-    _, n_axes, _, why = _sharding.plan(mesh, (8, 64), sh(), sh("model", None), n=30, k=64,
-                                       block_size=16)
+    _, n_axes, _, why = _sharding.plan(
+        mesh, (8, 64), sh(), sh("model", None), n=30, k=64, block_size=16
+    )
     assert n_axes == () and "not divisible" in why[0]
-    lead, n_axes, _, why = _sharding.plan(mesh, (8, 64), sh("model", None), sh("model", None),
-                                          n=32, k=64, block_size=16)
+    lead, n_axes, _, why = _sharding.plan(
+        mesh, (8, 64), sh("model", None), sh("model", None), n=32, k=64, block_size=16
+    )
     assert lead == [()] and n_axes == ("model",) and "overlap" in why[0]
     # The path's own K limits hold for the local slice: gemv needs K % 32 == 0.
     gemv_check = _sharding._local_k_check("gemv", 16, np.dtype("float16"))
-    _, _, k_axes, why = _sharding.plan(mesh, (8, 64), sh(), sh(None, "model"), n=32, k=64,
-                                       block_size=16, local_k_check=gemv_check)
+    _, _, k_axes, why = _sharding.plan(
+        mesh, (8, 64), sh(), sh(None, "model"), n=32, k=64, block_size=16, local_k_check=gemv_check
+    )
     assert k_axes == () and "multiple of 32" in why[0]
-    _, _, k_axes, _ = _sharding.plan(mesh, (8, 128), sh(), sh(None, "model"), n=32, k=128,
-                                     block_size=16, local_k_check=gemv_check)
+    _, _, k_axes, _ = _sharding.plan(
+        mesh,
+        (8, 128),
+        sh(),
+        sh(None, "model"),
+        n=32,
+        k=128,
+        block_size=16,
+        local_k_check=gemv_check,
+    )
     assert k_axes == ("model",)
     assert _sharding._local_k_check("cpu", 16, np.dtype("float16")) is None
     fused_check = _sharding._local_k_check("fused", 16, np.dtype("float16"))
@@ -423,6 +458,7 @@ def test_plan_explains_each_fallback():
 
 
 # ---- explicit sharding types, eager calls, what the lowered HLO shows ------------------------------
+
 
 def test_explicit_axes_mesh_with_leading_dims():
     """jax.make_mesh's default (Explicit axes): a [B, S, K] sharded on S, column-parallel weight."""
@@ -442,13 +478,16 @@ def test_result_sharding_type_for_explicit_axes():
     """The sharding type the result would carry under explicit axes (helper for abstract eval)."""
     mesh = _mesh((2, 4), ("data", "model"), explicit=True).abstract_mesh
     aval = lambda shape, spec, dtype=jnp.float32: jax.core.ShapedArray(  # noqa: E731
-        shape, dtype, sharding=NamedSharding(mesh, spec))
-    row = _sharding.result_sharding(aval((4, 16, 256), P(None, "data", "model")),
-                                    aval((64, 128), P(None, "model"), jnp.uint8))
+        shape, dtype, sharding=NamedSharding(mesh, spec)
+    )
+    row = _sharding.result_sharding(
+        aval((4, 16, 256), P(None, "data", "model")), aval((64, 128), P(None, "model"), jnp.uint8)
+    )
     assert row.spec == P(None, "data", None)
-    col = _sharding.result_sharding(aval((16, 256), P("model", None)),
-                                    aval((64, 128), P("model", None), jnp.uint8))
-    assert col.spec == P(None, "model")              # the weight's N wins over a's rows
+    col = _sharding.result_sharding(
+        aval((16, 256), P("model", None)), aval((64, 128), P("model", None), jnp.uint8)
+    )
+    assert col.spec == P(None, "model")  # the weight's N wins over a's rows
     plain = jax.core.ShapedArray((16, 256), jnp.float32)
     assert _sharding.result_sharding(plain, jax.core.ShapedArray((64, 128), jnp.uint8)) is None
 
@@ -461,14 +500,25 @@ def test_weight_shardings_place_every_array():
     packed, scale, gs = reference.random_weight(rng, 64, 256)
     w = jax_fp4.NVFP4Weight(packed, scale, gs)
     placed = jax.device_put(w, w.shardings(NamedSharding(mesh, P(None, "model"))))
-    assert [x.sharding.spec for x in jax.tree.leaves(placed)] == [P(None, "model"), P(None, "model"), P()]
-    assert [x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(placed)] == [(64, 32), (64, 4), ()]
+    assert [x.sharding.spec for x in jax.tree.leaves(placed)] == [
+        P(None, "model"),
+        P(None, "model"),
+        P(),
+    ]
+    assert [x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(placed)] == [
+        (64, 32),
+        (64, 4),
+        (),
+    ]
     a, a64 = _activation(rng, (6, 256), "float32", mesh, P(None, "model"))
-    _check(jax.jit(jax_fp4.matmul)(a, placed), a64 @ reference.dequantize(packed, scale, gs, 16).T,
-           "float32")
+    _check(
+        jax.jit(jax_fp4.matmul)(a, placed),
+        a64 @ reference.dequantize(packed, scale, gs, 16).T,
+        "float32",
+    )
 
     stacked = jax_fp4.NVFP4Weight(np.stack([packed] * 3), np.stack([scale] * 3), np.stack([gs] * 3))
-    specs = stacked.shardings(P("data", "model"))          # missing trailing entries: replicated
+    specs = stacked.shardings(P("data", "model"))  # missing trailing entries: replicated
     assert jax.tree.leaves(specs) == [P("data", "model", None)] * 2 + [P("data")]
     assert specs.block_size == 16 and specs.layout == "spec"
     tiled = jax_fp4.prepack(w).shardings(P("model"))
@@ -477,8 +527,11 @@ def test_weight_shardings_place_every_array():
     assert type(sm120) is jax_fp4.PrepackedNVFP4Weight
     assert jax.tree.leaves(sm120) == [P("model", None)] * 2 + [P(), P(None, None)]
 
-    with pytest.raises(TypeError, match="sharding must be a PartitionSpec or NamedSharding over the "
-                                        "weight's \\[..., N, K\\], got tuple"):
+    with pytest.raises(
+        TypeError,
+        match="sharding must be a PartitionSpec or NamedSharding over the "
+        "weight's \\[..., N, K\\], got tuple",
+    ):
         w.shardings(("model", None))
     with pytest.raises(ValueError, match="has 3 entries for a weight of rank 2"):
         w.shardings(P(None, "model", None))
@@ -509,8 +562,9 @@ def test_weight_transforms_under_explicit_axes(spec):
     same(sm120.swizzled_scale, jax_fp4.prepack(want, target="sm120").swizzled_scale)
     same(jax.jit(jax_fp4.dequantize)(tiled), jax_fp4.dequantize(want))
 
-    w64 = reference.dequantize(np.asarray(want.packed), np.asarray(want.scale_bytes),
-                               np.asarray(want.global_scale), 16)
+    w64 = reference.dequantize(
+        np.asarray(want.packed), np.asarray(want.scale_bytes), np.asarray(want.global_scale), 16
+    )
     a, a64 = _activation(rng, (6, k), "bfloat16", mesh, P("data", None))
     for backend in ("cpu", "reference", "xla"):
         y = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend=backend))(a, tiled)
@@ -538,7 +592,7 @@ def test_eager_call_on_sharded_operands():
     mesh = _mesh((8,), ("x",))
     w, w64 = _weight(rng, 64, 32, mesh, P("x", None))
     a, a64 = _activation(rng, (16, 32), "float16", mesh, P())
-    y = jax_fp4.matmul(a, w)                                       # no jit
+    y = jax_fp4.matmul(a, w)  # no jit
     _check(y, a64 @ w64.T, "float16")
     assert _spec(y) == (None, "x")
     assert [s.data.shape for s in y.addressable_shards] == [(16, 8)] * 8
@@ -557,6 +611,7 @@ def test_single_device_program_is_unchanged():
 
 # ---- shard_map and pmap: the kernel runs per shard -------------------------------------------------
 
+
 def test_shard_map_tensor_parallel_mlp():
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",))
@@ -569,9 +624,14 @@ def test_shard_map_tensor_parallel_mlp():
         hid = jax.nn.relu(jax_fp4.matmul(x, up))
         return jax.lax.psum(jax_fp4.matmul(hid, down), "x")
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), up.shardings(P("x", None)),
-                                                          down.shardings(P(None, "x"))),
-                              out_specs=P()))
+    f = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), up.shardings(P("x", None)), down.shardings(P(None, "x"))),
+            out_specs=P(),
+        )
+    )
     y = f(x, up, down)
     _check(y, np.maximum(x64 @ up64.T, 0) @ down64.T, "float32")
     lowered = f.lower(x, up, down)
@@ -590,8 +650,15 @@ def test_shard_map_over_some_axes_lays_the_rest_out_by_type():
     mesh = _mesh((2, 4), ("data", "model"), explicit=True)
     w, w64 = _weight(rng, 64, 256, mesh, P("model", None))
     a, a64 = _activation(rng, (8, 256), "float32", mesh, P("data", None))
-    f = jax.jit(jax.shard_map(jax_fp4.matmul, mesh=mesh, in_specs=(P("data", None), w.shardings(P())),
-                              out_specs=P("data", None), axis_names={"data"}))
+    f = jax.jit(
+        jax.shard_map(
+            jax_fp4.matmul,
+            mesh=mesh,
+            in_specs=(P("data", None), w.shardings(P())),
+            out_specs=P("data", None),
+            axis_names={"data"},
+        )
+    )
     with jax.set_mesh(mesh):
         y = f(a, w)
         hlo = f.lower(a, w).compile().as_text()
@@ -612,8 +679,9 @@ def test_pmap_runs_the_kernel_per_device():
     stacked = [reference.random_weight(rng, 24, 48) for _ in range(8)]
     ws = jax_fp4.NVFP4Weight(*(np.stack(x) for x in zip(*stacked)))
     y = jax.pmap(jax_fp4.matmul)(a, ws)
-    ref = np.stack([np.asarray(a[i], np.float64) @ reference.dequantize(*stacked[i], 16).T
-                    for i in range(8)])
+    ref = np.stack(
+        [np.asarray(a[i], np.float64) @ reference.dequantize(*stacked[i], 16).T for i in range(8)]
+    )
     _check(y, ref, "bfloat16")
 
 
@@ -624,27 +692,35 @@ def test_sharded_inference_example():
     for name in ("jit + NamedSharding", "shard_map", "explicit axes, exported"):
         assert facts[name]["relative_error"] < reference.TOLERANCE["bfloat16"]
         assert facts[name]["collectives"] == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
-        spec = facts[name]["output_spec"]                        # ("data",) or ("data", None)
+        spec = facts[name]["output_spec"]  # ("data",) or ("data", None)
         assert spec[0] == "data" and all(e is None for e in spec[1:]), spec
 
 
 # ---- the GEMV's tiled layout (jax_fp4.prepack) ----------------------------------------------------
 
+
 def _tiled_weight(rng, n, k, mesh, spec):
     """A random weight in the tiled layout placed with `spec`, plus its float64 dequant."""
     packed, scale, gs = reference.random_weight(rng, n, k)
     t = jax_fp4.prepack(jax_fp4.NVFP4Weight(packed, scale, gs))
-    w = jax_fp4.NVFP4Weight(_put(np.asarray(t.packed), mesh, spec), _put(np.asarray(t.scale), mesh, spec),
-                            _put(gs, mesh, P()), layout="tiled")
+    w = jax_fp4.NVFP4Weight(
+        _put(np.asarray(t.packed), mesh, spec),
+        _put(np.asarray(t.scale), mesh, spec),
+        _put(gs, mesh, P()),
+        layout="tiled",
+    )
     return w, reference.dequantize(packed, scale, gs, 16)
 
 
-@pytest.mark.parametrize("n, spec, n_local, k_local", [
-    (256, P("x", None), 32, 256),   # 8 shards of 32 rows keep the 16-row tiles whole
-    (128, P("x", None), 16, 256),   # one tile per shard
-    (64, P(None, "x"), 64, 256),    # row parallel would cut the tiles' K: K gathered
-    (96, P("x", None), 96, 256),    # 12-row shards would cut the tiles: N gathered
-])
+@pytest.mark.parametrize(
+    "n, spec, n_local, k_local",
+    [
+        (256, P("x", None), 32, 256),  # 8 shards of 32 rows keep the 16-row tiles whole
+        (128, P("x", None), 16, 256),  # one tile per shard
+        (64, P(None, "x"), 64, 256),  # row parallel would cut the tiles' K: K gathered
+        (96, P("x", None), 96, 256),  # 12-row shards would cut the tiles: N gathered
+    ],
+)
 def test_tiled_weights_shard_only_along_whole_tiles(n, spec, n_local, k_local):
     rng = np.random.default_rng()
     mesh = _mesh((8,), ("x",))
@@ -661,14 +737,17 @@ def test_tiled_weights_shard_only_along_whole_tiles(n, spec, n_local, k_local):
 def test_plan_for_the_tiled_layout():
     mesh = _mesh((2, 4), ("data", "model"))
     sh = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
-    _, n_axes, _, why = _sharding.plan(mesh, (8, 256), sh(), sh("model", None), n=96, k=256,
-                                       block_size=16, tiled=True)
+    _, n_axes, _, why = _sharding.plan(
+        mesh, (8, 256), sh(), sh("model", None), n=96, k=256, block_size=16, tiled=True
+    )
     assert n_axes == () and "16-row tiles" in why[0]  # 96 / 4 = 24 rows per shard
-    _, n_axes, _, why = _sharding.plan(mesh, (8, 256), sh(), sh("model", None), n=128, k=256,
-                                       block_size=16, tiled=True)
+    _, n_axes, _, why = _sharding.plan(
+        mesh, (8, 256), sh(), sh("model", None), n=128, k=256, block_size=16, tiled=True
+    )
     assert n_axes == ("model",) and why == []
-    _, _, k_axes, why = _sharding.plan(mesh, (8, 256), sh(), sh(None, "model"), n=128, k=256,
-                                       block_size=16, tiled=True)
+    _, _, k_axes, why = _sharding.plan(
+        mesh, (8, 256), sh(), sh(None, "model"), n=128, k=256, block_size=16, tiled=True
+    )
     assert k_axes == () and "hold all of K" in why[0]
 
 
@@ -725,10 +804,10 @@ def test_column_parallel_runs_the_kernels_per_gpu(m, layout, explicit):
 def test_row_parallel_is_one_all_reduce_on_gpus(m, explicit):
     rng = np.random.default_rng()
     mesh = _gpu_mesh(explicit)
-    n, k = 384, 512 * len(gpus())                                   # K shards of 512: whole blocks
+    n, k = 384, 512 * len(gpus())  # K shards of 512: whole blocks
     w, w64 = _gpu_weight(rng, n, k, mesh, P(None, "x"), "spec")
     a = _put(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), mesh, P(None, "x"))
-    bias_np = 50.0 * rng.standard_normal(n)                       # added per shard would show
+    bias_np = 50.0 * rng.standard_normal(n)  # added per shard would show
     bias = _put(jnp.asarray(bias_np, jnp.bfloat16), mesh, P())
     f = jax.jit(jax_fp4.matmul)
     hlo = f.lower(a, w, bias).compile().as_text()
@@ -742,11 +821,13 @@ def test_row_parallel_is_one_all_reduce_on_gpus(m, explicit):
 def test_data_parallel_decode_keeps_the_batch_sharded():
     rng = np.random.default_rng()
     mesh = _gpu_mesh()
-    n, k = 1000, 2048                                             # ragged N: the spec layout
+    n, k = 1000, 2048  # ragged N: the spec layout
     w, w64 = _gpu_weight(rng, n, k, mesh, P(), "spec")
     # The path is picked from the global M (here <= 16 on up to 8 GPUs: the GEMV), run on each
     # GPU's rows.
-    a = _put(jnp.asarray(rng.standard_normal((2 * len(gpus()), k)), jnp.float16), mesh, P("x", None))
+    a = _put(
+        jnp.asarray(rng.standard_normal((2 * len(gpus()), k)), jnp.float16), mesh, P("x", None)
+    )
     f = jax.jit(jax_fp4.matmul)
     hlo = f.lower(a, w).compile().as_text()
     y = f(a, w)
@@ -769,9 +850,14 @@ def test_shard_map_tensor_parallel_mlp_on_gpus():
         hid = jax.nn.relu(jax_fp4.matmul(x, up))
         return jax.lax.psum(jax_fp4.matmul(hid, down).astype(jnp.float32), "x")
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), up.shardings(P("x", None)),
-                                                          down.shardings(P(None, "x"))),
-                              out_specs=P()))
+    f = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), up.shardings(P("x", None)), down.shardings(P(None, "x"))),
+            out_specs=P(),
+        )
+    )
     y = f(x, up, down)
     # The hidden activations are rounded to bf16 between the two matmuls, as the kernels see them.
     hid = np.maximum(np.asarray(x, np.float64) @ up64.T, 0)
@@ -788,8 +874,12 @@ def test_pmap_runs_the_kernels_per_gpu():
     ws = jax_fp4.NVFP4Weight(*(np.stack(x) for x in zip(*stacked)))
     y = jax.pmap(jax_fp4.matmul, devices=gpus())(a, ws)
     assert {d.platform for d in y.sharding.device_set} == {"gpu"}
-    ref = np.stack([np.asarray(a[i], np.float64) @ reference.dequantize(*stacked[i], 16).T
-                    for i in range(count)])
+    ref = np.stack(
+        [
+            np.asarray(a[i], np.float64) @ reference.dequantize(*stacked[i], 16).T
+            for i in range(count)
+        ]
+    )
     _check(y, ref, "bfloat16")
 
 
@@ -800,5 +890,8 @@ def test_sharded_inference_example_on_gpus():
     assert facts["mesh"]["data"] * facts["mesh"]["model"] == len(gpus())
     for name in ("jit + NamedSharding", "shard_map", "explicit axes, exported"):
         assert facts[name]["relative_error"] < reference.TOLERANCE["bfloat16"]
-        expected = int(facts["mesh"]["model"] > 1)                # the row-parallel sum
-        assert facts[name]["collectives"] == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": expected}
+        expected = int(facts["mesh"]["model"] > 1)  # the row-parallel sum
+        assert facts[name]["collectives"] == {
+            **dict.fromkeys(COLLECTIVES, 0),
+            "all-reduce": expected,
+        }

@@ -19,8 +19,10 @@ TOL = reference.TOLERANCE
 
 def _weight(rng, n, k, block_size=16):
     packed, scale, gs = reference.random_weight(rng, n, k, block_size)
-    return (jax_fp4.NVFP4Weight(packed, scale, gs, block_size=block_size),
-            reference.dequantize(packed, scale, gs, block_size))
+    return (
+        jax_fp4.NVFP4Weight(packed, scale, gs, block_size=block_size),
+        reference.dequantize(packed, scale, gs, block_size),
+    )
 
 
 def _stacked(rng, e, n, k, block_size=16, *, unit_gain=False):
@@ -52,7 +54,7 @@ def _prims(fn, *args):
         for eqn in jaxpr.eqns:
             names.append(eqn.primitive.name)
             for v in eqn.params.values():
-                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
                     if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
                         walk(sub.jaxpr)
                     elif hasattr(sub, "eqns"):
@@ -64,8 +66,11 @@ def _prims(fn, *args):
 
 # ---- vmap over activations: folds into M ------------------------------------------------------
 
-@pytest.mark.parametrize("a_shape, axis", [((5, 3, 64), 0), ((3, 5, 64), 1), ((64, 5), 1),
-                                           ((2, 5, 3, 64), 1), ((3, 64, 5), -1)])
+
+@pytest.mark.parametrize(
+    "a_shape, axis",
+    [((5, 3, 64), 0), ((3, 5, 64), 1), ((64, 5), 1), ((2, 5, 3, 64), 1), ((3, 64, 5), -1)],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_vmap_over_activations_folds_into_m(a_shape, axis, dtype):
     rng = np.random.default_rng()
@@ -79,7 +84,9 @@ def test_vmap_over_activations_folds_into_m(a_shape, axis, dtype):
     # Exactly the un-batched result for every example.
     for i in range(a_moved.shape[0]):
         example = jnp.moveaxis(a, axis, 0)[i]
-        np.testing.assert_array_equal(np.asarray(y[i]), np.asarray(jax_fp4.matmul(example, w, bias)))
+        np.testing.assert_array_equal(
+            np.asarray(y[i]), np.asarray(jax_fp4.matmul(example, w, bias))
+        )
     names = _prims(f, a)
     assert names.count("nvfp4_matmul") == 1 and "while" not in names and "scan" not in names
 
@@ -87,14 +94,15 @@ def test_vmap_over_activations_folds_into_m(a_shape, axis, dtype):
 def test_nested_vmap_and_out_axes():
     rng = np.random.default_rng()
     w, w64 = _weight(rng, 16, 32)
-    a = _randn(rng, (4, 32, 3))                               # batch axes 0 and 2
+    a = _randn(rng, (4, 32, 3))  # batch axes 0 and 2
     f = jax.vmap(jax.vmap(lambda a: jax_fp4.matmul(a, w), in_axes=1, out_axes=1), in_axes=0)
-    y = jax.jit(f)(a)                                         # [4, 16, 3]
+    y = jax.jit(f)(a)  # [4, 16, 3]
     _close(y, np.einsum("bkc,nk->bnc", _f64(a), w64))
     assert _prims(f, a).count("nvfp4_matmul") == 1
 
 
 # ---- vmap over stacked weights: a loop inside one program --------------------------------------
+
 
 @pytest.mark.parametrize("a_batched", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -112,7 +120,7 @@ def test_vmap_over_stacked_weights(a_batched, with_bias):
     if with_bias:
         ref = ref + _f64(bias)[:, None, :]
     _close(y, ref)
-    for i in range(e):   # same as calling each weight alone
+    for i in range(e):  # same as calling each weight alone
         wi = jax.tree.map(lambda x: x[i], ws)
         yi = jax_fp4.matmul(a[i] if a_batched else a, wi, None if bias is None else bias[i])
         np.testing.assert_array_equal(np.asarray(y[i]), np.asarray(yi))
@@ -128,8 +136,9 @@ def test_vmap_over_experts_on_a_non_leading_axis_and_global_scale_only():
     ws, w64 = _stacked(rng, 3, 16, 32)
     a = _randn(rng, (2, 32))
     # Experts stacked on axis 1 of packed and scale.
-    moved = jax_fp4.NVFP4Weight.tree_unflatten(16, (jnp.moveaxis(ws.packed, 0, 1),
-                                                    jnp.moveaxis(ws.scale, 0, 1), ws.global_scale))
+    moved = jax_fp4.NVFP4Weight.tree_unflatten(
+        16, (jnp.moveaxis(ws.packed, 0, 1), jnp.moveaxis(ws.scale, 0, 1), ws.global_scale)
+    )
     axes = jax_fp4.NVFP4Weight.tree_unflatten(16, (1, 1, 0))
     y = jax.jit(jax.vmap(jax_fp4.matmul, in_axes=(None, axes)))(a, moved)
     _close(y, np.einsum("mk,enk->emn", _f64(a), w64))
@@ -154,6 +163,7 @@ def test_scan_over_stacked_layers_jitted():
         def layer(h, wb):
             w, b = wb
             return jnp.tanh(jax_fp4.matmul(h, w, b)), None
+
         return jax.lax.scan(layer, h, (ws, biases))[0]
 
     y = jax.jit(net)(h0, ws, biases)
@@ -175,7 +185,7 @@ def test_scan_over_stacked_layers_jitted():
         h = h0
         for i in range(layers):
             h = jnp.tanh(jnp.matmul(h, w32[i].T, precision="highest") + biases[i])
-        return jnp.sum(h ** 2)
+        return jnp.sum(h**2)
 
     grad = jax.jit(jax.grad(loss))(h0, ws)
     # Both sides are float32: where tanh saturates, 1 - tanh^2 keeps few significant bits, so
@@ -184,6 +194,7 @@ def test_scan_over_stacked_layers_jitted():
 
 
 # ---- autodiff with respect to a, bias and the global scale --------------------------------------
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_grad_wrt_activations_and_bias(dtype):
@@ -194,8 +205,8 @@ def test_grad_wrt_activations_and_bias(dtype):
     loss = lambda a, b: jnp.sum(jax_fp4.matmul(a, w, b).astype(jnp.float32) * ct)  # noqa: E731
     da, db = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, bias)
     assert da.dtype == a.dtype and db.dtype == bias.dtype
-    _close(da, _f64(ct) @ w64, dtype)                        # dA = dY @ dequant(W)
-    _close(db, _f64(ct).reshape(-1, 40).sum(0), dtype)       # dbias = sum of dY
+    _close(da, _f64(ct) @ w64, dtype)  # dA = dY @ dequant(W)
+    _close(db, _f64(ct).reshape(-1, 40).sum(0), dtype)  # dbias = sum of dY
 
 
 @pytest.mark.parametrize("m, n, k", [(3, 0, 32), (3, 16, 0), (0, 16, 32)])
@@ -203,10 +214,13 @@ def test_grads_of_empty_shapes(m, n, k):
     """Gradients with respect to a, bias and the global scale where M, N or K is zero: the
     shapes of the operands, dbias = the sum of dY over M (zeros when M = 0), dA and dgs zero."""
     w = jax_fp4.quantize(np.random.default_rng().standard_normal((n, k)).astype(np.float32))
-    loss = lambda a, b, g: jnp.sum(jax_fp4.matmul(  # noqa: E731
-        a, jax_fp4.NVFP4Weight(w.packed, w.scale, g), b))
+
+    def loss(a, b, g):
+        return jnp.sum(jax_fp4.matmul(a, jax_fp4.NVFP4Weight(w.packed, w.scale, g), b))
+
     da, db, dg = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
-        jnp.ones((m, k)), jnp.ones((n,)), w.global_scale)
+        jnp.ones((m, k)), jnp.ones((n,)), w.global_scale
+    )
     assert da.shape == (m, k) and db.shape == (n,) and dg.shape == ()
     np.testing.assert_array_equal(np.asarray(db), np.full((n,), float(m)))
     assert not np.asarray(da).any() and float(dg) == 0.0  # no product term to differentiate
@@ -241,7 +255,7 @@ def test_jacfwd_jacrev_hessian():
     w, w64 = _weight(rng, 6, 16)
     a = _randn(rng, (3, 16))
     f = lambda a: jax_fp4.matmul(a, w)  # noqa: E731
-    expected = np.einsum("mp,nk->mnpk", np.eye(3), w64)      # dY[m,n]/dA[p,k]
+    expected = np.einsum("mp,nk->mnpk", np.eye(3), w64)  # dY[m,n]/dA[p,k]
     _close(jax.jacfwd(f)(a), expected)
     _close(jax.jit(jax.jacrev(f))(a), expected)
     x = _randn(rng, 16)
@@ -279,15 +293,26 @@ def test_quantized_weight_is_not_differentiable():
     w, _ = _weight(rng, 8, 32)
     a = _randn(rng, (2, 32))
     with pytest.raises(TypeError, match="integer|int"):
-        jax.grad(lambda w: jnp.sum(jax_fp4.matmul(a, w)))(w)      # packed codes are uint8
+        jax.grad(lambda w: jnp.sum(jax_fp4.matmul(a, w)))(w)  # packed codes are uint8
     # The primitive's own transpose rule refuses a linear packed/scale operand.
     from jax.interpreters import ad
+
     from jax_fp4 import ops as _ops
+
     ct = jnp.ones((2, 8), jnp.float32)
     with pytest.raises(TypeError, match="quantized weight .* not differentiable"):
-        _ops._transpose(ct, a, ad.UndefinedPrimal(jax.core.ShapedArray((8, 16), jnp.uint8)),
-                              w.scale, w.global_scale, block_size=16, backend="auto",
-                              layout="spec", has_bias=False, has_swizzled=False)
+        _ops._transpose(
+            ct,
+            a,
+            ad.UndefinedPrimal(jax.core.ShapedArray((8, 16), jnp.uint8)),
+            w.scale,
+            w.global_scale,
+            block_size=16,
+            backend="auto",
+            layout="spec",
+            has_bias=False,
+            has_swizzled=False,
+        )
 
 
 def test_grad_through_vmap_over_experts():

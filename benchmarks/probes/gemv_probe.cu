@@ -47,9 +47,9 @@
 // GEMV_PROBE_KSPLITS=3,6,... adds rows gemv_k<s> and gemv_c2_k<s>: the kernel with 1 / 2
 // accumulator chains at k_split s instead of the heuristic's.
 // GEMV_PROBE_COPIES=c: rotate through c copies of the weights instead (1: L2-resident weights).
-// GEMV_PROBE_SWEEP_M=1,2,4,8,16: the launch-config sweep of the prepacked kernel instead (SweepConfigs).
-// GEMV_PROBE_ROWS=name,name,... times only those rows (stream always runs: the reference), e.g.
-// to profile one kernel under Nsight Compute.
+// GEMV_PROBE_SWEEP_M=1,2,4,8,16: the launch-config sweep of the prepacked kernel instead
+// (SweepConfigs). GEMV_PROBE_ROWS=name,name,... times only those rows (stream always runs: the
+// reference), e.g. to profile one kernel under Nsight Compute.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
                     const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                     const U* __restrict__ bias, U* __restrict__ y, int64_t m, int64_t n,
                     int64_t k) {
-  GemvMmaMainloop<U, CT, RT, Decode, Chains, L2PrefetchBytes, Tiled>(a, packed, scale,
-                                                                     global_scale, bias, y, m, n, k);
+  GemvMmaMainloop<U, CT, RT, Decode, Chains, L2PrefetchBytes, Tiled>(a, packed, scale, global_scale,
+                                                                     bias, y, m, n, k);
 }
 
 // Keeps the loaded words alive without storing them: the condition is never true in practice.
@@ -98,7 +98,8 @@ __global__ void StreamKernel(const uint8_t* __restrict__ first, int64_t first_by
   const int64_t first_vectors = first_bytes / 16, vectors = first_vectors + second_bytes / 16;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    fold ^= Fold(ld_stream_u4(i < first_vectors ? first + 16 * i : second + 16 * (i - first_vectors)));
+    fold ^=
+        Fold(ld_stream_u4(i < first_vectors ? first + 16 * i : second + 16 * (i - first_vectors)));
   }
   Sink(fold, sink);
 }
@@ -234,14 +235,14 @@ struct DecodeAdjacentPairs {
   }
 };
 
-#define CHECK_CUDA(expr)                                                               \
-  do {                                                                                 \
-    const cudaError_t err_ = (expr);                                                   \
-    if (err_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,               \
-                   cudaGetErrorString(err_));                                          \
-      std::exit(1);                                                                    \
-    }                                                                                  \
+#define CHECK_CUDA(expr)                                                 \
+  do {                                                                   \
+    const cudaError_t err_ = (expr);                                     \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(err_));                            \
+      std::exit(1);                                                      \
+    }                                                                    \
   } while (0)
 
 // Average microseconds per launch of `launch(copy)` over `rounds` passes through the copies.
@@ -343,7 +344,8 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   std::vector<Row> rows;
   const char* only = std::getenv("GEMV_PROBE_ROWS");
   const auto wanted = [&](const std::string& name) {
-    return only == nullptr || ("," + std::string(only) + ",").find("," + name + ",") != std::string::npos;
+    return only == nullptr ||
+           ("," + std::string(only) + ",").find("," + name + ",") != std::string::npos;
   };
   // Blocks of `kernel` that fit one SM with `threads` threads and `smem` bytes of shared memory.
   const auto resident = [](auto kernel, int threads, size_t smem) {
@@ -356,33 +358,42 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   };
   rows.push_back(
       {"stream", TimeUs([&](int c) { buffers.LaunchStream(c, num_sms); }, copies, rounds), 0});
-  add("loads", [&](int c) {
-    LoadsKernel<false><<<grid, block>>>(a, buffers.weights(c), buffers.scales(c), sink, n, k);
-  }, resident(LoadsKernel<false>, block.x, 0));
+  add(
+      "loads",
+      [&](int c) {
+        LoadsKernel<false><<<grid, block>>>(a, buffers.weights(c), buffers.scales(c), sink, n, k);
+      },
+      resident(LoadsKernel<false>, block.x, 0));
   // The same loads held to `blocks` resident blocks per SM (the GEMV's occupancy: 5 for one tile
   // at 96 registers, 4 for two at 128) by a shared-memory allocation they do not use: are the
   // loads alone still at the stream's speed with as few warps as the GEMV has?
   int device = 0, smem_per_sm = 0;
   CHECK_CUDA(cudaGetDevice(&device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
-                                    device));
+  CHECK_CUDA(
+      cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   CHECK_CUDA(cudaFuncSetAttribute(LoadsKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   smem_per_sm - 1024));
   for (int blocks : {4, 5}) {
     // 1 KB reserved per block; allocations come in 128-byte units.
     const size_t hold = static_cast<size_t>((smem_per_sm / blocks - 1024) & ~127);
-    add("loads_occ" + std::to_string(blocks), [&](int c) {
-      LoadsKernel<false><<<grid, block, hold>>>(a, buffers.weights(c), buffers.scales(c), sink, n,
-                                                k);
-    }, resident(LoadsKernel<false>, block.x, hold));
+    add(
+        "loads_occ" + std::to_string(blocks),
+        [&](int c) {
+          LoadsKernel<false>
+              <<<grid, block, hold>>>(a, buffers.weights(c), buffers.scales(c), sink, n, k);
+        },
+        resident(LoadsKernel<false>, block.x, hold));
   }
-  add("loads_prepacked", [&](int c) {
-    LoadsKernel<true><<<grid, block>>>(a, buffers.weights(c), buffers.scales(c), sink, n, k);
-  }, resident(LoadsKernel<true>, block.x, 0));
+  add(
+      "loads_prepacked",
+      [&](int c) {
+        LoadsKernel<true><<<grid, block>>>(a, buffers.weights(c), buffers.scales(c), sink, n, k);
+      },
+      resident(LoadsKernel<true>, block.x, 0));
   if (major >= 9 && k % (2 * kBulkRowBytes) == 0) {
     const auto launch = [&](int c) {
-      BulkLoadsKernel<<<grid, 32, kBulkDepth * kBulkStageBytes>>>(
-          buffers.weights(c), buffers.scales(c), sink, n, k);
+      BulkLoadsKernel<<<grid, 32, kBulkDepth * kBulkStageBytes>>>(buffers.weights(c),
+                                                                  buffers.scales(c), sink, n, k);
     };
     add("loads_bulk", launch);
   }
@@ -390,10 +401,13 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
   const auto add_gemv = [&](const std::string& name, auto kernel, int col_tiles, int split) {
     const dim3 kernel_grid(static_cast<unsigned>(CeilDiv(n, col_tiles * kGemvTileCols)));
     const size_t smem = GemvMmaSmemBytes(col_tiles, split);
-    add(name, [&](int c) {
-      kernel<<<kernel_grid, 32 * split, smem>>>(a, buffers.weights(c), buffers.scales(c), gs,
-                                                nullptr, y, 1, n, k);
-    }, resident(kernel, 32 * split, smem));
+    add(
+        name,
+        [&](int c) {
+          kernel<<<kernel_grid, 32 * split, smem>>>(a, buffers.weights(c), buffers.scales(c), gs,
+                                                    nullptr, y, 1, n, k);
+        },
+        resident(kernel, 32 * split, smem));
   };
   add_gemv("no_decode", ProbeGemvKernel<T, 1, 1, DecodeNone>, 1, k_split);
   add_gemv("gemv_adjacent", ProbeGemvKernel<T, 1, 1, DecodeAdjacentPairs, 2>, 1, k_split);
@@ -432,24 +446,28 @@ void Probe(int64_t n, int64_t k, int num_sms, int major) {
     }
   }
   for (const Row& r : rows) {
-    std::printf("%6lldx%-6lld k_split=%-2d %-19s %8.2f us %6.2f TB/s %5.0f%% of stream  %s\n",
-                static_cast<long long>(n), static_cast<long long>(k), k_split, r.name.c_str(), r.us,
-                bytes / (r.us * 1e-6) / 1e12, 100.0 * rows[0].us / r.us,
-                r.blocks_per_sm > 0 ? (std::to_string(r.blocks_per_sm) + " blocks/SM").c_str() : "");
+    std::printf(
+        "%6lldx%-6lld k_split=%-2d %-19s %8.2f us %6.2f TB/s %5.0f%% of stream  %s\n",
+        static_cast<long long>(n), static_cast<long long>(k), k_split, r.name.c_str(), r.us,
+        bytes / (r.us * 1e-6) / 1e12, 100.0 * rows[0].us / r.us,
+        r.blocks_per_sm > 0 ? (std::to_string(r.blocks_per_sm) + " blocks/SM").c_str() : "");
   }
 }
 
 // GEMV_PROBE_SWEEP_M=1,2,4,8,16: instead of the probe rows, the production kernel on prepacked
-// weights (GemvMmaKernel<bf16, CT, RT, L2, true>, decoded by DecodeTiled: what jax_fp4.prepack's weights
-// run) at each M and every launch config (col_tiles 1 and 2, with two row tiles at M > 8;
+// weights (GemvMmaKernel<bf16, CT, RT, L2, true>, decoded by DecodeTiled: what jax_fp4.prepack's
+// weights run) at each M and every launch config (col_tiles 1 and 2, with two row tiles at M > 8;
 // k_split 1..16 within the warp budget, non-powers of two included), the
 // heuristic's pick starred: the table gemv_launch_config rests on.
 template <int CT, int RT>
-float TimeTiledGemv(const ProbeBuffers& b, int64_t m, int64_t n, int64_t k, int k_split, int copies) {
-  return TimeUs([&](int c) {
-    LaunchMmaLayout<T, CT, RT, true>(nullptr, b.a, b.weights(c), b.scales(c), b.gs, nullptr, b.y,
-                                     m, n, k, k_split);
-  }, copies, 20);
+float TimeTiledGemv(const ProbeBuffers& b, int64_t m, int64_t n, int64_t k, int k_split,
+                    int copies) {
+  return TimeUs(
+      [&](int c) {
+        LaunchMmaLayout<T, CT, RT, true>(nullptr, b.a, b.weights(c), b.scales(c), b.gs, nullptr,
+                                         b.y, m, n, k, k_split);
+      },
+      copies, 20);
 }
 
 void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms) {
@@ -469,11 +487,10 @@ void SweepConfigs(int64_t n, int64_t k, int num_sms, const std::vector<int>& ms)
     for (int ct : {1, 2}) {
       for (int ks : {1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16}) {
         if (ks > GemvMmaShape{ct, m > 8 ? 2 : 1, true}.max_split()) continue;
-        const float us =
-            m > 8 ? (ct == 1 ? TimeTiledGemv<1, 2>(b, m, n, k, ks, copies)
-                             : TimeTiledGemv<2, 2>(b, m, n, k, ks, copies))
-            : ct == 1 ? TimeTiledGemv<1, 1>(b, m, n, k, ks, copies)
-                      : TimeTiledGemv<2, 1>(b, m, n, k, ks, copies);
+        const float us = m > 8     ? (ct == 1 ? TimeTiledGemv<1, 2>(b, m, n, k, ks, copies)
+                                              : TimeTiledGemv<2, 2>(b, m, n, k, ks, copies))
+                         : ct == 1 ? TimeTiledGemv<1, 1>(b, m, n, k, ks, copies)
+                                   : TimeTiledGemv<2, 1>(b, m, n, k, ks, copies);
         const bool picked = ct == pick.col_tiles && ks == pick.k_split;
         best = std::min(best, us);
         char cell[48];
@@ -520,8 +537,8 @@ int main(int argc, char** argv) {
     long long n = 0, k = 0;
     if (std::sscanf(s.c_str(), "%lldx%lld", &n, &k) != 2 || n <= 0 || k <= 0 ||
         n % jax_fp4::kGemvTileCols != 0 || k % jax_fp4::kGemvWindow != 0) {
-      std::fprintf(stderr, "bad shape '%s': want NxK with N a multiple of %d, K of %d\n",
-                   s.c_str(), jax_fp4::kGemvTileCols, jax_fp4::kGemvWindow);
+      std::fprintf(stderr, "bad shape '%s': want NxK with N a multiple of %d, K of %d\n", s.c_str(),
+                   jax_fp4::kGemvTileCols, jax_fp4::kGemvWindow);
       return 2;
     }
     if (!sweep_ms.empty()) {

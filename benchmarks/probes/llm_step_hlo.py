@@ -43,13 +43,17 @@ def main(argv=None) -> int:
     cfg, params = llm.random_model(llm.PRESETS[args.preset])
     k_cache, v_cache = llm.empty_cache(cfg, params, args.batch, args.max_len)
     step = jax.jit(functools.partial(llm.greedy_step, cfg), donate_argnums=(3, 4))
-    compiled = step.lower(params, jnp.zeros((args.batch, 1), jnp.int32), 5, k_cache, v_cache).compile()
+    compiled = step.lower(
+        params, jnp.zeros((args.batch, 1), jnp.int32), 5, k_cache, v_cache
+    ).compile()
     ops = cache_sized_ops(compiled.as_text(), k_cache[0].size)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    print(f"{jax.devices()[0].platform}, {args.preset}, batch {args.batch}, {args.max_len} positions: "
-          f"{len(ops)} cache-sized copies / transposes / converts; XLA's bytes accessed "
-          f"{cost.get('bytes accessed', float('nan')) / 1e6:.1f} MB")
+    print(
+        f"{jax.devices()[0].platform}, {args.preset}, batch {args.batch}, {args.max_len} positions: "
+        f"{len(ops)} cache-sized copies / transposes / converts; XLA's bytes accessed "
+        f"{cost.get('bytes accessed', float('nan')) / 1e6:.1f} MB"
+    )
     for line in ops:
         print("  " + line)
     return 0

@@ -40,7 +40,9 @@ def thunk_counts(hlo_text: str) -> dict:
         if " custom-call(" in line:
             target = re.search(r'custom_call_target="([^"]+)"', line)
             name = target.group(1) if target else "?"
-            counts["jax_fp4 custom calls" if name.startswith("jax_fp4") else f"custom call {name}"] += 1
+            counts[
+                "jax_fp4 custom calls" if name.startswith("jax_fp4") else f"custom call {name}"
+            ] += 1
         elif re.search(r"= \S+ fusion\(", line):
             counts["fusions"] += 1
     return dict(counts)
@@ -97,15 +99,20 @@ def profile_summary(xplane: Path, steps: int) -> dict:
                 for e in line.events:  # per kind of op: "ffi_call.25" -> "ffi_call"
                     host[re.sub(r"\.\d+$", "", e.name)[:60]] += e.duration_ns
     window = (max(b for _, b in gpu) - min(a for a, _ in gpu)) if gpu else 0
-    return {"gpu_busy_ms_per_step": _union_ns(gpu) / steps / 1e6,
-            "gpu_events_per_step": len(gpu) / steps,
-            "gpu_window_ms_per_step": window / steps / 1e6,
-            "gpu_lines": gpu_lines, "host_top_ms_per_step": {name: ns / steps / 1e6 for name, ns in host.most_common(12)}}
+    return {
+        "gpu_busy_ms_per_step": _union_ns(gpu) / steps / 1e6,
+        "gpu_events_per_step": len(gpu) / steps,
+        "gpu_window_ms_per_step": window / steps / 1e6,
+        "gpu_lines": gpu_lines,
+        "host_top_ms_per_step": {name: ns / steps / 1e6 for name, ns in host.most_common(12)},
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--random", default="llama3-8b", help="a preset of examples/llm_generate.py")
+    parser.add_argument(
+        "--random", default="llama3-8b", help="a preset of examples/llm_generate.py"
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--json", metavar="PATH")
@@ -115,9 +122,11 @@ def main(argv=None) -> int:
     for name, model in (("nvfp4", params), ("bf16", llm.dense_twin(params))):
         record[name] = time_steps(cfg, model, args.batch, args.steps)
         r = record[name]
-        print(f"{name}: {r['wall_ms_per_step']:.2f} ms a step; GPU busy {r['gpu_busy_ms_per_step']:.2f} ms "
-              f"in {r['gpu_events_per_step']:.0f} events (window {r['gpu_window_ms_per_step']:.2f} ms); "
-              f"thunks {r['thunks']}")
+        print(
+            f"{name}: {r['wall_ms_per_step']:.2f} ms a step; GPU busy {r['gpu_busy_ms_per_step']:.2f} ms "
+            f"in {r['gpu_events_per_step']:.0f} events (window {r['gpu_window_ms_per_step']:.2f} ms); "
+            f"thunks {r['thunks']}"
+        )
         for event, ms in r["host_top_ms_per_step"].items():
             print(f"    host {ms:8.3f} ms  {event}")
     if args.json:

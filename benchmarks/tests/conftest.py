@@ -9,5 +9,8 @@ for _path in (_BENCHMARKS, _BENCHMARKS.parent):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from tests.conftest import _cpu_unless_marked_gpu, _replayable_random_inputs  # noqa: E402, F401
-from tests.conftest import pytest_runtest_makereport  # noqa: E402, F401
+from tests.conftest import (  # noqa: E402, F401
+    _cpu_unless_marked_gpu,
+    _replayable_random_inputs,
+    pytest_runtest_makereport,  # noqa: E402, F401
+)

@@ -18,8 +18,10 @@ def ab():
 
 
 def _write(path, fused_us, shapes=SHAPES):
-    records = [{"n": n, "k": k, "m": m, "bf16_us": 1.0, "fused_us": float(t)}
-               for (n, k, m), t in zip(shapes, fused_us)]
+    records = [
+        {"n": n, "k": k, "m": m, "bf16_us": 1.0, "fused_us": float(t)}
+        for (n, k, m), t in zip(shapes, fused_us)
+    ]
     path.write_text(json.dumps({"records": records}))
     return str(path)
 
@@ -30,12 +32,14 @@ def test_verdicts_against_two_bases(ab, tmp_path, capsys):
     base2 = base1 * rng.uniform(1.05, 1.15, len(SHAPES))  # the second base drifted slower
     # Row 0 beats both bases, row 1 lies between them, row 2 loses to both.
     new = [base1[0] * 0.9, (base1[1] + base2[1]) / 2, base2[2] * 1.1]
-    files = [_write(tmp_path / "fused_ab_1_base.json", base1),
-             _write(tmp_path / "fused_ab_2_new.json", new),
-             _write(tmp_path / "fused_ab_3_base.json", base2)]
+    files = [
+        _write(tmp_path / "fused_ab_1_base.json", base1),
+        _write(tmp_path / "fused_ab_2_new.json", new),
+        _write(tmp_path / "fused_ab_3_base.json", base2),
+    ]
     assert ab.main(files) == 0
     out = capsys.readouterr().out
-    table = out.splitlines()[2:2 + len(SHAPES)]  # below the header and separator lines
+    table = out.splitlines()[2 : 2 + len(SHAPES)]  # below the header and separator lines
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table]
     assert [cells[-1] for cells in rows] == ["faster", "within drift", "slower"]
     for cells, b1, b2, t in zip(rows, base1, base2, new):
@@ -50,8 +54,10 @@ def test_verdicts_against_two_bases(ab, tmp_path, capsys):
 
 
 def test_one_base_has_no_drift(ab, tmp_path, capsys):
-    files = [_write(tmp_path / "a_base.json", [10, 20, 30]),
-             _write(tmp_path / "b_new.json", [11, 19, 30])]
+    files = [
+        _write(tmp_path / "a_base.json", [10, 20, 30]),
+        _write(tmp_path / "b_new.json", [11, 19, 30]),
+    ]
     assert ab.main(files) == 0
     out = capsys.readouterr().out
     assert "n/a" in out and "base drift unknown" in out
@@ -84,14 +90,18 @@ def test_bench_json_sides(ab, tmp_path, capsys):
     times = rng.uniform(5, 500, (3, len(SHAPES)))
     paths = []
     for i, (side, us) in enumerate(zip(("base", "new", "base"), times)):
-        rows = [{"n": n, "k": k, "m": m, "us": float(t), "bf16_us": 1.0}
-                for (n, k, m), t in zip(SHAPES, us)]
+        rows = [
+            {"n": n, "k": k, "m": m, "us": float(t), "bf16_us": 1.0}
+            for (n, k, m), t in zip(SHAPES, us)
+        ]
         path = tmp_path / f"pdl_ab_{i + 1}_{side}.json"
         path.write_text(json.dumps({"rows": rows, "decode_step": None}))
         paths.append(str(path))
-    assert ab.load_side(paths[1], "ignored") == {s: pytest.approx(t) for s, t in zip(SHAPES, times[1])}
+    assert ab.load_side(paths[1], "ignored") == {
+        s: pytest.approx(t) for s, t in zip(SHAPES, times[1])
+    }
     assert ab.main(paths) == 0
-    table = capsys.readouterr().out.splitlines()[2:2 + len(SHAPES)]
+    table = capsys.readouterr().out.splitlines()[2 : 2 + len(SHAPES)]
     for line, b1, t, b2 in zip(table, *times):
         cells = [c.strip() for c in line.split("|")[1:-1]]
         lo, hi = min(b1, b2), max(b1, b2)

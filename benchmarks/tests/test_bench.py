@@ -15,9 +15,23 @@ import pytest
 import jax_fp4
 from jax_fp4 import ffi as _ffi
 
-ROW_FIELDS = ("path", "m", "n", "k", "dtype", "us", "tbps", "tflops", "speedup_vs_bf16",
-              "speedup_vs_naive", "bf16_us", "naive_us", "read_bw_tbps", "fraction_of_read_bw",
-              "floor_us")
+ROW_FIELDS = (
+    "path",
+    "m",
+    "n",
+    "k",
+    "dtype",
+    "us",
+    "tbps",
+    "tflops",
+    "speedup_vs_bf16",
+    "speedup_vs_naive",
+    "bf16_us",
+    "naive_us",
+    "read_bw_tbps",
+    "fraction_of_read_bw",
+    "floor_us",
+)
 
 
 def _positive_finite(x) -> bool:
@@ -26,8 +40,24 @@ def _positive_finite(x) -> bool:
 
 def test_bench_quick_run_writes_json(tmp_path, capsys):
     out = tmp_path / "results.json"
-    rc = bench.main(["--quick", "--shapes", "96x128", "--m", "2", "--repeats", "1", "--warmup", "0",
-                     "--decode-step", "--seed", "1", "--json", str(out)])
+    rc = bench.main(
+        [
+            "--quick",
+            "--shapes",
+            "96x128",
+            "--m",
+            "2",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--decode-step",
+            "--seed",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     results = json.loads(out.read_text())
 
@@ -40,7 +70,8 @@ def test_bench_quick_run_writes_json(tmp_path, capsys):
         assert field in row, field
     assert (row["m"], row["n"], row["k"], row["dtype"]) == (2, 96, 128, "bf16")
     assert row["path"] == jax_fp4.dispatch_path(
-        jax.ShapeDtypeStruct((2, 128), jnp.bfloat16), jax_fp4.quantize(jnp.ones((96, 128))))
+        jax.ShapeDtypeStruct((2, 128), jnp.bfloat16), jax_fp4.quantize(jnp.ones((96, 128)))
+    )
     for field in ROW_FIELDS[5:]:
         assert _positive_finite(row[field]), (field, row[field])
     assert row["bytes"] == 96 * 64 + 96 * 8 + 4 + 2 * (2 * 128 + 2 * 96)
@@ -58,14 +89,31 @@ def test_bench_quick_run_writes_json(tmp_path, capsys):
 
 def test_a_run_cut_short_keeps_its_finished_shapes(tmp_path, monkeypatch):
     """The JSON is written after every shape: a device call's time limit does not lose the sweep."""
+
     def cut(self, model):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(bench.Bench, "decode_step", cut)
     out = tmp_path / "results.json"
     with pytest.raises(KeyboardInterrupt):
-        bench.main(["--quick", "--shapes", "96x128,64x256", "--m", "2", "--repeats", "1",
-                    "--warmup", "0", "--decode-step", "--seed", "3", "--json", str(out)])
+        bench.main(
+            [
+                "--quick",
+                "--shapes",
+                "96x128,64x256",
+                "--m",
+                "2",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--decode-step",
+                "--seed",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
     results = json.loads(out.read_text())
     assert results["complete"] is False and results["decode_step"] is None
     assert [(r["n"], r["k"], r["m"]) for r in results["rows"]] == [(96, 128, 2), (64, 256, 2)]
@@ -75,8 +123,25 @@ def test_a_run_cut_short_keeps_its_finished_shapes(tmp_path, monkeypatch):
 
 def test_passes_keep_the_median_pass_and_report_each(tmp_path):
     out = tmp_path / "results.json"
-    rc = bench.main(["--quick", "--shapes", "96x128", "--m", "2", "--repeats", "1", "--warmup", "0",
-                     "--passes", "3", "--seed", "2", "--json", str(out)])
+    rc = bench.main(
+        [
+            "--quick",
+            "--shapes",
+            "96x128",
+            "--m",
+            "2",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--passes",
+            "3",
+            "--seed",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     results = json.loads(out.read_text())
     (row,) = results["rows"]
@@ -88,7 +153,9 @@ def test_passes_keep_the_median_pass_and_report_each(tmp_path):
 
 
 def test_median_pass():
-    timings = [bench.ChainTiming(us, 1, 2, 1.0, 2.0, noisy=us == 5.0) for us in (3.0, 1.0, 5.0, 2.0)]
+    timings = [
+        bench.ChainTiming(us, 1, 2, 1.0, 2.0, noisy=us == 5.0) for us in (3.0, 1.0, 5.0, 2.0)
+    ]
     chosen = bench.median_pass(timings)
     assert chosen.us == 2.0 and chosen.noisy  # the lower middle of four; one pass was noisy
     assert bench.median_pass(timings[:1]) == timings[0]
@@ -129,11 +196,25 @@ def test_parse_shape_rejects_bad_shapes(text):
 
 
 def _result_row(m: int, n: int, us: float, noisy: bool = False, us_passes=()) -> dict:
-    return {"path": "gemv" if m <= 8 else "fused", "m": m, "n": n, "k": 256, "dtype": "bf16",
-            "us": us, "tbps": 1.234, "tflops": 56.7, "speedup_vs_bf16": 1.5,
-            "speedup_vs_naive": 4.25, "bf16_us": 2 * us, "naive_us": 4 * us,
-            "read_bw_tbps": 3.0, "fraction_of_read_bw": 0.411, "floor_us": 0.75, "noisy": noisy,
-            "us_passes": list(us_passes)}
+    return {
+        "path": "gemv" if m <= 8 else "fused",
+        "m": m,
+        "n": n,
+        "k": 256,
+        "dtype": "bf16",
+        "us": us,
+        "tbps": 1.234,
+        "tflops": 56.7,
+        "speedup_vs_bf16": 1.5,
+        "speedup_vs_naive": 4.25,
+        "bf16_us": 2 * us,
+        "naive_us": 4 * us,
+        "read_bw_tbps": 3.0,
+        "fraction_of_read_bw": 0.411,
+        "floor_us": 0.75,
+        "noisy": noisy,
+        "us_passes": list(us_passes),
+    }
 
 
 def test_row_marks_noisy_and_unsteady_rows():
@@ -144,8 +225,13 @@ def test_row_marks_noisy_and_unsteady_rows():
 
 
 def test_markdown_tables_split_decode_and_prefill_rows(tmp_path, capsys):
-    results = {"rows": [_result_row(1, 96, 3.21), _result_row(64, 96, 12.34, noisy=True),
-                        _result_row(8, 128, 5.0, us_passes=(5.0, 6.0))]}
+    results = {
+        "rows": [
+            _result_row(1, 96, 3.21),
+            _result_row(64, 96, 12.34, noisy=True),
+            _result_row(8, 128, 5.0, us_passes=(5.0, 6.0)),
+        ]
+    }
     decode, prefill = bench.markdown_tables(results).split("\n\n")
     decode_lines, prefill_lines = decode.splitlines(), prefill.splitlines()
     assert decode_lines[0].startswith("| N x K | M | path | us | TB/s | % of read BW |")
@@ -167,8 +253,28 @@ def test_markdown_tables_split_decode_and_prefill_rows(tmp_path, capsys):
 def test_bench_tiled_layout_rows(tmp_path):
     """--layout tiled times prepacked weights where the shape allows and says so per row."""
     out = tmp_path / "tiled.json"
-    assert bench.main(["--quick", "--shapes", "96x128,40x128", "--m", "1", "--repeats", "1",
-                       "--warmup", "0", "--layout", "tiled", "--seed", "2", "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--quick",
+                "--shapes",
+                "96x128,40x128",
+                "--m",
+                "1",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--layout",
+                "tiled",
+                "--seed",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads(out.read_text())
     assert results["layout"] == "tiled"
     assert [r["layout"] for r in results["rows"]] == ["tiled", "spec"]  # 40 rows: no 16-row tiles

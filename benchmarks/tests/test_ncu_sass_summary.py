@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests._helpers import load_repo_script
+
 REASONS = ["barrier", "dispatch", "long_sb", "wait"]
 
 
@@ -18,8 +19,11 @@ def summary():
 
 def _write_export(path, rows, kernel="void Kernel<(int)256>(int)"):
     """rows: (source, executed, {reason: samples}, unlisted samples)."""
-    header = (["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
-              + [f"stall_{r}" for r in REASONS] + [f"stall_{r} (Not Issued)" for r in REASONS])
+    header = (
+        ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
+        + [f"stall_{r}" for r in REASONS]
+        + [f"stall_{r} (Not Issued)" for r in REASONS]
+    )
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         if kernel:
@@ -27,8 +31,11 @@ def _write_export(path, rows, kernel="void Kernel<(int)256>(int)"):
         w.writerow(header)
         for i, (source, executed, stalls, unlisted) in enumerate(rows):
             listed = [stalls.get(r, 0) for r in REASONS]
-            w.writerow([hex(16 * i), source, sum(listed) + unlisted, executed] + listed
-                       + [0] * len(REASONS))
+            w.writerow(
+                [hex(16 * i), source, sum(listed) + unlisted, executed]
+                + listed
+                + [0] * len(REASONS)
+            )
 
 
 def _random_rows(rng, count, tensor_at):

@@ -58,8 +58,12 @@ def test_cpu_run_writes_a_row_per_shape_and_m(xfc, tmp_path, capsys):
     out = tmp_path / "fusion.json"
     assert xfc.main(["--shapes", "64x128,48x256", "--m", "1,33", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["n"], r["k"], r["m"]) for r in rows] == [(64, 128, 1), (64, 128, 33), (48, 256, 1),
-                                                         (48, 256, 33)]
+    assert [(r["n"], r["k"], r["m"]) for r in rows] == [
+        (64, 128, 1),
+        (64, 128, 33),
+        (48, 256, 1),
+        (48, 256, 33),
+    ]
     assert all(r["gemm"] == "dot" and isinstance(r["weight_materialized"], bool) for r in rows)
-    assert [r["layout"] for r in rows] == ["tiled"] * 4      # both shapes take the tiled layout
+    assert [r["layout"] for r in rows] == ["tiled"] * 4  # both shapes take the tiled layout
     assert capsys.readouterr().out.count("| 64x128 |") == 2

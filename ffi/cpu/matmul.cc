@@ -41,12 +41,12 @@ namespace {
 // AMD EPYC (AVX2 clone) 480 rows of M ran 0-6% faster than 240 at M = 64-1024; M = 1024 on
 // 4096x4096 reaches ~90 GFLOP/s per core, about the AVX2 FMA peak (~110 on a 2-core Intel Xeon
 // with the AVX-512 micro-kernel, 12 x 32 outputs a call).
-constexpr int64_t kPanelCols = 16;   // weight rows per micro-kernel column group
-constexpr int64_t kPanelRows = 64;   // weight rows per work unit (4 groups)
-constexpr int64_t kMicroRows = 6;    // rows of M per micro-kernel call (AVX2 and plain builds)
+constexpr int64_t kPanelCols = 16;      // weight rows per micro-kernel column group
+constexpr int64_t kPanelRows = 64;      // weight rows per work unit (4 groups)
+constexpr int64_t kMicroRows = 6;       // rows of M per micro-kernel call (AVX2 and plain builds)
 constexpr int64_t kMicroRowsWide = 12;  // rows of M per AVX-512 micro-kernel call
-constexpr int64_t kBlockRows = 480;  // rows of M per work unit (80 or 40 micro-kernel calls)
-constexpr int64_t kDepth = 256;      // K per step; a multiple of 128 (the tiled layout's window)
+constexpr int64_t kBlockRows = 480;     // rows of M per work unit (80 or 40 micro-kernel calls)
+constexpr int64_t kDepth = 256;         // K per step; a multiple of 128 (the tiled layout's window)
 // Up to kDecodeProductMaxRows rows of M no panel (DecodeProduct): 1.5x faster than the panel at
 // M = 8 on 4096x4096 (two-core Intel Xeon, AVX2 clone); 9 rows keep the panel.
 constexpr int64_t kDecodeProductMaxRows = 8;
@@ -242,9 +242,14 @@ __attribute__((always_inline)) inline void ForEachWord(const MatmulJob& job, int
     const uint8_t* s = job.scale + scale_offset(row0, kb);
     Float8 scales = {};  // zero in lanes past N
     if (lanes == 8) {
-      scales = Float8{e4m3[s[0]], e4m3[s[scale_step]], e4m3[s[2 * scale_step]],
-                      e4m3[s[3 * scale_step]], e4m3[s[4 * scale_step]], e4m3[s[5 * scale_step]],
-                      e4m3[s[6 * scale_step]], e4m3[s[7 * scale_step]]};
+      scales = Float8{e4m3[s[0]],
+                      e4m3[s[scale_step]],
+                      e4m3[s[2 * scale_step]],
+                      e4m3[s[3 * scale_step]],
+                      e4m3[s[4 * scale_step]],
+                      e4m3[s[5 * scale_step]],
+                      e4m3[s[6 * scale_step]],
+                      e4m3[s[7 * scale_step]]};
     } else {
       for (int lane = 0; lane < lanes; ++lane) scales[lane] = e4m3[s[lane * scale_step]];
     }
@@ -253,9 +258,13 @@ __attribute__((always_inline)) inline void ForEachWord(const MatmulJob& job, int
       const uint8_t* p = job.packed + word_offset(row0, kk);
       Word8 words = {};
       if (lanes == 8) {
-        words = Word8{load_word(p), load_word(p + word_step), load_word(p + 2 * word_step),
-                      load_word(p + 3 * word_step), load_word(p + 4 * word_step),
-                      load_word(p + 5 * word_step), load_word(p + 6 * word_step),
+        words = Word8{load_word(p),
+                      load_word(p + word_step),
+                      load_word(p + 2 * word_step),
+                      load_word(p + 3 * word_step),
+                      load_word(p + 4 * word_step),
+                      load_word(p + 5 * word_step),
+                      load_word(p + 6 * word_step),
                       load_word(p + 7 * word_step)};
       } else {
         for (int lane = 0; lane < lanes; ++lane) words[lane] = load_word(p + lane * word_step);
@@ -282,8 +291,7 @@ __attribute__((always_inline)) inline void DecodePanelWords(const MatmulJob& job
                            for (int e = 0; e < 8; ++e) {
                              Float8 value;
                              DecodeE2M1Lanes<Tiled>(words, e, scales, &value);
-                             std::memcpy(out + (kk - k0 + e) * kPanelCols, &value,
-                                         sizeof(value));
+                             std::memcpy(out + (kk - k0 + e) * kPanelCols, &value, sizeof(value));
                            }
                          });
     }
@@ -350,7 +358,6 @@ __attribute__((always_inline)) inline void MicroKernel(const float* a, int64_t l
   }
 }
 
-
 // c[mb, nc] += a[mb, kc] @ panel over the panel's groups, kMicroRows rows of M at a time.
 JAX_FP4_CPU_CLONES
 void PanelProductNarrow(const float* a, int64_t lda, int64_t mb, const float* panel, int64_t kc,
@@ -361,12 +368,24 @@ void PanelProductNarrow(const float* a, int64_t lda, int64_t mb, const float* pa
       float* c_block = c + i * ldc + g * kPanelCols;
       const float* a_block = a + i * lda;
       switch (std::min<int64_t>(kMicroRows, mb - i)) {
-        case 6: MicroKernel<6>(a_block, lda, group, kc, c_block, ldc); break;
-        case 5: MicroKernel<5>(a_block, lda, group, kc, c_block, ldc); break;
-        case 4: MicroKernel<4>(a_block, lda, group, kc, c_block, ldc); break;
-        case 3: MicroKernel<3>(a_block, lda, group, kc, c_block, ldc); break;
-        case 2: MicroKernel<2>(a_block, lda, group, kc, c_block, ldc); break;
-        default: MicroKernel<1>(a_block, lda, group, kc, c_block, ldc); break;
+        case 6:
+          MicroKernel<6>(a_block, lda, group, kc, c_block, ldc);
+          break;
+        case 5:
+          MicroKernel<5>(a_block, lda, group, kc, c_block, ldc);
+          break;
+        case 4:
+          MicroKernel<4>(a_block, lda, group, kc, c_block, ldc);
+          break;
+        case 3:
+          MicroKernel<3>(a_block, lda, group, kc, c_block, ldc);
+          break;
+        case 2:
+          MicroKernel<2>(a_block, lda, group, kc, c_block, ldc);
+          break;
+        default:
+          MicroKernel<1>(a_block, lda, group, kc, c_block, ldc);
+          break;
       }
     }
   }
@@ -402,23 +421,46 @@ __attribute__((always_inline)) inline void MicroKernelWide(const float* a, int64
 
 template <int G>
 __attribute__((target("arch=x86-64-v4"))) void MicroKernelWideRows(int64_t rows, const float* a,
-                                                                   int64_t lda,
-                                                                   const float* groups,
+                                                                   int64_t lda, const float* groups,
                                                                    int64_t kc, float* c,
                                                                    int64_t ldc) {
   switch (rows) {
-    case 12: MicroKernelWide<12, G>(a, lda, groups, kc, c, ldc); break;
-    case 11: MicroKernelWide<11, G>(a, lda, groups, kc, c, ldc); break;
-    case 10: MicroKernelWide<10, G>(a, lda, groups, kc, c, ldc); break;
-    case 9: MicroKernelWide<9, G>(a, lda, groups, kc, c, ldc); break;
-    case 8: MicroKernelWide<8, G>(a, lda, groups, kc, c, ldc); break;
-    case 7: MicroKernelWide<7, G>(a, lda, groups, kc, c, ldc); break;
-    case 6: MicroKernelWide<6, G>(a, lda, groups, kc, c, ldc); break;
-    case 5: MicroKernelWide<5, G>(a, lda, groups, kc, c, ldc); break;
-    case 4: MicroKernelWide<4, G>(a, lda, groups, kc, c, ldc); break;
-    case 3: MicroKernelWide<3, G>(a, lda, groups, kc, c, ldc); break;
-    case 2: MicroKernelWide<2, G>(a, lda, groups, kc, c, ldc); break;
-    default: MicroKernelWide<1, G>(a, lda, groups, kc, c, ldc); break;
+    case 12:
+      MicroKernelWide<12, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 11:
+      MicroKernelWide<11, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 10:
+      MicroKernelWide<10, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 9:
+      MicroKernelWide<9, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 8:
+      MicroKernelWide<8, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 7:
+      MicroKernelWide<7, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 6:
+      MicroKernelWide<6, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 5:
+      MicroKernelWide<5, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 4:
+      MicroKernelWide<4, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 3:
+      MicroKernelWide<3, G>(a, lda, groups, kc, c, ldc);
+      break;
+    case 2:
+      MicroKernelWide<2, G>(a, lda, groups, kc, c, ldc);
+      break;
+    default:
+      MicroKernelWide<1, G>(a, lda, groups, kc, c, ldc);
+      break;
   }
 }
 
@@ -460,8 +502,8 @@ void PanelProduct(const float* a, int64_t lda, int64_t mb, const float* panel, i
 }
 
 // c[mb, rows] += a[mb, kc] @ (weight rows [n0, n0 + rows) over K [k0, k0 + kc))^T with each word
-// of the weight decoded as it is multiplied, eight rows at a time: for a few rows of M the decode is
-// most of the work, and the panel's stores and reloads would cost as much again. Per output the
+// of the weight decoded as it is multiplied, eight rows at a time: for a few rows of M the decode
+// is most of the work, and the panel's stores and reloads would cost as much again. Per output the
 // same operations in the same order as DecodePanel + PanelProduct (one multiply-add chain over
 // the step, then added to c), so that the two agree bit for bit. Needs WholeWords(job).
 template <int MB, bool Tiled>
@@ -484,25 +526,40 @@ __attribute__((always_inline)) inline void DecodeProductRows(const MatmulJob& jo
 }
 
 template <bool Tiled>
-__attribute__((always_inline)) inline void DecodeProductLayout(const MatmulJob& job,
-                                                               const float* a, int64_t lda,
-                                                               int64_t mb, int64_t n0, int64_t rows,
-                                                               int64_t k0, int64_t kc, float* c,
-                                                               int64_t ldc) {
+__attribute__((always_inline)) inline void DecodeProductLayout(const MatmulJob& job, const float* a,
+                                                               int64_t lda, int64_t mb, int64_t n0,
+                                                               int64_t rows, int64_t k0, int64_t kc,
+                                                               float* c, int64_t ldc) {
   static_assert(kDecodeProductMaxRows == 8, "one case per row count");
   for (int64_t r = 0; r < rows; r += 8) {
     const int lanes = static_cast<int>(std::min<int64_t>(8, rows - r));
     const int64_t row0 = n0 + r;
     float* c_rows = c + r;
     switch (mb) {
-      case 8: DecodeProductRows<8, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
-      case 7: DecodeProductRows<7, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
-      case 6: DecodeProductRows<6, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
-      case 5: DecodeProductRows<5, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
-      case 4: DecodeProductRows<4, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
-      case 3: DecodeProductRows<3, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
-      case 2: DecodeProductRows<2, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
-      default: DecodeProductRows<1, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc); break;
+      case 8:
+        DecodeProductRows<8, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        break;
+      case 7:
+        DecodeProductRows<7, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        break;
+      case 6:
+        DecodeProductRows<6, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        break;
+      case 5:
+        DecodeProductRows<5, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        break;
+      case 4:
+        DecodeProductRows<4, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        break;
+      case 3:
+        DecodeProductRows<3, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        break;
+      case 2:
+        DecodeProductRows<2, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        break;
+      default:
+        DecodeProductRows<1, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        break;
     }
   }
 }
@@ -570,11 +627,10 @@ void Work(const std::shared_ptr<MatmulJob>& job) {
   }
 }
 
-ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
-                         ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::U8> scale,
-                         ffi::Buffer<ffi::F32> global_scale, ffi::AnyBuffer bias,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t block_size, bool tiled,
-                         bool avx512) {
+ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
+                         ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                         ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y, int64_t block_size,
+                         bool tiled, bool avx512) {
   MatmulShape shape;
   const std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
@@ -610,8 +666,7 @@ ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
 
   // Small problems are not worth waking other threads for.
   const bool parallel = shape.m * shape.n * shape.k >= kParallelWork;
-  const int64_t helpers =
-      parallel ? std::min(thread_pool.num_threads(), job->num_units) - 1 : 0;
+  const int64_t helpers = parallel ? std::min(thread_pool.num_threads(), job->num_units) - 1 : 0;
   for (int64_t i = 0; i < helpers; ++i) thread_pool.Schedule([job] { Work(job); });
   Work(job);  // the calling thread works too, so progress never depends on the pool
   std::unique_lock<std::mutex> lock(job->mutex);
@@ -632,22 +687,24 @@ std::string CpuKernelBuilds(bool avx512) {
 #else
   const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
-  if (v3) return builds + (builds.empty() ? "x86-64-v3 (AVX2, FMA)" : "x86-64-v3 (AVX2, FMA) decode");
+  if (v3)
+    return builds + (builds.empty() ? "x86-64-v3 (AVX2, FMA)" : "x86-64-v3 (AVX2, FMA) decode");
 #endif
   return builds + "plain C++ (no vector clones for this CPU or compiler)";
 }
 
 }  // namespace jax_fp4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4MatmulCpu, jax_fp4::MatmulCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
-                                  .Arg<ffi::AnyBuffer>()          // a [M, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, ceil(K/block)]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
-                                  .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
-                                  .Ret<ffi::AnyBuffer>()          // y [M, N]
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<bool>("tiled")            // weight in the tiled layout
-                                  .Attr<bool>("avx512"));         // AVX-512 panel product if the CPU has it
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFp4MatmulCpu, jax_fp4::MatmulCpuImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()        // XLA's intra-op threads
+        .Arg<ffi::AnyBuffer>()         // a [M, K]
+        .Arg<ffi::Buffer<ffi::U8>>()   // packed [N, K/2]
+        .Arg<ffi::Buffer<ffi::U8>>()   // scale [N, ceil(K/block)]
+        .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
+        .Arg<ffi::AnyBuffer>()         // bias [N] or [0]
+        .Ret<ffi::AnyBuffer>()         // y [M, N]
+        .Attr<int64_t>("block_size")
+        .Attr<bool>("tiled")     // weight in the tiled layout
+        .Attr<bool>("avx512"));  // AVX-512 panel product if the CPU has it

@@ -14,8 +14,8 @@ namespace jax_fp4 {
 namespace cuda {
 
 struct DeviceInfo {
-  int sm = 0;        // compute capability, major * 10 + minor
-  int num_sms = 0;   // multiprocessor count
+  int sm = 0;       // compute capability, major * 10 + minor
+  int num_sms = 0;  // multiprocessor count
 };
 
 // The current device's compute capability and SM count, queried once per device and cached.
@@ -36,9 +36,14 @@ inline cudaError_t GetDeviceInfo(DeviceInfo* info) {
     }
   }
   int major = 0, minor = 0, sms = 0;
-  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) !=
+      cudaSuccess)
+    return err;
+  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) !=
+      cudaSuccess)
+    return err;
+  if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
+    return err;
   info->sm = major * 10 + minor;
   info->num_sms = sms > 0 ? sms : 1;
   if (device >= 0 && device < kMaxDevices) {

@@ -168,11 +168,11 @@ cudaError_t LaunchDequant(cudaStream_t stream, const DeviceInfo& info, const uin
   if (tiled) {
     DequantTiledKernel<T><<<blocks, kThreads, 0, stream>>>(packed, scale, gs, w, n, k);
   } else if (fast) {
-    DequantFastKernel<T><<<blocks, kThreads, 0, stream>>>(packed, scale, gs, w, n, k, k_blocks,
-                                                          block_size);
+    DequantFastKernel<T>
+        <<<blocks, kThreads, 0, stream>>>(packed, scale, gs, w, n, k, k_blocks, block_size);
   } else {
-    DequantGeneralKernel<T><<<blocks, kThreads, 0, stream>>>(packed, scale, gs, w, n, k,
-                                                             k_blocks, block_size);
+    DequantGeneralKernel<T>
+        <<<blocks, kThreads, 0, stream>>>(packed, scale, gs, w, n, k, k_blocks, block_size);
   }
   return cudaGetLastError();
 }
@@ -229,10 +229,10 @@ ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantCuda, jax_fp4::cuda::DequantCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, ceil(K/bs)]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
-                                  .Ret<ffi::AnyBuffer>()          // w [N, K] f16 / bf16
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // packed [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [N, ceil(K/bs)]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
+                                  .Ret<ffi::AnyBuffer>()         // w [N, K] f16 / bf16
                                   .Attr<int64_t>("block_size")
-                                  .Attr<bool>("tiled"),   // weight in the tiled layout
+                                  .Attr<bool>("tiled"),  // weight in the tiled layout
                               {ffi::Traits::kCmdBufferCompatible});

@@ -61,7 +61,9 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
 __device__ __forceinline__ void FenceReg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 __device__ __forceinline__ void FenceReg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 template <typename P>
-__device__ __forceinline__ void FencePtr(const P*& p) { asm volatile("" : "+l"(p)); }
+__device__ __forceinline__ void FencePtr(const P*& p) {
+  asm volatile("" : "+l"(p));
+}
 
 // ---- shared memory -----------------------------------------------------------------------------
 
@@ -181,8 +183,9 @@ __device__ __forceinline__ void RedReleaseGpu(int* p, int v) {
 __device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
                                          uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
 
@@ -281,56 +284,68 @@ __device__ __forceinline__ uint64_t MakeDesc(uint32_t smem_addr) {
 #define JAX_FP4_ACC8(I)                                                                       \
   "+f"(d[I]), "+f"(d[I + 1]), "+f"(d[I + 2]), "+f"(d[I + 3]), "+f"(d[I + 4]), "+f"(d[I + 5]), \
       "+f"(d[I + 6]), "+f"(d[I + 7])
-#define JAX_FP4_WGMMA_M64N16(TYPE)                                              \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                     \
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE " {" \
-               "%0, %1, %2, %3, %4, %5, %6, %7"                                 \
-               "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"                   \
-               : JAX_FP4_ACC8(0)                                                \
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
-#define JAX_FP4_WGMMA_M64N32(TYPE)                                                    \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                           \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {"       \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
-               "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                       \
-               : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8)                                     \
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
-#define JAX_FP4_WGMMA_M64N64(TYPE)                                                              \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                     \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                 \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-               "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                 \
-               : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8), JAX_FP4_ACC8(16), JAX_FP4_ACC8(24)           \
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
-#define JAX_FP4_WGMMA_M64N128(TYPE)                                                               \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                       \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                  \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"   \
-               "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                   \
-               : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8), JAX_FP4_ACC8(16), JAX_FP4_ACC8(24),            \
-                 JAX_FP4_ACC8(32), JAX_FP4_ACC8(40), JAX_FP4_ACC8(48), JAX_FP4_ACC8(56)           \
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
-#define JAX_FP4_WGMMA_M64N256(TYPE)                                                                             \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                    \
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                                \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                         \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "               \
-               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "               \
-               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "               \
-               "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "               \
-               "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "               \
-               "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "   \
-               "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" \
-               "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"                                            \
-               : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8), JAX_FP4_ACC8(16), JAX_FP4_ACC8(24),                          \
-                 JAX_FP4_ACC8(32), JAX_FP4_ACC8(40), JAX_FP4_ACC8(48), JAX_FP4_ACC8(56),                        \
-                 JAX_FP4_ACC8(64), JAX_FP4_ACC8(72), JAX_FP4_ACC8(80), JAX_FP4_ACC8(88),                        \
-                 JAX_FP4_ACC8(96), JAX_FP4_ACC8(104), JAX_FP4_ACC8(112), JAX_FP4_ACC8(120)                      \
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
+#define JAX_FP4_WGMMA_M64N16(TYPE)                                \
+  asm volatile(                                                   \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                \
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE \
+      " {"                                                        \
+      "%0, %1, %2, %3, %4, %5, %6, %7"                            \
+      "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"              \
+      : JAX_FP4_ACC8(0)                                           \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
+#define JAX_FP4_WGMMA_M64N32(TYPE)                                           \
+  asm volatile(                                                              \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                           \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE            \
+      " {"                                                                   \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+      "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                       \
+      : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8)                                     \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
+#define JAX_FP4_WGMMA_M64N64(TYPE)                                                     \
+  asm volatile(                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                     \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                      \
+      " {"                                                                             \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                 \
+      : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8), JAX_FP4_ACC8(16), JAX_FP4_ACC8(24)           \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
+#define JAX_FP4_WGMMA_M64N128(TYPE)                                                             \
+  asm volatile(                                                                                 \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                              \
+      " {"                                                                                      \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "        \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "        \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"          \
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                          \
+      : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8), JAX_FP4_ACC8(16), JAX_FP4_ACC8(24), JAX_FP4_ACC8(32), \
+        JAX_FP4_ACC8(40), JAX_FP4_ACC8(48), JAX_FP4_ACC8(56)                                    \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
+#define JAX_FP4_WGMMA_M64N256(TYPE)                                                                \
+  asm volatile(                                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE                                 \
+      " {"                                                                                         \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "           \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "           \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "           \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "           \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "           \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, "     \
+      "%111, "                                                                                     \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, " \
+      "%127"                                                                                       \
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"                                        \
+      : JAX_FP4_ACC8(0), JAX_FP4_ACC8(8), JAX_FP4_ACC8(16), JAX_FP4_ACC8(24), JAX_FP4_ACC8(32),    \
+        JAX_FP4_ACC8(40), JAX_FP4_ACC8(48), JAX_FP4_ACC8(56), JAX_FP4_ACC8(64), JAX_FP4_ACC8(72),  \
+        JAX_FP4_ACC8(80), JAX_FP4_ACC8(88), JAX_FP4_ACC8(96), JAX_FP4_ACC8(104),                   \
+        JAX_FP4_ACC8(112), JAX_FP4_ACC8(120)                                                       \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
 #endif  // JAX_FP4_SM90A
 
 template <typename T, int BM>

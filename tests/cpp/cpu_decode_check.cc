@@ -34,7 +34,8 @@ int main() {
       jax_fp4::DecodeE2M1Lanes<false>(spec_words, e, ones, &spec);
       jax_fp4::DecodeE2M1Lanes<true>(tiled_words, e, ones, &tiled);
       for (int lane = 0; lane < 8; ++lane) {
-        const uint32_t want = jax_fp4::float_to_bits(jax_fp4::e2m1_to_float(spec_words[lane] >> (4 * e)));
+        const uint32_t want =
+            jax_fp4::float_to_bits(jax_fp4::e2m1_to_float(spec_words[lane] >> (4 * e)));
         mismatches += jax_fp4::float_to_bits(spec[lane]) != want;
         mismatches += jax_fp4::float_to_bits(tiled[lane]) != want;
       }
@@ -46,8 +47,8 @@ int main() {
   jax_fp4::ToFloats(halves.data(), xla::ffi::DataType::F16, 65536, floats.data());
   for (uint32_t h = 0; h < 65536; ++h) {
     const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-    const double magnitude = exponent == 0 ? std::ldexp(mantissa, -24)
-                                           : std::ldexp(1024 + mantissa, int(exponent) - 25);
+    const double magnitude =
+        exponent == 0 ? std::ldexp(mantissa, -24) : std::ldexp(1024 + mantissa, int(exponent) - 25);
     const uint32_t sign = (h & 0x8000u) << 16;
     const uint32_t want = exponent == 0x1Fu
                               ? sign | 0x7F800000u | (mantissa << 13)  // inf, NaN with its payload

@@ -77,8 +77,8 @@ std::string Describe(int64_t m, int64_t n, int64_t k, int64_t sms, bool tiled,
                      const GemvLaunchConfig& c) {
   return "m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
          " sms=" + std::to_string(sms) + " tiled=" + std::to_string(tiled) +
-         ": col_tiles=" + std::to_string(c.col_tiles) + " row_tiles=" + std::to_string(c.row_tiles) +
-         " k_split=" + std::to_string(c.k_split) +
+         ": col_tiles=" + std::to_string(c.col_tiles) +
+         " row_tiles=" + std::to_string(c.row_tiles) + " k_split=" + std::to_string(c.k_split) +
          " rows_per_block=" + std::to_string(c.rows_per_block);
 }
 
@@ -171,7 +171,8 @@ void TestInvariants() {
             }
             Check(std::find(candidates.begin(), candidates.end(), ks_) != candidates.end(), where);
             std::pair<int64_t, int64_t> best = ModelledTime(shape, m, n, k, candidates[0], sms);
-            for (const int s : candidates) best = std::min(best, ModelledTime(shape, m, n, k, s, sms));
+            for (const int s : candidates)
+              best = std::min(best, ModelledTime(shape, m, n, k, s, sms));
             Check(ModelledTime(shape, m, n, k, ks_, sms) == best, "least modelled time: " + where);
             // Prepacked at M > 8: two column tiles wherever their grid (both axes: 16 rows of M a
             // block row) has a block for every other SM. Otherwise two only when their grid still
@@ -231,20 +232,20 @@ void TestH200Shapes() {
           "layouts agree at M <= 8: m=" + std::to_string(m));
   }
   for (const int64_t m : {1, 2, 4, 8}) {
-    ExpectPick(m, 11008, 4096, 2, 4);    // MLP up/gate: two tiles share activations
-    ExpectPick(m, 4096, 11008, 1, 8);    // MLP down
-    ExpectPick(m, 5120, 17408, 1, 6);    // 8 would need 1.2 waves of 8-warp blocks
-    ExpectPick(m, 28672, 8192, 2, 2);    // 4 would need 1.7 waves
-    ExpectPick(m, 248320, 2048, 2, 1);   // lm_head: many waves at any split
+    ExpectPick(m, 11008, 4096, 2, 4);   // MLP up/gate: two tiles share activations
+    ExpectPick(m, 4096, 11008, 1, 8);   // MLP down
+    ExpectPick(m, 5120, 17408, 1, 6);   // 8 would need 1.2 waves of 8-warp blocks
+    ExpectPick(m, 28672, 8192, 2, 2);   // 4 would need 1.7 waves
+    ExpectPick(m, 248320, 2048, 2, 1);  // lm_head: many waves at any split
     ExpectPick(m, 4096, 4096, 1, 8);
   }
   for (const int64_t m : {1, 2, 4}) ExpectPick(m, 17408, 5120, 1, 2);  // two tiles just over a wave
   ExpectPick(8, 17408, 5120, 2, 3);
-  ExpectPick(1, 24576, 4096, 2, 2);  // one tile would fit a wave only at k_split 1
+  ExpectPick(1, 24576, 4096, 2, 2);           // one tile would fit a wave only at k_split 1
   ExpectPick(4, 11008, 4096, 2, 4, true, 4);  // speculative decode, 4 rows (scalar row tiling 4)
   ExpectPick(8, 2048, 2048, 1, 8, true, 4);   // small MLP: split K for parallelism (2 windows each)
   ExpectPick(1, 100, 128, 1, 1, true, 1);     // one window: nothing to split
-  for (const int64_t m : {9, 12, 16}) {  // one pass over the weight for up to 16 rows
+  for (const int64_t m : {9, 12, 16}) {       // one pass over the weight for up to 16 rows
     Check(Config(m, 11008, 4096).row_tiles == 2, "two row tiles at m=" + std::to_string(m));
     // Prepacked (activations just in time, 16 warps per SM): the fastest config of every k_split
     // on all eight shapes measured.
@@ -298,8 +299,8 @@ void TestMonotoneInSms() {
 }
 
 void TestDegenerateInputs() {
-  const int64_t cases[][4] = {{0, 0, 0, 0}, {1, 0, 128, 132}, {1, 1, 0, 132}, {1, 1, 128, -3},
-                              {9, 1, 128, 132}};
+  const int64_t cases[][4] = {
+      {0, 0, 0, 0}, {1, 0, 128, 132}, {1, 1, 0, 132}, {1, 1, 128, -3}, {9, 1, 128, 132}};
   for (const auto& args : cases) {
     for (const bool tiled : {true, false}) {
       const GemvLaunchConfig c = Config(args[0], args[1], args[2], args[3], tiled);
@@ -308,8 +309,8 @@ void TestDegenerateInputs() {
     }
   }
   // Resident warps the occupancy query could not give (0) still give a valid config.
-  const GemvLaunchConfig c = jax_fp4::gemv_launch_config(16, 11008, 4096, 132, true,
-                                                         GemvResidentWarps{0, 0, 0, 0});
+  const GemvLaunchConfig c =
+      jax_fp4::gemv_launch_config(16, 11008, 4096, 132, true, GemvResidentWarps{0, 0, 0, 0});
   Check(c.col_tiles >= 1 && c.k_split >= 1 && c.rows_per_block >= 1, "zero resident warps");
 }
 
@@ -319,11 +320,10 @@ void TestResidentWarpsInput() {
   for (const int64_t n : {4096, 11008, 28672}) {
     for (const int64_t m : {1, 16}) {
       const GemvLaunchConfig h200 = Config(m, n, 4096, 132, true);
-      const int split_fewer = jax_fp4::gemv_mma_split(m, n, 4096, 132, true,
-                                                      GemvResidentWarps{10, 8, 8, 8},
-                                                      h200.col_tiles, h200.row_tiles);
-      Check(split_fewer <= h200.k_split, "fewer resident warps: m=" + std::to_string(m) +
-                                             " n=" + std::to_string(n));
+      const int split_fewer = jax_fp4::gemv_mma_split(
+          m, n, 4096, 132, true, GemvResidentWarps{10, 8, 8, 8}, h200.col_tiles, h200.row_tiles);
+      Check(split_fewer <= h200.k_split,
+            "fewer resident warps: m=" + std::to_string(m) + " n=" + std::to_string(n));
     }
   }
 }

@@ -19,10 +19,10 @@ constexpr int kWsThreads = kProducerThreads + kConsumerThreads;
 // (Used only in sm_90a device code: other compilation passes would warn that they are unused.)
 [[maybe_unused]] constexpr int kProducerRegisters = 56;
 [[maybe_unused]] constexpr int kConsumerRegisters = 224;
-constexpr int kStageK = 128;          // K per pipeline stage
-constexpr int kMaxSplit = 8;          // portable cluster size
-constexpr int kFillStages = 2;        // split heuristic: per-CTA fixed cost in stage units
-constexpr int kSmemPerSm = 233472;    // sm_90 shared memory per SM (each CTA reserves 1 KB of it)
+constexpr int kStageK = 128;            // K per pipeline stage
+constexpr int kMaxSplit = 8;            // portable cluster size
+constexpr int kFillStages = 2;          // split heuristic: per-CTA fixed cost in stage units
+constexpr int kSmemPerSm = 233472;      // sm_90 shared memory per SM (each CTA reserves 1 KB of it)
 constexpr int kMaxSmemPerCta = 232448;  // sm_90 opt-in maximum per CTA
 
 // The activation tiles the kernel is built for (FusedConfig, attribute tile_m).
@@ -50,21 +50,21 @@ struct FusedConfig {
   static_assert(TN == DefaultTileN(BM) || (BM == 128 && TN == 128),
                 "TN is 256 up to BM = 64, 128 or 256 at BM = 128, 128 at BM = 256");
   static constexpr int kBM = BM;
-  static constexpr int kTilesPerWarpgroup = TN / 128;         // m64 weight tiles
-  static constexpr int kTileN = TN;                           // weight rows per CTA
-  static constexpr int kGroups = 2 * kTilesPerWarpgroup;      // wgmma groups per stage
+  static constexpr int kTilesPerWarpgroup = TN / 128;     // m64 weight tiles
+  static constexpr int kTileN = TN;                       // weight rows per CTA
+  static constexpr int kGroups = 2 * kTilesPerWarpgroup;  // wgmma groups per stage
   static constexpr int kMinBlocks = BM <= 32 ? 2 : 1;
   // Stages: as many as the shared memory allows, except BM = 32, where a 4th stage (fitting two
-  // CTAs per SM) measured ~15% slower on 17408x5120 and 28672x8192 at M = 32 (benchmarks/RESULTS.md).
+  // CTAs per SM) measured ~15% slower on 17408x5120 and 28672x8192 at M = 32
+  // (benchmarks/RESULTS.md).
   static constexpr int kStages =
-      BM == 16 ? 5
-               : (BM == 32 ? 3 : (BM == 64 ? 6 : (BM == 128 ? (TN == 128 ? 5 : 4) : 3)));
+      BM == 16 ? 5 : (BM == 32 ? 3 : (BM == 64 ? 6 : (BM == 128 ? (TN == 128 ? 5 : 4) : 3)));
   static constexpr int kActBytes = BM * kStageK * 2;         // two [BM][64] swizzled tiles
   static constexpr int kActSubBytes = BM * 128;              // one [BM][64] tile
   static constexpr int kPackedBytes = kTileN * kStageK / 2;  // 16 / 8 KB
   static constexpr int kScaleBytes = kTileN * kStageK / 16;  // 2 / 1 KB
   static constexpr int kPipeBytes = kStages * (kActBytes + kPackedBytes + kScaleBytes);
-  static constexpr int kEpiStride = kTileN + 4;              // floats; conflict-free staging
+  static constexpr int kEpiStride = kTileN + 4;  // floats; conflict-free staging
   static constexpr int kEpiBytes = BM * kEpiStride * 4;
   static constexpr int kSmemBytes = 1024 + (kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes);
   static_assert(kSmemBytes <= kMaxSmemPerCta, "shared memory over the sm_90 limit");
@@ -74,8 +74,7 @@ struct FusedConfig {
   static_assert(kActSubBytes % 1024 == 0, "wgmma B tiles must stay 1024-byte aligned");
   // Dynamic shared memory that leaves room for one CTA per SM only: how a kMinBlocks = 2 tile
   // spreads a grid too small to fill every SM twice over all SMs instead of packing half of them.
-  static constexpr int kSpreadSmemBytes =
-      kSmemBytes > kSmemPerSm / 2 ? kSmemBytes : kSmemPerSm / 2;
+  static constexpr int kSpreadSmemBytes = kSmemBytes > kSmemPerSm / 2 ? kSmemBytes : kSmemPerSm / 2;
 };
 
 // Activation rows per CTA: the smallest tile that covers M (less padded tensor work; the tiles up

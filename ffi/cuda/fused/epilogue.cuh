@@ -95,8 +95,8 @@ __device__ __forceinline__ void StoreTile(const Decoder& decode,
     }
     return sum;
   };
-  StoreStagedRows<Decoder>(sum_ranks, static_cast<int>(cluster.block_rank()), splits, ctid, m0,
-                           n0, m, n, global_scale, bias, y, vec_store);
+  StoreStagedRows<Decoder>(sum_ranks, static_cast<int>(cluster.block_rank()), splits, ctid, m0, n0,
+                           m, n, global_scale, bias, y, vec_store);
   cluster.sync();  // keep this CTA's shared memory alive until every rank has read it
 }
 
@@ -234,7 +234,7 @@ __device__ __forceinline__ void StreamKStore(const Decoder& decode,
   if (first != last) {
     if (static_cast<int>(blockIdx.x) != first) {
       WritePartial<Decoder>(plan.PartialSlot(blockIdx.x, kTileElems), acc, ctid);
-      NamedBarrierSync(1, kConsumerThreads);  // every thread's partial written ...
+      NamedBarrierSync(1, kConsumerThreads);                  // every thread's partial written ...
       if (ctid == 0) RedReleaseGpu(plan.arrivals + tile, 1);  // ... and published by one fence
       return;
     }

@@ -29,10 +29,11 @@ namespace fused {
 inline constexpr int64_t kBlockSize = 16;   // NVFP4 block size, the only one served
 inline constexpr int64_t kKMultiple = 128;  // K per pipeline stage
 inline constexpr int64_t kMaxMTiles = 65535;
-inline constexpr int64_t kTileMLarge = 128;  // the smallest activation tile above M = 64 (bounds the M tiles)
+inline constexpr int64_t kTileMLarge =
+    128;  // the smallest activation tile above M = 64 (bounds the M tiles)
 
-inline constexpr int64_t kMaxStreamKCtas = 132;           // the most SMs of an sm_90 part
-inline constexpr int64_t kStreamKTileElems = 128 * 256;   // the largest CTA tile (BM x TN)
+inline constexpr int64_t kMaxStreamKCtas = 132;          // the most SMs of an sm_90 part
+inline constexpr int64_t kStreamKTileElems = 128 * 256;  // the largest CTA tile (BM x TN)
 
 // f32 elements of the workspace result for an [M, K] x [N, K]^T problem: for M > 64 (the 128-
 // and 256-row tiles, where the warp-specialized kernel may run stream-K), one fp32 partial tile

@@ -78,8 +78,8 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
 
   // Tuning attributes (measurement only): 0 / -1 = the heuristic's choice.
   if (split < 0 || split > kMaxSplit) {
-    return invalid("split must be 0 (the heuristic) or 1.." + std::to_string(kMaxSplit) +
-                   ", got " + std::to_string(split));
+    return invalid("split must be 0 (the heuristic) or 1.." + std::to_string(kMaxSplit) + ", got " +
+                   std::to_string(split));
   }
   if (tile_m != 0 && !IsTileM(tile_m)) {
     return invalid("tile_m must be 0 (the heuristic) or one of 16, 32, 64, 128, 256, got " +
@@ -104,12 +104,16 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   tile.n = tile_n > 0 ? static_cast<int>(tile_n) : DefaultTileN(tile.m);
   tile.ws = warp_specialized < 0 ? WarpSpecializedByDefault(tile.m) : warp_specialized == 1;
   if (tile.n != DefaultTileN(tile.m) && tile.m != 128) {
-    return invalid("tile_n=" + std::to_string(tile.n) + " needs 128-row activation "
-                   "tiles (this call's are " + std::to_string(tile.m) + " rows)");
+    return invalid("tile_n=" + std::to_string(tile.n) +
+                   " needs 128-row activation "
+                   "tiles (this call's are " +
+                   std::to_string(tile.m) + " rows)");
   }
   if (tile.ws && !HasWarpSpecialized(tile.m)) {
-    return invalid("warp_specialized=1 needs 64-row or larger activation tiles (this "
-                   "call's are " + std::to_string(tile.m) + " rows)");
+    return invalid(
+        "warp_specialized=1 needs 64-row or larger activation tiles (this "
+        "call's are " +
+        std::to_string(tile.m) + " rows)");
   }
   if (CeilDiv(m, tile.m) > fused::kMaxMTiles) {
     return invalid("M too large for " + std::to_string(tile.m) + "-row tiles");
@@ -117,8 +121,9 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   if (tuning.stream_k == 1) {
     const StreamKShape sk = PlanStreamK(tile.m, tile.n, m, n, k, info.num_sms);
     if (!tile.ws || tuning.split > 0 || !sk.Fits(ws_elems)) {
-      return invalid("stream_k=1 needs the warp-specialized kernel, split=0 and M > 64 (the "
-                     "workspace)");
+      return invalid(
+          "stream_k=1 needs the warp-specialized kernel, split=0 and M > 64 (the "
+          "workspace)");
     }
   }
 
@@ -149,15 +154,15 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FusedCuda, jax_fp4::cuda::fused_detail::FusedCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // a [M, K] f16 / bf16
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, K/16] raw E4M3
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
-                                  .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
-                                  .Ret<ffi::AnyBuffer>()          // y [M, N]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // workspace (WorkspaceElems)
+                                  .Arg<ffi::AnyBuffer>()         // a [M, K] f16 / bf16
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // packed [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [N, K/16] raw E4M3
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
+                                  .Arg<ffi::AnyBuffer>()         // bias [N] or [0]
+                                  .Ret<ffi::AnyBuffer>()         // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // workspace (WorkspaceElems)
                                   .Attr<int64_t>("block_size")
-                                  .Attr<bool>("tiled")    // weight in the tiled layout
+                                  .Attr<bool>("tiled")                // weight in the tiled layout
                                   .Attr<int64_t>("split")             // 0 = heuristic, 1..8
                                   .Attr<int64_t>("tile_m")            // 0 = heuristic, 16..256
                                   .Attr<int64_t>("tile_n")            // 0 = heuristic, 128, 256

@@ -98,8 +98,8 @@ __global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * Cfg::kTileN;
   const int2 range = StageRange(k);
   const int kc0 = range.x, nst = range.y;
-  const StageLoader<T, Cfg, Tiled, kConsumerThreads> load(tid, a, packed, scale, m, n, k, m0,
-                                                          n0, map);
+  const StageLoader<T, Cfg, Tiled, kConsumerThreads> load(tid, a, packed, scale, m, n, k, m0, n0,
+                                                          map);
   const Decoder decode(tid);
 
   float acc[Decoder::TJ][Decoder::kAcc];
@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   uint32_t afrag[2][4][4] = {};
   ring.Consume(decode, acc, afrag, map, nst, ctid & 31);
   NamedBarrierSync(1, kConsumerThreads);  // both consumer warpgroups done with the pipeline smem
-  StoreTile(decode, acc, reinterpret_cast<float*>(smem), ctid, m0, n0, m, n, global_scale, bias,
-            y, vec_store);
+  StoreTile(decode, acc, reinterpret_cast<float*>(smem), ctid, m0, n0, m, n, global_scale, bias, y,
+            vec_store);
 #endif  // JAX_FP4_SM90A
 }
 
@@ -194,8 +194,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     FusedGemmStreamKKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                            const uint8_t* __restrict__ scale,
                            const float* __restrict__ global_scale, const T* __restrict__ bias,
-                           T* __restrict__ y, int m, int n, int k, int vec_store,
-                           StreamKPlan plan, const __grid_constant__ CUtensorMap act_map) {
+                           T* __restrict__ y, int m, int n, int k, int vec_store, StreamKPlan plan,
+                           const __grid_constant__ CUtensorMap act_map) {
 #if JAX_FP4_SM90A
   WaitForPrerequisiteGrids();  // attribute programmatic: see FusedTuning::programmatic
   AllowDependentLaunch();

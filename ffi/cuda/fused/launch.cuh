@@ -99,7 +99,7 @@ struct FusedProblem {
 // A call's tuning attributes that reach the launch (the handler validates them and resolves the
 // tile); 0 / -1 = the heuristic's choice.
 struct FusedTuning {
-  int split = 0;      // attribute split: the split-K factor (clamped to the K stages), 0 = ChooseSplit
+  int split = 0;  // attribute split: the split-K factor (clamped to the K stages), 0 = ChooseSplit
   int stream_k = -1;  // attribute stream_k: 0 cluster split-K, 1 stream-K, -1 = the cost model
   // Attribute programmatic: programmatic dependent launches (LaunchKernel, common.cuh); every
   // kernel waits for the previous one before its first memory access.
@@ -127,12 +127,12 @@ cudaError_t EncodeActivationMap(CUtensorMap* out, const void* a, int64_t m, int6
   const cuuint64_t row_stride[1] = {static_cast<cuuint64_t>(k) * sizeof(T)};
   const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t unit[2] = {1, 1};
-  const CUresult r = encode(
-      out, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-      2, const_cast<void*>(a), dims, row_stride, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(out,
+                            std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                      : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            2, const_cast<void*>(a), dims, row_stride, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -249,13 +249,12 @@ constexpr auto LaunchFor(bool ws) {
 template <typename T, bool Tiled>
 cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, TileChoice tile,
                                 const FusedProblem& p, const FusedTuning& o) {
-  const auto launch =
-      tile.m == 16    ? LaunchFor<T, Tiled, 16>(tile.ws)
-      : tile.m == 32  ? LaunchFor<T, Tiled, 32>(tile.ws)
-      : tile.m == 64  ? LaunchFor<T, Tiled, 64>(tile.ws)
-      : tile.m == 128 ? (tile.n == 128 ? LaunchFor<T, Tiled, 128, 128>(tile.ws)
-                                       : LaunchFor<T, Tiled, 128>(tile.ws))
-                      : LaunchFor<T, Tiled, 256>(tile.ws);
+  const auto launch = tile.m == 16    ? LaunchFor<T, Tiled, 16>(tile.ws)
+                      : tile.m == 32  ? LaunchFor<T, Tiled, 32>(tile.ws)
+                      : tile.m == 64  ? LaunchFor<T, Tiled, 64>(tile.ws)
+                      : tile.m == 128 ? (tile.n == 128 ? LaunchFor<T, Tiled, 128, 128>(tile.ws)
+                                                       : LaunchFor<T, Tiled, 128>(tile.ws))
+                                      : LaunchFor<T, Tiled, 256>(tile.ws);
   return launch(stream, device, sms, p, o);
 }
 

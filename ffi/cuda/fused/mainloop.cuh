@@ -125,7 +125,7 @@ struct StageLoader {
   const uint8_t* pk_run = nullptr;  // kWeightBulk: this lane's tile's stage-0 runs (tiles in N)
   const uint8_t* sc_run = nullptr;
   uint32_t weight_bytes = 0;  // kWeightBulk: packed + scale bytes of the CTA tile's rows in N
-  const T* a_any;  // a valid address for the zero-byte copies of rows past M
+  const T* a_any;             // a valid address for the zero-byte copies of rows past M
   const T* a_src0;
   int64_t a_step;
   int a_valid;

@@ -2,7 +2,8 @@
 //                                   + bias[n]),
 // fp32 accumulation, NVFP4 weights decoded in registers (no dequantized copy of W). Two kernels:
 //
-// * GemvMmaKernel (attribute tensor_cores; sm_80+, K % 128 == 0 or the tiled layout): mma.sync m16n8k16 with the WEIGHT in the A slot
+// * GemvMmaKernel (attribute tensor_cores; sm_80+, K % 128 == 0 or the tiled layout): mma.sync
+// m16n8k16 with the WEIGHT in the A slot
 //   (16 output columns) and the activations in the B slot (8 rows of M; at M > 8 each decoded
 //   weight fragment feeds two such row tiles unless row tiling is off). See the fragment table
 //   above the kernel. The E4M3 block scale is folded into the decoded 16-bit weight before the
@@ -10,7 +11,8 @@
 //   ffi/cuda/gemv/mma.cuh (benchmarks/probes/gemv_probe.cu times variants of it). It reads the
 //   weight in the spec layout, or (attribute tiled) in the tiled layout of jax_fp4.prepack
 //   (jax_fp4/layout.py).
-// * GemvScalarKernel (tensor_cores false; spec layout, any K % 32 == 0; ffi/cuda/gemv/scalar.cuh): a warp per output column, 32 K elements (one 16-byte load
+// * GemvScalarKernel (tensor_cores false; spec layout, any K % 32 == 0; ffi/cuda/gemv/scalar.cuh):
+// a warp per output column, 32 K elements (one 16-byte load
 //   of packed weight, two scale blocks) per lane per step, per-block fp32 partial sums, a warp
 //   shuffle reduction, and row tiling (RowsPerBlock rows of M share each decoded weight).
 //
@@ -81,8 +83,7 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         "jax_fp4_gemv_cuda: k_split must be 0 (the heuristic) or >= 1, got " +
         std::to_string(k_split));
   }
-  if (!(rows_per_block == 0 || rows_per_block == 1 || rows_per_block == 2 ||
-        rows_per_block == 4)) {
+  if (!(rows_per_block == 0 || rows_per_block == 1 || rows_per_block == 2 || rows_per_block == 4)) {
     return ffi::Error::InvalidArgument(
         "jax_fp4_gemv_cuda: rows_per_block must be 0 (the heuristic), 1, 2 or 4, got " +
         std::to_string(rows_per_block));
@@ -115,16 +116,15 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
                        : GetGemvResidentWarps<__nv_bfloat16, false>(&warps));
     if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: occupancy query", err);
   }
-  GemvLaunchConfig cfg =
-      gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms, tiled, warps);
+  GemvLaunchConfig cfg = gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms, tiled, warps);
   if (col_tiles != 0 && col_tiles != cfg.col_tiles) {
     cfg.col_tiles = static_cast<int>(col_tiles);
     cfg.k_split = gemv_mma_split(shape.m, shape.n, shape.k, info.num_sms, tiled, warps,
                                  cfg.col_tiles, cfg.row_tiles);
   }
   if (k_split != 0) {  // clamped into the block's warp budget
-    cfg.k_split = static_cast<int>(std::min<int64_t>(
-        k_split, GemvMmaShape{cfg.col_tiles, cfg.row_tiles, tiled}.max_split()));
+    cfg.k_split = static_cast<int>(
+        std::min<int64_t>(k_split, GemvMmaShape{cfg.col_tiles, cfg.row_tiles, tiled}.max_split()));
   }
   if (rows_per_block != 0) cfg.rows_per_block = static_cast<int>(rows_per_block);
   // Programmatic dependent launch: the tensor-core kernel on sm_90+ (elsewhere a plain launch).
@@ -145,18 +145,18 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GemvCuda, jax_fp4::cuda::GemvCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // a [M, K] f16 / bf16
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, K/16] (E4M3 bytes)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
-                                  .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
-                                  .Ret<ffi::AnyBuffer>()          // y [M, N]
+                                  .Arg<ffi::AnyBuffer>()         // a [M, K] f16 / bf16
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // packed [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [N, K/16] (E4M3 bytes)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
+                                  .Arg<ffi::AnyBuffer>()         // bias [N] or [0]
+                                  .Ret<ffi::AnyBuffer>()         // y [M, N]
                                   .Attr<int64_t>("block_size")
-                                  .Attr<bool>("tiled")            // weight in the tiled layout
-                                  .Attr<bool>("tensor_cores")     // mma.sync kernel, else scalar
+                                  .Attr<bool>("tiled")         // weight in the tiled layout
+                                  .Attr<bool>("tensor_cores")  // mma.sync kernel, else scalar
                                   .Attr<bool>("row_tiling")
-                                  .Attr<int64_t>("col_tiles")     // 0 = heuristic, 1 or 2
-                                  .Attr<int64_t>("k_split")       // 0 = heuristic, >= 1
+                                  .Attr<int64_t>("col_tiles")       // 0 = heuristic, 1 or 2
+                                  .Attr<int64_t>("k_split")         // 0 = heuristic, >= 1
                                   .Attr<int64_t>("rows_per_block")  // 0 = heuristic, 1, 2, 4
-                                  .Attr<bool>("programmatic"),    // PDL on sm_90+
+                                  .Attr<bool>("programmatic"),      // PDL on sm_90+
                               {ffi::Traits::kCmdBufferCompatible});

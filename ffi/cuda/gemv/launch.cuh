@@ -34,8 +34,8 @@ cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* pack
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = GemvMmaSmemBytes(CT, k_split);
-  auto* kernel = k_split > 1 ? GemvMmaKernel<T, CT, RT, 256, Tiled>
-                             : GemvMmaKernel<T, CT, RT, 0, Tiled>;
+  auto* kernel =
+      k_split > 1 ? GemvMmaKernel<T, CT, RT, 256, Tiled> : GemvMmaKernel<T, CT, RT, 0, Tiled>;
   return LaunchKernel(kernel, grid, block, smem, stream, programmatic, a, packed, scale, gs, bias,
                       y, m, n, k);
 }
@@ -50,8 +50,8 @@ cudaError_t GemvInstanceResidentWarps(int* warps) {
   cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &with_prefetch, GemvMmaKernel<T, CT, RT, 256, Tiled>, 32, 0);
   if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&without, GemvMmaKernel<T, CT, RT, 0, Tiled>,
-                                                        32, 0);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&without,
+                                                        GemvMmaKernel<T, CT, RT, 0, Tiled>, 32, 0);
   }
   *warps = std::min(with_prefetch, without);
   return err;
@@ -69,17 +69,19 @@ cudaError_t GetGemvResidentWarps(GemvResidentWarps* out) {
   const bool cached = device >= 0 && device < kMaxDevices;
   const uint32_t packed = cached ? cache[device].load(std::memory_order_relaxed) : 0u;
   if (packed != 0) {
-    *out = GemvResidentWarps{static_cast<int>(packed & 0xFFu),
-                             static_cast<int>((packed >> 8) & 0xFFu),
-                             static_cast<int>((packed >> 16) & 0xFFu),
-                             static_cast<int>(packed >> 24)};
+    *out =
+        GemvResidentWarps{static_cast<int>(packed & 0xFFu), static_cast<int>((packed >> 8) & 0xFFu),
+                          static_cast<int>((packed >> 16) & 0xFFu), static_cast<int>(packed >> 24)};
     return cudaSuccess;
   }
   GemvResidentWarps warps{};
   if ((err = GemvInstanceResidentWarps<T, 1, 1, Tiled>(&warps.one_tile)) != cudaSuccess) return err;
-  if ((err = GemvInstanceResidentWarps<T, 2, 1, Tiled>(&warps.two_col_tiles)) != cudaSuccess) return err;
-  if ((err = GemvInstanceResidentWarps<T, 1, 2, Tiled>(&warps.two_row_tiles)) != cudaSuccess) return err;
-  if ((err = GemvInstanceResidentWarps<T, 2, 2, Tiled>(&warps.two_by_two)) != cudaSuccess) return err;
+  if ((err = GemvInstanceResidentWarps<T, 2, 1, Tiled>(&warps.two_col_tiles)) != cudaSuccess)
+    return err;
+  if ((err = GemvInstanceResidentWarps<T, 1, 2, Tiled>(&warps.two_row_tiles)) != cudaSuccess)
+    return err;
+  if ((err = GemvInstanceResidentWarps<T, 2, 2, Tiled>(&warps.two_by_two)) != cudaSuccess)
+    return err;
   // At least one warp each (the launch bounds guarantee a block fits), at most 255 (8 bits).
   for (int* w : {&warps.one_tile, &warps.two_col_tiles, &warps.two_row_tiles, &warps.two_by_two}) {
     *w = std::min(std::max(*w, 1), 255);
@@ -111,8 +113,8 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
                          int64_t n, int64_t k) {
   const dim3 grid(static_cast<unsigned>(CeilDiv(n, kGemvScalarColsPerBlock)),
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, R), kMaxGridY)));
-  GemvScalarKernel<T, R><<<grid, 32 * kGemvScalarColsPerBlock, 0, stream>>>(a, packed, scale, gs,
-                                                                             bias, y, m, n, k);
+  GemvScalarKernel<T, R>
+      <<<grid, 32 * kGemvScalarColsPerBlock, 0, stream>>>(a, packed, scale, gs, bias, y, m, n, k);
   return cudaGetLastError();
 }
 
@@ -130,9 +132,10 @@ cudaError_t LaunchGemv(cudaStream_t stream, const void* a, const uint8_t* packed
     const int ks = cfg.k_split;
     const bool pdl = programmatic;
     if (row_tiling && cfg.row_tiles == 2) {
-      return cfg.col_tiles == 2
-                 ? LaunchMma<T, 2, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl)
-                 : LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl);
+      return cfg.col_tiles == 2 ? LaunchMma<T, 2, 2>(stream, tiled, at, packed, scale, gs, bt, yt,
+                                                     m, n, k, ks, pdl)
+                                : LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt,
+                                                     m, n, k, ks, pdl);
     }
     return cfg.col_tiles == 2
                ? LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl)
@@ -140,9 +143,12 @@ cudaError_t LaunchGemv(cudaStream_t stream, const void* a, const uint8_t* packed
   }
   const int rows = row_tiling ? cfg.rows_per_block : 1;
   switch (rows) {
-    case 4: return LaunchScalar<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k);
-    case 2: return LaunchScalar<T, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k);
-    default: return LaunchScalar<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k);
+    case 4:
+      return LaunchScalar<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k);
+    case 2:
+      return LaunchScalar<T, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k);
+    default:
+      return LaunchScalar<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k);
   }
 }
 

@@ -52,9 +52,9 @@ namespace cuda {
 // warp + k_split, ... and reduce in shared memory in a fixed order.
 template <int CT, int RT>
 struct MmaFragments {
-  uint4 w[CT][2];      // packed weight, rows g and g + 8 of each column tile
-  uint32_t s[CT][2];   // the two scale bytes of those rows
-  uint4 a[RT][4];      // activation row g of each row tile, window elements [32t, 32t + 32)
+  uint4 w[CT][2];     // packed weight, rows g and g + 8 of each column tile
+  uint32_t s[CT][2];  // the two scale bytes of those rows
+  uint4 a[RT][4];     // activation row g of each row tile, window elements [32t, 32t + 32)
 };
 
 // The lane's activation fragment of one window: the 64 bytes at `ap` (row g, elements 32t..).

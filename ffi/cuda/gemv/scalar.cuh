@@ -49,9 +49,11 @@ template <typename T, int R>
 __global__ void __launch_bounds__(32 * kGemvScalarColsPerBlock)
     GemvScalarKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                      const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
-                     const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
+                     const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n,
+                     int64_t k) {
   const int lane = threadIdx.x & 31;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kGemvScalarColsPerBlock + (threadIdx.x >> 5);
+  const int64_t col =
+      static_cast<int64_t>(blockIdx.x) * kGemvScalarColsPerBlock + (threadIdx.x >> 5);
   if (col >= n) return;  // warp-uniform
   const int64_t chunks = k / 32;
   const uint8_t* wrow = packed + col * (k / 2);
@@ -87,14 +89,22 @@ __global__ void __launch_bounds__(32 * kGemvScalarColsPerBlock)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t q4 = qw[j] << 4;
-        const float2 p0 = HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 0>(qw[j], q4));
-        const float2 p1 = HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 1>(qw[j], q4));
-        const float2 p2 = HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 2>(qw[j], q4));
-        const float2 p3 = HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 3>(qw[j], q4));
-        wf[8 * j + 0] = p0.x; wf[8 * j + 1] = p0.y;
-        wf[8 * j + 2] = p1.x; wf[8 * j + 3] = p1.y;
-        wf[8 * j + 4] = p2.x; wf[8 * j + 5] = p2.y;
-        wf[8 * j + 6] = p3.x; wf[8 * j + 7] = p3.y;
+        const float2 p0 =
+            HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 0>(qw[j], q4));
+        const float2 p1 =
+            HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 1>(qw[j], q4));
+        const float2 p2 =
+            HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 2>(qw[j], q4));
+        const float2 p3 =
+            HalfTraits<__half>::pair_to_float2(decode_e2m1_pair<__half, 3>(qw[j], q4));
+        wf[8 * j + 0] = p0.x;
+        wf[8 * j + 1] = p0.y;
+        wf[8 * j + 2] = p1.x;
+        wf[8 * j + 3] = p1.y;
+        wf[8 * j + 4] = p2.x;
+        wf[8 * j + 5] = p2.y;
+        wf[8 * j + 6] = p3.x;
+        wf[8 * j + 7] = p3.y;
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) {

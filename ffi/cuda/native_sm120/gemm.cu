@@ -30,8 +30,8 @@
 #include "xla/ffi/api/ffi.h"
 
 // The device pass whose code may use SM120 block-scaled MMA: sm_120a (or the sm_120f family).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200 && __CUDA_ARCH__ < 1300 && \
-    (defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL) ||  \
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200 && __CUDA_ARCH__ < 1300 &&     \
+    (defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL) || \
      defined(__CUDA_ARCH_SPECIFIC__) || defined(__CUDA_ARCH_FAMILY_SPECIFIC__))
 #define JAX_FP4_SM120_DEVICE_PASS 1
 #endif
@@ -108,7 +108,8 @@ __global__ void AlphaKernel(const float* a_gs, const float* b_gs, float* alpha) 
 // The kernel parameters travel as an opaque blob (CUTLASS's Params holds TMA descriptors and is
 // 128-byte aligned); its size is checked against CUTLASS's Params in the host pass.
 inline constexpr int kParamBlobBytes = 2560;  // CUTLASS 4.2: 2176 bytes
-inline constexpr int kGemmThreads = 384;  // cooperative schedule: 1 producer + 2 consumer warpgroups
+inline constexpr int kGemmThreads =
+    384;  // cooperative schedule: 1 producer + 2 consumer warpgroups
 struct alignas(128) ParamBlob {
   unsigned char bytes[kParamBlobBytes];
 };
@@ -116,7 +117,8 @@ struct alignas(128) ParamBlob {
 // The kernel entry point: CUTLASS's device_kernel, with the body compiled only in the sm_120a pass
 // (CUTLASS's own guard also admits sm_90a, which would build the whole SM120 mainloop for Hopper).
 template <typename Kernel>
-__global__ void __launch_bounds__(kGemmThreads, 1) Sm120Nvfp4GemmKernel(__grid_constant__ const ParamBlob blob) {
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    Sm120Nvfp4GemmKernel(__grid_constant__ const ParamBlob blob) {
 #if defined(JAX_FP4_SM120_DEVICE_PASS) && defined(JAX_FP4_COMPILE_CUTLASS)
   extern __shared__ char smem[];
   Kernel op;
@@ -155,9 +157,10 @@ struct Sm120Nvfp4Gemm {
                                                                 ElementD, ElementCompute>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      ArchTag, OperatorClass, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
-      ElementAccumulator, ElementCompute, void, LayoutDTag, kAlignmentD, ElementD, LayoutDTag,
-      kAlignmentD, cutlass::epilogue::collective::EpilogueScheduleAuto, FusionOp>::CollectiveOp;
+      ArchTag, OperatorClass, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementCompute, void,
+      LayoutDTag, kAlignmentD, ElementD, LayoutDTag, kAlignmentD,
+      cutlass::epilogue::collective::EpilogueScheduleAuto, FusionOp>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       ArchTag, OperatorClass, ElementA, LayoutATag, kAlignmentA, ElementB, LayoutBTag, kAlignmentB,
@@ -166,8 +169,9 @@ struct Sm120Nvfp4Gemm {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::collective::KernelScheduleAuto>::CollectiveOp;
 
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                          CollectiveEpilogue, void>;
+  using GemmKernel =
+      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                           CollectiveEpilogue, void>;
   using Params = typename GemmKernel::Params;
   using Arguments = typename GemmKernel::Arguments;
   using StrideA = typename GemmKernel::StrideA;
@@ -184,8 +188,10 @@ struct GemmKernelBF16 : Sm120Nvfp4Gemm<cutlass::bfloat16_t>::GemmKernel {};
 #endif  // JAX_FP4_COMPILE_CUTLASS
 
 // Every pass instantiates the same two kernels; only the sm_120a pass gives them a body.
-template __global__ void sm120::Sm120Nvfp4GemmKernel<sm120::GemmKernelF16>(__grid_constant__ const sm120::ParamBlob);
-template __global__ void sm120::Sm120Nvfp4GemmKernel<sm120::GemmKernelBF16>(__grid_constant__ const sm120::ParamBlob);
+template __global__ void sm120::Sm120Nvfp4GemmKernel<sm120::GemmKernelF16>(
+    __grid_constant__ const sm120::ParamBlob);
+template __global__ void sm120::Sm120Nvfp4GemmKernel<sm120::GemmKernelBF16>(
+    __grid_constant__ const sm120::ParamBlob);
 
 // The host side: launch code (host pass only).
 #if defined(JAX_FP4_COMPILE_CUTLASS) && !defined(__CUDA_ARCH__)
@@ -194,22 +200,30 @@ namespace sm120 {
 
 using namespace cute;
 
-// Stride (ld, 1, 0) of a packed matrix whose second mode is contiguous: A (M, K) and B (N, K) with K
-// contiguous, D (M, N) row-major; batch stride 0 (one batch). Equivalent to CUTLASS's
+// Stride (ld, 1, 0) of a packed matrix whose second mode is contiguous: A (M, K) and B (N, K) with
+// K contiguous, D (M, N) row-major; batch stride 0 (one batch). Equivalent to CUTLASS's
 // make_cute_packed_stride, which lives in tools/util (not shipped in the wheel's include dir).
 template <typename Stride>
 Stride PackedStride(int64_t leading) {
-  static_assert(cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<1>(Stride{}))>, cute::Int<1>>,
-                "expected a stride whose second mode is contiguous");
+  static_assert(
+      cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<1>(Stride{}))>, cute::Int<1>>,
+      "expected a stride whose second mode is contiguous");
   Stride stride{};
   cute::get<0>(stride) = leading;
   cute::get<2>(stride) = 0;
   return stride;
 }
 
-template <typename ElementOut> struct KernelFor;
-template <> struct KernelFor<cutlass::half_t> { using type = GemmKernelF16; };
-template <> struct KernelFor<cutlass::bfloat16_t> { using type = GemmKernelBF16; };
+template <typename ElementOut>
+struct KernelFor;
+template <>
+struct KernelFor<cutlass::half_t> {
+  using type = GemmKernelF16;
+};
+template <>
+struct KernelFor<cutlass::bfloat16_t> {
+  using type = GemmKernelBF16;
+};
 
 template <typename ElementOut>
 ffi::Error RunGemm(cudaStream_t stream, int device, int64_t m, int64_t n, int64_t k,
@@ -226,14 +240,17 @@ ffi::Error RunGemm(cudaStream_t stream, int device, int64_t m, int64_t n, int64_
   if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)) != cudaSuccess) {
     cudaGetLastError();
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      name + "no kernel image for this device; build jax_fp4 with 120a-real in "
-                             "JAX_FP4_CUDA_ARCHITECTURES");
+                      name +
+                          "no kernel image for this device; build jax_fp4 with 120a-real in "
+                          "JAX_FP4_CUDA_ARCHITECTURES");
   }
   if (attributes.ptxVersion < 120) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      name + "this jax_fp4 build has no sm_120a code for the NVFP4 GEMM (kernel PTX "
-                             "version " + std::to_string(attributes.ptxVersion) +
-                             "); build with 120a-real in JAX_FP4_CUDA_ARCHITECTURES");
+                      name +
+                          "this jax_fp4 build has no sm_120a code for the NVFP4 GEMM (kernel PTX "
+                          "version " +
+                          std::to_string(attributes.ptxVersion) +
+                          "); build with 120a-real in JAX_FP4_CUDA_ARCHITECTURES");
   }
 
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
@@ -281,7 +298,8 @@ ffi::Error RunGemm(cudaStream_t stream, int device, int64_t m, int64_t n, int64_
                                        " N=" + std::to_string(n) + " K=" + std::to_string(k));
   }
   const size_t cutlass_workspace = GemmKernel::get_workspace_size(args);
-  if (cutlass_workspace > static_cast<size_t>(kNativeWorkspaceBytes - kNativeWorkspaceCutlassOffset)) {
+  if (cutlass_workspace >
+      static_cast<size_t>(kNativeWorkspaceBytes - kNativeWorkspaceCutlassOffset)) {
     return ffi::Error::Internal(name + "CUTLASS needs " + std::to_string(cutlass_workspace) +
                                 " bytes of workspace, more than reserved");
   }
@@ -289,20 +307,23 @@ ffi::Error RunGemm(cudaStream_t stream, int device, int64_t m, int64_t n, int64_
   if (GemmKernel::initialize_workspace(args, cutlass_ws, stream) != cutlass::Status::kSuccess) {
     return ffi::Error::Internal(name + "CUTLASS workspace initialisation failed");
   }
-  static_assert(sizeof(typename G::Params) <= sizeof(ParamBlob) && alignof(typename G::Params) <= alignof(ParamBlob),
+  static_assert(sizeof(typename G::Params) <= sizeof(ParamBlob) &&
+                    alignof(typename G::Params) <= alignof(ParamBlob),
                 "CUTLASS's kernel Params outgrew ParamBlob: raise kParamBlobBytes");
-  static_assert(GemmKernel::MaxThreadsPerBlock == kGemmThreads && GemmKernel::MinBlocksPerMultiprocessor == 1,
-                "kGemmThreads must match the CUTLASS kernel's launch bounds");
+  static_assert(
+      GemmKernel::MaxThreadsPerBlock == kGemmThreads && GemmKernel::MinBlocksPerMultiprocessor == 1,
+      "kGemmThreads must match the CUTLASS kernel's launch bounds");
   ParamBlob blob;
   std::memset(&blob, 0, sizeof(blob));
   new (&blob) typename G::Params(GemmKernel::to_underlying_arguments(args, cutlass_ws));
   const auto& params = *reinterpret_cast<const typename G::Params*>(&blob);
 
   const int smem = static_cast<int>(GemmKernel::SharedStorageSize);
-  if (cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           smem) != cudaSuccess) {
-    return ffi::Error::Internal(name + "cudaFuncSetAttribute(" + std::to_string(smem) +
-                                " bytes of shared memory): " + cudaGetErrorString(cudaGetLastError()));
+  if (cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+    return ffi::Error::Internal(
+        name + "cudaFuncSetAttribute(" + std::to_string(smem) +
+        " bytes of shared memory): " + cudaGetErrorString(cudaGetLastError()));
   }
   const dim3 grid = GemmKernel::get_grid_shape(params);
   const dim3 block = GemmKernel::get_block_shape();
@@ -321,15 +342,17 @@ ffi::Error RunGemm(cudaStream_t stream, int device, int64_t m, int64_t n, int64_
 
 namespace {
 
-ffi::Error NativeSm120Impl(cudaStream_t stream, ffi::Buffer<ffi::U8> a_packed, ffi::Buffer<ffi::U8> a_scale,
-                           ffi::Buffer<ffi::F32> a_global_scale, ffi::Buffer<ffi::U8> b_packed,
-                           ffi::Buffer<ffi::U8> b_scale, ffi::Buffer<ffi::F32> b_global_scale,
-                           ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error NativeSm120Impl(cudaStream_t stream, ffi::Buffer<ffi::U8> a_packed,
+                           ffi::Buffer<ffi::U8> a_scale, ffi::Buffer<ffi::F32> a_global_scale,
+                           ffi::Buffer<ffi::U8> b_packed, ffi::Buffer<ffi::U8> b_scale,
+                           ffi::Buffer<ffi::F32> b_global_scale, ffi::AnyBuffer bias,
+                           ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t block_size) {
   const std::string name = "jax_fp4_native_sm120_cuda: ";
   // Operand checks first (they hold on any device).
   if (block_size != kBlock) {
-    return ffi::Error::InvalidArgument(name + "block_size must be 16, got " + std::to_string(block_size));
+    return ffi::Error::InvalidArgument(name + "block_size must be 16, got " +
+                                       std::to_string(block_size));
   }
   const auto ad = a_packed.dimensions(), bd = b_packed.dimensions(), yd = y->dimensions();
   if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1]) {
@@ -338,8 +361,8 @@ ffi::Error NativeSm120Impl(cudaStream_t stream, ffi::Buffer<ffi::U8> a_packed, f
   }
   const int64_t m = ad[0], n = bd[0], k = 2 * ad[1], k_blocks = k / kBlock;
   if (k % 32 || n % 32) {
-    return ffi::Error::InvalidArgument(name + "K and N must be multiples of 32, got K=" + std::to_string(k) +
-                                       " N=" + std::to_string(n));
+    return ffi::Error::InvalidArgument(name + "K and N must be multiples of 32, got K=" +
+                                       std::to_string(k) + " N=" + std::to_string(n));
   }
   if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) {
     return ffi::Error::InvalidArgument(name + "M, N and K must fit in 32 bits");
@@ -348,8 +371,9 @@ ffi::Error NativeSm120Impl(cudaStream_t stream, ffi::Buffer<ffi::U8> a_packed, f
       static_cast<int64_t>(b_scale.element_count()) != SwizzledScaleBytes(n, k_blocks)) {
     return ffi::Error::InvalidArgument(
         name + "a_scale and b_scale must be swizzled (128x4) scales of " +
-        std::to_string(SwizzledScaleBytes(m, k_blocks)) + " and " + std::to_string(SwizzledScaleBytes(n, k_blocks)) +
-        " bytes, got " + DimsToString(a_scale.dimensions()) + " and " + DimsToString(b_scale.dimensions()));
+        std::to_string(SwizzledScaleBytes(m, k_blocks)) + " and " +
+        std::to_string(SwizzledScaleBytes(n, k_blocks)) + " bytes, got " +
+        DimsToString(a_scale.dimensions()) + " and " + DimsToString(b_scale.dimensions()));
   }
   if (a_global_scale.element_count() != 1 || b_global_scale.element_count() != 1) {
     return ffi::Error::InvalidArgument(name + "global scales must hold one element each");
@@ -362,39 +386,43 @@ ffi::Error NativeSm120Impl(cudaStream_t stream, ffi::Buffer<ffi::U8> a_packed, f
     return ffi::Error::InvalidArgument(name + "y must be [M, N], got " + DimsToString(yd));
   }
   const bool has_bias = bias.element_count() != 0;
-  if (has_bias && (bias.element_type() != out_type || static_cast<int64_t>(bias.element_count()) != n)) {
+  if (has_bias &&
+      (bias.element_type() != out_type || static_cast<int64_t>(bias.element_count()) != n)) {
     return ffi::Error::InvalidArgument(name + "bias must be empty or hold N elements of y's type");
   }
   if (static_cast<int64_t>(workspace->element_count()) < kNativeWorkspaceBytes) {
-    return ffi::Error::InvalidArgument(name + "workspace must hold " + std::to_string(kNativeWorkspaceBytes) +
-                                       " bytes");
+    return ffi::Error::InvalidArgument(name + "workspace must hold " +
+                                       std::to_string(kNativeWorkspaceBytes) + " bytes");
   }
 
   int device = 0;
   const int cc = CurrentCapability(&device);
   if (cc < 120 || cc >= 130) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      name + "the native NVFP4 x NVFP4 GEMM needs a Blackwell SM120 GPU (compute "
-                             "capability 12.x); this device has compute capability " +
-                             (cc < 0 ? std::string("unknown") : std::to_string(cc / 10) + "." + std::to_string(cc % 10)));
+                      name +
+                          "the native NVFP4 x NVFP4 GEMM needs a Blackwell SM120 GPU (compute "
+                          "capability 12.x); this device has compute capability " +
+                          (cc < 0 ? std::string("unknown")
+                                  : std::to_string(cc / 10) + "." + std::to_string(cc % 10)));
   }
 #if !defined(JAX_FP4_HAVE_CUTLASS)
   (void)stream;
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    name + "this jax_fp4 build has no CUTLASS (install nvidia-cutlass and rebuild)");
+  return ffi::Error(
+      ffi::ErrorCode::kUnimplemented,
+      name + "this jax_fp4 build has no CUTLASS (install nvidia-cutlass and rebuild)");
 #else
   if (m == 0) return ffi::Error::Success();
   sm120::AlphaKernel<<<1, 1, 0, stream>>>(a_global_scale.typed_data(), b_global_scale.typed_data(),
-                                    reinterpret_cast<float*>(workspace->typed_data()));
+                                          reinterpret_cast<float*>(workspace->typed_data()));
   const void* bias_ptr = has_bias ? bias.untyped_data() : nullptr;
   if (out_type == ffi::DataType::F16) {
-    return sm120::RunGemm<cutlass::half_t>(stream, device, m, n, k, a_packed.typed_data(), a_scale.typed_data(),
-                                    b_packed.typed_data(), b_scale.typed_data(), bias_ptr, y->untyped_data(),
-                                    workspace->typed_data());
+    return sm120::RunGemm<cutlass::half_t>(
+        stream, device, m, n, k, a_packed.typed_data(), a_scale.typed_data(), b_packed.typed_data(),
+        b_scale.typed_data(), bias_ptr, y->untyped_data(), workspace->typed_data());
   }
-  return sm120::RunGemm<cutlass::bfloat16_t>(stream, device, m, n, k, a_packed.typed_data(), a_scale.typed_data(),
-                                      b_packed.typed_data(), b_scale.typed_data(), bias_ptr, y->untyped_data(),
-                                      workspace->typed_data());
+  return sm120::RunGemm<cutlass::bfloat16_t>(
+      stream, device, m, n, k, a_packed.typed_data(), a_scale.typed_data(), b_packed.typed_data(),
+      b_scale.typed_data(), bias_ptr, y->untyped_data(), workspace->typed_data());
 #endif
 }
 

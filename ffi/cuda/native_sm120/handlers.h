@@ -28,7 +28,8 @@ namespace jax_fp4 {
 // Per-block partial maxima for the dynamic activation scale (jax_fp4/native.py mirrors these).
 inline constexpr int64_t kActivationPartials = 1024;
 // Workspace of the native GEMM: alpha (= a_global_scale * b_global_scale) at offset 0, CUTLASS's
-// own workspace (0 bytes for the persistent scheduler used here) from kNativeWorkspaceCutlassOffset.
+// own workspace (0 bytes for the persistent scheduler used here) from
+// kNativeWorkspaceCutlassOffset.
 inline constexpr int64_t kNativeWorkspaceBytes = 4096;
 inline constexpr int64_t kNativeWorkspaceCutlassOffset = 256;
 

@@ -88,7 +88,8 @@ __device__ __forceinline__ uint32_t E2m1Rne(float q) {
 
 __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   return v;
 }
 
@@ -110,9 +111,8 @@ __device__ float BlockMax(float v) {
 
 // Pass 1 of the dynamic scale: partials[b] = max |a| over the finite elements block b visits.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) AbsMaxPartialsKernel(const T* __restrict__ a,
-                                                                 int64_t num_vec8,
-                                                                 float* __restrict__ partials) {
+__global__ void __launch_bounds__(kThreads)
+    AbsMaxPartialsKernel(const T* __restrict__ a, int64_t num_vec8, float* __restrict__ partials) {
   float amax = 0.0f;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < num_vec8;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
@@ -133,10 +133,12 @@ __global__ void __launch_bounds__(kThreads) AbsMaxPartialsKernel(const T* __rest
 // Threads run over rows_out = (swizzled ? ceil(M/128)*128 : M) rows and k_groups = ceil(KB/4)
 // groups; padding positions get zero scale bytes and no packed data.
 template <typename T, bool kSwizzled>
-__global__ void __launch_bounds__(kThreads) QuantizeActivationKernel(
-    const T* __restrict__ a, int64_t m, int64_t k, int64_t rows_out, int64_t k_groups,
-    const float* __restrict__ static_scale, const float* __restrict__ partials, int num_partials,
-    uint8_t* __restrict__ packed, uint8_t* __restrict__ scale, float* __restrict__ global_scale) {
+__global__ void __launch_bounds__(kThreads)
+    QuantizeActivationKernel(const T* __restrict__ a, int64_t m, int64_t k, int64_t rows_out,
+                             int64_t k_groups, const float* __restrict__ static_scale,
+                             const float* __restrict__ partials, int num_partials,
+                             uint8_t* __restrict__ packed, uint8_t* __restrict__ scale,
+                             float* __restrict__ global_scale) {
   // The global scale: every CTA derives the same value from the same inputs.
   __shared__ float s_gs;
   if (static_scale != nullptr) {
@@ -200,17 +202,17 @@ __global__ void __launch_bounds__(kThreads) QuantizeActivationKernel(
     }
   }
   if (kSwizzled) {
-    const int64_t offset = ((row >> 7) * k_groups + group) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
+    const int64_t offset =
+        ((row >> 7) * k_groups + group) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
     *reinterpret_cast<uint32_t*>(scale + offset) = scale_word;
   }
 }
 
 // One thread per 32-bit word of the swizzled output: gathers the four k-blocks (4 kb .. 4 kb + 3)
 // of one row, zero outside [rows, k_blocks).
-__global__ void __launch_bounds__(kThreads) SwizzleScalesKernel(const uint8_t* __restrict__ scale,
-                                                                int64_t rows, int64_t k_blocks,
-                                                                int64_t k_groups, int64_t num_words,
-                                                                uint32_t* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads)
+    SwizzleScalesKernel(const uint8_t* __restrict__ scale, int64_t rows, int64_t k_blocks,
+                        int64_t k_groups, int64_t num_words, uint32_t* __restrict__ out) {
   const int64_t w = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (w >= num_words) return;
   const int64_t tile = w >> 7;  // 128 words (512 bytes) per atom
@@ -255,11 +257,13 @@ void LaunchQuantize(cudaStream_t stream, const void* a, int64_t m, int64_t k, bo
   const int64_t rows_out = swizzled ? CeilDiv(m, 128) * 128 : m;
   const unsigned grid = GridFor(rows_out * k_groups);
   if (swizzled) {
-    QuantizeActivationKernel<T, true><<<grid, kThreads, 0, stream>>>(
-        a_t, m, k, rows_out, k_groups, static_scale, partials, num_partials, packed, scale, global_scale);
+    QuantizeActivationKernel<T, true>
+        <<<grid, kThreads, 0, stream>>>(a_t, m, k, rows_out, k_groups, static_scale, partials,
+                                        num_partials, packed, scale, global_scale);
   } else {
-    QuantizeActivationKernel<T, false><<<grid, kThreads, 0, stream>>>(
-        a_t, m, k, rows_out, k_groups, static_scale, partials, num_partials, packed, scale, global_scale);
+    QuantizeActivationKernel<T, false>
+        <<<grid, kThreads, 0, stream>>>(a_t, m, k, rows_out, k_groups, static_scale, partials,
+                                        num_partials, packed, scale, global_scale);
   }
 }
 
@@ -272,24 +276,29 @@ ffi::Error QuantizeActivationImpl(cudaStream_t stream, ffi::AnyBuffer a,
                                   bool swizzled) {
   const std::string name = "jax_fp4_quantize_activation_cuda: ";
   if (block_size != kBlock) {
-    return ffi::Error::InvalidArgument(name + "block_size must be 16, got " + std::to_string(block_size));
+    return ffi::Error::InvalidArgument(name + "block_size must be 16, got " +
+                                       std::to_string(block_size));
   }
   const ffi::DataType dtype = a.element_type();
   if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument(name + "a must be float16 or bfloat16");
   }
   const auto a_dims = a.dimensions();
-  if (a_dims.size() != 2) return ffi::Error::InvalidArgument(name + "a must be [M, K], got " + DimsToString(a_dims));
+  if (a_dims.size() != 2)
+    return ffi::Error::InvalidArgument(name + "a must be [M, K], got " + DimsToString(a_dims));
   const int64_t m = a_dims[0], k = a_dims[1];
   if (k % kBlock) {
-    return ffi::Error::InvalidArgument(name + "K must be a multiple of 16, got " + std::to_string(k));
+    return ffi::Error::InvalidArgument(name + "K must be a multiple of 16, got " +
+                                       std::to_string(k));
   }
   const int64_t k_blocks = k / kBlock;
   const auto p_dims = packed->dimensions();
   if (p_dims.size() != 2 || p_dims[0] != m || p_dims[1] != k / 2) {
-    return ffi::Error::InvalidArgument(name + "packed must be [M, K/2], got " + DimsToString(p_dims));
+    return ffi::Error::InvalidArgument(name + "packed must be [M, K/2], got " +
+                                       DimsToString(p_dims));
   }
-  const int64_t scale_bytes = swizzled ? CeilDiv(m, 128) * 128 * CeilDiv(k_blocks, 4) * 4 : m * k_blocks;
+  const int64_t scale_bytes =
+      swizzled ? CeilDiv(m, 128) * 128 * CeilDiv(k_blocks, 4) * 4 : m * k_blocks;
   if (static_cast<int64_t>(scale->element_count()) != scale_bytes) {
     return ffi::Error::InvalidArgument(name + "scale must hold " + std::to_string(scale_bytes) +
                                        " bytes, got " + DimsToString(scale->dimensions()));
@@ -299,22 +308,25 @@ ffi::Error QuantizeActivationImpl(cudaStream_t stream, ffi::AnyBuffer a,
   }
   const size_t static_count = activation_scale.element_count();
   if (static_count > 1) {
-    return ffi::Error::InvalidArgument(name + "activation_scale must hold 0 (dynamic) or 1 element");
+    return ffi::Error::InvalidArgument(name +
+                                       "activation_scale must hold 0 (dynamic) or 1 element");
   }
   const bool dynamic = static_count == 0;
   int num_partials = 0;
   if (dynamic) {
     const int64_t available = static_cast<int64_t>(partials->element_count());
     if (available < 1) {
-      return ffi::Error::InvalidArgument(name + "a dynamic activation scale needs a partials scratch buffer");
+      return ffi::Error::InvalidArgument(
+          name + "a dynamic activation scale needs a partials scratch buffer");
     }
     const int64_t wanted = std::max<int64_t>(1, CeilDiv(m * k / 8, kThreads));
     num_partials = static_cast<int>(std::min({wanted, available, kActivationPartials}));
   }
   const float* static_ptr = dynamic ? nullptr : activation_scale.typed_data();
   if (dtype == ffi::DataType::F16) {
-    LaunchQuantize<__half>(stream, a.untyped_data(), m, k, swizzled, static_ptr, partials->typed_data(),
-                           num_partials, packed->typed_data(), scale->typed_data(), global_scale->typed_data());
+    LaunchQuantize<__half>(stream, a.untyped_data(), m, k, swizzled, static_ptr,
+                           partials->typed_data(), num_partials, packed->typed_data(),
+                           scale->typed_data(), global_scale->typed_data());
   } else {
     LaunchQuantize<__nv_bfloat16>(stream, a.untyped_data(), m, k, swizzled, static_ptr,
                                   partials->typed_data(), num_partials, packed->typed_data(),
@@ -327,18 +339,20 @@ ffi::Error SwizzleScalesImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> scale,
                              ffi::Result<ffi::Buffer<ffi::U8>> out) {
   const std::string name = "jax_fp4_swizzle_scales_cuda: ";
   const auto dims = scale.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument(name + "scale must be [R, KB], got " + DimsToString(dims));
+  if (dims.size() != 2)
+    return ffi::Error::InvalidArgument(name + "scale must be [R, KB], got " + DimsToString(dims));
   const int64_t rows = dims[0], k_blocks = dims[1];
   const int64_t k_groups = CeilDiv(k_blocks, 4);
   const int64_t bytes = CeilDiv(rows, 128) * 128 * k_groups * 4;
   if (static_cast<int64_t>(out->element_count()) != bytes) {
-    return ffi::Error::InvalidArgument(name + "out must hold " + std::to_string(bytes) + " bytes, got " +
-                                       DimsToString(out->dimensions()));
+    return ffi::Error::InvalidArgument(name + "out must hold " + std::to_string(bytes) +
+                                       " bytes, got " + DimsToString(out->dimensions()));
   }
   if (bytes == 0) return ffi::Error::Success();
   const int64_t words = bytes / 4;
   SwizzleScalesKernel<<<GridFor(words), kThreads, 0, stream>>>(
-      scale.typed_data(), rows, k_blocks, k_groups, words, reinterpret_cast<uint32_t*>(out->typed_data()));
+      scale.typed_data(), rows, k_blocks, k_groups, words,
+      reinterpret_cast<uint32_t*>(out->typed_data()));
   return LaunchError(name.c_str());
 }
 
@@ -348,12 +362,12 @@ ffi::Error SwizzleScalesImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> scale,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeActivationCuda, jax_fp4::QuantizeActivationImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()           // a [M, K] f16/bf16
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // activation scale [0] or [1]
-                                  .Ret<ffi::Buffer<ffi::U8>>()     // packed [M, K/2]
-                                  .Ret<ffi::Buffer<ffi::U8>>()     // scale, swizzled or [M, K/16]
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // global scale [1]
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // partials scratch
+                                  .Arg<ffi::AnyBuffer>()         // a [M, K] f16/bf16
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // activation scale [0] or [1]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // packed [M, K/2]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // scale, swizzled or [M, K/16]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // global scale [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // partials scratch
                                   .Attr<int64_t>("block_size")
                                   .Attr<bool>("swizzled"),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -361,6 +375,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeActivationCuda, jax_fp4::QuantizeAct
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4SwizzleScalesCuda, jax_fp4::SwizzleScalesImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()     // scale [R, KB] plain
-                                  .Ret<ffi::Buffer<ffi::U8>>(),    // swizzled
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [R, KB] plain
+                                  .Ret<ffi::Buffer<ffi::U8>>(),  // swizzled
                               {ffi::Traits::kCmdBufferCompatible});

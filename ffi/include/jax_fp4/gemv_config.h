@@ -182,9 +182,8 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
     // Two-tile blocks resident per SM at k_split 4: the unit of the "thin second wave" band.
     const int64_t wave = static_cast<int64_t>(warps.at(2, 1) / 4) * sms;
     const bool thin_second_wave = two_tile_blocks > wave && 2 * two_tile_blocks < 3 * wave;
-    const bool one_tile_splits =
-        GemvOneWaveSplit(tiles * m_chunks, GemvMmaShape{1, 1, tiled}, warps.at(1, 1), windows,
-                         sms) > 1;
+    const bool one_tile_splits = GemvOneWaveSplit(tiles * m_chunks, GemvMmaShape{1, 1, tiled},
+                                                  warps.at(1, 1), windows, sms) > 1;
     col_tiles = m <= 4 && thin_second_wave && one_tile_splits ? 1 : 2;
   }
   const int k_split = gemv_mma_split(m, n, k, num_sms, tiled, warps, col_tiles, row_tiles);

@@ -79,7 +79,8 @@ JAX_FP4_HD uint32_t packed_code(const uint8_t* packed_row, int64_t k) {
 // Byte offset of row r's 16 packed bytes of window w, quarter t (elements 128 w + 32 t .. + 31).
 JAX_FP4_HD int64_t tiled_packed_offset(int64_t row, int64_t window, int64_t quarter,
                                        int64_t windows) {
-  return (((row / 16) * windows + window) * 2 + (row / 8) % 2) * 512 + ((row % 8) * 4 + quarter) * 16;
+  return (((row / 16) * windows + window) * 2 + (row / 8) % 2) * 512 +
+         ((row % 8) * 4 + quarter) * 16;
 }
 
 // Byte offset of row r's scale of block b (elements 16 b .. 16 b + 15).
@@ -105,7 +106,8 @@ JAX_FP4_HD float bf16_bits_to_float(uint16_t bits) {
 
 JAX_FP4_HD uint16_t float_to_bf16_bits(float f) {
   const uint32_t bits = float_to_bits(f);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
+    return static_cast<uint16_t>((bits >> 16) | 0x40u);     // quiet NaN
   const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest, ties to even
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
@@ -130,7 +132,7 @@ JAX_FP4_HD uint16_t float_to_fp16_bits(float f) {
   const uint32_t bits = float_to_bits(f);
   const uint32_t sign = (bits >> 16) & 0x8000u;
   const uint32_t abs_bits = bits & 0x7FFFFFFFu;
-  if (abs_bits > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);  // NaN
+  if (abs_bits > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);   // NaN
   if (abs_bits >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to Inf
   if (abs_bits < 0x38800000u) {
     // Result is subnormal (or zero): scale to units of 2^-24 and round to nearest even.

@@ -36,7 +36,7 @@ struct HalfTraits<__half> {
   using Pair = __half2;
   // decode: 16-bit value = e2m1 * 2^kDecodeExp
   static constexpr int kDecodeExp = -14;
-  static constexpr int kEmShift = 3;               // nibble EM bits 14..12 -> 11..9
+  static constexpr int kEmShift = 3;  // nibble EM bits 14..12 -> 11..9
   static constexpr uint32_t kEmMask = 0x0E000E00u;
   // Block scale pre-multiplied by 2^kScaleExp so that decode * scale = e2m1 * e4m3 * 2^-7, exact:
   // fp16: 2^-14 * 2^7; e4m3 * 2^7 <= 57344 fits fp16, products 2^-17 .. 21 keep <= 6 significant
@@ -62,12 +62,14 @@ template <>
 struct HalfTraits<__nv_bfloat16> {
   using Pair = __nv_bfloat162;
   static constexpr int kDecodeExp = -126;
-  static constexpr int kEmShift = 6;               // nibble EM bits 14..12 -> 8..6
+  static constexpr int kEmShift = 6;  // nibble EM bits 14..12 -> 8..6
   static constexpr uint32_t kEmMask = 0x01C001C0u;
   // bf16: decode is e2m1 * 2^-126, scale * 2^119 (448 * 2^119 < 2^128), product e2m1*e4m3*2^-7.
   static constexpr float kScaleMul = 6.6461399789245794e35f;  // 2^119
   __device__ __forceinline__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ __forceinline__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  __device__ __forceinline__ static __nv_bfloat16 from_float(float x) {
+    return __float2bfloat16_rn(x);
+  }
   __device__ __forceinline__ static uint32_t pair_from_floats(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);

@@ -54,8 +54,8 @@ inline std::string CheckWeightOperands(xla::ffi::Span<const int64_t> packed_dims
 inline std::string CheckTiledLayout(const MatmulShape& shape, int64_t block_size) {
   if (block_size == 16 && shape.n % 16 == 0 && shape.k % 128 == 0) return "";
   return "the tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, got block_size " +
-         std::to_string(block_size) + ", N = " + std::to_string(shape.n) + ", K = " +
-         std::to_string(shape.k);
+         std::to_string(block_size) + ", N = " + std::to_string(shape.n) +
+         ", K = " + std::to_string(shape.k);
 }
 
 // Checks a matmul's operands: a [M, K], weight operands, bias [N] or empty, y [M, N].
