@@ -209,14 +209,16 @@ def test_gpu_dequantize_paths_round_once(dtype):
         _assert_same_bits(
             call(w.packed, w.scale_bytes, gs, block_size=np.int64(16), tiled=False), want
         )
-        tiled = call(
-            _layout.tile_packed(w.packed),
-            _layout.tile_scale(w.scale_bytes),
+        # The tiled layout needs K % 128 == 0: the same 32 columns four times over.
+        wide = jax.ShapeDtypeStruct((w.n, 4 * w.k), np_dtype)
+        tiled = jax.ffi.ffi_call("jax_fp4_dequant_cuda", wide)(
+            _layout.tile_packed(np.tile(np.asarray(w.packed), (1, 4))),
+            _layout.tile_scale(np.tile(np.asarray(w.scale_bytes), (1, 4))),
             gs,
             block_size=np.int64(16),
             tiled=True,
         )
-        _assert_same_bits(tiled, want)
+        _assert_same_bits(tiled, np.tile(want, (1, 4)))
     rng = np.random.default_rng()
     w = jax_fp4.quantize((rng.standard_normal((256, 512)) * 0.02).astype(np.float32))
     want = reference.dequantize_as(w.packed, w.scale_bytes, w.global_scale, 16, np_dtype)

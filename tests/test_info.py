@@ -181,3 +181,45 @@ def test_the_compiled_architectures_are_read_by_the_dispatch():
     if built == _ffi.DEFAULT_CUDA_ARCHITECTURES.replace(";", ","):
         assert _dispatch.cuda_kernels_run_on(built, (9, 0))
         assert not _dispatch.cuda_kernels_run_on(built, (7, 5))
+
+
+# ---- the ImportError of a package without its compiled module --------------------------------------
+
+
+def _package(root, *, pyproject: bool, module: str | None = None):
+    package = root / "jax_fp4"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    if pyproject:
+        (root / "pyproject.toml").write_text("[project]\nname = 'jax_fp4'\n")
+    if module is not None:
+        (package / module).write_text("")
+    return package
+
+
+def test_a_source_tree_import_says_so_and_what_to_do(tmp_path):
+    package = _package(tmp_path / "src", pyproject=True)
+    message = str(_ffi.missing_cpu_module_error(package, [str(tmp_path / "src")]))
+    assert "source tree" in message and str(package.resolve()) in message
+    assert "run from another directory" in message and "pip install -e ." in message
+
+
+def test_a_source_tree_import_names_the_installed_copy(tmp_path):
+    package = _package(tmp_path / "src", pyproject=True)
+    installed = _package(tmp_path / "site", pyproject=False, module="_jax_fp4_cpu.abi3.so")
+    message = str(
+        _ffi.missing_cpu_module_error(package, [str(tmp_path / "src"), str(tmp_path / "site")])
+    )
+    assert str(installed.resolve()) in message
+
+
+def test_an_install_without_its_module_is_called_broken(tmp_path):
+    package = _package(tmp_path / "site", pyproject=False)
+    message = str(_ffi.missing_cpu_module_error(package, [str(tmp_path / "site")]))
+    assert "install is broken" in message and "reinstall" in message
+
+
+def test_a_module_that_fails_to_load_is_named(tmp_path):
+    package = _package(tmp_path / "site", pyproject=False, module="_jax_fp4_cpu.abi3.so")
+    message = str(_ffi.missing_cpu_module_error(package, []))
+    assert "failed to load" in message and "reinstall" in message
