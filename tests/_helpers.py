@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import pathlib
+import shutil
 import sys
 from types import ModuleType
 from typing import Any
@@ -227,3 +228,20 @@ def load_repo_script(relative_path: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+# ---- the C++ compilers at hand (tests/cpp/ checks compile with each) ------------------------------
+
+
+def _compilers() -> dict[str, list[str]]:
+    found = {}
+    if shutil.which("g++"):
+        found["g++"] = ["g++"]
+    if shutil.which("clang++"):
+        found["clang++"] = ["clang++"]
+    elif importlib.util.find_spec("ziglang") is not None:  # Zig's bundled Clang
+        found["clang++ (zig)"] = [sys.executable, "-m", "ziglang", "c++"]
+    return found
+
+
+COMPILERS = _compilers()

@@ -5,31 +5,16 @@ Clang the lane-by-lane one that no other test runs (tests/cpp/cpu_decode_check.c
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import pytest
 
+from tests._helpers import COMPILERS
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _compilers():
-    found = {}
-    if shutil.which("g++"):
-        found["g++"] = ["g++"]
-    if shutil.which("clang++"):
-        found["clang++"] = ["clang++"]
-    elif importlib.util.find_spec("ziglang") is not None:  # Zig's bundled Clang
-        found["clang++ (zig)"] = [sys.executable, "-m", "ziglang", "c++"]
-    return found
-
-
-COMPILERS = _compilers()
 
 
 @pytest.mark.parametrize("name", sorted(COMPILERS) or ["none"])

@@ -558,7 +558,7 @@ def test_tiled_fragment_order_is_the_spec_order_with_o_and_j0_swapped():
 
 
 def _stream_k_runs(units: int, ctas: int, ks: int) -> list[list[tuple[int, int, int]]]:
-    """A model of StreamKPlan (ffi/cuda/fused_gemm.cu): each CTA's run as (tile, first K stage,
+    """A model of StreamKPlan (ffi/cuda/fused/scheduler.cuh): each CTA's run as (tile, first K stage,
     stages) segments, from the kernel's Begin and CtaOf formulas (CtaOf checked against Begin)."""
     begin = lambda c: c * units // ctas  # noqa: E731
     cta_of = lambda u: ((u + 1) * ctas + units - 1) // units - 1  # noqa: E731
@@ -639,7 +639,7 @@ def test_static_rules():
 # scale byte and word loads + split-pair E2M1 decode into the wgmma register-A fragment, the wgmma
 # semantics (A fragment layout per warp, B read through the K-major 128-byte-swizzle descriptor:
 # 8-row groups 1024 B apart, +32 B per k16 step), the accumulator layout, the epilogue staging and
-# the rank-ordered split-K reduction. Keep it in sync with ffi/cuda/fused_gemm.cu when either
+# the rank-ordered split-K reduction. Keep it in sync with ffi/cuda/fused/ when either
 # changes.
 
 

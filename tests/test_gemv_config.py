@@ -5,29 +5,14 @@ and run here with each C++ compiler at hand."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._helpers import COMPILERS
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _compilers():
-    found = {}
-    if shutil.which("g++"):
-        found["g++"] = ["g++"]
-    if shutil.which("clang++"):
-        found["clang++"] = ["clang++"]
-    elif importlib.util.find_spec("ziglang") is not None:  # Zig's bundled Clang
-        found["clang++ (zig)"] = [sys.executable, "-m", "ziglang", "c++"]
-    return found
-
-
-COMPILERS = _compilers()
 
 
 @pytest.mark.parametrize("name", sorted(COMPILERS) or ["none"])
