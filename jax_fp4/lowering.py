@@ -123,12 +123,11 @@ def _gemv(
     tiled=False,
     tensor_cores=False,
     row_tiling=True,
-    tuning=None,
+    tuning=_config.DEFAULT_TUNING,
     **_,
 ):
     out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
     call = jax.ffi.ffi_call("jax_fp4_gemv_cuda", out)
-    tuning = _config.DEFAULT_TUNING if tuning is None else tuning
     return call(
         a,
         packed,
@@ -167,13 +166,23 @@ def _dot_dequantized(a, w, bias):
 
 
 @_as_2d
-def _fused_gemm(a, packed, scale, global_scale, bias, *, block_size, tiled=False, tuning=None, **_):
+def _fused_gemm(
+    a,
+    packed,
+    scale,
+    global_scale,
+    bias,
+    *,
+    block_size,
+    tiled=False,
+    tuning=_config.DEFAULT_TUNING,
+    **_,
+):
     m, n, k = a.shape[0], packed.shape[0], a.shape[1]
     outs = (
         jax.ShapeDtypeStruct((m, n), a.dtype),
         jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),), jnp.float32),
     )
-    tuning = _config.DEFAULT_TUNING if tuning is None else tuning
     y, _ = jax.ffi.ffi_call(_fused.TARGET, outs)(
         _fused.to_fragment_order(a, tiled),
         packed,
@@ -253,6 +262,7 @@ def _impl_for(plan: _dispatch.Plan, layout: str):
 
 def _kernel_attributes(plan: _dispatch.Plan, tuning) -> dict:
     """The static keyword arguments of `plan`'s path implementation: its FFI attributes."""
+    tuning = _config.DEFAULT_TUNING if tuning is None else tuning
     if plan.path == "cpu":
         return dict(avx512=_config.cpu_avx512())
     if plan.path == "gemv":

@@ -20,6 +20,12 @@ import numpy as np
 import jax_fp4
 from jax_fp4 import dispatch
 from tests import reference
+from tests.chains import (  # noqa: F401  (the chains' helpers, shared from here)
+    CHAIN_DIMS,
+    chain_weights,
+    matmul_chain,
+    plain_and_programmatic,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -189,11 +195,6 @@ def gemv_attributes(
         rows_per_block=np.int64(t.gemv_rows_per_block),
         programmatic=bool(t.programmatic_launch),
     )
-
-
-# ---- jitted chains of matmuls (programmatic dependent launch) -------------------------------------
-
-from tests.chains import CHAIN_DIMS, chain_weights, matmul_chain, plain_and_programmatic  # noqa: E402, F401, I001
 
 
 # ---- the CPU's features ----------------------------------------------------------------------------

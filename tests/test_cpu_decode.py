@@ -12,9 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from tests._helpers import COMPILERS
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests._helpers import COMPILERS, ROOT
 
 
 @pytest.mark.parametrize("name", sorted(COMPILERS) or ["none"])

@@ -6,13 +6,10 @@ and run here with each C++ compiler at hand."""
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from tests._helpers import COMPILERS
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests._helpers import COMPILERS, ROOT
 
 
 @pytest.mark.parametrize("name", sorted(COMPILERS) or ["none"])

@@ -1,11 +1,10 @@
 """examples/quickstart.py (the README's demo) runs and reports small errors."""
 
-import pathlib
 import re
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests._helpers import ROOT
 
 
 def test_quickstart_runs_and_reports_errors():
