@@ -232,6 +232,52 @@ def chain_of(layer: Callable) -> Callable[[int], Callable]:
     return make_chain
 
 
+def fit_width(x, width: int):
+    """x [M, N] -> [M, width]: its first `width` columns, or its columns repeated up to `width`
+    (what joins a matmul's output to the next one's input in a dependent chain)."""
+    n = x.shape[-1]
+    if n < width:
+        x = jnp.tile(x, (1, -(-width // n)))
+    return x if x.shape[-1] == width else x[:, :width]
+
+
+def dependent_chain_of(layer: Callable) -> Callable[[int], Callable]:
+    """make_chain(L) for a chain in which each layer's output feeds the next, as in a model: a
+    function of (x [M, K], weights) that runs x = fit_width(layer(x, w), K) over the first L
+    weights (all of one shape) and returns the last x. Each output passes an optimization barrier,
+    so XLA can neither shrink a matmul to the columns the next one takes nor merge two. Where N !=
+    K the joint is a small XLA kernel per layer (`glue_chain` measures it)."""
+
+    def make_chain(length: int):
+        def chain(x, weights):
+            for w in weights[:length]:
+                x = fit_width(jax.lax.optimization_barrier(layer(x, w)), x.shape[-1])
+            return x
+
+        return chain
+
+    return make_chain
+
+
+def glue_chain(n: int) -> Callable[[int], Callable]:
+    """make_chain(L) with the joints of `dependent_chain_of` alone, for weights [n, K]: the same
+    arguments (x [M, K], weights, unused), and per layer one XLA kernel taking an [M, n] array to
+    [M, K] and back (fused into one), so the dependent chain's time per layer minus this one's is
+    the matmul's."""
+
+    def make_chain(length: int):
+        def chain(x, weights):
+            k = x.shape[-1]
+            z = fit_width(x, n)
+            for _ in weights[:length]:
+                z = jax.lax.optimization_barrier(fit_width(fit_width(z, k), n))
+            return fit_width(z, k)
+
+        return chain
+
+    return make_chain
+
+
 # Streaming reads of a uint32 buffer (a multiple of READ_ROW words): XLA emits a different reduction
 # kernel for each; the fastest is the achievable read bandwidth at that size.
 READ_ROW = 8192

@@ -3,13 +3,18 @@
 w = jax_fp4.quantize(weight)            # float [N, K] -> NVFP4Weight
 w = jax_fp4.prepack(w)                  # optional, once: the decode GEMV's faster layout
 y = jax_fp4.matmul(a, w, bias)          # a [..., K] fp16/bf16 -> y [..., N]
+
+Mixture-of-experts layers: a stack of expert weights and the rows of each expert, sorted by expert:
+experts = jax_fp4.quantize(weights)     # float [G, N, K] -> NVFP4Weight stack
+y = jax_fp4.ragged_matmul(x, experts, group_sizes)  # x [M, K], group_sizes int32 [G] -> [M, N]
 """
 
 from jax_fp4 import ffi as _ffi  # noqa: F401  (importing it registers the FFI targets)
 from jax_fp4.config import KernelTuning
-from jax_fp4.dispatch import BACKENDS, GEMV_MAX_M
+from jax_fp4.dispatch import BACKENDS, GEMV_MAX_M, GROUPED_BACKENDS
 from jax_fp4.export import export_disabled_checks
 from jax_fp4.format import NVFP4Weight, dequantize, pack_codes, unpack_codes
+from jax_fp4.grouped import nvfp4_ragged_matmul_p, ragged_dispatch_path, ragged_matmul
 from jax_fp4.native import PrepackedNVFP4Weight
 from jax_fp4.ops import dispatch_path, matmul, nvfp4_matmul_p
 from jax_fp4.prepacking import prepack, unprepack
@@ -32,6 +37,7 @@ def __getattr__(name):
 __all__ = [
     "BACKENDS",
     "GEMV_MAX_M",
+    "GROUPED_BACKENDS",
     "KernelTuning",
     "NVFP4Weight",
     "dequantize",
@@ -39,10 +45,13 @@ __all__ = [
     "export_disabled_checks",
     "matmul",
     "nvfp4_matmul_p",
+    "nvfp4_ragged_matmul_p",
     "pack_codes",
     "prepack",
     "PrepackedNVFP4Weight",
     "quantize",
+    "ragged_dispatch_path",
+    "ragged_matmul",
     "unpack_codes",
     "unprepack",
 ]

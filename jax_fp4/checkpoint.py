@@ -15,6 +15,20 @@ Conventions (per layer ``L``; block size 16, low nibble = even element):
                       ``L.weight_global_scale`` float32 [1] holding the RECIPROCAL (6*448/amax): the
                       dequantized weight is divided by it; ``L.input_global_scale`` is ignored.
 
+Mixture-of-experts layers: both tools export every expert as its own layers
+``{prefix}.{e}.{gate_proj,up_proj,down_proj}`` (``prefix`` e.g. ``model.layers.3.mlp.experts``),
+each with its own global scales; current versions give an expert's gate and up one shared
+global scale (ModelOpt syncs their amax, llm-compressor fuses their global scales), for runtimes
+that fuse the two. `load_experts` stacks one layer's experts for ``jax_fp4.ragged_matmul``:
+
+    raw = jax_fp4.checkpoint.read_safetensors("ckpt_dir")
+    experts = jax_fp4.checkpoint.load_experts(raw, "model.layers.3.mlp.experts", 128)
+    experts["gate_up_proj"], experts["down_proj"]   # NVFP4Weight [E, 2I, H] and [E, H, I]
+
+It fuses gate and up (each expert's gate rows, then its up rows) only where every expert's two
+global scales are bit-equal, and otherwise returns ``gate_proj``, ``up_proj`` and ``down_proj``
+stacked separately; the codes and block scales are the file's bytes either way.
+
 ModelOpt pads K to a multiple of its block size when it packs (a layer of in_features 40 is
 stored as 24 bytes a row, K = 48). The files do not record the true K; pass it with
 ``in_features`` (a mapping or a callback from layer name to K, e.g. from config.json's
@@ -54,6 +68,7 @@ __all__ = [
     "from_modelopt",
     "from_tensors",
     "fuse",
+    "load_experts",
     "load_safetensors",
     "read_safetensors",
     "save_safetensors",
@@ -537,6 +552,273 @@ def fuse(weights) -> NVFP4Weight:
     if np.asarray(first.scale).dtype == _F8:
         scale = scale.view(_F8)
     return NVFP4Weight(packed, scale, scales[0].copy(), block_size=first.block_size)
+
+
+# ---- mixture-of-experts layers ------------------------------------------------------------------
+
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# Mixtral's per-expert names (w1 gate, w3 up, w2 down), which ModelOpt exports unchanged.
+_EXPERT_ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Names of one tensor holding every expert of a layer (transformers' fused experts, serving
+# engines' w13/w2): ModelOpt and llm-compressor split such experts into per-expert layers on export.
+_FUSED_EXPERT_NAMES = ("gate_up_proj", "w13_weight", "w2_weight", *_EXPERT_PROJECTIONS)
+_EXPERT_SUFFIXES = {
+    "modelopt": _MODELOPT_SUFFIXES + _MODELOPT_IGNORED,
+    "compressed-tensors": _CT_SUFFIXES + _CT_IGNORED,
+    "NVFP4Weight": ("",),  # an already converted layer (load_safetensors' output)
+}
+_CONVENTION_NAMES = {
+    "modelopt": "ModelOpt",
+    "compressed-tensors": "compressed-tensors",
+    "NVFP4Weight": "an NVFP4Weight",
+}
+
+
+def _expert_layers(tensors: Mapping, prefix: str, num_experts: int):
+    """{expert: {projection: (stored layer name, {suffixes})}} of every tensor under `prefix`,
+    refusing what is not an expert's tensor (fused experts, other projections, extra experts)."""
+    head = f"{prefix}."
+    layers: dict[int, dict[str, tuple[str, set]]] = {}
+    extra: set[int] = set()
+    for key in tensors:
+        if not isinstance(key, str) or not key.startswith(head):
+            continue
+        first, _, tail = key[len(head) :].partition(".")
+        if not (first.isascii() and first.isdigit() and first == str(int(first))):
+            if first in _FUSED_EXPERT_NAMES:
+                raise CheckpointError(
+                    f"load_experts: {key!r} holds all experts of {prefix!r} in one tensor (a fused "
+                    "experts layout). jax_fp4 loads NVFP4 experts stored one by one, "
+                    f"{prefix}.<expert>.<gate_proj|up_proj|down_proj>.*, as ModelOpt and "
+                    "llm-compressor export them; float experts quantize with jax_fp4.quantize"
+                )
+            raise CheckpointError(
+                f"load_experts: tensor {key!r} under {prefix!r} is not an expert's (expected "
+                f"{prefix}.<expert index>.<gate_proj|up_proj|down_proj>.*)"
+            )
+        expert = int(first)
+        if expert >= num_experts:
+            extra.add(expert)
+            continue
+        projection, _, suffix = tail.partition(".")
+        canonical = projection if projection in _EXPERT_PROJECTIONS else None
+        canonical = canonical or _EXPERT_ALIASES.get(projection)
+        if canonical is None:
+            raise CheckpointError(
+                f"load_experts: tensor {key!r}: expert {expert} has a projection {projection!r}; "
+                "an expert has gate_proj, up_proj and down_proj (or Mixtral's w1, w3, w2)"
+            )
+        stored, suffixes = layers.setdefault(expert, {}).setdefault(
+            canonical, (f"{head}{expert}.{projection}", set())
+        )
+        if stored != f"{head}{expert}.{projection}":
+            raise CheckpointError(
+                f"load_experts: expert {expert} of {prefix!r} has both {stored!r} and "
+                f"'{head}{expert}.{projection}' as its {canonical}"
+            )
+        suffixes.add(suffix)
+    if extra:
+        raise CheckpointError(
+            f"load_experts: {prefix!r} has tensors of expert(s) {sorted(extra)[:8]} beyond "
+            f"num_experts = {num_experts} (experts 0..{num_experts - 1})"
+        )
+    missing = [e for e in range(num_experts) if e not in layers]
+    if missing:
+        found = f"; it has experts {sorted(layers)[:8]}" if layers else "; it has no expert tensors"
+        raise CheckpointError(
+            f"load_experts: {prefix!r} lacks expert(s) {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} of num_experts = {num_experts} (no tensors "
+            f"{prefix}.{missing[0]}.*){found}"
+        )
+    for expert, projections in sorted(layers.items()):
+        absent = [p for p in _EXPERT_PROJECTIONS if p not in projections]
+        if absent:
+            raise CheckpointError(
+                f"load_experts: expert {expert} of {prefix!r} has no {', '.join(absent)} "
+                f"(its tensors: {sorted(n for n, _ in projections.values())})"
+            )
+    return layers
+
+
+def _expert_weight(tensors, name, convention, block_size, k) -> NVFP4Weight:
+    if convention == "modelopt":
+        return from_modelopt(tensors, name, block_size=block_size, in_features=k)
+    if convention == "compressed-tensors":
+        return from_compressed_tensors(tensors, name, block_size=block_size, in_features=k)
+    w = tensors[name]
+    if w.block_size != block_size:
+        raise CheckpointError(
+            f"load_experts: {name!r} has block_size {w.block_size}, expected {block_size}"
+        )
+    if w.layout != "spec":
+        with jax.default_device(_host_device()):
+            w = unprepack(w)
+    spec = NVFP4Weight(
+        np.asarray(w.packed),
+        np.asarray(w.scale),
+        np.asarray(w.global_scale, np.float32),
+        w.block_size,
+    )
+    return strip_k_padding(spec, k, f"load_experts: {name!r}")
+
+
+def _stack_experts(parts: Sequence[Sequence[NVFP4Weight]]) -> NVFP4Weight:
+    """One [E, rows, K] weight of per-expert parts: expert e's rows are parts[e] concatenated
+    along N (one part: plain stacking; gate and up: the fused gate/up rows), bytes unchanged."""
+    first = parts[0]
+    rows = sum(w.n for w in first)
+    packed = np.empty((len(parts), rows, first[0].k // 2), _U8)
+    scale = np.empty((len(parts), rows, np.shape(first[0].scale)[-1]), _U8)
+    for e, expert_parts in enumerate(parts):
+        row = 0
+        for w in expert_parts:
+            packed[e, row : row + w.n] = np.asarray(w.packed)
+            scale[e, row : row + w.n] = np.asarray(w.scale).view(_U8)
+            row += w.n
+    global_scale = np.array([np.float32(w[0].global_scale) for w in parts], np.float32)
+    return NVFP4Weight(packed, scale.view(_F8), global_scale, first[0].block_size)
+
+
+def load_experts(
+    tensors: Mapping,
+    prefix: str,
+    num_experts: int,
+    *,
+    layout: str = "spec",
+    in_features: InFeatures = None,
+    block_size: int = NVFP4_BLOCK_SIZE,
+) -> dict[str, NVFP4Weight]:
+    """The NVFP4 experts of one mixture-of-experts layer, stacked on a leading expert axis.
+
+    `tensors`: a checkpoint's tensors (`read_safetensors`; `load_safetensors`' converted layers
+    work too). `prefix`: the experts' container, e.g. ``"model.layers.3.mlp.experts"``, whose
+    experts ``{prefix}.{e}.{gate_proj,up_proj,down_proj}.*`` (Mixtral's ``w1``, ``w3``, ``w2``
+    alike) are ModelOpt or compressed-tensors NVFP4 layers, all of one convention.
+
+    Returns ``{"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}`` (each expert's gate rows
+    first, then its up rows; `fuse`'s concatenation) where every expert's gate and up global
+    scales are bit-equal, as ModelOpt and llm-compressor export them for runtimes that fuse the
+    two; otherwise ``{"gate_proj", "up_proj", "down_proj"}`` each [E, N, K], for all experts
+    alike (logged at INFO). Every global_scale is [E]; codes and block scales are the file's
+    bytes. ``layout="tiled"`` prepacks each stacked weight whose shape the tiled layout takes.
+
+    ``in_features``: the true K where ModelOpt padded it, as for `from_tensors` (a mapping or a
+    callable from layer name, e.g. ``"model.layers.3.mlp.experts.7.down_proj"``, to K); a mapping
+    may also key it by projection name (``{"gate_proj": H, "up_proj": H, "down_proj": I}``).
+
+    Raises CheckpointError for a missing or extra expert (every index in 0..num_experts-1 and
+    none beyond), a missing projection or tensor, experts of different shapes or conventions,
+    gate/up/down shapes that do not chain (down's K must be gate's N), a float (unquantized)
+    expert, tensors under `prefix` that are not an expert's, and fused-experts tensors
+    (``{prefix}.gate_up_proj``: all experts in one tensor, which neither tool exports for NVFP4)."""
+    layout = _check_layout(layout, "load_experts")
+    block_size = _check_block_size(block_size, "load_experts")
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"load_experts: prefix must be a non-empty string, got {prefix!r}")
+    if (
+        isinstance(num_experts, bool)
+        or not isinstance(num_experts, (int, np.integer))
+        or num_experts <= 0
+    ):
+        raise ValueError(f"load_experts: num_experts must be a positive int, got {num_experts!r}")
+    num_experts = int(num_experts)
+    prefix = prefix.rstrip(".")
+    layers = _expert_layers(tensors, prefix, num_experts)
+    under = {k: v for k, v in tensors.items() if isinstance(k, str) and k.startswith(f"{prefix}.")}
+    detected = _layer_names(under)
+
+    def convention_of(name: str, suffixes: set) -> str:
+        if isinstance(tensors.get(name), NVFP4Weight):
+            return "NVFP4Weight"
+        if name in detected:
+            return detected[name]
+        weight = tensors.get(f"{name}.weight")
+        if weight is not None and _is_float(_dtype_of(tensors, f"{name}.weight")):
+            raise CheckpointError(
+                f"load_experts: expert layer {name!r} is not NVFP4-quantized ({name}.weight is "
+                f"{_dtype_of(tensors, f'{name}.weight')}); quantize float experts with "
+                "jax_fp4.quantize"
+            )
+        raise CheckpointError(
+            f"load_experts: expert layer {name!r} has no NVFP4 tensors (found "
+            f"{sorted(f'{name}.{s}' if s else name for s in suffixes)}; a ModelOpt layer has "
+            f"{', '.join(_MODELOPT_SUFFIXES)}, a compressed-tensors one {', '.join(_CT_SUFFIXES)})"
+        )
+
+    def k_of(name: str, projection: str) -> int | None:
+        k = _in_features_of(in_features, name)
+        if k is None and isinstance(in_features, Mapping):
+            k = in_features.get(projection)
+        return k
+
+    first_convention, first_name = None, ""
+    weights: dict[str, list[NVFP4Weight]] = {p: [] for p in _EXPERT_PROJECTIONS}
+    for expert in range(num_experts):
+        for projection in _EXPERT_PROJECTIONS:
+            name, suffixes = layers[expert][projection]
+            convention = convention_of(name, suffixes)
+            if first_convention is None:
+                first_convention, first_name = convention, name
+            elif convention != first_convention:
+                raise CheckpointError(
+                    f"load_experts: the experts of {prefix!r} mix conventions: {first_name!r} is "
+                    f"{_CONVENTION_NAMES[first_convention]}, {name!r} "
+                    f"{_CONVENTION_NAMES[convention]}"
+                )
+            allowed = _EXPERT_SUFFIXES[convention]
+            unexpected = sorted(s for s in suffixes if s not in allowed)
+            if unexpected:
+                raise CheckpointError(
+                    f"load_experts: unexpected tensor '{name}.{unexpected[0]}' in an expert layer "
+                    f"of the {_CONVENTION_NAMES[convention]} convention (which has "
+                    f"{', '.join(repr(s) for s in allowed)}); expert biases are not supported"
+                )
+            w = _expert_weight(tensors, name, convention, block_size, k_of(name, projection))
+            reference = weights[projection][0] if weights[projection] else None
+            if reference is not None and w.shape != reference.shape:
+                raise CheckpointError(
+                    f"load_experts: {name!r} has shape {w.shape} (N, K), but expert 0's "
+                    f"{projection} has {reference.shape}: the experts of a layer share one shape"
+                )
+            weights[projection].append(w)
+
+    gate, up, down = (weights[p][0] for p in _EXPERT_PROJECTIONS)
+    if gate.shape != up.shape or down.shape != (gate.k, gate.n):
+        hint = (
+            " (ModelOpt pads K to a multiple of 16: pass in_features with the true K)"
+            if down.k > gate.n or gate.k > down.n
+            else ""
+        )
+        raise CheckpointError(
+            f"load_experts: the experts of {prefix!r} have gate_proj {gate.shape}, up_proj "
+            f"{up.shape} and down_proj {down.shape} (N, K); expected gate and up [I, H] and down "
+            f"[H, I]{hint}"
+        )
+
+    def bits(w):
+        return np.float32(w.global_scale).view(np.uint32)
+
+    differ = [
+        e
+        for e, (g, u) in enumerate(zip(weights["gate_proj"], weights["up_proj"]))
+        if bits(g) != bits(u)
+    ]
+    if differ:
+        _log.info(
+            "%s: gate_proj and up_proj kept separate: their global scales differ in %d of %d "
+            "experts (e.g. expert %d)",
+            prefix,
+            len(differ),
+            num_experts,
+            differ[0],
+        )
+        out = {p: _stack_experts([[w] for w in weights[p]]) for p in _EXPERT_PROJECTIONS}
+    else:
+        out = {
+            "gate_up_proj": _stack_experts(list(zip(weights["gate_proj"], weights["up_proj"]))),
+            "down_proj": _stack_experts([[w] for w in weights["down_proj"]]),
+        }
+    return {name: _in_layout_on_host(w, layout) for name, w in out.items()}
 
 
 # ---- safetensors files ------------------------------------------------------------------------

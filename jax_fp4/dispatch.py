@@ -166,7 +166,7 @@ class Target:
     """Where the matmul is lowered for. `capability`, `device_kind` (as JAX reports it, None when
     unknown or overridden), `has_cuda_kernels` (jax_fp4's CUDA kernels run there:
     cuda_kernels_run_on), `native_enabled` (JAX_FP4_NATIVE_SM120) and `gemv_mma`
-    (JAX_FP4_GEMV_MMA) matter only on 'cuda'."""
+    (JAX_FP4_GEMV_MMA) matter only on 'cuda'; `has_grouped_kernels` only to `grouped_plan`."""
 
     platform: str
     capability: tuple[int, int] | None = None
@@ -174,6 +174,7 @@ class Target:
     has_cuda_kernels: bool = False
     native_enabled: bool = False
     gemv_mma: bool = True
+    has_grouped_kernels: bool = False  # the grouped CUDA targets are registered (ragged_matmul)
 
     @property
     def crossovers(self) -> Entry:
@@ -372,3 +373,180 @@ def _path(p: Problem, target: Target, backend: str, tensor_cores: bool) -> str:
     if half_dtype_unsupported_reason(p) is None:
         return "xla"  # no jax_fp4 kernel here: XLA's own dot in the activations' dtype
     return "reference"
+
+
+# ---- grouped products (jax_fp4.ragged_matmul) ----------------------------------------------------
+#
+# Paths of the grouped product (rows of `a` sorted by group, group g times weight g):
+#   empty         M, N, K or G is zero: zeros (+ the bias of each row's group where K is zero).
+#   reference     dequantize the stack to float32, jax.lax.ragged_dot at HIGHEST precision.
+#   xla           dequantize to the activations' dtype, jax.lax.ragged_dot (fp16/bf16).
+#   cpu           the CPU kernel, once per group with rows (jax_fp4_grouped_matmul_cpu).
+#   grouped_gemv  CUDA grouped decode GEMV: each group's rows against its weight; a group without
+#                 rows reads no weight. Any number of rows per group, fastest for few.
+#   grouped_gemm  CUDA grouped GEMM (the Hopper fused GEMM's mainloop over a per-group schedule).
+# "auto" has only static shapes: the group sizes are run-time values, so the rows per group it
+# plans for is the mean, M / G.
+
+GROUPED_BACKENDS = ("auto", "reference", "xla", "cpu", "grouped_gemv", "grouped_gemm")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedProblem:
+    """The static facts a grouped path decision depends on: a [M, K], a stack of G [N, K]
+    weights."""
+
+    m: int
+    groups: int
+    n: int
+    k: int
+    block_size: int
+    dtype: np.dtype
+    tiled: bool = False
+
+    @property
+    def rows_per_group(self) -> float:
+        """The mean rows per group, M / G: the static hint the crossover reads."""
+        return self.m / self.groups if self.groups else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedCrossovers:
+    """Where "auto" moves from the grouped GEMV to the grouped GEMM, for one GPU."""
+
+    gemv_max_rows_per_group: float  # the grouped GEMV while M / G is at most this
+
+
+# An H100, G = 128 experts of 1536x2048 and 2048x768, uniform top-8 routing, ncu kernel times:
+# the grouped GEMV is 13-30% ahead up to 8 rows per group, the grouped GEMM 15% ahead (gate_up) or
+# tied (down) at 16 and 1.6-1.7x at 32. Other GPUs take the same crossover until measured.
+GROUPED_DEFAULT = GroupedCrossovers(gemv_max_rows_per_group=8)
+GROUPED_TABLES: dict[str, GroupedCrossovers] = {"NVIDIA H100 80GB HBM3": GROUPED_DEFAULT}
+
+
+def grouped_crossovers(device_kind: str | None) -> GroupedCrossovers:
+    return GROUPED_TABLES.get(device_kind, GROUPED_DEFAULT)
+
+
+_INT32_LIMIT = (1 << 31) - 1
+# The grouped GEMM's grid: ceil(M / 64) + min(G, M) row slots at its smallest (64-row) tile must
+# fit CUDA's grid y limit (ffi/cuda/grouped/gemm_handler.cu).
+_GROUPED_GEMM_MAX_SLOTS = 65535
+
+
+def _grouped_kernel_shape_reason(p: GroupedProblem) -> str | None:
+    """What both grouped CUDA kernels need (ffi/cuda/grouped/operands.h): fp16/bf16, block size
+    16, K a multiple of 128 (their 128-wide windows), M, N, K below 2^31."""
+    if p.dtype not in _HALF_DTYPES:
+        return f"a must be float16 or bfloat16, got {p.dtype}"
+    if p.block_size != 16:
+        return f"block_size must be 16, got {p.block_size}"
+    if p.k % 128:
+        return f"K must be a multiple of 128, got {p.k}"
+    if max(p.m, p.n, p.k, p.groups) >= _INT32_LIMIT:
+        return f"M, N, K and G must be below 2^31, got M={p.m}, N={p.n}, K={p.k}, G={p.groups}"
+    return None
+
+
+def grouped_gemv_unsupported_reason(p: GroupedProblem, capability=None) -> str | None:
+    """Why the grouped GEMV cannot serve `p` (None: it can). It runs on mma.sync: compute
+    capability 8.0 or newer. `capability` None: the shape limits only."""
+    if capability is not None and tuple(capability) < (8, 0):
+        return f"it needs compute capability 8.0 or newer (mma.sync), this device has {capability}"
+    return _grouped_kernel_shape_reason(p)
+
+
+def grouped_gemm_unsupported_reason(p: GroupedProblem, capability=None) -> str | None:
+    """Why the grouped GEMM cannot serve `p` (None: it can): the Hopper fused GEMM's mainloop,
+    sm_90a, and a grid of at most 65535 row slots. `capability` None: the shape limits only."""
+    if capability is not None and tuple(capability)[0] != 9:
+        return f"it needs a Hopper GPU (compute capability 9.x), this device has {capability}"
+    if (reason := _grouped_kernel_shape_reason(p)) is not None:
+        return reason
+    slots = -(-p.m // 64) + min(p.groups, p.m)
+    if slots > _GROUPED_GEMM_MAX_SLOTS:
+        return (
+            f"ceil(M / 64) + min(G, M) must be at most {_GROUPED_GEMM_MAX_SLOTS}, got M={p.m}, "
+            f"G={p.groups}"
+        )
+    return None
+
+
+_GROUPED_UNSUPPORTED = {
+    "xla": half_dtype_unsupported_reason,
+    "grouped_gemv": grouped_gemv_unsupported_reason,
+    "grouped_gemm": grouped_gemm_unsupported_reason,
+}
+_GROUPED_PLATFORM_OF = {"cpu": "cpu", "grouped_gemv": "cuda", "grouped_gemm": "cuda"}
+
+
+def check_grouped_backend(backend: str, p: GroupedProblem) -> None:
+    """Raise ValueError if a forced grouped backend cannot serve the problem (the part that does
+    not depend on the platform)."""
+    if backend not in GROUPED_BACKENDS:
+        raise ValueError(f"backend must be one of {GROUPED_BACKENDS} (or None), got {backend!r}")
+    reason = _GROUPED_UNSUPPORTED.get(backend, lambda _: None)(p)
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot serve this ragged_matmul: {reason}")
+
+
+def grouped_plan(p: GroupedProblem, target: Target, backend: str = "auto") -> str:
+    """The path of one grouped product lowered for `target`. A forced `backend` that cannot serve
+    it raises ValueError with the reason."""
+    check_grouped_backend(backend, p)
+    if p.m == 0 or p.n == 0 or p.k == 0 or p.groups == 0:
+        return "empty"
+    if backend in ("reference", "xla"):  # plain JAX: any platform
+        return backend
+    grouped_cuda = (
+        target.platform == "cuda" and target.has_cuda_kernels and target.has_grouped_kernels
+    )
+    if backend != "auto":
+        needed = _GROUPED_PLATFORM_OF[backend]
+        if target.platform != needed:
+            raise ValueError(
+                f"backend={backend!r} needs platform {needed!r}, but the computation is lowered "
+                f"for platform {target.platform!r}"
+            )
+        if needed == "cuda" and not grouped_cuda:
+            raise ValueError(
+                f"backend={backend!r} needs jax_fp4's grouped CUDA kernels, which this build "
+                "does not have for this GPU (`python -m jax_fp4 info` lists the FFI targets)"
+            )
+        reason = _GROUPED_UNSUPPORTED[backend](p, target.capability) if needed == "cuda" else None
+        if reason is not None:
+            raise ValueError(f"backend={backend!r} cannot serve this ragged_matmul: {reason}")
+        return backend
+    if target.platform == "cpu":
+        return "cpu"
+    if grouped_cuda:
+        gemv = grouped_gemv_unsupported_reason(p, target.capability) is None
+        gemm = grouped_gemm_unsupported_reason(p, target.capability) is None
+        few_rows = (
+            p.rows_per_group <= grouped_crossovers(target.device_kind).gemv_max_rows_per_group
+        )
+        if gemv and (few_rows or not gemm):
+            return "grouped_gemv"
+        if gemm:
+            return "grouped_gemm"
+    if p.dtype in _HALF_DTYPES:
+        return "xla"
+    return "reference"
+
+
+def grouped_paths(
+    groups: int, n: int, k: int, target: Target, *, tiled: bool, dtype="bfloat16", max_m: int = 8192
+) -> list[tuple[int, int, str]]:
+    """The path `auto` takes for a stack of `groups` N x K weights on `target`, as ranges of M:
+    [(first M, last M, path), ...] for M = 1..max_m (the rules only, no device needed)."""
+    ranges: list[tuple[int, int, str]] = []
+    for m in range(1, max_m + 1):
+        problem = GroupedProblem(
+            m=m, groups=groups, n=n, k=k, block_size=16, dtype=np.dtype(dtype), tiled=tiled
+        )
+        path = grouped_plan(problem, target)
+        if ranges and ranges[-1][2] == path:
+            ranges[-1] = (ranges[-1][0], m, path)
+        else:
+            ranges.append((m, m, path))
+    return ranges

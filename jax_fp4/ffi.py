@@ -65,7 +65,7 @@ _PLATFORM_MODULES = {"cpu": _jax_fp4_cpu, "CUDA": _jax_fp4_cuda}
 # Every FFI target the compiled modules define, per platform, built here or not (a program can be
 # exported for a platform this build lacks; tests/test_info.py keeps this equal to the modules').
 FFI_TARGETS = {
-    "cpu": ("jax_fp4_matmul_cpu",),
+    "cpu": ("jax_fp4_matmul_cpu", "jax_fp4_grouped_matmul_cpu"),
     "CUDA": (
         "jax_fp4_gemv_cuda",
         "jax_fp4_dequant_cuda",
@@ -73,8 +73,54 @@ FFI_TARGETS = {
         "jax_fp4_swizzle_scales_cuda",
         "jax_fp4_native_sm120_cuda",
         "jax_fp4_fused_cuda",
+        "jax_fp4_grouped_gemv_cuda",
+        "jax_fp4_grouped_gemm_cuda",
     ),
 }
+
+# ---- CUDA graphs ---------------------------------------------------------------------------------
+#
+# XLA records runs of a GPU program's kernels into CUDA graphs (command buffers: on by default,
+# --xla_gpu_enable_command_buffer lists CUSTOM_CALL) and launches each run at once; a custom call
+# joins a graph only if its handler has the trait COMMAND_BUFFER_COMPATIBLE, else it splits the
+# program there, and a decode step of ~220 matmul calls becomes hundreds of launches from the host.
+# The trait is compiled into each handler (XLA_FFI_DEFINE_HANDLER_SYMBOL(..., {xla::ffi::Traits::
+# kCmdBufferCompatible})), and XLA reads it from the handler's metadata when it registers it.
+# Registration passes no traits: jax's CUDA plugin refuses traits given to register_ffi_target
+# ("The plugin does not support custom call traits", jax 0.10-0.11), and refuses them only when the
+# GPU backend starts, which would then fail. XLA_FLAGS=--xla_gpu_enable_command_buffer= turns the
+# graphs off for a whole program (to compare).
+#
+# A handler XLA captures runs once, while XLA records the graph (again when the operands' buffer
+# addresses change), and the graph replays what it launched. So it must launch the same work for
+# the same shapes, attributes and addresses, and must not allocate, synchronise a stream or the
+# device, read device memory on the host, or copy from host memory that is gone at replay. Per-
+# device queries cached on first use (cudaGetDevice, cudaDeviceGetAttribute, cudaOccupancy*,
+# cudaFuncGetAttributes), cudaFuncSetAttribute, cudaMemsetAsync on the call's stream and a tensor
+# map encoded on the host and passed by value as a kernel parameter are all allowed.
+#
+# The CUDA targets whose handlers are COMMAND_BUFFER_COMPATIBLE, each checked for the above
+# (tests/test_ffi_registration.py keeps this table equal to the traits the handlers declare):
+COMMAND_BUFFER_TARGETS = (
+    # Operand checks, cached device and occupancy queries, one kernel launch.
+    "jax_fp4_gemv_cuda",
+    "jax_fp4_dequant_cuda",
+    # Plus cudaFuncSetAttribute, cached cluster-occupancy queries, the activation's tensor map
+    # (a kernel parameter) and, for stream-K, a cudaMemsetAsync of the tile counters in its
+    # workspace output.
+    "jax_fp4_fused_cuda",
+    # Kernel launches only (the dynamic scale's partial maxima go to a scratch output).
+    "jax_fp4_quantize_activation_cuda",
+    "jax_fp4_swizzle_scales_cuda",
+    # The global-scale product kernel, CUTLASS's workspace set up on the call's stream (in the
+    # workspace output), cudaFuncGetAttributes / cudaFuncSetAttribute, one launch.
+    "jax_fp4_native_sm120_cuda",
+    # Group offsets computed from group_sizes inside the kernels (the host never reads it), a grid
+    # sized from the static M and G; the GEMM also cudaFuncSetAttribute and the activation's
+    # tensor map.
+    "jax_fp4_grouped_gemv_cuda",
+    "jax_fp4_grouped_gemm_cuda",
+)
 
 
 def _register_all() -> dict[str, list[str]]:
@@ -83,6 +129,7 @@ def _register_all() -> dict[str, list[str]]:
         if module is None:
             continue
         for name, capsule in module.registrations().items():
+            # No traits here: each handler carries its own (see COMMAND_BUFFER_TARGETS).
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
             registered.setdefault(platform, []).append(name)
     return registered

@@ -10,6 +10,16 @@ The chosen path shows in the HLO as the FFI custom-call target, or, for pure-JAX
 `jax_fp4/<path>` op name. Everything a kernel is told comes as FFI attributes decided here: the
 GEMV's kernel variant (`dispatch.plan`), the user switches (jax_fp4/config.py), and the static
 `tuning` (config.KernelTuning, None: the kernels' heuristics).
+
+Fusions (static `norm_eps`, `activation`, `has_residual`; operands norm_weight [K] and residual
+[..., N_out] after the others): an RMSNorm of `a` before the product, "silu_mul" on a gate/up
+weight, a residual added last, all in float32 with one rounding (`rms_norm`, `epilogue`). The
+decode GEMV runs silu_mul and the residual in its kernel's epilogue (`_gemv_fused`), after the
+RMSNorm as its own XLA fusion; every other path, and the GEMV where its kernel cannot (a
+multi-device program, whose partitioning rules know the plain product only; on the tiled layout
+silu_mul with N / 2 % 16 != 0; a `tuning` with gemv_col_tiles=1 and silu_mul), composes all of
+them around its product (`_composed`), taken in float32 where the path can give it (reference,
+xla, cpu; dequant in single-device programs) and else rounded to a's dtype first.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_fp4 import config as _config
 from jax_fp4 import dispatch as _dispatch
@@ -29,14 +41,79 @@ from jax_fp4 import fused as _fused
 from jax_fp4 import layout as _layout
 from jax_fp4 import native as _native
 from jax_fp4 import sharding as _sharding
+from jax_fp4.explicit_axes import (
+    axes_size,
+    explicit_type,
+    spec_axes,
+    spec_entry,
+    typed_like,
+    typed_mesh,
+)
 from jax_fp4.format import NVFP4Weight, dense_weight
 
 
 def split_operands(operands, has_bias, has_swizzled):
     """The operand tuple -> (a, packed, scale, global_scale, bias or None, swizzled or None)."""
+    return split_fused_operands(operands, has_bias, has_swizzled, False, False)[:6]
+
+
+def split_fused_operands(operands, has_bias, has_swizzled, has_norm, has_residual):
+    """The operand tuple -> (a, packed, scale, global_scale, bias, swizzled, norm_weight,
+    residual), each optional one None when absent."""
     a, packed, scale, global_scale, *rest = operands
-    bias = rest.pop(0) if has_bias else None
-    return a, packed, scale, global_scale, bias, (rest.pop(0) if has_swizzled else None)
+    optional = []
+    for present in (has_bias, has_swizzled, has_norm, has_residual):
+        optional.append(rest.pop(0) if present else None)
+    return (a, packed, scale, global_scale, *optional)
+
+
+# ---- the fusions' semantics (the composition every path but the fused GEMV kernel runs) --------
+
+ACTIVATIONS = ("silu_mul",)
+
+
+def _replicated(x):
+    """x with no sharding type (a small operand broadcast against sharded ones under Explicit
+    axes, where two different axes on one dimension would be a type error)."""
+    sharding = explicit_type(jax.typeof(x))
+    if sharding is None:
+        return x
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
+
+
+def rms_norm(a, norm_weight, eps):
+    """The RMSNorm of each row of a: (a32 * rsqrt(mean(a32^2) + eps) * norm_weight32), rounded
+    once to a's dtype (a32 = a in float32)."""
+    a32 = a.astype(jnp.float32)
+    mean_square = jnp.mean(jnp.square(a32), axis=-1, keepdims=True)
+    weight = _replicated(norm_weight.astype(jnp.float32))
+    return (a32 * jax.lax.rsqrt(mean_square + jnp.float32(eps)) * weight).astype(a.dtype)
+
+
+def _gate_and_up(y):
+    """y [..., 2 I] -> (y[..., :I], y[..., I:]); under Explicit axes a last dim whose shards
+    would split unevenly is gathered first."""
+    sharding = explicit_type(jax.typeof(y))
+    if sharding is not None:
+        *lead, last = spec_axes(sharding, y.ndim)
+        if last and (y.shape[-1] // 2) % axes_size(sharding.mesh, last):
+            spec = P(*(spec_entry(e) for e in lead), None)
+            y = jax.sharding.reshard(y, NamedSharding(sharding.mesh, spec))
+    half = y.shape[-1] // 2
+    return y[..., :half], y[..., half:]
+
+
+def epilogue(y32, activation, residual, dtype):
+    """The product's epilogue in float32, then the one rounding to `dtype`: silu(gate) * up for
+    activation "silu_mul" (y32 [..., 2 I] -> [..., I]), then + residual."""
+    if activation == "silu_mul":
+        gate, up = _gate_and_up(y32)
+        y32 = jax.nn.silu(gate) * up
+    elif activation is not None:
+        raise ValueError(f"activation must be one of {ACTIVATIONS} or None, got {activation!r}")
+    if residual is not None:
+        y32 = y32 + typed_like(residual.astype(jnp.float32), jax.typeof(y32))
+    return y32.astype(dtype)
 
 
 # ---- path implementations (traced inside the lowering) ----------------------------------------
@@ -140,6 +217,50 @@ def _gemv(
         row_tiling=row_tiling,
         **_int_attributes(tuning.gemv_attributes()),
     )
+
+
+def _gemv_fused(
+    a,
+    packed,
+    scale,
+    global_scale,
+    bias,
+    *,
+    block_size,
+    activation=None,
+    residual=None,
+    tiled=False,
+    tensor_cores=False,
+    row_tiling=True,
+    tuning=_config.DEFAULT_TUNING,
+    **_,
+):
+    """The GEMV kernel with the epilogue fusions in it: the target's extra operand residual
+    ([M, N_out], or [0] when absent) and its attribute activation (0 none, 1 silu_mul)."""
+    lead = a.shape[:-1]
+    a2 = _sharding.merge_leading(a)
+    n_out = packed.shape[0] // 2 if activation == "silu_mul" else packed.shape[0]
+    residual = (
+        jnp.zeros((0,), a.dtype) if residual is None else residual.reshape(a2.shape[0], n_out)
+    )
+    call = jax.ffi.ffi_call(
+        "jax_fp4_gemv_cuda", jax.ShapeDtypeStruct((a2.shape[0], n_out), a.dtype)
+    )
+    y = call(
+        a2,
+        packed,
+        scale,
+        global_scale,
+        _bias_operand(bias, a.dtype),
+        residual,
+        block_size=np.int64(block_size),
+        tiled=tiled,
+        tensor_cores=tensor_cores,
+        row_tiling=row_tiling,
+        activation=np.int64(1 if activation == "silu_mul" else 0),
+        **_int_attributes(tuning.gemv_attributes()),
+    )
+    return y.reshape(*lead, n_out)
 
 
 def _dequant(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
@@ -251,6 +372,58 @@ _TILED_PATHS.update(
 )
 
 
+# The fused GEMV: its tensor-core kernel reads the tiled layout, the scalar one the spec layout.
+_GEMV_FUSED_ON_TILED = _reading_tiled_layout(_gemv_fused)
+_SCALAR_GEMV_FUSED_ON_TILED = _reading_spec_layout(_gemv_fused)
+
+
+# Products in float32 (bias added, no rounding) for the composed fusions, on paths that can give
+# them without a kernel of their own: reference, xla, empty, and dequant (its kernel makes the
+# weight, XLA's dot the product).
+def _empty_f32(a, packed, scale, global_scale, bias, *, block_size, **_):
+    out = jnp.zeros(a.shape[:-1] + (packed.shape[0],), jnp.float32)
+    return out if bias is None else out + bias.astype(jnp.float32)
+
+
+def _reference_f32(a, packed, scale, global_scale, bias, *, block_size, **_):
+    w = dense(packed, scale, global_scale, block_size)
+    y = _times_transposed(a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    return y if bias is None else y + bias.astype(jnp.float32)
+
+
+def _dot_dequantized_f32(a, w, bias):
+    y = _times_transposed(a, w, preferred_element_type=jnp.float32)
+    return y if bias is None else y + bias.astype(jnp.float32)
+
+
+def _xla_f32(a, packed, scale, global_scale, bias, *, block_size, **_):
+    w = dense(packed, scale, global_scale, block_size, dtype=a.dtype)
+    return _dot_dequantized_f32(a, w, bias)
+
+
+def _dequant_f32(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
+    n, k = packed.shape[0], a.shape[-1]
+    call = jax.ffi.ffi_call("jax_fp4_dequant_cuda", jax.ShapeDtypeStruct((n, k), a.dtype))
+    w = call(packed, scale, global_scale, block_size=np.int64(block_size), tiled=tiled)
+    return _dot_dequantized_f32(a, w, bias)
+
+
+_F32_PATHS = {
+    "spec": {
+        "empty": _empty_f32,
+        "reference": _reference_f32,
+        "xla": _xla_f32,
+        "dequant": _dequant_f32,
+    },
+    "tiled": {
+        "empty": _empty_f32,
+        "reference": _reading_spec_layout(_reference_f32),
+        "xla": _reading_spec_layout(_xla_f32),
+        "dequant": _reading_tiled_layout(_dequant_f32),
+    },
+}
+
+
 def _impl_for(plan: _dispatch.Plan, layout: str):
     """The implementation of `plan`'s path for operands in `layout`."""
     if layout == "spec":
@@ -333,7 +506,18 @@ def path_for(platform, a_shape, a_dtype, packed_shape, block_size, backend, layo
 
 
 def _lowering(
-    ctx, *operands, block_size, backend, layout, has_bias, has_swizzled, tuning=None, platform
+    ctx,
+    *operands,
+    block_size,
+    backend,
+    layout,
+    has_bias,
+    has_swizzled,
+    tuning=None,
+    platform,
+    norm_eps=None,
+    activation=None,
+    has_residual=False,
 ):
     a_aval, packed_aval = ctx.avals_in[0], ctx.avals_in[1]
     plan = plan_for(
@@ -341,6 +525,11 @@ def _lowering(
     )
     path = plan.path
     attributes = _kernel_attributes(plan, tuning)
+    if norm_eps is not None or activation is not None or has_residual:
+        fusions = dict(norm_eps=norm_eps, activation=activation, has_residual=has_residual)
+        return _fused_lowering(
+            ctx, operands, plan, attributes, block_size, layout, has_bias, has_swizzled, fusions
+        )
     impl = _sharding.wrap_impl(
         ctx,
         path,
@@ -359,6 +548,119 @@ def _lowering(
             return impl(*five, block_size=block_size, **extra)
 
     return mlir.lower_fun(lowered, multiple_results=False)(ctx, *operands)
+
+
+def _partitioned(ctx, path: str) -> bool:
+    """Whether the partitioning rules wrap `path` in this lowering (sharding.wrap_impl): a kernel
+    path in a multi-device program (laid out by its sharding types, or by custom_partitioning)."""
+    if path not in _sharding.KERNEL_PATHS or not _config.custom_partitioning():
+        return False
+    return typed_mesh(ctx.avals_in[0]) is not None or _sharding._needs_rule(ctx)
+
+
+def _fuses_in_kernel(
+    plan: _dispatch.Plan, layout: str, n: int, activation, has_residual: bool, tuning
+) -> bool:
+    """Whether `plan` runs silu_mul and the residual in its kernel (the GEMV's fused instances)
+    in a single-device program, rather than composed around its product. (An RMSNorm alone
+    leaves the kernel plain.)"""
+    if plan.path != "gemv" or (activation is None and not has_residual):
+        return False
+    if activation == "silu_mul" and plan.gemv_tensor_cores:
+        # The tensor-core kernel pairs a 16-row gate tile with its up tile in each warp.
+        if layout == "tiled" and (n // 2) % 16:
+            return False
+        if tuning is not None and tuning.gemv_col_tiles == 1:
+            return False
+    return True
+
+
+def _fused_lowering(
+    ctx, operands, plan, attributes, block_size, layout, has_bias, has_swizzled, fusions
+):
+    """The lowering of a call with fusions: silu_mul and the residual in the GEMV's kernel where
+    it can, everything else composed around the product."""
+    norm_eps, activation = fusions["norm_eps"], fusions["activation"]
+    has_norm = norm_eps is not None
+    path, n = plan.path, ctx.avals_in[1].shape[0]
+
+    def split(ops):
+        return split_fused_operands(ops, has_bias, has_swizzled, has_norm, fusions["has_residual"])
+
+    in_kernel = _fuses_in_kernel(
+        plan, layout, n, activation, fusions["has_residual"], attributes.get("tuning")
+    )
+    if in_kernel and not _partitioned(ctx, path):
+        if layout == "spec":
+            impl = _gemv_fused
+        else:
+            impl = _GEMV_FUSED_ON_TILED if plan.gemv_tensor_cores else _SCALAR_GEMV_FUSED_ON_TILED
+
+        def lowered(*ops):
+            a, packed, scale, global_scale, bias, _, norm_weight, residual = split(ops)
+            with jax.named_scope(f"jax_fp4/{path}"):
+                # The RMSNorm stays an XLA fusion: in the kernel (each block normalizing its rows
+                # before its first mma) it measured slower than the separate fusion (docs/design.md).
+                a_n = rms_norm(a, norm_weight, norm_eps) if has_norm else a
+                return impl(
+                    a_n,
+                    packed,
+                    scale,
+                    global_scale,
+                    bias,
+                    block_size=block_size,
+                    activation=activation,
+                    residual=residual,
+                    **attributes,
+                )
+
+        return mlir.lower_fun(lowered, multiple_results=False)(ctx, *operands)
+
+    product = _product_f32(ctx, plan, attributes, block_size, layout, has_bias)
+
+    def composed(*ops):
+        a, packed, scale, global_scale, bias, swizzled, norm_weight, residual = split(ops)
+        with jax.named_scope(f"jax_fp4/{path}"):
+            a_n = rms_norm(a, norm_weight, norm_eps) if has_norm else a
+            y32 = product(a_n, packed, scale, global_scale, bias, swizzled)
+            return epilogue(y32, activation, residual, a.dtype)
+
+    return mlir.lower_fun(composed, multiple_results=False)(ctx, *operands)
+
+
+def _product_f32(ctx, plan, attributes, block_size, layout, has_bias):
+    """fn(a, packed, scale, global_scale, bias, swizzled) -> the product (+ bias) in float32, by
+    `plan`'s path under the partitioning rules that apply: unrounded on reference, xla, empty,
+    cpu (its kernel run on float32 activations) and dequant in a single-device program; rounded
+    to a's dtype first on the other kernels (gemv, fused, native, and dequant when partitioned),
+    which write a's dtype."""
+    path = plan.path
+    if path in _F32_PATHS[layout] and not _partitioned(ctx, path):
+        impl = _F32_PATHS[layout][path]
+
+        def product(a, packed, scale, global_scale, bias, swizzled):
+            return impl(a, packed, scale, global_scale, bias, block_size=block_size)
+
+        return product
+    impl = _sharding.wrap_impl(
+        ctx,
+        path,
+        _impl_for(plan, layout),
+        block_size=block_size,
+        has_bias=has_bias,
+        tiled=layout == "tiled",
+        impl_kwargs=tuple(sorted(attributes.items())),
+    )
+
+    def product(a, packed, scale, global_scale, bias, swizzled):
+        if path == "cpu":  # its float32 build: the product unrounded
+            a = a.astype(jnp.float32)
+            bias = None if bias is None else bias.astype(jnp.float32)
+        extra = {"swizzled_scale": swizzled} if path == "native" and swizzled is not None else {}
+        y = impl(a, packed, scale, global_scale, bias, block_size=block_size, **extra)
+        return y.astype(jnp.float32)
+
+    return product
 
 
 def register(primitive) -> None:

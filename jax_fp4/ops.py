@@ -3,8 +3,13 @@
 `matmul` checks its arguments at trace time and binds the primitive; the primitive carries
 abstract evaluation, batching, JVP and transpose here, and its per-platform lowering in
 jax_fp4/lowering.py. Operands: a [..., K], packed uint8 [N, K/2], scale uint8 [N, ceil(K/bs)],
-global_scale float32 [], then bias [N] when has_bias and the prepacked SM120 scales when
-has_swizzled. Result: [..., N] in a's dtype.
+global_scale float32 [], then bias [N] when has_bias, the prepacked SM120 scales when
+has_swizzled, norm_weight [K] when norm_eps is not None and residual [..., N_out] when
+has_residual. Result: [..., N_out] in a's dtype (N_out = N / 2 with activation "silu_mul", else N).
+
+A call with fusions (norm_eps, activation, has_residual) is one primitive too: its JVP is that of
+the unfused composition (`unfused`: RMSNorm, the plain primitive, the epilogue), so no transpose
+of a fused call is ever needed; batching is the plain one's.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_fp4 import dispatch as _dispatch
 from jax_fp4 import explicit_axes as _explicit_axes
 from jax_fp4 import lowering as _lowering
 from jax_fp4 import sharding as _sharding
 from jax_fp4.config import KernelTuning
+from jax_fp4.explicit_axes import axes_size, spec_axes, spec_entry
 from jax_fp4.format import NVFP4Weight, scale_as_bytes
 
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
@@ -39,11 +47,17 @@ def bind(
     swizzled_scale=None,
     layout: str = "spec",
     tuning: KernelTuning | None = None,
+    norm_weight=None,
+    norm_eps: float | None = None,
+    activation: str | None = None,
+    residual=None,
 ):
-    """Bind the primitive; `bias` and `swizzled_scale` (prepacked SM120 scales) may be None.
-    Operands must already be validated; `tuning` is static (None: the kernels' heuristics)."""
+    """Bind the primitive; `bias`, `swizzled_scale` (prepacked SM120 scales), `norm_weight` and
+    `residual` may be None. Operands must already be validated; `tuning`, `norm_eps` (read only
+    with a norm_weight) and `activation` are static (None: the kernels' heuristics, no norm, no
+    activation)."""
     operands = (a, packed, scale, global_scale) + tuple(
-        x for x in (bias, swizzled_scale) if x is not None
+        x for x in (bias, swizzled_scale, norm_weight, residual) if x is not None
     )
     return nvfp4_matmul_p.bind(
         *operands,
@@ -53,19 +67,48 @@ def bind(
         has_bias=bias is not None,
         has_swizzled=swizzled_scale is not None,
         tuning=tuning,
+        norm_eps=None if norm_weight is None else float(norm_eps),
+        activation=activation,
+        has_residual=residual is not None,
     )
+
+
+def unfused(
+    a,
+    packed,
+    scale,
+    global_scale,
+    bias,
+    *,
+    norm_weight=None,
+    norm_eps=None,
+    activation=None,
+    residual=None,
+    **weight,
+):
+    """A fused call as its composition: RMSNorm, the plain primitive, the epilogue (float32, one
+    rounding; jax_fp4/lowering.py). `weight`: bind's static arguments of the product."""
+    a_n = a if norm_weight is None else _lowering.rms_norm(a, norm_weight, norm_eps)
+    y = bind(a_n, packed, scale, global_scale, bias, **weight)
+    return _lowering.epilogue(y.astype(jnp.float32), activation, residual, a.dtype)
 
 
 # ---- abstract evaluation ------------------------------------------------------------------------
 
 
-def _abstract_eval(*operands, **params):
+def _abstract_eval(*operands, activation=None, **params):
     del params
     a, packed = operands[0], operands[1]
-    shape = a.shape[:-1] + (packed.shape[0],)
+    n_out = packed.shape[0] // 2 if activation == "silu_mul" else packed.shape[0]
+    shape = a.shape[:-1] + (n_out,)
     sharding = _sharding.result_sharding(a, packed)  # only under explicit mesh axes
     if sharding is None:
         return jax.core.ShapedArray(shape, a.dtype)
+    if n_out != packed.shape[0]:
+        # silu_mul halves N: keep N's axes only where they split the half evenly.
+        spec = spec_axes(sharding, len(shape))
+        if spec[-1] and n_out % axes_size(sharding.mesh, spec[-1]):
+            sharding = NamedSharding(sharding.mesh, P(*(spec_entry(e) for e in spec[:-1]), None))
     return jax.core.ShapedArray(shape, a.dtype, sharding=sharding)
 
 
@@ -87,11 +130,18 @@ _lowering.register(nvfp4_matmul_p)
 
 
 def _batch(operands, dims, **params):
-    a_dim, weight_dims = dims[0], dims[1:]
+    # The activations and the residual (the last operand, when has_residual) share the leading
+    # dims; every other operand belongs to the weight.
+    row_operands = (0, len(operands) - 1) if params.get("has_residual") else (0,)
+    weight_dims = [d for i, d in enumerate(dims) if i not in row_operands]
     if all(d is None for d in weight_dims):
-        # vmap over activations only: the batch axis joins the leading (M) axes.
-        a = jnp.moveaxis(operands[0], a_dim, 0)
-        return nvfp4_matmul_p.bind(a, *operands[1:], **params), 0
+        # vmap over activations (and residuals) only: the batch axis joins the leading (M) axes.
+        size = next(operands[i].shape[dims[i]] for i in row_operands if dims[i] is not None)
+        ops = list(operands)
+        for i in row_operands:
+            x, d = operands[i], dims[i]
+            ops[i] = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        return nvfp4_matmul_p.bind(*ops, **params), 0
     # vmap over stacked weights (experts, layers) or biases: one matmul per weight, in a loop.
     size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
     batched = [jnp.moveaxis(x, d, 0) if d is not None else None for x, d in zip(operands, dims)]
@@ -117,7 +167,88 @@ def _is_zero(t):
     return type(t) is ad.Zero
 
 
-def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzled, tuning=None):
+def _fused_jvp(primals, tangents, *, norm_eps, activation, has_residual, **params):
+    """The JVP of a fused call: the fused primitive's value, and the tangent of its unfused
+    composition (differentiable in a, the global scale, bias, norm_weight and residual)."""
+    has_bias, has_swizzled = params["has_bias"], params["has_swizzled"]
+    split = functools.partial(
+        _lowering.split_fused_operands,
+        has_bias=has_bias,
+        has_swizzled=has_swizzled,
+        has_norm=norm_eps is not None,
+        has_residual=has_residual,
+    )
+    a, packed, scale, global_scale, bias, swizzled, norm_weight, residual = split(primals)
+    da, _, _, dgs, dbias, _, dnorm, dres = split(tangents)
+    y = nvfp4_matmul_p.bind(
+        *primals, norm_eps=norm_eps, activation=activation, has_residual=has_residual, **params
+    )
+    primal_in = (a, global_scale, bias, norm_weight, residual)
+    # Differentiate in the operands that move only (a zero tangent stays a constant, so that,
+    # e.g., a fixed global scale costs no product).
+    moving = [i for i, t in enumerate((da, dgs, dbias, dnorm, dres)) if t is not None]
+    moving = [i for i in moving if not _is_zero((da, dgs, dbias, dnorm, dres)[i])]
+    if not moving:
+        return y, ad.Zero.from_primal_value(y)
+    weight = dict(
+        block_size=params["block_size"],
+        backend=params["backend"],
+        swizzled_scale=swizzled,
+        layout=params["layout"],
+        tuning=params.get("tuning"),
+    )
+
+    def composition(*moved):
+        x = list(primal_in)
+        for i, value in zip(moving, moved):
+            x[i] = value
+        a, global_scale, bias, norm_weight, residual = x
+        return unfused(
+            a,
+            packed,
+            scale,
+            global_scale,
+            bias,
+            norm_weight=norm_weight,
+            norm_eps=norm_eps,
+            activation=activation,
+            residual=residual,
+            **weight,
+        )
+
+    tangent_in = (da, dgs, dbias, dnorm, dres)
+    _, dy = jax.jvp(composition, [primal_in[i] for i in moving], [tangent_in[i] for i in moving])
+    return y, _explicit_axes.typed_like(dy, jax.typeof(y))
+
+
+def _jvp(
+    primals,
+    tangents,
+    *,
+    block_size,
+    backend,
+    layout,
+    has_bias,
+    has_swizzled,
+    tuning=None,
+    norm_eps=None,
+    activation=None,
+    has_residual=False,
+):
+    if norm_eps is not None or activation is not None or has_residual:
+        return _fused_jvp(
+            primals,
+            tangents,
+            norm_eps=norm_eps,
+            activation=activation,
+            has_residual=has_residual,
+            block_size=block_size,
+            backend=backend,
+            layout=layout,
+            has_bias=has_bias,
+            has_swizzled=has_swizzled,
+            tuning=tuning,
+        )
     a, packed, scale, global_scale, bias, swizzled = _lowering.split_operands(
         primals, has_bias, has_swizzled
     )
@@ -145,7 +276,23 @@ def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, has_swizzl
     return y, functools.reduce(jnp.add, out_tangents)
 
 
-def _transpose(ct, *operands, block_size, backend, layout, has_bias, has_swizzled, tuning=None):
+def _transpose(
+    ct,
+    *operands,
+    block_size,
+    backend,
+    layout,
+    has_bias,
+    has_swizzled,
+    tuning=None,
+    norm_eps=None,
+    activation=None,
+    has_residual=False,
+):
+    if norm_eps is not None or activation is not None or has_residual:
+        # Fused calls differentiate through their composition (_fused_jvp), whose linear part
+        # holds plain calls only.
+        raise NotImplementedError("jax_fp4: a fused matmul call is never linear in its operands")
     a, packed, scale, global_scale, bias, swizzled = _lowering.split_operands(
         operands, has_bias, has_swizzled
     )
@@ -237,6 +384,66 @@ def _check_bias(bias, w: NVFP4Weight, dtype):
     return bias.astype(dtype)
 
 
+def _check_activation_name(activation, w: NVFP4Weight):
+    if activation is None:
+        return None
+    if not isinstance(activation, str) or activation not in _lowering.ACTIVATIONS:
+        raise ValueError(
+            f"matmul: activation must be one of {_lowering.ACTIVATIONS} or None, got {activation!r}"
+        )
+    if w.n % 2:
+        raise ValueError(
+            "matmul: activation='silu_mul' needs a fused gate/up weight [2 I, K] (rows [:I] the "
+            f"gate, [I:] the up projection), so an even N; got w.shape = {w.shape}"
+        )
+    return activation
+
+
+def _check_norm(norm_weight, norm_eps, w: NVFP4Weight):
+    """(norm_weight or None, norm_eps as a float)."""
+    if norm_weight is None:
+        return None, None
+    if not hasattr(norm_weight, "dtype"):
+        norm_weight = jnp.asarray(norm_weight)
+    if not jnp.issubdtype(norm_weight.dtype, jnp.floating):
+        raise TypeError(
+            f"matmul: norm_weight must be a float array [K], got dtype {norm_weight.dtype}"
+        )
+    if norm_weight.shape != (w.k,):
+        raise ValueError(
+            f"matmul: norm_weight must have shape (K,) = ({w.k},), got {tuple(norm_weight.shape)}"
+        )
+    if isinstance(norm_eps, jax.core.Tracer) or not isinstance(
+        norm_eps, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(
+            f"matmul: norm_eps must be a Python float (static), got {type(norm_eps).__name__}"
+        )
+    norm_eps = float(norm_eps)
+    if not (np.isfinite(norm_eps) and norm_eps >= 0):
+        raise ValueError(f"matmul: norm_eps must be finite and >= 0, got {norm_eps}")
+    return norm_weight, norm_eps
+
+
+def _check_residual(residual, a, n_out: int):
+    if residual is None:
+        return None
+    if not hasattr(residual, "dtype"):
+        residual = jnp.asarray(residual)
+    want = tuple(a.shape[:-1]) + (n_out,)
+    if tuple(residual.shape) != want:
+        raise ValueError(
+            f"matmul: residual must have the result's shape a.shape[:-1] + (N_out,) = {want}, "
+            f"got {tuple(residual.shape)}"
+        )
+    if residual.dtype != a.dtype:
+        raise TypeError(
+            f"matmul: residual must have a's dtype {a.dtype}, got {residual.dtype} (cast it: the "
+            "sum is rounded once, to a's dtype)"
+        )
+    return residual
+
+
 def _resolve_backend(backend) -> str:
     backend = "auto" if backend is None else backend
     if not isinstance(backend, str) or backend not in _dispatch.BACKENDS:
@@ -255,14 +462,31 @@ def _check_tuning(tuning) -> KernelTuning | None:
 
 
 def matmul(
-    a, w: NVFP4Weight, bias=None, *, backend: str | None = None, tuning: KernelTuning | None = None
+    a,
+    w: NVFP4Weight,
+    bias=None,
+    *,
+    norm_weight=None,
+    norm_eps: float = 1e-6,
+    activation: str | None = None,
+    residual=None,
+    backend: str | None = None,
+    tuning: KernelTuning | None = None,
 ):
-    """Y = A @ dequant(W)^T (+ bias).
+    """Y = A @ dequant(W)^T (+ bias), with a decoder layer's fusions around it.
 
     Args:
       a: activations [..., K], float16 or bfloat16 (float32 on paths that serve it: cpu, reference).
       w: an NVFP4Weight of logical shape [N, K].
       bias: optional [N], cast to a's dtype.
+      norm_weight: optional [K] (any float dtype): an RMSNorm of each row of `a` first,
+        a_n = (a32 * rsqrt(mean(a32 ** 2, -1) + norm_eps) * norm_weight32).astype(a.dtype) with
+        a32 = a in float32; the product is a_n @ dequant(W)^T.
+      norm_eps: the RMSNorm's epsilon (a static Python float, >= 0).
+      activation: None, or "silu_mul": w is a fused gate/up weight [2 I, K] (rows [:I] the gate,
+        [I:] the up projection, e.g. jax_fp4.checkpoint.fuse([gate, up])), bias (if any) [2 I],
+        and the result [..., I] = silu(g) * u of the float32 products g, u (+ bias).
+      residual: optional [..., N_out] (the result's shape) in a's dtype, added last.
       backend: None/"auto" picks a path from static shapes; one of BACKENDS ("reference", "xla",
         "cpu", "gemv", "dequant", "fused", "native") forces one, and raises ValueError if it
         cannot serve these shapes or this platform.
@@ -270,12 +494,20 @@ def matmul(
         place of the kernels' heuristics, for measurements; None (the default) leaves them be.
         Paths without those choices ignore it.
 
+    The fusions follow the unfused composition in float32 with one rounding at the end (to
+    a's dtype). The CUDA decode GEMV runs them in its kernel; the other paths compose them around
+    their product (jax_fp4/lowering.py). Differentiable in a, bias, the global scale,
+    norm_weight and residual.
+
     Returns:
-      [..., N] in a's dtype.
+      [..., N_out] in a's dtype: N_out = I with activation "silu_mul", else N.
     """
     _check_weight(w)
     a = _check_activation(a, w)
+    activation = _check_activation_name(activation, w)
     bias = _check_bias(bias, w, a.dtype)
+    norm_weight, norm_eps = _check_norm(norm_weight, norm_eps, w)
+    residual = _check_residual(residual, a, w.n // 2 if activation == "silu_mul" else w.n)
     backend = _resolve_backend(backend)
     tuning = _check_tuning(tuning)
     _dispatch.check_backend(
@@ -292,6 +524,10 @@ def matmul(
         swizzled_scale=getattr(w, "swizzled_scale", None),  # prepack(target="sm120")
         layout=w.layout,
         tuning=tuning,
+        norm_weight=norm_weight,
+        norm_eps=norm_eps,
+        activation=activation,
+        residual=residual,
     )
 
 

@@ -41,7 +41,9 @@ def example():
 
 
 def _as_float(tensors: dict, name: str) -> np.ndarray:
-    value = tensors[name]
+    """Tensor `name` in float64: an NVFP4 layer dequantized, or a dense one (`name` or, for a
+    bf16 checkpoint's projections, `name`.weight)."""
+    value = tensors[name] if name in tensors else tensors[f"{name}.weight"]
     if isinstance(value, jax_fp4.NVFP4Weight):
         return reference.dequantize(
             value.packed, value.scale_bytes, value.global_scale, value.block_size
@@ -77,8 +79,11 @@ def _inv_freq(config: dict) -> np.ndarray:
     return np.array(out)
 
 
-def _reference_logits(config: dict, t: dict, tokens) -> np.ndarray:
-    """Logits [S, vocab] of one sequence, float64, no cache."""
+def reference_logits(config: dict, t: dict, tokens, *, routing: dict | None = None) -> np.ndarray:
+    """Logits [S, vocab] of one sequence, float64, no cache. A config with "num_experts" runs
+    Qwen3-MoE layers (loops over tokens and their top-k experts); `routing`, a dict, then receives
+    "margin" [S]: per position, the least gap over the layers between the k-th and (k+1)-th
+    router logit (a small one: the model's rounding may pick another expert)."""
     hd, heads, kvh = (
         config["head_dim"],
         config["num_attention_heads"],
@@ -100,6 +105,7 @@ def _reference_logits(config: dict, t: dict, tokens) -> np.ndarray:
         return out
 
     s = len(tokens)
+    margins = np.full(s, np.inf)
     h = _as_float(t, "model.embed_tokens.weight")[np.asarray(tokens)]
     for layer in range(config["num_hidden_layers"]):
         pre = f"model.layers.{layer}"
@@ -125,10 +131,43 @@ def _reference_logits(config: dict, t: dict, tokens) -> np.ndarray:
             attn[:, head] = (p / p.sum(axis=-1, keepdims=True)) @ v[:, kv]
         h = h + proj(attn.reshape(s, heads * hd), "self_attn.o_proj")
         x = norm(h, _as_float(t, f"{pre}.post_attention_layernorm.weight"))
-        gate, up = proj(x, "mlp.gate_proj"), proj(x, "mlp.up_proj")
-        h = h + proj(gate / (1 + np.exp(-gate)) * up, "mlp.down_proj")
+        if config.get("num_experts"):
+            y, margin = _reference_moe(config, t, f"{pre}.mlp", x)
+            margins = np.minimum(margins, margin)
+            h = h + y
+        else:
+            gate, up = proj(x, "mlp.gate_proj"), proj(x, "mlp.up_proj")
+            h = h + proj(gate / (1 + np.exp(-gate)) * up, "mlp.down_proj")
     head = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
+    if routing is not None:
+        routing["margin"] = margins
     return norm(h, _as_float(t, "model.norm.weight")) @ _as_float(t, head).T
+
+
+def _reference_moe(config: dict, t: dict, prefix: str, x: np.ndarray):
+    """Qwen3-MoE's block on normed tokens x [S, H], token by token: softmax of the router's
+    logits, the top k experts (the lower index first on ties), their weights renormalised where
+    norm_topk_prob, the weighted sum of down(silu(gate x) * up x). Also each token's gap between
+    the k-th and (k+1)-th logit (inf with k = E)."""
+    k, experts = config["num_experts_per_tok"], config["num_experts"]
+    router = _as_float(t, f"{prefix}.gate.weight")
+    y, margin = np.zeros_like(x), np.full(len(x), np.inf)
+    for s, token in enumerate(x):
+        logits = router @ token
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = np.argsort(-logits, kind="stable")
+        if k < experts:
+            margin[s] = logits[top[k - 1]] - logits[top[k]]
+        weights = probs[top[:k]]
+        if config.get("norm_topk_prob"):
+            weights = weights / weights.sum()
+        for e, weight in zip(top[:k], weights):
+            pre = f"{prefix}.experts.{e}"
+            gate = _as_float(t, f"{pre}.gate_proj") @ token
+            up = _as_float(t, f"{pre}.up_proj") @ token
+            y[s] += weight * (_as_float(t, f"{pre}.down_proj") @ (gate / (1 + np.exp(-gate)) * up))
+    return y, margin
 
 
 def _config(variant: str) -> dict:
@@ -138,18 +177,39 @@ def _config(variant: str) -> dict:
     return dict(CONFIG, rope_scaling=LLAMA3_SCALING if variant == "llama3_rope" else None)
 
 
+def cached_logits(example, cfg, params, tokens, prompt_len: int) -> np.ndarray:
+    """Logits [S, vocab] of one sequence: the prefill of its first prompt_len tokens, then one
+    token at a time through the cache (teacher-forced), into a cache whose unwritten positions
+    hold large values: they must stay masked."""
+    total = len(tokens)
+    forward = jax.jit(example.forward, static_argnums=0)  # once for the prompt, once per token
+    k_cache, v_cache = jax.tree.map(
+        lambda c: jnp.full_like(c, 3e4), example.empty_cache(cfg, params, 1, total)
+    )
+    logits, k_cache, v_cache = forward(
+        cfg, params, jnp.asarray(tokens[None, :prompt_len]), 0, k_cache, v_cache
+    )
+    got = [np.asarray(logits[0])]
+    for p in range(prompt_len, total):
+        logits, k_cache, v_cache = forward(
+            cfg, params, jnp.asarray(tokens[None, p : p + 1]), jnp.int32(p), k_cache, v_cache
+        )
+        got.append(np.asarray(logits[0]))
+    return np.concatenate(got)
+
+
 @pytest.mark.parametrize(
-    "variant, layout, convention, stack_layers",
+    "variant, layout, convention, stack_layers, shared_scales",
     [
-        ("llama", "tiled", "modelopt", False),
-        ("llama3_rope", "spec", "compressed-tensors", True),
-        ("qwen2_bias", "tiled", "compressed-tensors", False),
-        ("qwen3_qk_norm", "tiled", "modelopt", True),
-        ("llama31_rope_parameters", "tiled", "modelopt", False),
+        ("llama", "tiled", "modelopt", False, True),
+        ("llama3_rope", "spec", "compressed-tensors", True, False),
+        ("qwen2_bias", "tiled", "compressed-tensors", False, True),
+        ("qwen3_qk_norm", "tiled", "modelopt", True, True),
+        ("llama31_rope_parameters", "tiled", "modelopt", False, False),
     ],
 )
 def test_prefill_and_cached_decode_match_the_float64_reference(
-    example, tmp_path, variant, layout, convention, stack_layers
+    example, tmp_path, variant, layout, convention, stack_layers, shared_scales
 ):
     config = _config(variant)
     rng = np.random.default_rng()
@@ -160,6 +220,7 @@ def test_prefill_and_cached_decode_match_the_float64_reference(
         qkv_bias=variant == "qwen2_bias",
         qk_norm=variant == "qwen3_qk_norm",
         convention=convention,
+        shared_scales=shared_scales,
     )
     stored = example.ckpt.read_safetensors(tmp_path / "model.safetensors")
     assert ("model.layers.1.mlp.down_proj.weight_packed" in stored) == (
@@ -169,38 +230,114 @@ def test_prefill_and_cached_decode_match_the_float64_reference(
     # Stacked: one dict of [layers, ...] weights (lax.scan); else a dict per layer (unrolled).
     layer = params["layers"] if stack_layers else params["layers"][1]
     assert isinstance(params["layers"], dict if stack_layers else list)
-    q_proj = layer["q_proj"]
-    assert isinstance(q_proj, jax_fp4.NVFP4Weight) and q_proj.layout == layout
-    assert q_proj.packed.shape[0] == cfg.layers if stack_layers else q_proj.packed.ndim == 2
-    assert ("q_proj_bias" in layer) == (variant == "qwen2_bias")
+    # q/k/v and gate/up fused where the checkpoint gave the parts one global scale.
+    assert ("qkv_proj" in layer) == ("gate_up_proj" in layer) == shared_scales
+    assert ("q_proj" in layer) == ("up_proj" in layer) == (not shared_scales)
+    first = layer["qkv_proj" if shared_scales else "q_proj"]
+    assert isinstance(first, jax_fp4.NVFP4Weight) and first.layout == layout
+    assert first.packed.shape[0] == cfg.layers if stack_layers else first.packed.ndim == 2
+    rows = (cfg.heads + 2 * cfg.kv_heads if shared_scales else cfg.heads) * cfg.head_dim
+    assert first.n == rows
+    assert (f"{'qkv' if shared_scales else 'q'}_proj_bias" in layer) == (variant == "qwen2_bias")
     assert ("q_norm" in layer) == (variant == "qwen3_qk_norm")
 
     total, prompt_len = 24, 9  # past the llama3 scaling's original 16 positions
     tokens = rng.integers(0, cfg.vocab, size=total)
-    expected = _reference_logits(config, tensors, tokens)
-
-    # Prefill of the prompt, then one token at a time through the cache (teacher-forced), into a
-    # cache whose unwritten positions hold large values: they must stay masked.
-    forward = jax.jit(
-        example.forward, static_argnums=0
-    )  # compiled once for the prompt, once per token
-    k_cache, v_cache = jax.tree.map(
-        lambda c: jnp.full_like(c, 3e4), example.empty_cache(cfg, params, 1, total)
-    )
-    logits, k_cache, v_cache = forward(
-        cfg, params, jnp.asarray(tokens[None, :prompt_len]), 0, k_cache, v_cache
-    )
-    got = [np.asarray(logits[0])]
-    for p in range(prompt_len, total):
-        logits, k_cache, v_cache = forward(
-            cfg, params, jnp.asarray(tokens[None, p : p + 1]), p, k_cache, v_cache
-        )
-        got.append(np.asarray(logits[0]))
-    got = np.concatenate(got)
+    expected = reference_logits(config, tensors, tokens)
+    got = cached_logits(example, cfg, params, tokens, prompt_len)
     assert got.shape == expected.shape and np.isfinite(got).all()
     # bf16 activations through two layers: per-position error a few percent of the logits' norm.
     for p in range(total):
         assert reference.relative_error(got[p], expected[p]) < 0.05, f"position {p}"
+
+
+def test_fused_and_separate_projections_give_the_same_logits(example, tmp_path):
+    """One checkpoint (q/k/v and gate/up sharing global scales) run fused (4 matmuls a layer,
+    the norms and the activation folded into them) and unfused (7, fuse=False): the same logits,
+    NVFP4 and dense twin, and both the float64 reference's."""
+    rng = np.random.default_rng()
+    config = dict(_config("qwen2_bias"), intermediate_size=96)  # gate_up N = 192, K = 96 spec
+    tensors = example.write_demo_checkpoint(
+        tmp_path, config, seed=int(rng.integers(2**31)), qkv_bias=True, qk_norm=True
+    )
+    tokens = rng.integers(0, config["vocab_size"], size=12)
+    expected = reference_logits(config, tensors, tokens)
+    logits = {}
+    for fuse in (True, False):
+        cfg, params = example.load_model(tmp_path, dtype=jnp.float32, layout="spec", fuse=fuse)
+        assert (
+            ("qkv_proj" in params["layers"][0]) == ("gate_up_proj" in params["layers"][0]) == fuse
+        )
+        for name, model in (("nvfp4", params), ("dense", example.dense_twin(params, jnp.float32))):
+            empty = example.empty_cache(cfg, model, 1, len(tokens))
+            out, _, _ = example.forward(cfg, model, jnp.asarray(tokens[None]), 0, *empty)
+            logits[name, fuse] = np.asarray(out[0])
+        # What each jax_fp4.matmul of a layer does: fused, the input norm folded into q/k/v, the
+        # post-attention norm and SiLU(gate) * up into gate/up, the residual adds into o and down.
+        jaxpr = jax.make_jaxpr(lambda p, t, c: example.forward(cfg, p, t, 0, *c))(
+            params, jnp.ones((1, 1), jnp.int32), empty
+        )
+        calls = [
+            (e.params["norm_eps"], e.params["activation"], e.params["has_residual"])
+            for e in jaxpr.jaxpr.eqns
+            if e.primitive is jax_fp4.nvfp4_matmul_p
+        ]
+        eps = cfg.rms_eps
+        per_layer = (
+            [(eps, None, False), (None, None, True), (eps, "silu_mul", False), (None, None, True)]
+            if fuse
+            else [(None, None, False)] * 3
+            + [(None, None, True)]
+            + [(None, None, False)] * 2
+            + [(None, None, True)]
+        )
+        assert calls == per_layer * cfg.layers
+    for name in ("nvfp4", "dense"):
+        assert reference.relative_error(logits[name, True], logits[name, False]) < 1e-5
+        scale = max(1.0, np.abs(expected).max())
+        assert np.abs(logits[name, True] - expected).max() <= 1e-4 * scale
+
+
+def test_the_loader_fuses_only_parts_with_equal_global_scales(example, tmp_path):
+    """A checkpoint whose layer 1 has gate and up quantized apart (different global scales): that
+    layer keeps them separate, the others fuse, and under stack_layers (every layer alike) all
+    run separate; every form gives the reference's logits. A random model's fused weights are
+    each one quantized matrix: its parts share a global scale."""
+    rng = np.random.default_rng()
+    tensors = example.write_demo_checkpoint(tmp_path, CONFIG, seed=int(rng.integers(2**31)))
+    for name in ("gate_proj", "up_proj"):
+        key = f"model.layers.1.mlp.{name}"
+        tensors[key] = jax_fp4.quantize(
+            np.asarray(_as_float(tensors, key) * rng.uniform(0.5, 2.0), np.float32)
+        )
+    assert float(tensors["model.layers.1.mlp.gate_proj"].global_scale) != float(
+        tensors["model.layers.1.mlp.up_proj"].global_scale
+    )
+    example.ckpt.save_safetensors(tensors, tmp_path / "model.safetensors")
+    tokens = rng.integers(0, CONFIG["vocab_size"], size=10)
+    expected = reference_logits(CONFIG, tensors, tokens)
+    cfg, params = example.load_model(tmp_path, dtype=jnp.float32)
+    first, second = params["layers"]
+    assert "gate_up_proj" in first and "gate_up_proj" not in second
+    assert "qkv_proj" in first and "qkv_proj" in second
+    _, stacked = example.load_model(tmp_path, dtype=jnp.float32, stack_layers=True)
+    assert "gate_up_proj" not in stacked["layers"] and "qkv_proj" in stacked["layers"]
+    assert stacked["layers"]["up_proj"].packed.shape[0] == 2
+    for model in (params, stacked):
+        empty = example.empty_cache(cfg, model, 1, len(tokens))
+        logits, _, _ = example.forward(cfg, model, jnp.asarray(tokens[None]), 0, *empty)
+        scale = max(1.0, np.abs(expected).max())
+        assert np.abs(np.asarray(logits[0]) - expected).max() <= 1e-4 * scale
+
+    random_cfg, random_params = example.random_model(example.DEMO_CONFIG, layout="spec")
+    layer = random_params["layers"][0]
+    assert sorted(k for k in layer if k.endswith("proj")) == [
+        "down_proj",
+        "gate_up_proj",
+        "o_proj",
+        "qkv_proj",
+    ]
+    assert layer["gate_up_proj"].shape == (2 * random_cfg.intermediate, random_cfg.hidden)
 
 
 def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypatch):
@@ -215,11 +352,12 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
     assert tokens.shape == (2, 6) and timings["decode_steps"] == 3 and timings["decode_s"] > 0
     # The timed steps (3..7 of 8) in windows of 2, 2 and 1 step, which add up to the whole.
     monkeypatch.setattr(example, "TIMING_WINDOW", 2)
-    tokens8, timings8 = example.generate(cfg, params, prompt, 8)
+    tokens8, timings8 = example.generate(cfg, params, prompt, 8, gpu_busy_steps=3)
     np.testing.assert_array_equal(tokens8[:, :6], tokens)
     windows = timings8["window_s_per_step"]
     assert timings8["decode_steps"] == 5 and len(windows) == 3 and min(windows) > 0
     assert 2 * windows[0] + 2 * windows[1] + windows[2] == pytest.approx(timings8["decode_s"])
+    assert timings8["gpu_busy_ms"] is None  # a CPU trace holds no GPU
     # Each generated token is the argmax of the logits of everything before it, recomputed whole.
     sequence = np.concatenate([prompt, tokens], axis=1)
     logits, _, _ = example.forward(
@@ -242,35 +380,22 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
     generated = next(line for line in out.splitlines() if line.startswith("generated: "))
     assert len(json.loads(generated.removeprefix("generated: "))) == 4
     assert "prompt (5 tokens): [3, 1, 4, 1, 5]" in out and "jax_fp4 path: prefill" in out
-    # Random weights of a preset's shapes, decoded with NVFP4 and with the same weights in bf16.
+    # Random weights of a preset's shapes, decoded with NVFP4 and with the same weights in bf16,
+    # at two batch sizes after a random prompt.
     record_file = tmp_path / "timings.json"
-    assert (
-        example.main(
-            [
-                "--random",
-                "demo",
-                "--batch",
-                "2",
-                "--max-new-tokens",
-                "5",
-                "--compare-bf16",
-                "--scan-layers",
-                "--json",
-                str(record_file),
-            ]
-        )
-        == 0
-    )
+    argv = ["--random", "demo", "--batch", "2,3", "--max-new-tokens", "5", "--prompt-len", "7"]
+    argv += ["--compare-bf16", "--scan-layers", "--gpu-busy", "--json", str(record_file)]
+    assert example.main(argv) == 0
     out = capsys.readouterr().out
-    assert "NVFP4 (jax_fp4): prefill" in out and "batch 2, 2 steps" in out
+    assert "NVFP4 (jax_fp4): prefill" in out and "batch 2, 2 steps" in out and "batch 3, 2" in out
     assert "bf16 (the same weights dequantized, XLA's dot)" in out and "NVFP4 against bf16: " in out
+    assert "prompt (7 tokens)" in out and "byte floor" in out
     record = json.loads(record_file.read_text())
-    assert record["batch"] == 2 and record["new_tokens"] == 5
-    assert (
-        record["paths"]["decode"] == "cpu"
-    )  # tests/conftest.py: on the CPU device even beside a GPU
-    assert record["scan_layers"] is True
-    assert record["model"]["layers"] == example.DEMO_CONFIG["num_hidden_layers"]
+    assert record["model"] == "demo" and record["scan_layers"] is True
+    assert record["config"]["layers"] == example.DEMO_CONFIG["num_hidden_layers"]
+    assert record["read_gb_per_s"] > 0
+    runs = record["runs"]
+    assert [run["batch"] for run in runs] == [2, 3]
     # A step reads every weight but the embedding table: the projections and lm_head (bf16, or
     # NVFP4 at ~0.28 of it), the fp32 norms and RoPE frequencies.
     cfg = example.Config.from_json(example.DEMO_CONFIG)
@@ -281,47 +406,69 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
     )
     fp32 = cfg.layers * 2 * cfg.hidden + cfg.hidden + cfg.head_dim // 2
     dense_bytes = 2 * (projections + cfg.vocab * cfg.hidden) + 4 * fp32
-    assert record["bf16"]["weight_bytes_per_step"] == dense_bytes
-    # NVFP4: half a byte a weight, a byte a block of 16, a float32 global scale a matrix.
-    nvfp4_bytes = projections * 9 // 16 + 4 * 7 * cfg.layers + 2 * cfg.vocab * cfg.hidden + 4 * fp32
-    assert record["nvfp4"]["weight_bytes_per_step"] == nvfp4_bytes
-    for run in ("nvfp4", "bf16"):
-        step = record[run]["ms_per_step"] / 1e3
-        assert record[run]["decode_steps"] == 2 and step > 0
-        assert record[run]["tokens_per_s"] == pytest.approx(2 / step)
-        assert record[run]["weight_gb_per_s"] == pytest.approx(
-            record[run]["weight_bytes_per_step"] / step / 1e9
-        )
-    assert record["speedup_over_bf16"] == pytest.approx(
-        record["nvfp4"]["tokens_per_s"] / record["bf16"]["tokens_per_s"]
-    )
-    assert f"{record['nvfp4']['tokens_per_s']:.1f} tokens/s" in out
-    for bad in ([], ["--random", "demo", "--prompt-ids", "1,512"]):
+    # NVFP4: half a byte a weight, a byte a block of 16, a float32 global scale a matrix (four a
+    # layer: q/k/v and gate/up fused).
+    nvfp4_bytes = projections * 9 // 16 + 4 * 4 * cfg.layers + 2 * cfg.vocab * cfg.hidden + 4 * fp32
+    for run in runs:
+        assert run["context"] == 7 + 5 and run["prompt_len"] == 7 and run["new_tokens"] == 5
+        assert run["paths"]["decode"] == "cpu"  # tests/conftest.py: the CPU device beside a GPU
+        assert run["bf16"]["weight_bytes_per_step"] == dense_bytes
+        assert run["nvfp4"]["weight_bytes_per_step"] == nvfp4_bytes
+        # The floor: those bytes and the KV caches (2 bytes a value) at the measured bandwidth.
+        cache = 2 * cfg.layers * run["batch"] * cfg.kv_heads * 12 * cfg.head_dim * 2
+        assert run["cache_bytes"] == cache
+        for name in ("nvfp4", "bf16"):
+            step = run[name]["ms_per_step"] / 1e3
+            assert run[name]["decode_steps"] == 2 and step > 0
+            assert run[name]["tokens_per_s"] == pytest.approx(run["batch"] / step)
+            assert run[name]["weight_gb_per_s"] == pytest.approx(
+                run[name]["weight_bytes_per_step"] / step / 1e9
+            )
+            floor = (run[name]["weight_bytes_per_step"] + cache) / (record["read_gb_per_s"] * 1e9)
+            assert run[name]["floor_ms"] == pytest.approx(floor * 1e3)
+        assert run["nvfp4_ms"] == run["loop_ms"] == run["nvfp4"]["ms_per_step"]
+        assert run["bf16_ms"] == run["bf16"]["ms_per_step"] and run["floor_ms"] > 0
+        assert run["ratio"] == pytest.approx(run["bf16_ms"] / run["nvfp4_ms"])
+        assert run["gpu_busy_ms"] is None and run["bf16_gpu_busy_ms"] is None  # no GPU here
+        assert f"{run['nvfp4']['tokens_per_s']:.1f} tokens/s" in out
+    for bad in (
+        [],
+        ["--random", "demo", "--prompt-ids", "1,512"],
+        ["--random", "demo", "--batch", "2,0"],
+        ["--random", "demo", "--prompt-len", "3", "--prompt-ids", "1"],
+    ):
         with pytest.raises(SystemExit):
             example.main(bad)
-    assert "token ids must be in [0, 512), got [1, 512]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "token ids must be in [0, 512), got [1, 512]" in err
+    assert "expected a positive int or a comma-separated list of them, got '2,0'" in err
+    assert "not given with --prompt-ids" in err
 
 
 def test_a_bf16_checkpoint_quantized_on_load(example, tmp_path, capsys):
+    """A bf16 checkpoint runs dense with its parts concatenated, or quantized on load with each
+    fused group quantized as one matrix (one global scale, as ModelOpt would export it)."""
     tensors = example.write_demo_checkpoint(
         tmp_path, CONFIG, convention="bf16", seed=int(np.random.default_rng().integers(2**31))
     )
     cfg, dense = example.load_model(tmp_path)
-    assert not isinstance(dense["layers"][0]["q_proj"], jax_fp4.NVFP4Weight)
+    layer = dense["layers"][1]
+    assert not isinstance(layer["qkv_proj"], jax_fp4.NVFP4Weight)
+
+    def stored(*names):
+        return np.concatenate([np.asarray(tensors[f"model.layers.1.{n}.weight"]) for n in names])
+
+    qkv = stored("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    np.testing.assert_array_equal(np.asarray(layer["qkv_proj"]), qkv)
     _, params = example.load_model(tmp_path, quantize=True)
-    for name in ("q_proj", "down_proj"):
+    for name, parts in (
+        ("qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+        ("down_proj", ("mlp.down_proj",)),
+    ):
         w = params["layers"][1][name]
         assert w.layout == "tiled"
-        expected = jax_fp4.prepack(
-            jax_fp4.quantize(
-                np.asarray(
-                    tensors[
-                        f"model.layers.1.{'self_attn' if name == 'q_proj' else 'mlp'}.{name}.weight"
-                    ],
-                    np.float32,
-                )
-            )
-        )
+        expected = jax_fp4.prepack(jax_fp4.quantize(stored(*parts).astype(np.float32)))
         for got, want in zip(jax.tree.leaves(w), jax.tree.leaves(expected)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not isinstance(params["lm_head"], jax_fp4.NVFP4Weight)
@@ -431,12 +578,12 @@ def test_k_not_a_multiple_of_16_as_modelopt_pads_it(example, tmp_path, caplog):
         "layer 'model.layers.0.mlp.down_proj': K = 80 in the file (padded), 72 from in_features"
         in caplog.text
     )
-    assert params["layers"][0]["q_proj"].k == 40 and params["layers"][1]["down_proj"].k == 72
+    assert params["layers"][0]["qkv_proj"].k == 40 and params["layers"][1]["down_proj"].k == 72
     tokens = np.random.default_rng().integers(0, cfg.vocab, size=10)
     logits, _, _ = example.forward(
         cfg, params, jnp.asarray(tokens[None]), 0, *example.empty_cache(cfg, params, 1, 10)
     )
-    expected = _reference_logits(config, tensors, tokens)
+    expected = reference_logits(config, tensors, tokens)
     assert np.abs(np.asarray(logits[0]) - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
 
 
@@ -478,6 +625,10 @@ def test_help_describes_the_example_and_runs_nothing(example, capsys):
         "--prompt-ids",
         "--scan-layers",
         "in_features",
+        "--prompt-len",
+        "--gpu-busy",
+        "Qwen3-MoE",
+        '"nvfp4_ms"',
     ):
         assert text in out
 
@@ -490,7 +641,7 @@ def test_the_decode_step_probe_counts_the_kernels_it_launches(tmp_path, capsys):
     assert probe.main(["--random", "demo", "--steps", "2", "--json", str(record_file)]) == 0
     record = json.loads(record_file.read_text())
     layers = probe.llm.DEMO_CONFIG["num_hidden_layers"]
-    assert record["nvfp4"]["thunks"]["jax_fp4 custom calls"] == 7 * layers
+    assert record["nvfp4"]["thunks"]["jax_fp4 custom calls"] == 4 * layers  # q/k/v, gate/up fused
     assert "jax_fp4 custom calls" not in record["bf16"]["thunks"]
     for run in ("nvfp4", "bf16"):
         assert record[run]["wall_ms_per_step"] > 0 and record[run]["host_top_ms_per_step"]

@@ -70,42 +70,8 @@ def time_steps(cfg, params, batch: int, steps: int) -> dict:
             token, k_cache, v_cache = compiled(params, token, i, k_cache, v_cache)
         token.block_until_ready()
         jax.profiler.stop_trace()
-        profile = profile_summary(next(Path(trace_dir).rglob("*.xplane.pb")), steps)
+        profile = llm.profile_summary(next(Path(trace_dir).rglob("*.xplane.pb")), steps)
     return {"thunks": counts, "wall_ms_per_step": wall * 1e3, **profile}
-
-
-def _union_ns(intervals) -> int:
-    busy, end = 0, None
-    for start, stop in sorted(intervals):
-        if end is None or start > end:
-            busy, end = busy + stop - start, stop
-        elif stop > end:
-            busy, end = busy + stop - end, stop
-    return busy
-
-
-def profile_summary(xplane: Path, steps: int) -> dict:
-    """GPU stream busy time and event count per step; the host's longest events per step."""
-    data = jax.profiler.ProfileData.from_file(str(xplane))
-    gpu, gpu_lines, host = [], {}, collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            if plane.name.startswith("/device:GPU"):
-                events = [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
-                gpu_lines[line.name] = len(events)
-                if line.name.startswith("Stream"):
-                    gpu += events
-            elif plane.name.startswith("/host:CPU") and line.name != "python":
-                for e in line.events:  # per kind of op: "ffi_call.25" -> "ffi_call"
-                    host[re.sub(r"\.\d+$", "", e.name)[:60]] += e.duration_ns
-    window = (max(b for _, b in gpu) - min(a for a, _ in gpu)) if gpu else 0
-    return {
-        "gpu_busy_ms_per_step": _union_ns(gpu) / steps / 1e6,
-        "gpu_events_per_step": len(gpu) / steps,
-        "gpu_window_ms_per_step": window / steps / 1e6,
-        "gpu_lines": gpu_lines,
-        "host_top_ms_per_step": {name: ns / steps / 1e6 for name, ns in host.most_common(12)},
-    }
 
 
 def main(argv=None) -> int:

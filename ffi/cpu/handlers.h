@@ -17,4 +17,9 @@ std::string CpuKernelBuilds(bool avx512);
 // attrs block_size, tiled, avx512.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4MatmulCpu);
 
+// Grouped (ragged) product, rows of a sorted by group: (a [M,K], packed [G,N,K/2], scale
+// [G,N,ceil(K/block)], global_scale [G], group_sizes s32 [G], bias [G,N] or [0]) -> y [M,N];
+// attrs block_size, tiled, avx512.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GroupedMatmulCpu);
+
 #endif  // JAX_FP4_CPU_HANDLERS_H_

@@ -10,8 +10,11 @@
 // in an order that depends on neither M, the layout nor the vector width, the global scale and
 // bias are applied once per output in the epilogue, then the result is rounded to A's dtype.
 // Work units (a block of M rows against a panel of weight rows) are shared out over XLA's
-// intra-op thread pool.
+// intra-op thread pool. RunCpuGemm (cpu/gemm.h) is this kernel for several weights at once, each
+// multiplying its own rows (the grouped handler, ffi/cpu/grouped.cc): the units of every group
+// share one pool of work, so a call with many small groups keeps every thread busy.
 #include "cpu/handlers.h"
+#include "cpu/gemm.h"
 
 #include <algorithm>
 #include <array>
@@ -68,21 +71,38 @@ void store_from_float(void* data, ffi::DataType dtype, int64_t i, float value) {
   }
 }
 
-// Everything one call shares between the threads that work on it (read-only but for the counters).
-struct MatmulJob {
-  int64_t m = 0, n = 0, k = 0, k_blocks = 0, block_size = 0;
-  std::vector<float> a_f32;  // activations in fp32, [M, K]
+// One weight as the decode reads it: its shape, layout and bytes.
+struct Weight {
+  int64_t n = 0, k = 0, k_blocks = 0, block_size = 0;
   const uint8_t* packed = nullptr;
   const uint8_t* scale = nullptr;
-  std::vector<float> bias_f32;  // bias in fp32, [N]; empty: no bias
+  bool tiled = false;  // packed / scale in the tiled layout (block_size 16, K % 128 == 0)
+};
+
+// One group of a job: a weight, the rows it multiplies, and its first work unit.
+struct JobGroup {
+  int64_t row0 = 0, rows = 0;
+  const uint8_t* packed = nullptr;
+  const uint8_t* scale = nullptr;
+  float global_scale = 1.0f;
+  const float* bias = nullptr;  // [N] in fp32 (in MatmulJob::bias_f32), or nullptr
+  int64_t m_blocks = 0;         // units along its rows
+  int64_t first_unit = 0;       // units before it: the groups' units are numbered in order
+};
+
+// Everything one call shares between the threads that work on it (read-only but for the counters).
+struct MatmulJob {
+  int64_t n = 0, k = 0, k_blocks = 0, block_size = 0;
+  std::vector<float> a_f32;     // activations in fp32, [rows up to the last group's end, K]
+  std::vector<float> bias_f32;  // the groups' biases in fp32, N each
+  std::vector<JobGroup> groups;
+  int64_t max_group_rows = 0;
   void* y = nullptr;
   ffi::DataType dtype = ffi::DataType::F32;
-  float global_scale = 1.0f;
   bool tiled = false;  // packed / scale in the tiled layout (block_size 16, K % 128 == 0)
   bool avx512 = true;  // the AVX-512 panel product where the CPU has it (attribute avx512)
 
-  int64_t m_blocks = 0;   // units along M
-  int64_t num_units = 0;  // m_blocks x weight panels
+  int64_t num_units = 0;  // over the groups: row blocks x weight panels
   std::atomic<int64_t> next_unit{0};
   std::atomic<int64_t> done_units{0};
   std::mutex mutex;
@@ -202,29 +222,26 @@ const std::array<float, 256>& E4M3Values() {
 
 // Whether the weight can be read a word of eight codes at a time: the tiled layout (block 16,
 // K % 128 == 0), or the spec layout when no block boundary or the end of K falls inside a word.
-bool WholeWords(const MatmulJob& job) {
-  return job.tiled || (job.block_size % 8 == 0 && job.k % 8 == 0);
-}
+bool WholeWords(const Weight& w) { return w.tiled || (w.block_size % 8 == 0 && w.k % 8 == 0); }
 
 // Walks weight rows [row0, row0 + lanes) (one per vector lane, lanes <= 8, row0 % 8 == 0) over K
 // [k0, k0 + kc) a word at a time, in k order: visit(kk, scales, words) with words[lane] the row's
 // packed word holding elements kk..kk+7 (as the layout stores it: DecodeE2M1Lanes<Tiled> reads it)
 // and scales[lane] their block scale; lanes past `lanes` hold zeros. Tiled: the tiled layout.
-// Needs WholeWords(job) (k0 and kc are then multiples of 8).
+// Needs WholeWords(w) (k0 and kc are then multiples of 8).
 template <bool Tiled, typename Visit>
-__attribute__((always_inline)) inline void ForEachWord(const MatmulJob& job, int64_t row0,
-                                                       int lanes, int64_t k0, int64_t kc,
-                                                       Visit&& visit) {
-  const int64_t windows = job.k / 128;  // tiled layout only
+__attribute__((always_inline)) inline void ForEachWord(const Weight& w, int64_t row0, int lanes,
+                                                       int64_t k0, int64_t kc, Visit&& visit) {
+  const int64_t windows = w.k / 128;  // tiled layout only
   // Byte offsets of row `row`'s block scale kb and of its word of elements kk..kk+7 (kk % 8 == 0,
   // inside one block). Across the eight rows both step by a constant, the same for every block
   // and word (the spec layout's row strides; the tiled layout's lane groups, which eight rows from
   // a multiple of 8 are): taken once, from the first block.
   const auto scale_offset = [&](int64_t row, int64_t kb) {
-    return Tiled ? tiled_scale_offset(row, kb, windows) : row * job.k_blocks + kb;
+    return Tiled ? tiled_scale_offset(row, kb, windows) : row * w.k_blocks + kb;
   };
   const auto word_offset = [&](int64_t row, int64_t kk) {  // kk >= 0: shifts for the divisions
-    if (!Tiled) return row * (job.k / 2) + (kk >> 1);
+    if (!Tiled) return row * (w.k / 2) + (kk >> 1);
     // A row's 64 bytes of a window are one run (its four quarters in order), windows 1 KB apart.
     return tiled_packed_offset(row, 0, 0, windows) + (kk >> 7) * 1024 + ((kk & 127) >> 1);
   };
@@ -234,12 +251,12 @@ __attribute__((always_inline)) inline void ForEachWord(const MatmulJob& job, int
     return word;
   };
   const std::array<float, 256>& e4m3 = E4M3Values();
-  const int64_t kb0 = k0 / job.block_size;
+  const int64_t kb0 = k0 / w.block_size;
   const int64_t scale_step = scale_offset(row0 + 1, kb0) - scale_offset(row0, kb0);
   const int64_t word_step = word_offset(row0 + 1, k0) - word_offset(row0, k0);
   // Eight lanes are built in registers (a lane-by-lane loop goes through memory: twice as slow).
-  for (int64_t kb = kb0; kb * job.block_size < k0 + kc; ++kb) {
-    const uint8_t* s = job.scale + scale_offset(row0, kb);
+  for (int64_t kb = kb0; kb * w.block_size < k0 + kc; ++kb) {
+    const uint8_t* s = w.scale + scale_offset(row0, kb);
     Float8 scales = {};  // zero in lanes past N
     if (lanes == 8) {
       scales = Float8{e4m3[s[0]],
@@ -253,9 +270,9 @@ __attribute__((always_inline)) inline void ForEachWord(const MatmulJob& job, int
     } else {
       for (int lane = 0; lane < lanes; ++lane) scales[lane] = e4m3[s[lane * scale_step]];
     }
-    const int64_t k_end = std::min(k0 + kc, (kb + 1) * job.block_size);
-    for (int64_t kk = std::max(k0, kb * job.block_size); kk < k_end; kk += 8) {
-      const uint8_t* p = job.packed + word_offset(row0, kk);
+    const int64_t k_end = std::min(k0 + kc, (kb + 1) * w.block_size);
+    for (int64_t kk = std::max(k0, kb * w.block_size); kk < k_end; kk += 8) {
+      const uint8_t* p = w.packed + word_offset(row0, kk);
       Word8 words = {};
       if (lanes == 8) {
         words = Word8{load_word(p),
@@ -274,10 +291,10 @@ __attribute__((always_inline)) inline void ForEachWord(const MatmulJob& job, int
   }
 }
 
-// DecodePanel for WholeWords(job): eight rows at a time, one per lane; each k is two stores of 8
+// DecodePanel for WholeWords(w): eight rows at a time, one per lane; each k is two stores of 8
 // floats.
 template <bool Tiled>
-__attribute__((always_inline)) inline void DecodePanelWords(const MatmulJob& job, int64_t n0,
+__attribute__((always_inline)) inline void DecodePanelWords(const Weight& w, int64_t n0,
                                                             int64_t rows, int64_t k0, int64_t kc,
                                                             float* panel) {
   for (int64_t g = 0; g * kPanelCols < rows; ++g) {
@@ -285,7 +302,7 @@ __attribute__((always_inline)) inline void DecodePanelWords(const MatmulJob& job
       const int64_t row0 = n0 + g * kPanelCols + 8 * half;  // this half's first row
       float* out = panel + g * kc * kPanelCols + 8 * half;  // k0's eight floats
       const int lanes = static_cast<int>(std::clamp<int64_t>(n0 + rows - row0, 0, 8));
-      ForEachWord<Tiled>(job, row0, lanes, k0, kc,
+      ForEachWord<Tiled>(w, row0, lanes, k0, kc,
                          [&](int64_t kk, const Float8& scales, const Word8& words) {
 #pragma GCC unroll 8
                            for (int e = 0; e < 8; ++e) {
@@ -302,13 +319,12 @@ __attribute__((always_inline)) inline void DecodePanelWords(const MatmulJob& job
 // in, into the panel layout the micro-kernel reads: groups of 16 rows, each group [kc][16], so
 // that one k of a group is 16 consecutive floats. Rows past N decode as zero.
 JAX_FP4_CPU_CLONES
-void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int64_t kc,
-                 float* panel) {
-  if (WholeWords(job)) {
-    if (job.tiled) {
-      DecodePanelWords<true>(job, n0, rows, k0, kc, panel);
+void DecodePanel(const Weight& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, float* panel) {
+  if (WholeWords(w)) {
+    if (w.tiled) {
+      DecodePanelWords<true>(w, n0, rows, k0, kc, panel);
     } else {
-      DecodePanelWords<false>(job, n0, rows, k0, kc, panel);
+      DecodePanelWords<false>(w, n0, rows, k0, kc, panel);
     }
     return;
   }
@@ -322,11 +338,11 @@ void DecodePanel(const MatmulJob& job, int64_t n0, int64_t rows, int64_t k0, int
       for (int64_t kk = 0; kk < kc; ++kk) out[kk * kPanelCols] = 0.0f;
       continue;
     }
-    const uint8_t* packed_row = job.packed + row * (job.k / 2);
-    for (int64_t kb = k0 / job.block_size; kb * job.block_size < k0 + kc; ++kb) {
-      const float scale = e4m3_to_float(job.scale[row * job.k_blocks + kb]);
-      const int64_t k_end = std::min(k0 + kc, (kb + 1) * job.block_size);
-      for (int64_t kk = std::max(k0, kb * job.block_size); kk < k_end; ++kk) {
+    const uint8_t* packed_row = w.packed + row * (w.k / 2);
+    for (int64_t kb = k0 / w.block_size; kb * w.block_size < k0 + kc; ++kb) {
+      const float scale = e4m3_to_float(w.scale[row * w.k_blocks + kb]);
+      const int64_t k_end = std::min(k0 + kc, (kb + 1) * w.block_size);
+      for (int64_t kk = std::max(k0, kb * w.block_size); kk < k_end; ++kk) {
         out[(kk - k0) * kPanelCols] = e2m1_to_float(packed_code(packed_row, kk)) * scale;
       }
     }
@@ -505,14 +521,14 @@ void PanelProduct(const float* a, int64_t lda, int64_t mb, const float* panel, i
 // of the weight decoded as it is multiplied, eight rows at a time: for a few rows of M the decode
 // is most of the work, and the panel's stores and reloads would cost as much again. Per output the
 // same operations in the same order as DecodePanel + PanelProduct (one multiply-add chain over
-// the step, then added to c), so that the two agree bit for bit. Needs WholeWords(job).
+// the step, then added to c), so that the two agree bit for bit. Needs WholeWords(w).
 template <int MB, bool Tiled>
-__attribute__((always_inline)) inline void DecodeProductRows(const MatmulJob& job, const float* a,
+__attribute__((always_inline)) inline void DecodeProductRows(const Weight& w, const float* a,
                                                              int64_t lda, int64_t row0, int lanes,
                                                              int64_t k0, int64_t kc, float* c,
                                                              int64_t ldc) {
   Float8 acc[MB] = {};
-  ForEachWord<Tiled>(job, row0, lanes, k0, kc,
+  ForEachWord<Tiled>(w, row0, lanes, k0, kc,
                      [&](int64_t kk, const Float8& scales, const Word8& words) {
                        const float* a_word = a + (kk - k0);
 #pragma GCC unroll 8
@@ -526,7 +542,7 @@ __attribute__((always_inline)) inline void DecodeProductRows(const MatmulJob& jo
 }
 
 template <bool Tiled>
-__attribute__((always_inline)) inline void DecodeProductLayout(const MatmulJob& job, const float* a,
+__attribute__((always_inline)) inline void DecodeProductLayout(const Weight& w, const float* a,
                                                                int64_t lda, int64_t mb, int64_t n0,
                                                                int64_t rows, int64_t k0, int64_t kc,
                                                                float* c, int64_t ldc) {
@@ -537,40 +553,40 @@ __attribute__((always_inline)) inline void DecodeProductLayout(const MatmulJob& 
     float* c_rows = c + r;
     switch (mb) {
       case 8:
-        DecodeProductRows<8, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        DecodeProductRows<8, Tiled>(w, a, lda, row0, lanes, k0, kc, c_rows, ldc);
         break;
       case 7:
-        DecodeProductRows<7, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        DecodeProductRows<7, Tiled>(w, a, lda, row0, lanes, k0, kc, c_rows, ldc);
         break;
       case 6:
-        DecodeProductRows<6, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        DecodeProductRows<6, Tiled>(w, a, lda, row0, lanes, k0, kc, c_rows, ldc);
         break;
       case 5:
-        DecodeProductRows<5, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        DecodeProductRows<5, Tiled>(w, a, lda, row0, lanes, k0, kc, c_rows, ldc);
         break;
       case 4:
-        DecodeProductRows<4, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        DecodeProductRows<4, Tiled>(w, a, lda, row0, lanes, k0, kc, c_rows, ldc);
         break;
       case 3:
-        DecodeProductRows<3, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        DecodeProductRows<3, Tiled>(w, a, lda, row0, lanes, k0, kc, c_rows, ldc);
         break;
       case 2:
-        DecodeProductRows<2, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        DecodeProductRows<2, Tiled>(w, a, lda, row0, lanes, k0, kc, c_rows, ldc);
         break;
       default:
-        DecodeProductRows<1, Tiled>(job, a, lda, row0, lanes, k0, kc, c_rows, ldc);
+        DecodeProductRows<1, Tiled>(w, a, lda, row0, lanes, k0, kc, c_rows, ldc);
         break;
     }
   }
 }
 
 JAX_FP4_CPU_CLONES
-void DecodeProduct(const MatmulJob& job, const float* a, int64_t lda, int64_t mb, int64_t n0,
+void DecodeProduct(const Weight& w, const float* a, int64_t lda, int64_t mb, int64_t n0,
                    int64_t rows, int64_t k0, int64_t kc, float* c, int64_t ldc) {
-  if (job.tiled) {
-    DecodeProductLayout<true>(job, a, lda, mb, n0, rows, k0, kc, c, ldc);
+  if (w.tiled) {
+    DecodeProductLayout<true>(w, a, lda, mb, n0, rows, k0, kc, c, ldc);
   } else {
-    DecodeProductLayout<false>(job, a, lda, mb, n0, rows, k0, kc, c, ldc);
+    DecodeProductLayout<false>(w, a, lda, mb, n0, rows, k0, kc, c, ldc);
   }
 }
 
@@ -578,37 +594,44 @@ void DecodeProduct(const MatmulJob& job, const float* a, int64_t lda, int64_t mb
 struct Scratch {
   explicit Scratch(const MatmulJob& job)
       : panel(static_cast<size_t>(kPanelRows * std::min(job.k, kDepth))),
-        c(static_cast<size_t>(std::min(job.m, kBlockRows) * kPanelRows)) {}
+        c(static_cast<size_t>(std::min(job.max_group_rows, kBlockRows) * kPanelRows)) {}
   std::vector<float> panel, c;
 };
 
-// One unit: rows [m0, m0 + mb) of M against weight rows [n0, n0 + rows) over all of K, in
-// kDepth-long steps (each step's decoded panel and activation block stay in cache), then the
+// One unit: rows [m0, m0 + mb) of one group against weight rows [n0, n0 + rows) over all of K,
+// in kDepth-long steps (each step's decoded panel and activation block stay in cache), then the
 // epilogue: global scale, bias, rounding to the output dtype.
 void ComputeUnit(const MatmulJob& job, int64_t unit, Scratch& scratch) {
-  const int64_t m0 = (unit % job.m_blocks) * kBlockRows;
-  const int64_t n0 = (unit / job.m_blocks) * kPanelRows;
-  const int64_t mb = std::min(kBlockRows, job.m - m0);
+  // The group holding this unit: the last one whose first unit is at most `unit`.
+  const auto after =
+      std::upper_bound(job.groups.begin(), job.groups.end(), unit,
+                       [](int64_t u, const JobGroup& group) { return u < group.first_unit; });
+  const JobGroup& group = *(after - 1);
+  const int64_t local = unit - group.first_unit;
+  const int64_t m0 = group.row0 + (local % group.m_blocks) * kBlockRows;
+  const int64_t n0 = (local / group.m_blocks) * kPanelRows;
+  const int64_t mb = std::min(kBlockRows, group.row0 + group.rows - m0);
   const int64_t rows = std::min(kPanelRows, job.n - n0);
   const int64_t groups = (rows + kPanelCols - 1) / kPanelCols;
   const int64_t ldc = kPanelRows;
-  const bool decode_as_multiplied = mb <= kDecodeProductMaxRows && WholeWords(job);
+  const Weight w{job.n, job.k, job.k_blocks, job.block_size, group.packed, group.scale, job.tiled};
+  const bool decode_as_multiplied = mb <= kDecodeProductMaxRows && WholeWords(w);
   std::fill(scratch.c.begin(), scratch.c.end(), 0.0f);
   for (int64_t k0 = 0; k0 < job.k; k0 += kDepth) {
     const int64_t kc = std::min(kDepth, job.k - k0);
     const float* a = job.a_f32.data() + m0 * job.k + k0;
     if (decode_as_multiplied) {
-      DecodeProduct(job, a, job.k, mb, n0, rows, k0, kc, scratch.c.data(), ldc);
+      DecodeProduct(w, a, job.k, mb, n0, rows, k0, kc, scratch.c.data(), ldc);
     } else {
-      DecodePanel(job, n0, rows, k0, kc, scratch.panel.data());
+      DecodePanel(w, n0, rows, k0, kc, scratch.panel.data());
       PanelProduct(a, job.k, mb, scratch.panel.data(), kc, groups, scratch.c.data(), ldc,
                    job.avx512);
     }
   }
   for (int64_t i = 0; i < mb; ++i) {
     for (int64_t r = 0; r < rows; ++r) {
-      float out = scratch.c[i * ldc + r] * job.global_scale;
-      if (!job.bias_f32.empty()) out += job.bias_f32[n0 + r];
+      float out = scratch.c[i * ldc + r] * group.global_scale;
+      if (group.bias != nullptr) out += group.bias[n0 + r];
       store_from_float(job.y, job.dtype, (m0 + i) * job.n + n0 + r, out);
     }
   }
@@ -640,41 +663,82 @@ ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a, ffi::Buf
   if (const std::string bad = tiled ? CheckTiledLayout(shape, block_size) : ""; !bad.empty()) {
     return ffi::Error::InvalidArgument("jax_fp4_matmul_cpu: " + bad);
   }
-  if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
+  CpuGemm gemm;
+  gemm.a = a.untyped_data();
+  gemm.y = y->untyped_data();
+  gemm.dtype = a.element_type();
+  gemm.n = shape.n;
+  gemm.k = shape.k;
+  gemm.block_size = block_size;
+  gemm.tiled = tiled;
+  gemm.avx512 = avx512;
+  CpuGemmGroup group;
+  group.rows = shape.m;
+  group.packed = packed.typed_data();
+  group.scale = scale.typed_data();
+  group.global_scale = global_scale.typed_data()[0];
+  group.bias = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
+  RunCpuGemm(thread_pool, gemm, {group});
+  return ffi::Error::Success();
+}
 
+}  // namespace
+
+void RunCpuGemm(ffi::ThreadPool thread_pool, const CpuGemm& gemm,
+                const std::vector<CpuGemmGroup>& groups) {
   auto job = std::make_shared<MatmulJob>();
-  job->m = shape.m;
-  job->n = shape.n;
-  job->k = shape.k;
-  job->k_blocks = shape.k_blocks;
-  job->block_size = block_size;
-  job->dtype = a.element_type();
-  job->a_f32.resize(static_cast<size_t>(shape.m * shape.k));
-  ToFloats(a.untyped_data(), job->dtype, shape.m * shape.k, job->a_f32.data());
-  job->packed = packed.typed_data();
-  job->scale = scale.typed_data();
-  if (bias.element_count() != 0) {
-    job->bias_f32.resize(static_cast<size_t>(shape.n));
-    ToFloats(bias.untyped_data(), job->dtype, shape.n, job->bias_f32.data());
+  job->n = gemm.n;
+  job->k = gemm.k;
+  job->block_size = gemm.block_size;
+  job->k_blocks = (gemm.k + gemm.block_size - 1) / gemm.block_size;
+  job->y = gemm.y;
+  job->dtype = gemm.dtype;
+  job->tiled = gemm.tiled;
+  job->avx512 = gemm.avx512;
+  if (gemm.n == 0) return;
+  int64_t end_row = 0, biases = 0, work = 0;
+  for (const CpuGemmGroup& group : groups) {
+    if (group.rows <= 0) continue;
+    end_row = std::max(end_row, group.row0 + group.rows);
+    biases += group.bias != nullptr;
   }
-  job->y = y->untyped_data();
-  job->global_scale = global_scale.typed_data()[0];
-  job->tiled = tiled;
-  job->avx512 = avx512;
-  job->m_blocks = (shape.m + kBlockRows - 1) / kBlockRows;
-  job->num_units = job->m_blocks * ((shape.n + kPanelRows - 1) / kPanelRows);
+  // The activations up to the last group's end in fp32 (rows past it are never read); each
+  // bias once, before the groups point into the buffer (no reallocation after).
+  job->a_f32.resize(static_cast<size_t>(end_row * gemm.k));
+  ToFloats(gemm.a, gemm.dtype, end_row * gemm.k, job->a_f32.data());
+  job->bias_f32.resize(static_cast<size_t>(biases * gemm.n));
+  const int64_t panels = (gemm.n + kPanelRows - 1) / kPanelRows;
+  int64_t bias_index = 0;
+  for (const CpuGemmGroup& group : groups) {
+    if (group.rows <= 0) continue;
+    JobGroup g;
+    g.row0 = group.row0;
+    g.rows = group.rows;
+    g.packed = group.packed;
+    g.scale = group.scale;
+    g.global_scale = group.global_scale;
+    if (group.bias != nullptr) {
+      float* out = job->bias_f32.data() + bias_index++ * gemm.n;
+      ToFloats(group.bias, gemm.dtype, gemm.n, out);
+      g.bias = out;
+    }
+    g.m_blocks = (group.rows + kBlockRows - 1) / kBlockRows;
+    g.first_unit = job->num_units;
+    job->num_units += g.m_blocks * panels;
+    job->max_group_rows = std::max(job->max_group_rows, group.rows);
+    work += group.rows * gemm.n * gemm.k;
+    job->groups.push_back(g);
+  }
+  if (job->num_units == 0) return;
 
   // Small problems are not worth waking other threads for.
-  const bool parallel = shape.m * shape.n * shape.k >= kParallelWork;
+  const bool parallel = work >= kParallelWork;
   const int64_t helpers = parallel ? std::min(thread_pool.num_threads(), job->num_units) - 1 : 0;
   for (int64_t i = 0; i < helpers; ++i) thread_pool.Schedule([job] { Work(job); });
   Work(job);  // the calling thread works too, so progress never depends on the pool
   std::unique_lock<std::mutex> lock(job->mutex);
   job->all_done.wait(lock, [&] { return job->done_units.load() == job->num_units; });
-  return ffi::Error::Success();
 }
-
-}  // namespace
 
 std::string CpuKernelBuilds(bool avx512) {
   std::string builds;

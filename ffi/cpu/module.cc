@@ -11,6 +11,7 @@ NB_MODULE(_jax_fp4_cpu, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["jax_fp4_matmul_cpu"] = jax_fp4::FfiCapsule(JaxFp4MatmulCpu);
+    targets["jax_fp4_grouped_matmul_cpu"] = jax_fp4::FfiCapsule(JaxFp4GroupedMatmulCpu);
     return targets;
   });
   m.def("kernel_builds", &jax_fp4::CpuKernelBuilds, nb::arg("avx512"));

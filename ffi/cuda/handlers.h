@@ -1,6 +1,6 @@
 // XLA FFI handlers of the CUDA module. Plain declarations: module.cc (C++, nanobind) includes this
-// header and never sees CUDA; the handlers are defined in gemv/handler.cu and dequant.cu (the
-// fused GEMM's in fused/fused.h, the native SM120 path's in native_sm120/handlers.h).
+// header and never sees CUDA; the handlers are defined in gemv/handler.cu, dequant.cu and
+// grouped/ (the fused GEMM's in fused/fused.h, the native SM120 path's in native_sm120/handlers.h).
 #ifndef JAX_FP4_CUDA_HANDLERS_H_
 #define JAX_FP4_CUDA_HANDLERS_H_
 
@@ -14,5 +14,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GemvCuda);
 // Dequantize: (packed [N,K/2] u8, scale [N,ceil(K/bs)] u8, global_scale f32[1]) -> w [N,K]
 // f16/bf16; attr block_size (any > 0).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4DequantCuda);
+
+// Grouped (mixture-of-experts) decode GEMV: (a [M,K] f16/bf16, packed [G,N,K/2] u8, scale
+// [G,N,K/16] u8, global_scale [G] f32, group_sizes [G] s32, bias [G,N] or [0]) -> y [M,N]; attrs
+// block_size (== 16), tiled. K % 128 == 0, sm_80+ (ffi/cuda/grouped/gemv_handler.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GroupedGemvCuda);
+
+// Grouped fused GEMM (sm_90a): the same operands with a in the fused GEMM's fragment K order ->
+// (y [M,N], workspace u8 [W]); attrs block_size (== 16), tiled (ffi/cuda/grouped/gemm_handler.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GroupedGemmCuda);
 
 #endif  // JAX_FP4_CUDA_HANDLERS_H_

@@ -22,6 +22,8 @@ NB_MODULE(_jax_fp4_cuda, m) {
     targets["jax_fp4_swizzle_scales_cuda"] = jax_fp4::FfiCapsule(JaxFp4SwizzleScalesCuda);
     targets["jax_fp4_native_sm120_cuda"] = jax_fp4::FfiCapsule(JaxFp4NativeSm120Cuda);
     targets["jax_fp4_fused_cuda"] = jax_fp4::FfiCapsule(JaxFp4FusedCuda);
+    targets["jax_fp4_grouped_gemv_cuda"] = jax_fp4::FfiCapsule(JaxFp4GroupedGemvCuda);
+    targets["jax_fp4_grouped_gemm_cuda"] = jax_fp4::FfiCapsule(JaxFp4GroupedGemmCuda);
     return targets;
   });
   m.def("architectures", []() { return std::string(JAX_FP4_CUDA_ARCHITECTURES); });

@@ -1,4 +1,5 @@
-// Device helpers shared by the decode GEMV's kernels (ffi/cuda/gemv/mma.cuh, scalar.cuh).
+// Device helpers shared by the decode GEMV's kernels (ffi/cuda/gemv/mma.cuh, scalar.cuh), and the
+// epilogue fusions both apply (GemvFusion).
 #ifndef JAX_FP4_CUDA_GEMV_COMMON_CUH_
 #define JAX_FP4_CUDA_GEMV_COMMON_CUH_
 
@@ -30,6 +31,37 @@ __device__ __forceinline__ void StoreOutput(T* y, const T* bias, int64_t n, int6
 }
 
 constexpr int64_t kMaxGridY = 65535;  // grid.y limit: M chunks beyond it are strided
+
+// The epilogue fusions of the GEMV (its fused kernel instances; both off: the plain GEMV).
+//   silu_mul  the weight's rows [0, N/2) are a gate and rows [N/2, N) an up projection: output
+//             [M, N/2], silu(gate + bias[j]) * (up + bias[N/2 + j]) from the f32 products;
+//   residual  residual[m, j] (T, [M, N_out]) added in f32 before the one rounding.
+template <typename T>
+struct GemvFusion {
+  const T* residual = nullptr;  // [M, N_out], or nullptr
+  bool silu_mul = false;
+
+  __host__ __device__ bool active() const { return residual != nullptr || silu_mul; }
+};
+
+__device__ __forceinline__ float Silu(float x) { return x / (1.0f + expf(-x)); }
+
+// One output of a fused GEMV: `acc` (and, with silu_mul, `acc_up`, the product of the matching
+// up row) is the product in its true scale, before the global scale; bias [N] (with silu_mul the
+// gate's then the up's) and the residual are added in f32; one rounding to T.
+template <typename T>
+__device__ __forceinline__ void StoreFusedOutput(T* y, const T* bias, const GemvFusion<T>& fusion,
+                                                 int64_t n_out, int64_t row, int64_t col, float acc,
+                                                 float acc_up, float gs) {
+  using Tr = HalfTraits<T>;
+  float v = fmaf(acc, gs, bias != nullptr ? Tr::to_float(bias[col]) : 0.0f);
+  if (fusion.silu_mul) {
+    const float up = fmaf(acc_up, gs, bias != nullptr ? Tr::to_float(bias[n_out + col]) : 0.0f);
+    v = Silu(v) * up;
+  }
+  if (fusion.residual != nullptr) v += Tr::to_float(fusion.residual[row * n_out + col]);
+  y[row * n_out + col] = Tr::from_float(v);
+}
 
 }  // namespace cuda
 }  // namespace jax_fp4

@@ -18,13 +18,22 @@
 //
 // Both are deterministic (fixed work split and reduction order) and never touch memory outside
 // their operands: ragged N is clamped on loads and masked on stores, rows past M are never read.
+//
+// Epilogue fusions (GemvFusion in ffi/cuda/gemv/common.cuh), optional: a call with the operand
+// residual and the attribute activation runs the kernels' fused instances; a call without them
+// (5 operands, the 8 plain attributes) is the plain GEMV.
+//   residual [M, N_out] (a's type), added in f32 before the rounding, or [0];
+//   activation (i64): 0 none, 1 silu_mul (rows [0, N/2) gate, [N/2, N) up; y [M, N/2]; N even;
+//     tiled: N/2 % 16 == 0; tensor cores: two column tiles, col_tiles 0 or 2).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "cuda/common.cuh"
 #include "cuda/gemv/launch.cuh"
@@ -39,20 +48,110 @@ namespace jax_fp4 {
 namespace cuda {
 namespace {
 
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + what);
+}
+
+// The attributes: the plain call's eight, and the one a fused call adds. Read from the
+// dictionary of all attributes (so that the fusion one can be absent); any other name is an
+// error, so that a misspelt attribute is not silently ignored.
+constexpr std::string_view kPlainAttributes[] = {"block_size",     "tiled",       "tensor_cores",
+                                                 "row_tiling",     "col_tiles",   "k_split",
+                                                 "rows_per_block", "programmatic"};
+constexpr std::string_view kFusionAttributes[] = {"activation"};
+
+template <typename V>
+ffi::Error ReadAttribute(const ffi::Dictionary& attrs, std::string_view name, V* out) {
+  if (!attrs.contains(name)) return Invalid("missing attribute " + std::string(name));
+  ffi::ErrorOr<V> value = attrs.get<V>(name);
+  if (!value.has_value()) {
+    return Invalid("attribute " + std::string(name) + " has the wrong type (" +
+                   value.error().message() + ")");
+  }
+  *out = *value;
+  return ffi::Error::Success();
+}
+
+struct GemvAttributes {
+  int64_t block_size = 0;
+  bool tiled = false, tensor_cores = false, row_tiling = false;
+  int64_t col_tiles = 0, k_split = 0, rows_per_block = 0;
+  bool programmatic = false;
+  bool fused = false;  // the fusion attribute is present
+  int64_t activation = 0;
+};
+
+ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
+  for (const std::string_view name : attrs) {
+    const bool known = std::find(std::begin(kPlainAttributes), std::end(kPlainAttributes), name) !=
+                           std::end(kPlainAttributes) ||
+                       std::find(std::begin(kFusionAttributes), std::end(kFusionAttributes),
+                                 name) != std::end(kFusionAttributes);
+    if (!known) return Invalid("unknown attribute " + std::string(name));
+  }
+  ffi::Error err;
+  if ((err = ReadAttribute(attrs, "block_size", &out->block_size)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "tiled", &out->tiled)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "tensor_cores", &out->tensor_cores)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "row_tiling", &out->row_tiling)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "col_tiles", &out->col_tiles)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "k_split", &out->k_split)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "rows_per_block", &out->rows_per_block)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "programmatic", &out->programmatic)).failure()) return err;
+  out->fused = attrs.contains("activation");
+  if (out->fused && (err = ReadAttribute(attrs, "activation", &out->activation)).failure()) {
+    return err;
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
                         ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
-                        ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y, int64_t block_size,
-                        bool tiled, bool tensor_cores, bool row_tiling, int64_t col_tiles,
-                        int64_t k_split, int64_t rows_per_block, bool programmatic) {
+                        ffi::AnyBuffer bias, std::optional<ffi::AnyBuffer> residual,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary attrs) {
+  GemvAttributes at;
+  if (ffi::Error err = ReadAttributes(attrs, &at); err.failure()) return err;
+  const int64_t block_size = at.block_size, col_tiles = at.col_tiles, k_split = at.k_split;
+  const int64_t rows_per_block = at.rows_per_block;
+  const bool tiled = at.tiled, tensor_cores = at.tensor_cores, row_tiling = at.row_tiling;
+  const bool programmatic = at.programmatic;
+  if (residual.has_value() != at.fused) {
+    return Invalid(
+        "a fused call passes the operand residual and the attribute activation, a plain call "
+        "neither");
+  }
+  if (!(at.activation == 0 || at.activation == 1)) {
+    return Invalid("activation must be 0 (none) or 1 (silu_mul), got " +
+                   std::to_string(at.activation));
+  }
+  const bool silu = at.activation == 1;
+  // silu_mul: y is [M, N / 2]; the operand checks below see it as the [M, N] product.
+  const auto y_dims = y->dimensions();
+  if (silu && (y_dims.size() != 2 || packed.dimensions().size() != 2 ||
+               packed.dimensions()[0] % 2 != 0 || 2 * y_dims[1] != packed.dimensions()[0])) {
+    return Invalid("activation silu_mul needs an even N and y [M, N / 2], got packed " +
+                   DimsToString(packed.dimensions()) + " and y " + DimsToString(y_dims));
+  }
+  const int64_t product_dims[2] = {y_dims.size() == 2 ? y_dims[0] : 0,
+                                   y_dims.size() == 2 ? y_dims[1] * (silu ? 2 : 1) : 0};
   MatmulShape shape;
   const std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
       global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
-      y->dimensions(), block_size, /*allow_f32=*/false, &shape);
-  if (!problem.empty()) return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + problem);
-  if (block_size != 16) {
-    return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: block_size must be 16, got " +
-                                       std::to_string(block_size));
+      silu ? ffi::Span<const int64_t>(product_dims, 2) : y_dims, block_size, /*allow_f32=*/false,
+      &shape);
+  if (!problem.empty()) return Invalid(problem);
+  const int64_t n_out = silu ? shape.n / 2 : shape.n;
+  const void* residual_data = nullptr;
+  if (residual.has_value() &&
+      (residual->element_count() != 0 || residual->dimensions().size() != 1)) {
+    const auto dims = residual->dimensions();
+    if (residual->element_type() != a.element_type() || dims.size() != 2 || dims[0] != shape.m ||
+        dims[1] != n_out) {
+      return Invalid("residual must be [0] or [M, N_out] = [" + std::to_string(shape.m) + ", " +
+                     std::to_string(n_out) + "] in a's element type, got " + DimsToString(dims));
+    }
+    residual_data = residual->untyped_data();
   }
   if (shape.k % 32 != 0) {
     return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: K must be a multiple of 32, got " +
@@ -88,6 +187,15 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         "jax_fp4_gemv_cuda: rows_per_block must be 0 (the heuristic), 1, 2 or 4, got " +
         std::to_string(rows_per_block));
   }
+  if (silu && tiled && (shape.n / 2) % kGemvTileCols != 0) {
+    return Invalid("activation silu_mul on the tiled layout needs N / 2 % 16 == 0, got N = " +
+                   std::to_string(shape.n));
+  }
+  if (silu && tensor_cores && col_tiles == 1) {
+    return Invalid(
+        "activation silu_mul on tensor cores runs two column tiles (a gate and an up tile per "
+        "warp): col_tiles must be 0 or 2, got 1");
+  }
   if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
   const void* bias_data = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   // 16-byte vector loads of a and packed (rows are 16-byte multiples since K % 32 == 0); the
@@ -117,8 +225,10 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
     if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: occupancy query", err);
   }
   GemvLaunchConfig cfg = gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms, tiled, warps);
-  if (col_tiles != 0 && col_tiles != cfg.col_tiles) {
-    cfg.col_tiles = static_cast<int>(col_tiles);
+  // silu_mul pairs a gate and an up tile in each warp: two column tiles, the split for them.
+  const int64_t want_col_tiles = silu && tensor_cores ? 2 : col_tiles;
+  if (want_col_tiles != 0 && want_col_tiles != cfg.col_tiles) {
+    cfg.col_tiles = static_cast<int>(want_col_tiles);
     cfg.k_split = gemv_mma_split(shape.m, shape.n, shape.k, info.num_sms, tiled, warps,
                                  cfg.col_tiles, cfg.row_tiles);
   }
@@ -130,10 +240,16 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   // Programmatic dependent launch: the tensor-core kernel on sm_90+ (elsewhere a plain launch).
   const bool pdl = programmatic && info.sm >= 90;
 
-  const auto launch = f16 ? LaunchGemv<__half> : LaunchGemv<__nv_bfloat16>;
-  err = launch(stream, a.untyped_data(), packed.typed_data(), scale.typed_data(),
-               global_scale.typed_data(), bias_data, y->untyped_data(), shape.m, shape.n, shape.k,
-               tensor_cores, tiled, row_tiling, cfg, pdl);
+  auto launch = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    GemvFusion<T> fusion;
+    fusion.residual = static_cast<const T*>(residual_data);
+    fusion.silu_mul = silu;
+    return LaunchGemv<T>(stream, a.untyped_data(), packed.typed_data(), scale.typed_data(),
+                         global_scale.typed_data(), bias_data, y->untyped_data(), shape.m, shape.n,
+                         shape.k, tensor_cores, tiled, row_tiling, cfg, pdl, fusion);
+  };
+  err = f16 ? launch(__half{}) : launch(__nv_bfloat16{});
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: kernel launch", err);
   return ffi::Error::Success();
 }
@@ -145,18 +261,17 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GemvCuda, jax_fp4::cuda::GemvCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // a [M, K] f16 / bf16
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // packed [N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [N, K/16] (E4M3 bytes)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
-                                  .Arg<ffi::AnyBuffer>()         // bias [N] or [0]
-                                  .Ret<ffi::AnyBuffer>()         // y [M, N]
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<bool>("tiled")         // weight in the tiled layout
-                                  .Attr<bool>("tensor_cores")  // mma.sync kernel, else scalar
-                                  .Attr<bool>("row_tiling")
-                                  .Attr<int64_t>("col_tiles")       // 0 = heuristic, 1 or 2
-                                  .Attr<int64_t>("k_split")         // 0 = heuristic, >= 1
-                                  .Attr<int64_t>("rows_per_block")  // 0 = heuristic, 1, 2, 4
-                                  .Attr<bool>("programmatic"),      // PDL on sm_90+
+                                  .Arg<ffi::AnyBuffer>()          // a [M, K] f16 / bf16
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, K/16] (E4M3 bytes)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
+                                  .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
+                                  .OptionalArg<ffi::AnyBuffer>()  // residual [M, N_out] or [0]
+                                  .Ret<ffi::AnyBuffer>()          // y [M, N_out]
+                                  // block_size:i64, tiled (weight in the tiled layout),
+                                  // tensor_cores (mma.sync kernel, else scalar), row_tiling,
+                                  // col_tiles (0 = heuristic, 1 or 2), k_split (0 = heuristic,
+                                  // >= 1), rows_per_block (0 = heuristic, 1, 2, 4), programmatic
+                                  // (PDL on sm_90+); fused calls: activation:i64
+                                  .Attrs(),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,6 +1,7 @@
 // Host side of the CUDA decode GEMV: the resident warps of each tensor-core kernel instance (the
 // occupancy API, for the launch heuristic of jax_fp4/gemv_config.h) and the launches of both
-// kernels. Included by the handler (ffi/cuda/gemv/handler.cu) and benchmarks/probes/gemv_probe.cu.
+// kernels, plain or fused (GemvFusion). Included by the handler (ffi/cuda/gemv/handler.cu) and
+// benchmarks/probes/gemv_probe.cu.
 #ifndef JAX_FP4_CUDA_GEMV_LAUNCH_CUH_
 #define JAX_FP4_CUDA_GEMV_LAUNCH_CUH_
 
@@ -38,6 +39,26 @@ cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* pack
       k_split > 1 ? GemvMmaKernel<T, CT, RT, 256, Tiled> : GemvMmaKernel<T, CT, RT, 0, Tiled>;
   return LaunchKernel(kernel, grid, block, smem, stream, programmatic, a, packed, scale, gs, bias,
                       y, m, n, k);
+}
+
+// The fused instances (GemvMmaFusedKernel), with the plain launch's config; silu_mul (CT == 2)
+// covers N / 2 outputs, 16 a block.
+template <typename T, int CT, int RT, bool Tiled>
+cudaError_t LaunchMmaFusedLayout(cudaStream_t stream, const T* a, const uint8_t* packed,
+                                 const uint8_t* scale, const float* gs, const T* bias, T* y,
+                                 int64_t m, int64_t n, int64_t k, int k_split, bool programmatic,
+                                 const GemvFusion<T>& fusion) {
+  if (CT != 2 && fusion.silu_mul) return cudaErrorInvalidValue;  // gate and up tiles pair up
+  const int64_t blocks_x = CT == 2 && fusion.silu_mul ? CeilDiv(n / 2, kGemvTileCols)
+                                                      : CeilDiv(CeilDiv(n, kGemvTileCols), CT);
+  const dim3 grid(static_cast<unsigned>(blocks_x),
+                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
+  const dim3 block(32 * k_split);
+  const size_t smem = GemvMmaSmemBytes(CT, k_split);
+  auto* kernel = k_split > 1 ? GemvMmaFusedKernel<T, CT, RT, 256, Tiled>
+                             : GemvMmaFusedKernel<T, CT, RT, 0, Tiled>;
+  return LaunchKernel(kernel, grid, block, smem, stream, programmatic, a, packed, scale, gs, bias,
+                      y, m, n, k, fusion);
 }
 
 // Warps of GemvMmaKernel<T, CT, RT, *, Tiled> resident per SM on the current device, from the
@@ -100,7 +121,14 @@ cudaError_t GetGemvResidentWarps(GemvResidentWarps* out) {
 template <typename T, int CT, int RT = 1>
 cudaError_t LaunchMma(cudaStream_t stream, bool tiled, const T* a, const uint8_t* packed,
                       const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
-                      int64_t n, int64_t k, int k_split, bool programmatic) {
+                      int64_t n, int64_t k, int k_split, bool programmatic,
+                      const GemvFusion<T>& fusion = GemvFusion<T>{}) {
+  if (fusion.active()) {
+    return tiled ? LaunchMmaFusedLayout<T, CT, RT, true>(stream, a, packed, scale, gs, bias, y, m,
+                                                         n, k, k_split, programmatic, fusion)
+                 : LaunchMmaFusedLayout<T, CT, RT, false>(stream, a, packed, scale, gs, bias, y, m,
+                                                          n, k, k_split, programmatic, fusion);
+  }
   return tiled ? LaunchMmaLayout<T, CT, RT, true>(stream, a, packed, scale, gs, bias, y, m, n, k,
                                                   k_split, programmatic)
                : LaunchMmaLayout<T, CT, RT, false>(stream, a, packed, scale, gs, bias, y, m, n, k,
@@ -118,13 +146,27 @@ cudaError_t LaunchScalar(cudaStream_t stream, const T* a, const uint8_t* packed,
   return cudaGetLastError();
 }
 
+template <typename T, int R>
+cudaError_t LaunchScalarFused(cudaStream_t stream, const T* a, const uint8_t* packed,
+                              const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
+                              int64_t n, int64_t k, const GemvFusion<T>& fusion) {
+  const int64_t n_out = fusion.silu_mul ? n / 2 : n;
+  const dim3 grid(static_cast<unsigned>(CeilDiv(n_out, kGemvScalarColsPerBlock)),
+                  static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, R), kMaxGridY)));
+  GemvScalarFusedKernel<T, R><<<grid, 32 * kGemvScalarColsPerBlock, 0, stream>>>(
+      a, packed, scale, gs, bias, y, m, n, k, fusion);
+  return cudaGetLastError();
+}
+
 // The tensor-core kernel (tensor_cores: validated by the handler) or the scalar one, with the
-// launch config `cfg`.
+// launch config `cfg`; `fusion` active: their fused instances (silu_mul on tensor cores needs
+// cfg.col_tiles == 2, and on the tiled layout N / 2 % 16 == 0: the handler's checks).
 template <typename T>
 cudaError_t LaunchGemv(cudaStream_t stream, const void* a, const uint8_t* packed,
                        const uint8_t* scale, const float* gs, const void* bias, void* y, int64_t m,
                        int64_t n, int64_t k, bool tensor_cores, bool tiled, bool row_tiling,
-                       const GemvLaunchConfig& cfg, bool programmatic) {
+                       const GemvLaunchConfig& cfg, bool programmatic,
+                       const GemvFusion<T>& fusion = GemvFusion<T>{}) {
   const T* at = static_cast<const T*>(a);
   const T* bt = static_cast<const T*>(bias);
   T* yt = static_cast<T*>(y);
@@ -133,15 +175,26 @@ cudaError_t LaunchGemv(cudaStream_t stream, const void* a, const uint8_t* packed
     const bool pdl = programmatic;
     if (row_tiling && cfg.row_tiles == 2) {
       return cfg.col_tiles == 2 ? LaunchMma<T, 2, 2>(stream, tiled, at, packed, scale, gs, bt, yt,
-                                                     m, n, k, ks, pdl)
+                                                     m, n, k, ks, pdl, fusion)
                                 : LaunchMma<T, 1, 2>(stream, tiled, at, packed, scale, gs, bt, yt,
-                                                     m, n, k, ks, pdl);
+                                                     m, n, k, ks, pdl, fusion);
     }
-    return cfg.col_tiles == 2
-               ? LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl)
-               : LaunchMma<T, 1>(stream, tiled, at, packed, scale, gs, bt, yt, m, n, k, ks, pdl);
+    return cfg.col_tiles == 2 ? LaunchMma<T, 2>(stream, tiled, at, packed, scale, gs, bt, yt, m, n,
+                                                k, ks, pdl, fusion)
+                              : LaunchMma<T, 1>(stream, tiled, at, packed, scale, gs, bt, yt, m, n,
+                                                k, ks, pdl, fusion);
   }
   const int rows = row_tiling ? cfg.rows_per_block : 1;
+  if (fusion.active()) {
+    switch (rows) {
+      case 4:
+        return LaunchScalarFused<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k, fusion);
+      case 2:
+        return LaunchScalarFused<T, 2>(stream, at, packed, scale, gs, bt, yt, m, n, k, fusion);
+      default:
+        return LaunchScalarFused<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k, fusion);
+    }
+  }
   switch (rows) {
     case 4:
       return LaunchScalar<T, 4>(stream, at, packed, scale, gs, bt, yt, m, n, k);

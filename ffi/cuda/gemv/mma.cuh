@@ -273,6 +273,61 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
   __syncthreads();  // reduce_buf is reused by the next M chunk
 }
 
+// MmaEpilogue of the fused instances: the same reduction, then StoreFusedOutput. With silu_mul
+// (CT == 2) column tile 0 holds the gate rows and tile 1 the matching up rows, so one lane (or,
+// k_split > 1, one reduced element) has both products of its output; col0 is then in outputs.
+template <typename T, int CT>
+__device__ __forceinline__ void MmaEpilogueFused(const float (&acc)[CT][4], float* reduce_buf,
+                                                 int k_split,
+                                                 const float* __restrict__ global_scale,
+                                                 const T* __restrict__ bias, T* __restrict__ y,
+                                                 int64_t m, int64_t n, int64_t col0, int64_t m0,
+                                                 const GemvFusion<T>& fusion) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const float gs = __ldg(global_scale);
+  const bool silu = CT == 2 && fusion.silu_mul;
+  const int64_t n_out = silu ? n / 2 : n;
+  if (k_split == 1) {
+#pragma unroll
+    for (int ct = 0; ct < (silu ? 1 : CT); ++ct) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int64_t col = col0 + kGemvTileCols * ct + g + (r >= 2 ? 8 : 0);
+        const int64_t row = m0 + 2 * t + (r & 1);
+        if (col < n_out && row < m) {
+          StoreFusedOutput(y, bias, fusion, n_out, row, col, acc[ct][r] * 128.0f,
+                           acc[CT - 1][r] * 128.0f, gs);
+        }
+      }
+    }
+    return;
+  }
+  constexpr int kPerWarp = CT * 4 * 32;
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) reduce_buf[warp * kPerWarp + (ct * 4 + r) * 32 + lane] = acc[ct][r];
+  }
+  __syncthreads();
+  const int outputs = silu ? 4 * 32 : kPerWarp;  // silu: tile 0's elements, tile 1's 128 later
+  for (int e = threadIdx.x; e < outputs; e += 32 * k_split) {
+    float sum = 0.0f, sum_up = 0.0f;
+    for (int w2 = 0; w2 < k_split; ++w2) {
+      sum += reduce_buf[w2 * kPerWarp + e];
+      if (silu) sum_up += reduce_buf[w2 * kPerWarp + 4 * 32 + e];
+    }
+    const int el = e & 31, r = (e >> 5) & 3, ct = e >> 7;
+    const int64_t col = col0 + kGemvTileCols * ct + (el >> 2) + (r >= 2 ? 8 : 0);
+    const int64_t row = m0 + 2 * (el & 3) + (r & 1);
+    if (col < n_out && row < m) {
+      StoreFusedOutput(y, bias, fusion, n_out, row, col, sum * 128.0f, sum_up * 128.0f, gs);
+    }
+  }
+  __syncthreads();  // reduce_buf is reused by the next M chunk
+}
+
 // Two-tile warps are held to 128 registers (2 blocks of the largest size per SM: 4 blocks of
 // k_split 4 instead of 3 at the 137 they would take; no spills, ptxas -v).
 // RT (row tiles of 8 activation rows per warp) is 1, or 2 (M > 8). Two row tiles with two column
@@ -290,13 +345,17 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // Decode policies (no decode, the older adjacent-pair decode, a layout's decode on the other
 // layout's addressing) and Chains = 2 or 4 (independent accumulators per window, MmaCompute) in
 // kernels of its own, under the same launch bounds.
-template <typename T, int CT, int RT, typename Decode, int Chains, int L2PrefetchBytes, bool Tiled>
-__device__ __forceinline__ void GemvMmaMainloop(const T* __restrict__ a,
-                                                const uint8_t* __restrict__ packed,
-                                                const uint8_t* __restrict__ scale,
-                                                const float* __restrict__ global_scale,
-                                                const T* __restrict__ bias, T* __restrict__ y,
-                                                int64_t m, int64_t n, int64_t k) {
+//
+// Fused (the fused instances, GemvMmaFusedKernel): the epilogue applies `fusion` (silu_mul and the
+// residual, MmaEpilogueFused); with silu_mul (CT == 2) a block computes 16 outputs from 16 gate
+// rows (tile 0) and the 16 matching up rows (tile 1), grid.x over N / 2 outputs. Without Fused
+// the code is the plain kernel's.
+template <typename T, int CT, int RT, typename Decode, int Chains, int L2PrefetchBytes, bool Tiled,
+          bool Fused = false>
+__device__ __forceinline__ void GemvMmaMainloop(
+    const T* __restrict__ a, const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scale,
+    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ y,
+    int64_t m, int64_t n, int64_t k, const GemvFusion<T>& fusion = GemvFusion<T>{}) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   // Under a programmatic dependent launch (attribute programmatic): every operand may come from
   // the previous kernel, so nothing is loaded before it has finished; the next kernel may be
@@ -310,7 +369,10 @@ __device__ __forceinline__ void GemvMmaMainloop(const T* __restrict__ a,
   const int g = lane >> 2, t = lane & 3;
   const int64_t windows = k / kGemvWindow;
   const int64_t row_bytes = k / 2, k_blocks = k / 16;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * (kGemvTileCols * CT);
+  // silu_mul: tile 0 reads gate rows, tile 1 the matching up rows, col0 counts outputs.
+  const bool silu = Fused && CT == 2 && fusion.silu_mul;
+  const int64_t half = n / 2;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * (kGemvTileCols * (silu ? 1 : CT));
 
   // This lane's weight / scale bytes in window `warp` (the warp's first) of its rows: columns
   // col0 + 16 ct + g (+ 8), clamped into [0, n); the clamped rows' results are never stored.
@@ -320,7 +382,10 @@ __device__ __forceinline__ void GemvMmaMainloop(const T* __restrict__ a,
   for (int ct = 0; ct < CT; ++ct) {
     if constexpr (Tiled) {  // MmaLoad reads [ct][0]; n % 16 == 0
       // A tile past N (the grid's last block, CT > 1) reads the last tile; never stored.
-      const int64_t tile = Min64(col0 / kGemvTileCols + ct, n / kGemvTileCols - 1);
+      // silu_mul: N / 2 % 16 == 0 (the handler's check), the up tiles from tile N / 32.
+      const int64_t tile =
+          silu ? ct * (half / kGemvTileCols) + Min64(col0 / kGemvTileCols, half / kGemvTileCols - 1)
+               : Min64(col0 / kGemvTileCols + ct, n / kGemvTileCols - 1);
       const int64_t tile_window = tile * windows + warp;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -330,7 +395,8 @@ __device__ __forceinline__ void GemvMmaMainloop(const T* __restrict__ a,
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int64_t col = Min64(col0 + kGemvTileCols * ct + g + 8 * h, n - 1);
+        const int64_t col = silu ? ct * half + Min64(col0 + g + 8 * h, half - 1)
+                                 : Min64(col0 + kGemvTileCols * ct + g + 8 * h, n - 1);
         wp_first[ct][h] = packed + col * row_bytes + warp * (kGemvWindow / 2) + 16 * t;
         sp_first[ct][h] = scale + col * k_blocks + warp * (kGemvWindow / 16) + 2 * t;
       }
@@ -404,8 +470,13 @@ __device__ __forceinline__ void GemvMmaMainloop(const T* __restrict__ a,
     MmaSumChains<Chains, RT, CT>(acc);
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-      MmaEpilogue<T, CT>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n, col0,
-                         m0 + 8 * r);
+      if constexpr (Fused) {
+        MmaEpilogueFused<T, CT>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n, col0,
+                                m0 + 8 * r, fusion);
+      } else {
+        MmaEpilogue<T, CT>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n, col0,
+                           m0 + 8 * r);
+      }
     }
   }
 #else
@@ -427,6 +498,19 @@ __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
                   const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n, int64_t k) {
   GemvMmaMainloop<T, CT, RT, GemvLayoutDecode<Tiled>, 1, L2PrefetchBytes, Tiled>(
       a, packed, scale, global_scale, bias, y, m, n, k);
+}
+
+// The fused instances of the production kernel (GemvFusion): same tiles, launch bounds and
+// decode; `fusion` says which epilogue fusions apply.
+template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled>
+__global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
+                                  GemvMmaShape{CT, RT, Tiled}.min_blocks_per_sm())
+    GemvMmaFusedKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
+                       const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+                       const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n,
+                       int64_t k, const GemvFusion<T> fusion) {
+  GemvMmaMainloop<T, CT, RT, GemvLayoutDecode<Tiled>, 1, L2PrefetchBytes, Tiled, true>(
+      a, packed, scale, global_scale, bias, y, m, n, k, fusion);
 }
 
 }  // namespace cuda

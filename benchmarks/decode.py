@@ -1,0 +1,560 @@
+"""The decode benchmark: a model's decode step end to end, and its GEMVs in a dependent chain.
+
+    python benchmarks/decode.py                       # both parts on llama3-8b shapes
+    python benchmarks/decode.py --batches 1,8 --no-long-prompt --no-gemv
+    python benchmarks/decode.py --no-runs --gemv-m 1,8
+    python benchmarks/decode.py --quick               # a tiny model and shapes: a CPU smoke run
+    python benchmarks/decode.py --markdown-from benchmarks/results/decode_h200.json
+
+Writes {"runs": [...], "gemv": [...]} to --json (default benchmarks/results/decode_<gpu>.json,
+e.g. decode_h200.json; written after each part), each record with the "command" that measured it
+and each part's setup in "runs_setup" / "gemv_setup", and prints both as Markdown tables. The
+records of earlier calls on the same device stay in the file unless this call measures them again
+(the same model, batch and context; the same N, K, M and layout), so a benchmark too long for one
+call runs in several (the runs compile the model's steps at every batch, the gemv rows two chains
+per row and variant: minutes each on an H200); --fresh starts the file over.
+
+runs: examples/llm_generate.py's model of --model's shapes with random weights (built once, in
+NVFP4 and dequantized to bf16), its own generate loop per batch (--batches, after a --prompt-len
+prompt) and once at batch 1 after a --long-prompt prompt, --new-tokens each. Per run the example's
+record (its --json "runs" entries): "nvfp4_ms" and "bf16_ms" (the loop's time per decode step),
+"ratio" (bf16_ms / nvfp4_ms), "gpu_busy_ms" (the GPU's busy time per step from a jax.profiler trace
+of --gpu-busy-steps more steps; null on a CPU), "floor_ms" (the bytes a step reads, weights and KV
+cache, at the streaming-read bandwidth measured at the start), "nvfp4_over_floor" and
+"loop_over_gpu_busy". Each batch compiles its prefill and decode step once per model.
+
+gemv: jax_fp4.matmul at M = --gemv-m on --gemv-shapes (default the model's fused q/k/v, o, fused
+gate/up and down projections, tiled layout) in a chain whose every matmul takes the previous one's
+output (bench.dependent_chain_of): where N != K a small XLA kernel joins them, measured alone in the
+same run (bench.glue_chain) and subtracted. Times per matmul by bench.py's method (two chain
+lengths, the weights cycling through more memory than the L2; benchmarks/README.md). Per row "us",
+"tbps" (NVFP4 bytes + activations + outputs over us), "fraction_of_read_bw" (over the same-run
+streaming read of buffers of the weight's size, bench.py's yardstick), "bf16_us" and "x_bf16"
+(jnp.dot on the same weights in bf16, in the same dependent chain), "glue_us".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+_BENCHMARKS = Path(__file__).resolve().parent
+_ROOT = _BENCHMARKS.parent
+for _path in (_BENCHMARKS, _ROOT):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import bench  # noqa: E402
+
+import jax_fp4  # noqa: E402
+from tests._helpers import load_repo_script  # noqa: E402
+
+RESULTS = _BENCHMARKS / "results"
+
+DEFAULT_BATCHES = (1, 8, 16, 32, 64)
+DEFAULT_PROMPT_LEN = 8
+DEFAULT_LONG_PROMPT = 2048
+DEFAULT_NEW_TOKENS = 64
+DEFAULT_GPU_BUSY_STEPS = 8
+DEFAULT_GEMV_M = tuple(range(1, 9))
+# Llama-3-8B's projections as the example runs them: q/k/v fused, o, gate/up fused, down.
+DEFAULT_GEMV_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+
+# --quick: a one-layer model of a few hundred features and tiny GEMVs (one of each joint), every
+# part of the benchmark in seconds on a CPU.
+QUICK_MODEL = {
+    "hidden_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+QUICK = {
+    "model": "quick",
+    "batches": (2,),
+    "prompt_len": 4,
+    "long_prompt": 12,
+    "new_tokens": 6,
+    "gpu_busy_steps": 2,
+    "gemv_m": (1,),
+    "gemv_shapes": ((384, 256), (256, 512)),
+}
+QUICK_READ_BYTES = 1 << 22
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def gpu_tag(device_kind: str, platform: str) -> str:
+    """The short name of a device for a results file: "NVIDIA H200" -> "h200", "NVIDIA H100 80GB
+    HBM3" -> "h100"; "cpu" for a CPU."""
+    if platform == "cpu":
+        return "cpu"
+    words = re.sub(r"^nvidia\s+", "", device_kind.strip().lower()).split()
+    return re.sub(r"[^a-z0-9]+", "", words[0]) if words else platform
+
+
+def results_path(device_kind: str, platform: str) -> Path:
+    """Where a run on this device goes by default: benchmarks/results/decode_<gpu>.json."""
+    return RESULTS / f"decode_{gpu_tag(device_kind, platform)}.json"
+
+
+# ---- runs: the example's generate loop ----------------------------------------------------------
+
+
+def load_example():
+    return load_repo_script("examples/llm_generate.py")
+
+
+def model_config(llm, model: str) -> dict:
+    """A preset of the example ("quick": QUICK_MODEL), or a config.json's path."""
+    if model == "quick":
+        return QUICK_MODEL
+    if model in llm.PRESETS:
+        return llm.PRESETS[model]
+    path = Path(model)
+    if not path.is_file():
+        raise SystemExit(
+            f"--model: {model!r} is neither a preset ({', '.join(llm.PRESETS)}) nor a file"
+        )
+    return json.loads(path.read_text())
+
+
+def decode_runs(
+    model: str,
+    cases: Sequence[tuple[int, int]],
+    new_tokens: int,
+    *,
+    gpu_busy_steps: int,
+    layout: str = "tiled",
+    read_bytes: int | None = None,
+    log: Callable[[str], None] = _log,
+) -> tuple[list[dict], dict]:
+    """The example's run record for each (batch, prompt length) of `cases`, NVFP4 and bf16, on one
+    model built once; and the setup (config, read bandwidth). `read_bytes`: the streaming read's
+    buffer (default the example's: 1 GiB on a GPU)."""
+    llm = load_example()
+    read_bps = llm.read_bandwidth(read_bytes)  # before the weights take the device's memory
+    log(f"streaming read: {read_bps / 1e9:.0f} GB/s")
+    started = time.perf_counter()
+    cfg, params = llm.random_model(model_config(llm, model), layout=layout)
+    dense = llm.dense_twin(params)
+    log(f"model {model}: built in {time.perf_counter() - started:.1f} s")
+    runs = []
+    for batch, prompt_len in cases:
+        ids = np.random.default_rng(0).integers(0, cfg.vocab, prompt_len)
+        prompt = np.broadcast_to(ids, (batch, prompt_len))
+        started = time.perf_counter()
+        runs.append(
+            llm.run_batch(
+                cfg,
+                params,
+                dense,
+                prompt,
+                new_tokens,
+                model=model,
+                read_bps=read_bps,
+                gpu_busy_steps=gpu_busy_steps,
+            )
+        )
+        log(f"batch {batch}, prompt {prompt_len}: {time.perf_counter() - started:.1f} s")
+    setup = {"config": dataclasses.asdict(cfg), "read_gb_per_s": read_bps / 1e9}
+    return runs, setup
+
+
+# ---- gemv: matmuls in a dependent chain ---------------------------------------------------------
+
+
+def gemv_rows(
+    shapes: Sequence[tuple[int, int]],
+    ms: Sequence[int],
+    settings: bench.Settings,
+    seed: int,
+    log: Callable[[str], None] = _log,
+) -> list[dict]:
+    """One row per (shape, M): jax_fp4.matmul and bf16 jnp.dot per matmul in a dependent chain,
+    the chain's joint subtracted, against the same-run streaming read of the weight's bytes."""
+    runner = bench.Bench(settings, jax.random.key(seed), log=log)
+    itemsize = np.dtype(settings.dtype).itemsize
+    rows = []
+    for n, k in shapes:
+        shape = bench.Shape(n, k)
+        weight_bytes = bench.nvfp4_weight_bytes(n, k)
+        read = runner.read_bandwidth(weight_bytes)
+        l1, l2 = bench.chain_lengths(weight_bytes, n * k * itemsize, settings.budget)
+        dense_ws, fp4_ws = bench.make_weights(runner._next_key(), shape, l2, settings.dtype)
+        fp4_ws = [runner.laid_out(w) for w in fp4_ws]
+        for m in ms:
+            started = time.perf_counter()
+            x = bench.make_activations(runner._next_key(), m, k, 1, settings.dtype)[0]
+            layer = bench.fp4_layer(settings.backend, settings.tuning)
+            fp4 = runner._time(bench.dependent_chain_of(layer), (x, fp4_ws), l1, l2)
+            dense = runner._time(bench.dependent_chain_of(bench.dense_layer), (x, dense_ws), l1, l2)
+            glue = (
+                runner._time(bench.glue_chain(n), (x, fp4_ws), l1, l2)
+                if n != k
+                else bench.ChainTiming(0.0, l1, l2, 0.0, 0.0)
+            )
+            row = gemv_row(n, k, m, itemsize, fp4, dense, glue, read)
+            row.update(
+                path=jax_fp4.dispatch_path(x, fp4_ws[0], backend=settings.backend),
+                layout=fp4_ws[0].layout,
+                dtype=settings.dtype_name,
+            )
+            log(f"{format_gemv_row(row)}   [{time.perf_counter() - started:.1f} s]")
+            rows.append(row)
+    return rows
+
+
+def gemv_row(n, k, m, itemsize, fp4, dense, glue, read) -> dict:
+    """A gemv row from the chain timings (bench.ChainTiming, per layer) and the read bandwidth
+    (bench.ReadBandwidth). A joint slower than the matmul's whole chain time (a noisy CPU) leaves
+    the chain time as it is."""
+
+    def net(t):
+        return t.us - glue.us if t.us > glue.us else t.us
+
+    us, bf16_us = net(fp4), net(dense)
+    nbytes = bench.nvfp4_weight_bytes(n, k) + bench.io_bytes(m, n, k, itemsize)
+    tbps = bench.tbps(nbytes, us)
+    return {
+        "n": n,
+        "k": k,
+        "m": m,
+        "us": us,
+        "tbps": tbps,
+        "fraction_of_read_bw": tbps / read.tbps,
+        "bf16_us": bf16_us,
+        "x_bf16": bf16_us / us,
+        "glue_us": glue.us,
+        "chain_us": fp4.us,
+        "bf16_chain_us": dense.us,
+        "read_bw_tbps": read.tbps,
+        "floor_us": nbytes / (read.tbps * 1e12) * 1e6,
+        "bytes": nbytes,
+        "layers": [fp4.l1, fp4.l2],
+        "noisy": fp4.noisy or dense.noisy or glue.noisy or read.noisy,
+    }
+
+
+def format_gemv_row(r: dict) -> str:
+    return (
+        f"{r['n']}x{r['k']} M={r['m']}: {r['us']:.2f} us, {r['tbps']:.3g} TB/s, "
+        f"{100 * r['fraction_of_read_bw']:.0f}% of read; bf16 {r['bf16_us']:.2f} us "
+        f"(x{r['x_bf16']:.2f}); joint {r['glue_us']:.2f} us" + ("  (noisy)" if r["noisy"] else "")
+    )
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+_RUN_COLUMNS = (
+    ("model", lambda r: str(r["model"])),
+    ("batch", lambda r: str(r["batch"])),
+    ("context", lambda r: str(r["context"])),
+    ("NVFP4 ms", lambda r: _num(r.get("nvfp4_ms"))),
+    ("bf16 ms", lambda r: _num(r.get("bf16_ms"))),
+    ("x bf16", lambda r: _num(r.get("ratio"))),
+    ("GPU busy ms", lambda r: _num(r.get("gpu_busy_ms"))),
+    ("loop / busy", lambda r: _num(r.get("loop_over_gpu_busy"))),
+    ("floor ms", lambda r: _num(r.get("floor_ms"))),
+    ("NVFP4 / floor", lambda r: _num(r.get("nvfp4_over_floor"))),
+)
+_GEMV_COLUMNS = (
+    ("N x K", lambda r: f"{r['n']}x{r['k']}"),
+    ("M", lambda r: str(r["m"])),
+    ("us", lambda r: _num(r["us"]) + ("?" if r.get("noisy") else "")),
+    ("TB/s", lambda r: _num(r["tbps"])),
+    ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
+    ("bf16 us", lambda r: _num(r["bf16_us"])),
+    ("x bf16", lambda r: _num(r["x_bf16"])),
+    ("joint us", lambda r: _num(r["glue_us"])),
+)
+_TEXT_COLUMNS = {"model", "N x K"}
+
+
+def markdown_table(columns, rows) -> str:
+    lines = [
+        "| " + " | ".join(name for name, _ in columns) + " |",
+        "|" + "|".join("---" if name in _TEXT_COLUMNS else "---:" for name, _ in columns) + "|",
+    ]
+    lines += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    """The runs and the gemv rows of a results dict as Markdown tables ('?': a noisy row)."""
+    parts = []
+    if results.get("runs"):
+        parts.append(markdown_table(_RUN_COLUMNS, results["runs"]))
+    if results.get("gemv"):
+        parts.append(markdown_table(_GEMV_COLUMNS, results["gemv"]))
+    return "\n\n".join(parts)
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def earlier_results(path: Path, current: dict) -> dict:
+    """The results file at `path` as an earlier call on this call's device (`current`'s "device"
+    and "platform") wrote it; {} where there is none or it holds another device's."""
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    if (earlier.get("device"), earlier.get("platform")) != (current["device"], current["platform"]):
+        _log(f"{path} holds another device's results ({earlier.get('device')}): starting over")
+        return {}
+    return earlier
+
+
+RUN_KEY = ("model", "batch", "context")
+GEMV_KEY = ("n", "k", "m", "layout")
+
+
+def merged(earlier: Sequence[dict], new: Sequence[dict], key: Sequence[str]) -> list[dict]:
+    """The earlier records with the ones `new` measures again (equal `key` fields) replaced in
+    place, then the rest of `new`."""
+    again = {tuple(r.get(f) for f in key): r for r in new}
+    out = [again.pop(tuple(r.get(f) for f in key), r) for r in earlier]
+    return out + list(again.values())
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, e.g. '1,8,64'; got {text!r}")
+    return values
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [(s.n, s.k) for s in (bench.parse_shape(x) for x in text.replace(",", " ").split())]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/decode.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    runs = p.add_argument_group("runs (the example's generate loop)")
+    runs.add_argument(
+        "--model",
+        default=None,
+        help="a preset of examples/llm_generate.py or a config.json (default llama3-8b)",
+    )
+    runs.add_argument(
+        "--batches",
+        type=_ints,
+        default=None,
+        help=f"batch sizes after the short prompt (default {','.join(map(str, DEFAULT_BATCHES))})",
+    )
+    runs.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help=f"the short prompt's tokens (default {DEFAULT_PROMPT_LEN})",
+    )
+    runs.add_argument(
+        "--long-prompt",
+        type=int,
+        default=None,
+        help=f"the batch-1 run's long prompt, in tokens (default {DEFAULT_LONG_PROMPT})",
+    )
+    runs.add_argument("--no-long-prompt", action="store_true", help="skip the long-prompt run")
+    runs.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help=f"tokens generated per run (default {DEFAULT_NEW_TOKENS})",
+    )
+    runs.add_argument(
+        "--gpu-busy-steps",
+        type=int,
+        default=None,
+        help=f"decode steps profiled for the GPU-busy time (default {DEFAULT_GPU_BUSY_STEPS}; "
+        "0: none)",
+    )
+    runs.add_argument("--no-runs", action="store_true", help="skip the runs")
+    gemv = p.add_argument_group("gemv (matmuls in a dependent chain)")
+    gemv.add_argument(
+        "--gemv-m",
+        type=_ints,
+        default=None,
+        help=f"M values (default {','.join(map(str, DEFAULT_GEMV_M))})",
+    )
+    gemv.add_argument(
+        "--gemv-shapes",
+        type=_shapes,
+        default=None,
+        help="weight shapes NxK (default "
+        + ",".join(f"{n}x{k}" for n, k in DEFAULT_GEMV_SHAPES)
+        + ")",
+    )
+    gemv.add_argument(
+        "--repeats", type=int, default=None, help="timed calls per chain (default 10, quick 1)"
+    )
+    gemv.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help="seconds of timed calls per chain pair at least (default 0.2, quick 0)",
+    )
+    gemv.add_argument("--no-gemv", action="store_true", help="skip the gemv rows")
+    p.add_argument(
+        "--layout",
+        choices=("spec", "tiled"),
+        default="tiled",
+        help="the NVFP4 weights' layout (default tiled: prepacked where the shape allows)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="where the results go (default benchmarks/results/decode_<gpu>.json)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="the gemv part's random seed")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start the results file over (default: keep the records of earlier calls on this "
+        "device that this call does not measure again)",
+    )
+    p.add_argument("--quick", action="store_true", help="a tiny model and shapes: a CPU smoke run")
+    p.add_argument(
+        "--markdown-from",
+        metavar="JSON",
+        help="print an earlier result's tables and exit (no device work)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.markdown_from:
+        print(markdown(json.loads(Path(args.markdown_from).read_text())))
+        return 0
+
+    def pick(value, name, default):
+        return value if value is not None else (QUICK[name] if args.quick else default)
+
+    model = pick(args.model, "model", "llama3-8b")
+    batches = pick(args.batches, "batches", DEFAULT_BATCHES)
+    prompt_len = pick(args.prompt_len, "prompt_len", DEFAULT_PROMPT_LEN)
+    long_prompt = pick(args.long_prompt, "long_prompt", DEFAULT_LONG_PROMPT)
+    new_tokens = pick(args.new_tokens, "new_tokens", DEFAULT_NEW_TOKENS)
+    busy_steps = pick(args.gpu_busy_steps, "gpu_busy_steps", DEFAULT_GPU_BUSY_STEPS)
+    gemv_m = pick(args.gemv_m, "gemv_m", DEFAULT_GEMV_M)
+    gemv_shapes = pick(args.gemv_shapes, "gemv_shapes", DEFAULT_GEMV_SHAPES)
+    if min(prompt_len, long_prompt, new_tokens) < 1:
+        raise SystemExit(
+            f"--prompt-len, --long-prompt and --new-tokens must be >= 1, got {prompt_len}, "
+            f"{long_prompt} and {new_tokens}"
+        )
+    if busy_steps < 0:
+        raise SystemExit(f"--gpu-busy-steps must be >= 0, got {busy_steps}")
+    if args.repeats is not None and args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+
+    device = bench.default_device()
+    out = Path(args.json) if args.json else results_path(device.device_kind, device.platform)
+    command = " ".join(["python benchmarks/decode.py", *(sys.argv[1:] if argv is None else argv)])
+    results = {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "jax_fp4": jax_fp4.__version__,
+        "runs": [],
+        "runs_setup": None,
+        "gemv": [],
+        "gemv_setup": None,
+    }
+    if not args.fresh:
+        earlier = earlier_results(out, results)
+        results.update(
+            {
+                key: earlier[key]
+                for key in ("runs", "runs_setup", "gemv", "gemv_setup")
+                if earlier.get(key) is not None
+            }
+        )
+    _log(f"{command}: {device.platform} ({device.device_kind}), jax {jax.__version__}")
+
+    def write():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        bench.write_json_file(str(out), results)
+
+    if not args.no_runs:
+        cases = [(b, prompt_len) for b in batches]
+        if not args.no_long_prompt:
+            cases.append((1, long_prompt))
+        runs, setup = decode_runs(
+            model,
+            cases,
+            new_tokens,
+            gpu_busy_steps=busy_steps,
+            layout=args.layout,
+            read_bytes=QUICK_READ_BYTES if args.quick else None,
+        )
+        for run in runs:
+            run["command"] = command
+        results["runs"] = merged(results["runs"], runs, RUN_KEY)
+        results["runs_setup"] = dict(
+            command=command, model=model, new_tokens=new_tokens, layout=args.layout, **setup
+        )
+        write()
+    if not args.no_gemv:
+        if not args.quick:
+            bench.warm_up_device(1.0)
+        settings = bench.Settings(
+            layout=args.layout,
+            repeats=args.repeats or (1 if args.quick else 10),
+            warmup=1 if args.quick else 2,
+            min_time_s=args.min_time if args.min_time is not None else (0 if args.quick else 0.2),
+            read_kernels=("sum",) if args.quick else tuple(bench.READ_KERNELS),
+            budget=bench.Budget(
+                cache_bytes=bench.QUICK_CACHE_BYTES, max_layers=bench.QUICK_MAX_LAYERS
+            )
+            if args.quick
+            else bench.Budget(),
+        )
+        rows = gemv_rows(gemv_shapes, gemv_m, settings, seed)
+        for row in rows:
+            row["command"] = command
+        results["gemv"] = merged(results["gemv"], rows, GEMV_KEY)
+        results["gemv_setup"] = {
+            "command": command,
+            "layout": args.layout,
+            "dtype": settings.dtype_name,
+            "repeats": settings.repeats,
+            "min_time_s": settings.min_time_s,
+            "seed": seed,
+        }
+        write()
+    _log(f"wrote {out}")
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

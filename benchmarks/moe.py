@@ -1,0 +1,995 @@
+"""MoE benchmark: jax_fp4.ragged_matmul on Qwen3-30B-A3B's experts, and the model's decode step.
+
+    python benchmarks/moe.py                        # all; JSON: benchmarks/results/moe_<gpu>.json
+    python benchmarks/moe.py --parts gemv,prefill   # the grouped matmuls alone
+    python benchmarks/moe.py --parts model --layers 24    # the model at 24 of its 48 layers
+    python benchmarks/moe.py --quick                # tiny shapes: a CPU smoke run (seconds)
+    python benchmarks/moe.py --markdown-from benchmarks/results/moe_h200.json
+
+Parts (--parts, default all three):
+
+  gemv     the grouped decode GEMV on the expert shapes, gate_up [E=128, N=1536, K=2048] and down
+           [128, 2048, 768], with 1, 8 and 32 tokens x top-8 (M = 8, 64, 256 rows), under uniform
+           random routing (each token's 8 experts drawn without replacement) and Zipf-skewed
+           routing (expert of popularity rank r drawn with weight 1 / r^--zipf, ranks a random
+           permutation). Yardstick: the bytes a grouped matmul must move (the active experts'
+           NVFP4 bytes, the activations and the outputs) at the same run's streaming-read bandwidth
+           for that many bytes (benchmarks/bench.py's `read`: `fraction_of_read_bw`, `floor_us`).
+           --gemv-bf16 adds jax.lax.ragged_dot on the bf16 experts.
+  prefill  4096 tokens x top-8 (M = 32768 rows) on both shapes, both routings, against (a)
+           jax.lax.ragged_dot on the bf16 experts ([E, K, N], its natural layout) as XLA runs it,
+           and (b) the bf16 active-bytes floor: the active experts' bf16 bytes plus activations and
+           outputs at the same run's read bandwidth for that many bytes. Prints what XLA compiles
+           ragged_dot to on this device (custom calls, fusions, dots and how much work the largest
+           dot does against the ragged product: a dense dot over all experts shows as E x).
+  model    one decode step of examples/llm_generate.py's qwen3-30b-a3b preset (random weights) at
+           batch 1 and 8, against the same model with its weights dequantized to bf16 (its
+           `dense_twin`: the experts through jax.lax.ragged_dot), and against the bf16 step's byte
+           floor: its non-expert weights, the expected active experts' bf16 bytes (uniform routing:
+           E * (1 - (1 - k/E)^B) distinct experts for B tokens) and the KV cache it reads, at the
+           read bandwidth. The bf16 twin of all 48 layers does not fit beside the NVFP4 model in an
+           H100's 78 GB: --layers sets the depth (without it, the deepest that fits the device's
+           memory, logged and recorded as `layers_limited_by_memory`).
+
+Method (as benchmarks/bench.py): each grouped matmul runs as a jitted chain of L layers, every layer
+its own random weights (normal / sqrt(K), quantized by jax_fp4.quantize, prepacked with
+--layout tiled) and its own activations, so that the active experts of the layers the difference
+measures span several times the 60 MB L2; per-layer time = (t(L2) - t(L1)) / (L2 - L1). Every
+layer of a row shares the row's routing (group sizes), so its byte count is exact. The model's
+step runs as a jitted lax.fori_loop of greedy steps with the step count a runtime argument (one
+compilation): per-step time = (t(1 + S) - t(1)) / S, medians of alternating calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+_BENCHMARKS = Path(__file__).resolve().parent
+for _path in (_BENCHMARKS, _BENCHMARKS.parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import bench  # noqa: E402
+import decode  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_fp4  # noqa: E402
+from tests._helpers import load_repo_script  # noqa: E402
+
+RESULTS_DIR = _BENCHMARKS / "results"
+
+PARTS = ("gemv", "prefill", "model")
+ROUTINGS = ("uniform", "zipf")
+MODEL_PRESET = "qwen3-30b-a3b"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShape:
+    """A stacked expert weight [experts, n, k] (NVFP4Weight [E, N, K])."""
+
+    name: str
+    experts: int
+    n: int
+    k: int
+
+    def nvfp4_bytes(self, experts: int | None = None) -> int:
+        count = self.experts if experts is None else experts
+        return count * bench.nvfp4_weight_bytes(self.n, self.k)
+
+    def bf16_bytes(self, experts: int | None = None) -> int:
+        count = self.experts if experts is None else experts
+        return count * self.n * self.k * 2
+
+
+# Qwen3-30B-A3B: hidden 2048, 128 experts of intermediate 768 (gate and up fused: 1536 rows).
+EXPERT_SHAPES = (ExpertShape("gate_up", 128, 1536, 2048), ExpertShape("down", 128, 2048, 768))
+QUICK_EXPERT_SHAPES = (ExpertShape("gate_up", 8, 64, 128), ExpertShape("down", 8, 128, 32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What runs: shapes, token counts, routings and the model's batches."""
+
+    shapes: tuple[ExpertShape, ...] = EXPERT_SHAPES
+    top_k: int = 8
+    gemv_tokens: tuple[int, ...] = (1, 8, 32)
+    prefill_tokens: int = 4096
+    routings: tuple[str, ...] = ROUTINGS
+    zipf: float = 1.2
+    batches: tuple[int, ...] = (1, 8)
+    context: int = 512  # KV positions already filled when the timed decode steps start
+    steps: int = 8  # decode steps whose time the difference measures (S)
+    mem_cap_bytes: int = 10 * bench.GB  # most weight bytes one chain holds
+    gemv_bf16: bool = False
+
+
+QUICK_PLAN = Plan(
+    shapes=QUICK_EXPERT_SHAPES,
+    top_k=2,
+    gemv_tokens=(2,),
+    prefill_tokens=16,
+    batches=(2,),
+    context=8,
+    steps=2,
+    mem_cap_bytes=64 * bench.MB,
+)
+QUICK_MAX_LAYERS = 3  # --quick: chains of 1 and 3 layers
+
+QUICK_MODEL_PRESET = "qwen3-moe-tiny"  # the preset's architecture at test size
+
+
+# ---- routing -------------------------------------------------------------------------------------
+
+
+def route(rng: np.random.Generator, kind: str, tokens: int, experts: int, top_k: int, zipf: float):
+    """Each token's top_k distinct experts, [tokens, top_k]: uniform, or Zipf-skewed (the expert of
+    popularity rank r, ranks a random permutation, drawn with weight 1 / r^zipf)."""
+    if kind not in ROUTINGS:
+        raise ValueError(f"route: kind must be one of {ROUTINGS}, got {kind!r}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"route: top_k must be in 1..{experts}, got {top_k}")
+    p = None
+    if kind == "zipf":
+        ranks = rng.permutation(experts) + 1
+        p = 1.0 / ranks.astype(np.float64) ** zipf
+        p /= p.sum()
+    return np.stack([rng.choice(experts, top_k, replace=False, p=p) for _ in range(tokens)])
+
+
+def group_sizes(choice: np.ndarray, experts: int) -> np.ndarray:
+    """Rows per expert (int32 [experts]) of a routing: the group sizes of the sorted rows."""
+    return np.bincount(np.asarray(choice).reshape(-1), minlength=experts).astype(np.int32)
+
+
+# ---- what XLA makes of ragged_dot ----------------------------------------------------------------
+
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\w+\[[^\]]*\])\S*\s+"
+    r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
+)
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4}
+_ITEMSIZE.update({"s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8})
+_VIEWS = ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
+
+
+def _dims(text: str) -> list[int]:
+    match = _SHAPE.search(text)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def _nbytes(text: str) -> int:
+    """Bytes of the first array type in an HLO type (a tuple's first element)."""
+    match = _SHAPE.search(text)
+    if not match:
+        return 0
+    return _ITEMSIZE.get(match.group(1), 4) * math.prod(_dims(text))
+
+
+def hlo_summary(hlo: str, m: int, g: int, k: int, n: int) -> dict:
+    """Custom calls, fusions, while loops and dots of an optimized HLO module's text, how many
+    times the ragged product's 2*M*K*N FLOPs its largest dot (plain or a cuBLAS custom call) does
+    (about G for a dense dot over all experts), and the largest array its entry computation makes
+    (a dense dot's masked copy of the activations for every expert shows there)."""
+    shapes: dict[str, list[int]] = {}
+    custom_calls: dict[str, int] = {}
+    fusions = whiles = ragged = 0
+    dots: list[dict] = []
+    buffer = {"type": None, "bytes": 0}
+    entry = False
+    for line in hlo.splitlines():
+        if line.startswith("ENTRY"):
+            entry = True
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, op, attrs = match.group("name"), match.group("op"), match.group("attrs")
+        shapes[name] = _dims(match.group("type"))
+        operands = [
+            o.strip().split(" ")[-1].lstrip("%") for o in match.group("operands").split(",")
+        ]
+        if entry and op not in _VIEWS and _nbytes(match.group("type")) > buffer["bytes"]:
+            buffer = {
+                "type": match.group("type").split("{")[0],
+                "bytes": _nbytes(match.group("type")),
+            }
+        if op == "fusion" and entry:
+            fusions += 1
+        elif op == "while":
+            whiles += 1
+        elif op == "ragged-dot":
+            ragged += 1
+        contracting = None
+        if op == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', attrs)
+            target = target.group(1) if target else "?"
+            custom_calls[target] = custom_calls.get(target, 0) + 1
+            dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attrs)
+            if "gemm" in target.lower() or "matmul" in target.lower():
+                contracting = [int(d.strip('" ')) for d in dims.group(1).split(",")] if dims else []
+        elif op in ("dot", "ragged-dot"):
+            dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
+            contracting = [int(d) for d in dims.group(1).split(",") if d] if dims else []
+        if contracting is not None and operands and operands[0] in shapes:
+            lhs = shapes[operands[0]]
+            out = _dims(match.group("type"))
+            size = math.prod(lhs[c] for c in contracting if c < len(lhs))
+            flops = 2 * math.prod(out) * size
+            dots.append({"op": op, "lhs": lhs, "out": out, "flops": flops})
+    ragged_flops = 2 * m * k * n
+    largest = max(dots, key=lambda d: d["flops"], default=None)
+    work = largest["flops"] / ragged_flops if largest else 0.0
+    return {
+        "m": m,
+        "g": g,
+        "k": k,
+        "n": n,
+        "custom_calls": custom_calls,
+        "fusions": fusions,
+        "while_loops": whiles,
+        "ragged_dot_ops": ragged,
+        "dots": len(dots),
+        "largest_dot": largest,
+        "largest_dot_work": work,
+        "dense_over_all_experts": bool(largest) and work >= 0.9 * g,
+        "largest_buffer": buffer,
+    }
+
+
+def ragged_dot_hlo(m: int, g: int, k: int, n: int, dtype=jnp.bfloat16) -> str:
+    """The optimized HLO text of jax.lax.ragged_dot(a [M, K], w [G, K, N], group_sizes) here."""
+    args = (
+        jax.ShapeDtypeStruct((m, k), dtype),
+        jax.ShapeDtypeStruct((g, k, n), dtype),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+    )
+    return jax.jit(jax.lax.ragged_dot).lower(*args).compile().as_text()
+
+
+def format_hlo_summary(s: dict) -> str:
+    calls = ", ".join(f"{t} x{c}" for t, c in sorted(s["custom_calls"].items())) or "none"
+    largest = s["largest_dot"]
+    dot = (
+        f"largest dot {largest['op']} lhs {largest['lhs']} -> {largest['out']}: "
+        f"{s['largest_dot_work']:.1f}x the ragged product's FLOPs"
+        if largest
+        else "no dot"
+    )
+    verdict = (
+        f"a dense dot over all {s['g']} experts"
+        if s["dense_over_all_experts"]
+        else "not a dense dot over all experts"
+    )
+    buffer = s["largest_buffer"]
+    made = (
+        f"; largest array made: {buffer['type']} ({buffer['bytes'] / 1e9:.3g} GB)"
+        if buffer["type"]
+        else ""
+    )
+    return (
+        f"XLA's ragged_dot (M={s['m']}, G={s['g']}, K={s['k']}, N={s['n']}): {s['fusions']} "
+        f"fusions, custom calls: {calls}, {s['while_loops']} while loops, {s['ragged_dot_ops']} "
+        f"ragged-dot ops, {s['dots']} dots; {dot}: {verdict}{made}"
+    )
+
+
+# ---- grouped matmul rows -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GroupedRow:
+    """One (part, shape, tokens, routing) measurement; times per grouped matmul."""
+
+    part: str
+    shape: str
+    experts: int
+    n: int
+    k: int
+    tokens: int
+    top_k: int
+    routing: str
+    m: int
+    active_experts: int
+    max_group: int
+    path: str
+    layout: str
+    us: float
+    us_iqr: float
+    bytes: int  # active experts' NVFP4 bytes + activations + outputs
+    tbps: float
+    tflops: float
+    read_bw_tbps: float
+    fraction_of_read_bw: float
+    floor_us: float
+    bf16_bytes: int  # active experts' bf16 bytes + activations + outputs
+    bf16_read_bw_tbps: float
+    bf16_floor_us: float  # (b)
+    # bf16_floor_us / us: above 1, faster than any bf16 grouped matmul can be
+    fraction_of_bf16_floor: float
+    ragged_dot_us: float | None  # (a)
+    speedup_vs_ragged_dot: float | None
+    layers: tuple[int, int]
+    noisy: bool
+
+
+def _grouped_layer(backend: str | None, tuning):
+    def jax_fp4_ragged_matmul(a, w, sizes):
+        return jax_fp4.ragged_matmul(a, w, sizes, backend=backend, tuning=tuning)
+
+    return jax_fp4_ragged_matmul
+
+
+def ragged_dot_layer(a, w, sizes):
+    return jax.lax.ragged_dot(a, w, sizes)
+
+
+def _chain_lengths(active_bytes: int, held_bytes: int, plan: Plan, budget: bench.Budget):
+    """(L1, L2) for layers whose active weights are `active_bytes` (what must exceed the cache) and
+    that hold `held_bytes` each (all experts: what the memory cap counts)."""
+    capped = dataclasses.replace(budget, dense_cap_bytes=plan.mem_cap_bytes)
+    return bench.chain_lengths(active_bytes, held_bytes, capped)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _expert_floats(key, shape: tuple[int, int, int]):
+    return jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[-1])
+
+
+@jax.jit
+def _ragged_dot_operand(w):
+    return jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)
+
+
+def make_expert_weights(b: bench.Bench, shape: ExpertShape, count: int, dense_count: int):
+    """`count` random stacked weights, NVFP4 [E, N, K] in the bench's layout, and the first
+    `dense_count` of them in bf16 as ragged_dot takes them, [E, K, N]."""
+    quantize = jax.jit(jax_fp4.quantize)
+    fp4, bf16 = [], []
+    for i, key in enumerate(jax.random.split(b._next_key(), count)):
+        w = _expert_floats(key, (shape.experts, shape.n, shape.k))
+        fp4.append(b.laid_out(quantize(w)))
+        if i < dense_count:
+            bf16.append(_ragged_dot_operand(w))
+        del w
+    return fp4, bf16
+
+
+def grouped_path(a, w, backend: str | None) -> str:
+    """The path jax_fp4.ragged_matmul takes for these operands."""
+    return jax_fp4.ragged_dispatch_path(a, w, backend=backend)
+
+
+def grouped_rows(
+    b: bench.Bench, plan: Plan, shape: ExpertShape, parts: Sequence[str], rng: np.random.Generator
+) -> list[GroupedRow]:
+    """The rows of one weight shape in `parts` ("gemv", "prefill"): its weights made once (as many
+    layers as the longest chain needs; bf16 ones for the chains that time ragged_dot), then each
+    (part, tokens, routing) timed against its byte yardsticks."""
+    s = b.settings
+    itemsize = np.dtype(s.dtype).itemsize
+    cases = []
+    for part in parts:
+        with_ragged_dot = part == "prefill" or plan.gemv_bf16
+        held = shape.nvfp4_bytes() + (shape.bf16_bytes() if with_ragged_dot else 0)
+        for tokens in plan.gemv_tokens if part == "gemv" else (plan.prefill_tokens,):
+            for routing in plan.routings:
+                choice = route(rng, routing, tokens, shape.experts, plan.top_k, plan.zipf)
+                sizes = group_sizes(choice, shape.experts)
+                active = int(np.count_nonzero(sizes))
+                lengths = _chain_lengths(shape.nvfp4_bytes(active), held, plan, s.budget)
+                cases.append((part, tokens, routing, sizes, active, with_ragged_dot, lengths))
+    count = max(l2 for *_, (_, l2) in cases)
+    dense_count = max((l2 for *_, dense, (_, l2) in cases if dense), default=0)
+    fp4_ws, bf16_ws = make_expert_weights(b, shape, count, dense_count)
+    rows = []
+    for part, tokens, routing, sizes, active, with_ragged_dot, (l1, l2) in cases:
+        started = time.perf_counter()
+        m = tokens * plan.top_k
+        acts = bench.make_activations(b._next_key(), m, shape.k, l2, s.dtype)
+        size_list = [jnp.asarray(sizes)] * l2
+        io = bench.io_bytes(m, shape.n, shape.k, itemsize)
+        nbytes, bf16_nbytes = shape.nvfp4_bytes(active) + io, shape.bf16_bytes(active) + io
+        read, bf16_read = b.read_bandwidth(nbytes), b.read_bandwidth(bf16_nbytes)
+        layer = _grouped_layer(s.backend, s.tuning)
+        fp4 = b._time(bench.chain_of(layer), (acts, fp4_ws[:l2], size_list), l1, l2)
+        ragged = None
+        if with_ragged_dot:
+            ragged = b._time(
+                bench.chain_of(ragged_dot_layer), (acts, bf16_ws[:l2], size_list), l1, l2
+            )
+        fp4_tbps = bench.tbps(nbytes, fp4.us)
+        bf16_floor = bf16_nbytes / (bf16_read.tbps * 1e12) * 1e6
+        row = GroupedRow(
+            part=part,
+            shape=shape.name,
+            experts=shape.experts,
+            n=shape.n,
+            k=shape.k,
+            tokens=tokens,
+            top_k=plan.top_k,
+            routing=routing,
+            m=m,
+            active_experts=active,
+            max_group=int(sizes.max()),
+            path=grouped_path(acts[0], fp4_ws[0], s.backend),
+            layout=fp4_ws[0].layout,
+            us=fp4.us,
+            us_iqr=fp4.iqr_us,
+            bytes=nbytes,
+            tbps=fp4_tbps,
+            tflops=bench.tflops(bench.matmul_flops(m, shape.n, shape.k), fp4.us),
+            read_bw_tbps=read.tbps,
+            fraction_of_read_bw=fp4_tbps / read.tbps,
+            floor_us=nbytes / (read.tbps * 1e12) * 1e6,
+            bf16_bytes=bf16_nbytes,
+            bf16_read_bw_tbps=bf16_read.tbps,
+            bf16_floor_us=bf16_floor,
+            fraction_of_bf16_floor=bf16_floor / fp4.us,
+            ragged_dot_us=None if ragged is None else ragged.us,
+            speedup_vs_ragged_dot=None if ragged is None else ragged.us / fp4.us,
+            layers=(l1, l2),
+            noisy=fp4.noisy or read.noisy or (ragged is not None and ragged.noisy),
+        )
+        b.log(f"{format_grouped_row(row)}   [{time.perf_counter() - started:.1f} s]")
+        rows.append(row)
+        del acts
+    return rows
+
+
+def format_grouped_row(r: GroupedRow) -> str:
+    ragged = (
+        ""
+        if r.ragged_dot_us is None
+        else f", ragged_dot {r.ragged_dot_us:.1f} us (x{r.speedup_vs_ragged_dot:.2f})"
+    )
+    return (
+        f"{r.part} {r.shape} [{r.experts}, {r.n}, {r.k}] {r.tokens} tokens x top-{r.top_k} "
+        f"{r.routing} ({r.active_experts} experts active, M {r.m}): {r.path} {r.us:.2f} us, "
+        f"{r.tbps:.2f} TB/s = {100 * r.fraction_of_read_bw:.0f}% of read "
+        f"(floor {r.floor_us:.2f} us)"
+        f"{ragged}, bf16 floor {r.bf16_floor_us:.1f} us{' (noisy)' if r.noisy else ''}"
+    )
+
+
+# ---- the model's decode step ---------------------------------------------------------------------
+
+
+@functools.cache
+def load_llm_example():
+    """examples/llm_generate.py as a module (loaded once)."""
+    return load_repo_script("examples/llm_generate.py")
+
+
+def model_config(llm, quick: bool) -> dict:
+    return dict(llm.PRESETS[QUICK_MODEL_PRESET if quick else MODEL_PRESET])
+
+
+def layer_param_counts(config: dict) -> tuple[int, int]:
+    """(expert parameters, other parameters) of one decoder layer of a Qwen3-MoE config."""
+    h, hd = (
+        config["hidden_size"],
+        config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+    )
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    experts = config["num_experts"] * 3 * config["moe_intermediate_size"] * h
+    return experts, 2 * q * h + 2 * kv * h + config["num_experts"] * h
+
+
+def layers_that_fit(config: dict, memory_bytes: int | None) -> int:
+    """The most layers for which the NVFP4 model and its bf16 twin fit in 80% of `memory_bytes`
+    (every layer of the preset where the device does not say)."""
+    if memory_bytes is None:
+        return config["num_hidden_layers"]
+    experts, other = layer_param_counts(config)
+    nvfp4 = (experts + other) * (0.5 + 1 / 16)
+    per_layer = nvfp4 + (experts + other) * 2
+    fixed = 2 * config["vocab_size"] * config["hidden_size"] * 2  # embeddings and lm_head, bf16
+    fit = int((0.8 * memory_bytes - fixed) // per_layer)
+    return max(1, min(config["num_hidden_layers"], fit))
+
+
+def device_memory_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+@dataclasses.dataclass
+class ModelRow:
+    model: str
+    layers: int
+    layers_limited_by_memory: bool
+    batch: int
+    context: int
+    experts: int
+    top_k: int
+    expected_active_experts: float
+    nvfp4_ms: float
+    bf16_ms: float
+    speedup_vs_bf16: float
+    nvfp4_bytes: int  # what the NVFP4 step reads: weights (the expected active experts), KV cache
+    nvfp4_floor_ms: float
+    fraction_of_nvfp4_floor: float  # floor / time
+    bf16_bytes: int  # the same for the bf16 step
+    bf16_floor_ms: float
+    # bf16_floor_ms / nvfp4_ms: above 1, the NVFP4 step beats any bf16 step of this model
+    bf16_floor_vs_nvfp4: float
+    bf16_vs_bf16_floor: float  # bf16_floor_ms / bf16_ms
+    nvfp4_read_bw_tbps: float
+    bf16_read_bw_tbps: float
+    noisy: bool
+
+
+def cache_length(plan: Plan) -> int:
+    """The KV cache's length: the context, the warm-up step and the timed steps."""
+    return plan.context + plan.steps + 2
+
+
+def time_decode_steps(
+    llm, cfg, params, batch: int, plan: Plan, b: bench.Bench, label: str
+) -> tuple[float, bool]:
+    """Device time of one greedy decode step (ms), from a jitted fori_loop of steps whose count is
+    a runtime argument: (t(1 + S) - t(1)) / S over medians of alternating calls; and whether that
+    difference was not positive (then an upper bound: t(1 + S) / (1 + S))."""
+    s, key = b.settings, b._next_key()
+    k_cache, v_cache = llm.empty_cache(cfg, params, batch, cache_length(plan))
+    tokens = jax.random.randint(key, (batch, 1), 0, cfg.vocab, jnp.int32)
+
+    def run(params, tokens, k_cache, v_cache, steps):
+        def body(i, carry):
+            return llm.greedy_step(cfg, params, carry[0], plan.context + i, carry[1], carry[2])
+
+        return jax.lax.fori_loop(0, steps, body, (tokens, k_cache, v_cache))[0]
+
+    one, more = jnp.int32(1), jnp.int32(1 + plan.steps)
+    started = time.perf_counter()
+    compiled = jax.jit(run).lower(params, tokens, k_cache, v_cache, one).compile()
+    b.log(
+        f"model: {label} decode step at batch {batch} compiled in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
+    args = (params, tokens, k_cache, v_cache)
+    for _ in range(max(s.warmup, 1)):
+        pair_s = bench._time_once(compiled, (*args, one)) + bench._time_once(
+            compiled, (*args, more)
+        )
+    repeats = s.repeats
+    if s.min_time_s > 0:
+        repeats = max(repeats, min(10 * repeats, math.ceil(s.min_time_s / pair_s)))
+    t1, t2 = [], []
+    for _ in range(repeats):
+        t1.append(bench._time_once(compiled, (*args, one)))
+        t2.append(bench._time_once(compiled, (*args, more)))
+    diff = (statistics.median(t2) - statistics.median(t1)) / plan.steps
+    if diff > 0:
+        return diff * 1e3, False
+    return statistics.median(t2) / (1 + plan.steps) * 1e3, True
+
+
+def model_rows(
+    b: bench.Bench, plan: Plan, quick: bool, layers: int | None, scan_layers: bool, seed: int
+) -> list[ModelRow]:
+    """The model part: the preset's NVFP4 model and its bf16 twin, one decode step at each batch,
+    and the bytes each step must read (examples/llm_generate.py's step_bytes with the expected
+    active experts, and cache_bytes) at the read bandwidth for a layer's share of them."""
+    llm = load_llm_example()
+    s = b.settings
+    config = model_config(llm, quick)
+    limited = False
+    if layers is None:
+        layers = layers_that_fit(config, device_memory_bytes())
+        limited = layers < config["num_hidden_layers"]
+        if limited:
+            b.log(
+                f"model: {layers} of {config['num_hidden_layers']} layers (the NVFP4 model and "
+                "the bf16 twin of all of them do not fit this device's memory)"
+            )
+    config["num_hidden_layers"] = layers
+    started = time.perf_counter()
+    cfg, params = llm.random_model(config, seed=seed, layout=s.layout, stack_layers=scan_layers)
+    dense = llm.dense_twin(params)
+    b.log(f"model: {layers} layers drawn and dequantized in {time.perf_counter() - started:.1f} s")
+    rows = []
+    for batch in plan.batches:
+        active = llm.expected_active_experts(cfg, batch)
+        kv = llm.cache_bytes(cfg, batch, cache_length(plan))
+        fp4_bytes = llm.step_bytes(params, active_experts=active) + kv
+        bf16_bytes = llm.step_bytes(dense, active_experts=active) + kv
+        fp4_read = b.read_bandwidth(max(1, fp4_bytes // layers))
+        bf16_read = b.read_bandwidth(max(1, bf16_bytes // layers))
+        fp4_ms, fp4_noisy = time_decode_steps(llm, cfg, params, batch, plan, b, "NVFP4")
+        bf16_ms, bf16_noisy = time_decode_steps(llm, cfg, dense, batch, plan, b, "bf16")
+        fp4_floor = fp4_bytes / (fp4_read.tbps * 1e12) * 1e3
+        bf16_floor = bf16_bytes / (bf16_read.tbps * 1e12) * 1e3
+        row = ModelRow(
+            model=QUICK_MODEL_PRESET if quick else MODEL_PRESET,
+            layers=layers,
+            layers_limited_by_memory=limited,
+            batch=batch,
+            context=plan.context,
+            experts=cfg.experts,
+            top_k=cfg.experts_per_token,
+            expected_active_experts=active,
+            nvfp4_ms=fp4_ms,
+            bf16_ms=bf16_ms,
+            speedup_vs_bf16=bf16_ms / fp4_ms,
+            nvfp4_bytes=fp4_bytes,
+            nvfp4_floor_ms=fp4_floor,
+            fraction_of_nvfp4_floor=fp4_floor / fp4_ms,
+            bf16_bytes=bf16_bytes,
+            bf16_floor_ms=bf16_floor,
+            bf16_floor_vs_nvfp4=bf16_floor / fp4_ms,
+            bf16_vs_bf16_floor=bf16_floor / bf16_ms,
+            nvfp4_read_bw_tbps=fp4_read.tbps,
+            bf16_read_bw_tbps=bf16_read.tbps,
+            noisy=fp4_noisy or bf16_noisy or fp4_read.noisy or bf16_read.noisy,
+        )
+        b.log(format_model_row(row))
+        rows.append(row)
+    return rows
+
+
+def format_model_row(r: ModelRow) -> str:
+    return (
+        f"model {r.model}, {r.layers} layers, batch {r.batch}, context {r.context}: NVFP4 "
+        f"{r.nvfp4_ms:.3f} ms a step ({100 * r.fraction_of_nvfp4_floor:.0f}% of its floor "
+        f"{r.nvfp4_floor_ms:.3f}), bf16 experts via ragged_dot {r.bf16_ms:.3f} ms "
+        f"(x{r.speedup_vs_bf16:.2f}), "
+        f"bf16 floor {r.bf16_floor_ms:.3f} ms (x{r.bf16_floor_vs_nvfp4:.2f} of NVFP4's time)"
+        f"{' (noisy)' if r.noisy else ''}"
+    )
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _mark(r: dict) -> str:
+    return "?" if r.get("noisy") else ""
+
+
+_MD_GEMV = (
+    ("weight", lambda r: f"{r['shape']} [{r['experts']}, {r['n']}, {r['k']}]"),
+    ("tokens", lambda r: f"{r['tokens']} x top-{r['top_k']}"),
+    ("routing", lambda r: r["routing"]),
+    ("active", lambda r: f"{r['active_experts']}"),
+    ("path", lambda r: r["path"]),
+    ("us", lambda r: f"{r['us']:.1f}{_mark(r)}"),
+    ("TB/s", lambda r: f"{r['tbps']:.2f}"),
+    ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
+    ("floor us", lambda r: f"{r['floor_us']:.1f}"),
+    ("ragged_dot us", lambda r: _fmt(r["ragged_dot_us"], ".1f")),
+)
+_MD_PREFILL = (
+    ("weight", lambda r: f"{r['shape']} [{r['experts']}, {r['n']}, {r['k']}]"),
+    ("tokens", lambda r: f"{r['tokens']} x top-{r['top_k']}"),
+    ("routing", lambda r: r["routing"]),
+    ("active", lambda r: f"{r['active_experts']}"),
+    ("path", lambda r: r["path"]),
+    ("us", lambda r: f"{r['us']:.0f}{_mark(r)}"),
+    ("TFLOP/s", lambda r: f"{r['tflops']:.0f}"),
+    ("(a) ragged_dot us", lambda r: _fmt(r["ragged_dot_us"], ".0f")),
+    ("x (a)", lambda r: _fmt(r["speedup_vs_ragged_dot"], ".2f")),
+    ("(b) bf16 floor us", lambda r: f"{r['bf16_floor_us']:.0f}"),
+    ("(b) / us", lambda r: f"{r['fraction_of_bf16_floor']:.2f}"),
+)
+_MD_MODEL = (
+    ("layers", lambda r: f"{r['layers']}"),
+    ("batch", lambda r: f"{r['batch']}"),
+    ("NVFP4 ms", lambda r: f"{r['nvfp4_ms']:.3f}{_mark(r)}"),
+    ("NVFP4 floor ms", lambda r: f"{r['nvfp4_floor_ms']:.3f}"),
+    ("bf16 (a) ms", lambda r: f"{r['bf16_ms']:.3f}"),
+    ("x bf16", lambda r: f"{r['speedup_vs_bf16']:.2f}"),
+    ("bf16 floor ms", lambda r: f"{r['bf16_floor_ms']:.3f}"),
+    ("bf16 floor / NVFP4", lambda r: f"{r['bf16_floor_vs_nvfp4']:.2f}"),
+)
+
+
+def _markdown_table(columns, rows) -> str:
+    lines = [
+        "| " + " | ".join(name for name, _ in columns) + " |",
+        "|"
+        + "|".join(
+            "---" if name in ("weight", "routing", "path") else "---:" for name, _ in columns
+        )
+        + "|",
+    ]
+    lines += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    """A results JSON as Markdown: the grouped GEMV, the prefill, XLA's ragged_dot, the model."""
+    parts = []
+    gemv = [r for r in results["rows"] if r["part"] == "gemv"]
+    prefill = [r for r in results["rows"] if r["part"] == "prefill"]
+    if gemv:
+        parts.append(
+            "Grouped decode GEMV (us per grouped matmul; floor: the bytes at read bandwidth)\n\n"
+            + _markdown_table(_MD_GEMV, gemv)
+        )
+    if prefill:
+        parts.append(
+            "Prefill (us per grouped matmul; (a) XLA's ragged_dot on bf16 experts, (b) the "
+            "bf16 active-bytes floor)\n\n" + _markdown_table(_MD_PREFILL, prefill)
+        )
+    for summary in results.get("ragged_dot_hlo", []):
+        parts.append(format_hlo_summary(summary))
+    if results.get("model"):
+        parts.append(
+            "Decode step of the MoE model (ms a step; bf16: its weights dequantized, the experts "
+            "through ragged_dot)\n\n" + _markdown_table(_MD_MODEL, results["model"])
+        )
+    return "\n\n".join(parts)
+
+
+def results_json(b: bench.Bench, plan: Plan, seed: int, rows, hlo, model, complete: bool) -> dict:
+    s = b.settings
+    return {
+        "device": bench.device_description(),
+        "jax_version": jax.__version__,
+        "jax_fp4_version": jax_fp4.__version__,
+        "dtype": s.dtype_name,
+        "backend": s.backend or "auto",
+        "tuning": None if s.tuning is None else dataclasses.asdict(s.tuning),
+        "layout": s.layout,
+        "repeats": s.repeats,
+        "warmup": s.warmup,
+        "seed": seed,
+        "plan": dataclasses.asdict(plan),
+        "read_bw": [dataclasses.asdict(r) for r in b.reads],
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "ragged_dot_hlo": hlo,
+        "model": [dataclasses.asdict(r) for r in model],
+        "complete": complete,
+    }
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def _list(cast):
+    def parse(text: str):
+        try:
+            return tuple(cast(x) for x in text.replace(",", " ").split())
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    parts = _list(str)(text)
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"parts are {', '.join(PARTS)}; got {text!r}")
+    return parts
+
+
+def _routings(text: str) -> tuple[str, ...]:
+    routings = _list(str)(text)
+    if not routings or any(r not in ROUTINGS for r in routings):
+        raise argparse.ArgumentTypeError(f"routings are {', '.join(ROUTINGS)}; got {text!r}")
+    return routings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/moe.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--parts", type=_parts, default=PARTS, help=f"what to run (default {','.join(PARTS)})"
+    )
+    p.add_argument(
+        "--tokens",
+        type=_list(int),
+        default=None,
+        help="the gemv part's token counts (default 1,8,32)",
+    )
+    p.add_argument(
+        "--prefill-tokens", type=int, default=None, help="the prefill part's tokens (default 4096)"
+    )
+    p.add_argument("--routings", type=_routings, default=None, help="uniform,zipf (default both)")
+    p.add_argument(
+        "--zipf", type=float, default=Plan.zipf, help=f"Zipf exponent (default {Plan.zipf})"
+    )
+    p.add_argument(
+        "--batches", type=_list(int), default=None, help="the model part's batches (default 1,8)"
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="the model's decoder layers (default: the preset's 48, or as many as fit beside the "
+        "bf16 twin in the device's memory)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="KV positions filled before the timed steps (default 512)",
+    )
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="the model's layers under lax.scan (default unrolled)",
+    )
+    p.add_argument(
+        "--gemv-bf16",
+        action="store_true",
+        help="also time ragged_dot on bf16 experts in the gemv part",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("spec", "tiled"),
+        default="tiled",
+        help="NVFP4 weight layout (default tiled)",
+    )
+    p.add_argument(
+        "--backend", default=None, help="force a jax_fp4.ragged_matmul backend (default auto)"
+    )
+    p.add_argument(
+        "--tuning",
+        type=bench._tuning,
+        default=None,
+        help="jax_fp4.KernelTuning fields, as bench.py",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed calls per chain (default 10, quick 3)"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per chain after compiling")
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help="seconds of timed calls per chain pair (default 0.2; quick 0)",
+    )
+    p.add_argument(
+        "--mem-cap-gb", type=float, default=None, help="most weight bytes per chain (default 10)"
+    )
+    p.add_argument(
+        "--cache-mb", type=float, default=None, help="the cache the chains must exceed (default 60)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="random seed (default: fresh from the OS)"
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="results JSON (default benchmarks/results/moe_<gpu>.json; none with --quick)",
+    )
+    p.add_argument(
+        "--dump-hlo",
+        metavar="PATH",
+        default=None,
+        help="write the optimized HLO of XLA's ragged_dot here",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny shapes and chains: a CPU smoke run")
+    p.add_argument(
+        "--markdown-from", metavar="JSON", help="print an earlier result as Markdown and exit"
+    )
+    return p
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.markdown_from:
+        with open(args.markdown_from) as f:
+            print(markdown(json.load(f)))
+        return 0
+    grouped = [p for p in args.parts if p in ("gemv", "prefill")]
+    if grouped and not hasattr(jax_fp4, "ragged_matmul"):
+        raise SystemExit(
+            f"--parts {','.join(grouped)} needs jax_fp4.ragged_matmul, which this jax_fp4 lacks"
+        )
+    base = QUICK_PLAN if args.quick else Plan()
+    plan = dataclasses.replace(
+        base,
+        gemv_tokens=args.tokens or base.gemv_tokens,
+        prefill_tokens=args.prefill_tokens or base.prefill_tokens,
+        routings=args.routings or base.routings,
+        zipf=args.zipf,
+        batches=args.batches or base.batches,
+        context=args.context if args.context is not None else base.context,
+        mem_cap_bytes=int(args.mem_cap_gb * bench.GB) if args.mem_cap_gb else base.mem_cap_bytes,
+        gemv_bf16=args.gemv_bf16 or base.gemv_bf16,
+    )
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    cache = (
+        args.cache_mb * bench.MB
+        if args.cache_mb is not None
+        else (bench.QUICK_CACHE_BYTES if args.quick else bench.DEFAULT_CACHE_BYTES)
+    )
+    settings = bench.Settings(
+        dtype_name="bf16",
+        backend=args.backend,
+        layout=args.layout,
+        tuning=args.tuning,
+        repeats=args.repeats if args.repeats is not None else (3 if args.quick else 10),
+        warmup=args.warmup,
+        min_time_s=args.min_time if args.min_time is not None else (0.0 if args.quick else 0.2),
+        budget=bench.Budget(
+            cache_bytes=int(cache),
+            max_layers=QUICK_MAX_LAYERS if args.quick else bench.Budget.max_layers,
+        ),
+        read_kernels=("sum",) if args.quick else tuple(bench.READ_KERNELS),
+    )
+    device = jax.devices()[0]
+    json_path = args.json or (
+        None
+        if args.quick
+        else str(RESULTS_DIR / f"moe_{decode.gpu_tag(device.device_kind, device.platform)}.json")
+    )
+    _log(
+        f"jax_fp4 MoE bench on {bench.device_description()}, jax {jax.__version__}, parts "
+        f"{','.join(args.parts)}, layout {args.layout}, backend {args.backend or 'auto'}, "
+        f"seed {seed}"
+    )
+    b = bench.Bench(settings, jax.random.key(seed), log=_log)
+    rng = np.random.default_rng(seed)
+    started = time.perf_counter()
+    if not args.quick:
+        bench.warm_up_device(1.0)
+    rows: list[GroupedRow] = []
+    hlo: list[dict] = []
+    model: list[ModelRow] = []
+
+    def write(complete: bool) -> dict:
+        results = results_json(b, plan, seed, rows, hlo, model, complete)
+        if json_path:
+            bench.write_json_file(json_path, results)
+        return results
+
+    if grouped:
+        for shape in plan.shapes:
+            rows += grouped_rows(b, plan, shape, grouped, rng)
+            write(complete=False)
+    if "prefill" in args.parts:
+        for shape in plan.shapes:
+            m = plan.prefill_tokens * plan.top_k
+            text = ragged_dot_hlo(m, shape.experts, shape.k, shape.n)
+            hlo.append(hlo_summary(text, m, shape.experts, shape.k, shape.n))
+            _log(format_hlo_summary(hlo[-1]))
+            if args.dump_hlo:
+                path = Path(args.dump_hlo)
+                path = path.with_name(f"{path.stem}_{shape.name}{path.suffix}")
+                path.write_text(text)
+                _log(f"wrote {path}")
+    if "model" in args.parts:
+        model = model_rows(b, plan, args.quick, args.layers, args.scan_layers, seed)
+    _log(f"done in {time.perf_counter() - started:.1f} s")
+    results = write(complete=True)
+    if json_path:
+        _log(f"wrote {json_path}")
+    print(
+        f"device {results['device']}, jax {results['jax_version']}, layout {settings.layout}, "
+        f"seed {seed}"
+    )
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,231 @@
+"""The MoE benchmark (benchmarks/moe.py) end to end on tiny shapes, and its parts: routing, byte
+counts, the reading of XLA's compiled ragged_dot. Not a timed test."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import moe
+import numpy as np
+import pytest
+
+import jax_fp4
+
+needs_ragged_matmul = pytest.mark.skipif(
+    not hasattr(jax_fp4, "ragged_matmul"), reason="this jax_fp4 has no ragged_matmul"
+)
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.parametrize("kind", moe.ROUTINGS)
+def test_routing_gives_distinct_experts_and_group_sizes(kind):
+    rng = np.random.default_rng()
+    experts, top_k, tokens = (
+        int(rng.integers(8, 40)),
+        int(rng.integers(1, 8)),
+        int(rng.integers(1, 50)),
+    )
+    choice = moe.route(rng, kind, tokens, experts, top_k, 1.2)
+    assert choice.shape == (tokens, top_k)
+    assert all(len(set(row)) == top_k for row in choice.tolist())
+    assert choice.min() >= 0 and choice.max() < experts
+    sizes = moe.group_sizes(choice, experts)
+    assert sizes.dtype == np.int32 and sizes.shape == (experts,) and sizes.sum() == tokens * top_k
+    for e in range(experts):
+        assert sizes[e] == np.count_nonzero(choice == e)
+    with pytest.raises(ValueError, match="top_k must be in 1..4"):
+        moe.route(rng, kind, 2, 4, 5, 1.2)
+
+
+def test_zipf_routing_is_skewed_and_the_expected_active_count():
+    rng = np.random.default_rng()
+    # 32 tokens x top-8 of 128 experts: uniform visits ~112 experts (103-118 in 100 draws), at
+    # most ~6 tokens each (5-9); Zipf 1.2 ~72 (62-82), its favourite ~30 tokens (27-32).
+    sizes = {k: moe.group_sizes(moe.route(rng, k, 32, 128, 8, 1.2), 128) for k in moe.ROUTINGS}
+    assert sizes["zipf"].max() > 2 * sizes["uniform"].max()
+    assert np.count_nonzero(sizes["zipf"]) < np.count_nonzero(sizes["uniform"])
+    # The model part's expected active experts against uniform routing's draws (8 x top-8 of 128).
+    cfg = moe.load_llm_example().Config.from_json(moe.load_llm_example().PRESETS[moe.MODEL_PRESET])
+    active = [
+        np.count_nonzero(moe.group_sizes(moe.route(rng, "uniform", 8, 128, 8, 1.2), 128))
+        for _ in range(200)
+    ]
+    assert abs(np.mean(active) - moe.load_llm_example().expected_active_experts(cfg, 8)) < 1.5
+
+
+# The entry computation of jax.lax.ragged_dot(bf16 [32768, 2048], bf16 [128, 2048, 1536], sizes)
+# as XLA compiled it for an H100 (jax 0.11.2), long attributes cut: every row copied once per
+# expert with the other experts' rows zeroed ([M, G, K]), then one cuBLASLt GEMM over G*K.
+H100_RAGGED_DOT = """\
+ENTRY %main.1 (lhs.1: bf16[32768,2048], rhs.1: bf16[128,2048,1536], group_sizes.1: s32[128]) -> bf16[32768,1536] {
+  %lhs.1 = bf16[32768,2048]{1,0} parameter(0), metadata={op_name="lhs"}
+  %rhs.1 = bf16[128,2048,1536]{2,1,0} parameter(1), metadata={op_name="rhs"}
+  %group_sizes.1 = s32[128]{0} parameter(2), metadata={op_name="group_sizes"}
+  %bitcast.8.0 = bf16[262144,1536]{1,0} bitcast(%rhs.1), metadata={op_name="jit(ragged_dot)/ragged_dot_general"}
+  %loop_add_fusion = s32[8,16]{1,0} fusion(%group_sizes.1), kind=kLoop, calls=%fused_add
+  %input_concatenate_fusion = s32[128]{0} fusion(%loop_add_fusion), kind=kInput, calls=%fused_concatenate
+  %loop_transpose_fusion = bf16[32768,128,2048]{2,1,0} fusion(%lhs.1, %loop_add_fusion, %input_concatenate_fusion), kind=kCustom, calls=%fused_transpose
+  %bitcast.9.0 = bf16[32768,262144]{1,0} bitcast(%loop_transpose_fusion)
+  %custom-call.1 = (bf16[32768,1536]{1,0}, s8[33554432]{0}) custom-call(%bitcast.9.0, %bitcast.8.0), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %get-tuple-element = bf16[32768,1536]{1,0} get-tuple-element(%custom-call.1), index=0
+}
+"""
+
+
+def test_hlo_summary_of_xla_ragged_dot_here_and_on_an_h100():
+    m, g, k, n = 24, 4, 32, 16
+    summary = moe.hlo_summary(moe.ragged_dot_hlo(m, g, k, n), m, g, k, n)
+    # XLA's CPU program: one dense dot contracting over all G experts' K (G x the ragged FLOPs).
+    assert summary["dense_over_all_experts"] and summary["largest_dot_work"] == pytest.approx(g)
+    assert "a dense dot over all 4 experts" in moe.format_hlo_summary(summary)
+    summary = moe.hlo_summary(H100_RAGGED_DOT, 32768, 128, 2048, 1536)
+    assert summary["custom_calls"] == {"__cublas$lt$matmul": 1} and summary["fusions"] == 3
+    assert summary["largest_dot"] == {
+        "op": "custom-call",
+        "lhs": [32768, 262144],
+        "out": [32768, 1536],
+        "flops": 2 * 32768 * 262144 * 1536,
+    }
+    assert summary["largest_dot_work"] == 128 and summary["dense_over_all_experts"]
+    assert summary["largest_buffer"] == {
+        "type": "bf16[32768,128,2048]",
+        "bytes": 32768 * 128 * 2048 * 2,
+    }
+    assert moe.format_hlo_summary(summary).endswith(
+        "128.0x the ragged product's FLOPs: a dense dot over all 128 experts; largest array made: "
+        "bf16[32768,128,2048] (17.2 GB)"
+    )
+    # A GEMM of one expert's size is no dense dot over all of them.
+    one = H100_RAGGED_DOT.replace(
+        "bf16[32768,262144]{1,0} bitcast", "bf16[32768,2048]{1,0} bitcast"
+    )
+    summary = moe.hlo_summary(one, 32768, 128, 2048, 1536)
+    assert summary["largest_dot_work"] == 1 and not summary["dense_over_all_experts"]
+
+
+def test_layers_that_fit_the_device_memory():
+    config = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 6,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 48,
+        "vocab_size": 100,
+    }
+    experts, other = 6 * 3 * 32 * 64, 2 * 64 * 64 + 2 * 32 * 64 + 6 * 64
+    assert moe.layer_param_counts(config) == (experts, other)
+    assert moe.layers_that_fit(config, None) == 48
+    per_layer = (experts + other) * (2 + 0.5 + 1 / 16)  # bf16 twin + NVFP4 codes and scales
+    memory = (2 * 100 * 64 * 2 + 12.5 * per_layer) / 0.8
+    assert moe.layers_that_fit(config, memory) == 12
+    assert moe.layers_that_fit(config, 10**12) == 48 and moe.layers_that_fit(config, 1) == 1
+    # The preset: an H100's 80 GB do not hold all 48 layers twice, an H200's 141 GB do.
+    preset = moe.load_llm_example().PRESETS[moe.MODEL_PRESET]
+    assert moe.layers_that_fit(preset, 80 * 2**30) < 48 == moe.layers_that_fit(preset, 141 * 2**30)
+
+
+@needs_ragged_matmul
+def test_quick_run_of_the_grouped_parts_writes_json_and_tables(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    hlo = tmp_path / "ragged_dot.txt"
+    rc = moe.main(
+        [
+            "--quick",
+            "--parts",
+            "gemv,prefill",
+            "--seed",
+            "3",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+            str(out),
+            "--dump-hlo",
+            str(hlo),
+        ]
+    )
+    assert rc == 0
+    results = json.loads(out.read_text())
+    assert results["complete"] and results["device"].startswith("cpu")
+    rows = results["rows"]
+    plan = moe.QUICK_PLAN
+    assert len(rows) == len(plan.shapes) * len(plan.routings) * (len(plan.gemv_tokens) + 1)
+    for r in rows:
+        assert r["m"] == r["tokens"] * r["top_k"] and 1 <= r["active_experts"] <= r["experts"]
+        for field in (
+            "us",
+            "tbps",
+            "read_bw_tbps",
+            "fraction_of_read_bw",
+            "floor_us",
+            "bf16_floor_us",
+        ):
+            assert _positive_finite(r[field]), (field, r)
+        assert (r["ragged_dot_us"] is None) == (r["part"] == "gemv")  # (a) with prefill
+        shape = next(s for s in plan.shapes if s.name == r["shape"])
+        io = r["m"] * (shape.k + shape.n) * 2
+        assert (
+            r["bytes"]
+            == r["active_experts"] * (shape.n * shape.k // 2 + shape.n * shape.k // 16 + 4) + io
+        )
+        assert r["bf16_bytes"] == r["active_experts"] * shape.n * shape.k * 2 + io
+        assert r["path"] == "cpu" and r["layout"] == (
+            "tiled" if r["shape"] == "gate_up" else "spec"
+        )
+    assert {r["part"] for r in rows} == {"gemv", "prefill"}
+    assert [s["dense_over_all_experts"] for s in results["ragged_dot_hlo"]] == [True, True]  # CPU
+    assert (tmp_path / "ragged_dot_gate_up.txt").read_text().startswith("HloModule")
+    printed = capsys.readouterr().out
+    assert "| gate_up [8, 64, 128] | 2 x top-2 | uniform |" in printed
+    assert "a dense dot over all 8 experts" in printed
+    assert moe.main(["--markdown-from", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == printed.split("\n", 1)[1].strip()
+
+
+def _model_preset_present() -> bool:
+    return moe.MODEL_PRESET in moe.load_llm_example().PRESETS
+
+
+@pytest.mark.skipif(
+    not _model_preset_present(), reason=f"examples/llm_generate.py has no {moe.MODEL_PRESET} preset"
+)
+def test_quick_run_of_the_model_part(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    rc = moe.main(
+        [
+            "--quick",
+            "--parts",
+            "model",
+            "--seed",
+            "4",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    results = json.loads(out.read_text())
+    assert not results["rows"] and len(results["model"]) == len(moe.QUICK_PLAN.batches)
+    for r in results["model"]:
+        assert r["layers"] == 2 and not r["layers_limited_by_memory"]
+        for field in (
+            "nvfp4_ms",
+            "bf16_ms",
+            "speedup_vs_bf16",
+            "nvfp4_floor_ms",
+            "bf16_floor_ms",
+            "bf16_floor_vs_nvfp4",
+        ):
+            assert _positive_finite(r[field]), (field, r)
+        assert r["bf16_bytes"] > r["nvfp4_bytes"]
+    assert "Decode step of the MoE model" in capsys.readouterr().out

@@ -1,0 +1,125 @@
+// FFI handler of the grouped decode GEMV (target jax_fp4_grouped_gemv_cuda; kernel in
+// ffi/cuda/grouped/gemv.cuh):
+//
+//   y[rows of group g] = round(a[rows of g] @ dequant(w[g])^T * gs[g] + bias[g]),
+//
+// rows past the groups 0. Operands (a [M, K] f16/bf16, packed [G, N, K/2] u8, scale [G, N, K/16]
+// u8 E4M3 (tiled: jax_fp4.prepack's arrays stacked on G), global_scale [G] f32, group_sizes [G]
+// s32, bias [G, N] or [0] in a's dtype) -> y [M, N]; attributes block_size (16) and tiled.
+// Needs K % 128 == 0 and an sm_80+ device (the tensor-core GEMV). The launch depends on the
+// shapes only: the group offsets are found on the device, so the call is capturable into a CUDA
+// graph.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/common.cuh"
+#include "cuda/grouped/config.h"
+#include "cuda/grouped/gemv.cuh"
+#include "cuda/grouped/operands.h"
+#include "cuda/handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_fp4 {
+namespace cuda {
+namespace {
+
+template <typename T>
+cudaError_t RunGroupedGemv(cudaStream_t stream, bool tiled, const GroupedOperands<T>& p,
+                           int num_sms) {
+  GemvResidentWarps warps{};
+  cudaError_t err =
+      tiled ? GetGroupedGemvWarps<T, true>(&warps) : GetGroupedGemvWarps<T, false>(&warps);
+  if (err != cudaSuccess) return err;
+  const GroupedLaunchConfig cfg =
+      grouped_launch_config(p.m, p.n, p.k, p.groups, num_sms, tiled, warps);
+  const auto launch = tiled ? LaunchGroupedGemv<T, true> : LaunchGroupedGemv<T, false>;
+  return launch(stream, p, cfg.gemv_col_tiles, cfg.gemv_row_tiles, cfg.gemv_k_split);
+}
+
+ffi::Error GroupedGemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
+                               ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                               ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer bias,
+                               ffi::Result<ffi::AnyBuffer> y, int64_t block_size, bool tiled) {
+  constexpr const char* kName = "jax_fp4_grouped_gemv_cuda";
+  auto invalid = [&](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
+  };
+  GroupedShape shape;
+  std::string problem = CheckGroupedOperands(
+      a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
+      global_scale.element_count(), group_sizes.element_count(), bias.element_type(),
+      bias.element_count(), y->element_type(), y->dimensions(), block_size, &shape);
+  if (problem.empty()) problem = CheckGroupedKernelShape(shape, block_size, tiled);
+  if (!problem.empty()) return invalid(problem);
+  if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
+  // 16-byte loads of a and packed rows (K % 128 == 0 keeps every row and expert aligned), 2-byte
+  // scale pairs (tiled: 4-byte words).
+  if (!IsAligned(a.untyped_data(), 16) || !IsAligned(packed.typed_data(), 16) ||
+      !IsAligned(scale.typed_data(), tiled ? 4 : 2)) {
+    return invalid(std::string("a and packed must be 16-byte aligned, scale ") +
+                   (tiled ? "4" : "2") + "-byte aligned");
+  }
+  DeviceInfo info;
+  cudaError_t err = GetDeviceInfo(&info);
+  if (err != cudaSuccess) return CudaError("jax_fp4_grouped_gemv_cuda: device query", err);
+  if (info.sm < 80) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string(kName) + ": needs an sm_80+ device (mma.sync), found sm_" +
+                          std::to_string(info.sm));
+  }
+  const bool has_bias = bias.element_count() != 0;
+  if (a.element_type() == ffi::DataType::F16) {
+    GroupedOperands<__half> p{static_cast<const __half*>(a.untyped_data()),
+                              packed.typed_data(),
+                              scale.typed_data(),
+                              global_scale.typed_data(),
+                              group_sizes.typed_data(),
+                              has_bias ? static_cast<const __half*>(bias.untyped_data()) : nullptr,
+                              static_cast<__half*>(y->untyped_data()),
+                              shape.m,
+                              shape.n,
+                              shape.k,
+                              static_cast<int>(shape.g)};
+    err = RunGroupedGemv(stream, tiled, p, info.num_sms);
+  } else {
+    using B = __nv_bfloat16;
+    GroupedOperands<B> p{static_cast<const B*>(a.untyped_data()),
+                         packed.typed_data(),
+                         scale.typed_data(),
+                         global_scale.typed_data(),
+                         group_sizes.typed_data(),
+                         has_bias ? static_cast<const B*>(bias.untyped_data()) : nullptr,
+                         static_cast<B*>(y->untyped_data()),
+                         shape.m,
+                         shape.n,
+                         shape.k,
+                         static_cast<int>(shape.g)};
+    err = RunGroupedGemv(stream, tiled, p, info.num_sms);
+  }
+  if (err != cudaSuccess) return CudaError("jax_fp4_grouped_gemv_cuda: kernel launch", err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jax_fp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GroupedGemvCuda, jax_fp4::cuda::GroupedGemvCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // a [M, K] f16 / bf16
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // packed [G, N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [G, N, K/16] (E4M3)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // global_scale [G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
+                                  .Arg<ffi::AnyBuffer>()         // bias [G, N] or [0]
+                                  .Ret<ffi::AnyBuffer>()         // y [M, N]
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<bool>("tiled"),  // weights in the tiled layout
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,101 @@
+// Operand checks of the grouped (mixture-of-experts) CUDA handlers: a [M, K], packed [G, N, K/2],
+// scale [G, N, ceil(K / block)], global_scale [G] f32, group_sizes [G] s32, bias [G, N] or [0] in
+// a's dtype, y [M, N] in a's dtype (host), and the kernels' view of them (GroupedOperands).
+#ifndef JAX_FP4_CUDA_GROUPED_OPERANDS_H_
+#define JAX_FP4_CUDA_GROUPED_OPERANDS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "jax_fp4/validate.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fp4 {
+
+struct GroupedShape {
+  int64_t m = 0, n = 0, k = 0, g = 0;
+};
+
+// Operands of one grouped call (device pointers; bias nullptr when absent).
+template <typename T>
+struct GroupedOperands {
+  const T* a;             // [M, K]
+  const uint8_t* packed;  // [G, N, K/2]
+  const uint8_t* scale;   // [G, N, K/16]
+  const float* gs;        // [G]
+  const int32_t* sizes;   // [G]
+  const T* bias;          // [G, N] or nullptr
+  T* y;                   // [M, N]
+  int64_t m, n, k;
+  int groups;
+};
+
+// "" when the operands are consistent, else the problem. Fills *shape.
+inline std::string CheckGroupedOperands(
+    xla::ffi::DataType a_type, xla::ffi::Span<const int64_t> a_dims,
+    xla::ffi::Span<const int64_t> packed_dims, xla::ffi::Span<const int64_t> scale_dims,
+    size_t global_scale_count, size_t group_sizes_count, xla::ffi::DataType bias_type,
+    size_t bias_count, xla::ffi::DataType y_type, xla::ffi::Span<const int64_t> y_dims,
+    int64_t block_size, GroupedShape* shape) {
+  if (block_size <= 0) return "block_size must be positive, got " + std::to_string(block_size);
+  if (packed_dims.size() != 3) {
+    return "packed must be rank 3 [G, N, K/2], got " + DimsToString(packed_dims);
+  }
+  shape->g = packed_dims[0];
+  shape->n = packed_dims[1];
+  shape->k = 2 * packed_dims[2];
+  const int64_t k_blocks = (shape->k + block_size - 1) / block_size;
+  if (scale_dims.size() != 3 || scale_dims[0] != shape->g || scale_dims[1] != shape->n ||
+      scale_dims[2] != k_blocks) {
+    return "scale must be [" + std::to_string(shape->g) + ", " + std::to_string(shape->n) + ", " +
+           std::to_string(k_blocks) + "], got " + DimsToString(scale_dims);
+  }
+  if (global_scale_count != static_cast<size_t>(shape->g)) {
+    return "global_scale must hold G = " + std::to_string(shape->g) + " elements, got " +
+           std::to_string(global_scale_count);
+  }
+  if (group_sizes_count != static_cast<size_t>(shape->g)) {
+    return "group_sizes must hold G = " + std::to_string(shape->g) + " elements, got " +
+           std::to_string(group_sizes_count);
+  }
+  if (a_type != xla::ffi::DataType::F16 && a_type != xla::ffi::DataType::BF16) {
+    return "a must be float16 or bfloat16";
+  }
+  if (a_dims.size() != 2 || a_dims[1] != shape->k) {
+    return "a must be [M, " + std::to_string(shape->k) + "], got " + DimsToString(a_dims);
+  }
+  shape->m = a_dims[0];
+  if (y_type != a_type) return "y must have a's element type";
+  if (y_dims.size() != 2 || y_dims[0] != shape->m || y_dims[1] != shape->n) {
+    return "y must be [" + std::to_string(shape->m) + ", " + std::to_string(shape->n) + "], got " +
+           DimsToString(y_dims);
+  }
+  if (bias_count != 0 &&
+      (bias_type != a_type || bias_count != static_cast<size_t>(shape->g * shape->n))) {
+    return "bias must be empty or hold G * N = " + std::to_string(shape->g * shape->n) +
+           " elements of a's type, got " + std::to_string(bias_count);
+  }
+  constexpr int64_t kLimit = (int64_t{1} << 31) - 1;
+  if (shape->m >= kLimit || shape->n >= kLimit || shape->k >= kLimit || shape->g >= kLimit) {
+    return "M, N, K and G must be below 2^31";
+  }
+  return "";
+}
+
+// What both grouped kernels need beyond consistent operands: block size 16, K a positive multiple
+// of 128 (the kernels' 128-wide windows / stages), and on the tiled layout N % 16 == 0.
+inline std::string CheckGroupedKernelShape(const GroupedShape& shape, int64_t block_size,
+                                           bool tiled) {
+  if (block_size != 16) return "block_size must be 16, got " + std::to_string(block_size);
+  if (shape.k <= 0 || shape.k % 128 != 0) {
+    return "K must be a positive multiple of 128, got " + std::to_string(shape.k);
+  }
+  if (tiled && shape.n % 16 != 0) {
+    return "the tiled layout needs N % 16 == 0, got N = " + std::to_string(shape.n);
+  }
+  return "";
+}
+
+}  // namespace jax_fp4
+
+#endif  // JAX_FP4_CUDA_GROUPED_OPERANDS_H_
