@@ -48,7 +48,6 @@ from jax_fp4 import lowering as _lowering
 from jax_fp4 import sharding as _sharding
 from jax_fp4.config import KernelTuning
 from jax_fp4.explicit_axes import (
-    axes_size,
     explicit_entries,
     explicit_type,
     spec_axes,
@@ -57,7 +56,7 @@ from jax_fp4.explicit_axes import (
     typed_mesh,
 )
 from jax_fp4.format import NVFP4Weight, host_values, scale_as_bytes
-from jax_fp4.ops import default_device
+from jax_fp4.ops import bind_per_batch_element, default_device
 
 nvfp4_ragged_matmul_p = Primitive("nvfp4_ragged_matmul")
 
@@ -358,27 +357,17 @@ def partition_plan(mesh, packed_sharding, *, n, k, block_size, tiled, local_k_ch
             f"the stack's G split over {g_axes}: a group's rows are known only at run time "
             "(expert parallelism is a shard_map): gathering G"
         )
-    n_shards = axes_size(mesh, n_axes)
-    if n_axes and n % n_shards:
-        reasons.append(f"N={n} is not divisible by the {n_shards} shards of {n_axes}: gathering N")
-        n_axes = ()
-    if n_axes and tiled and (n // n_shards) % 16:
-        reasons.append(f"tiled layout: N shards of {n // n_shards} rows split its 16-row tiles")
-        n_axes = ()
-    if k_axes and tiled:
-        reasons.append("tiled layout: its 16-row tiles hold all of K: gathering K")
-        k_axes = ()
-    if k_axes:
-        shards = axes_size(mesh, k_axes)
-        if block_size % 2 or k % (block_size * shards):
-            reasons.append(
-                f"row-parallel K={k} over {shards} shards needs K % (block_size*shards) == 0 "
-                f"with an even block_size (block_size={block_size}): gathering K"
-            )
-            k_axes = ()
-        elif local_k_check is not None and (why := local_k_check(k // shards)) is not None:
-            reasons.append(f"row-parallel K slice {k // shards}: {why}: gathering K")
-            k_axes = ()
+    n_axes, k_axes, weight_reasons = _sharding.weight_axes(
+        mesh,
+        n_axes,
+        k_axes,
+        n=n,
+        k=k,
+        block_size=block_size,
+        tiled=tiled,
+        local_k_check=local_k_check,
+    )
+    reasons += weight_reasons
     return n_axes, k_axes, reasons
 
 
@@ -640,14 +629,7 @@ def _batch(operands, dims, **params):
         )
         return _folded(a, group_sizes, packed, scale, global_scale, bias, params), 0
     # Weight stacks (layers) or biases batched: one grouped product per batch element, in a loop.
-    batched = [jnp.moveaxis(x, d, 0) if d is not None else None for x, d in zip(operands, dims)]
-
-    def one(sliced):
-        ops = [s if bt is not None else x for x, s, bt in zip(operands, sliced, batched)]
-        return nvfp4_ragged_matmul_p.bind(*ops, **params)
-
-    xs = [bt if bt is not None else jnp.zeros((size,), jnp.int8) for bt in batched]
-    return jax.lax.map(one, xs), 0
+    return bind_per_batch_element(nvfp4_ragged_matmul_p, operands, dims, params)
 
 
 batching.primitive_batchers[nvfp4_ragged_matmul_p] = _batch

@@ -143,12 +143,18 @@ def _batch(operands, dims, **params):
             ops[i] = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
         return nvfp4_matmul_p.bind(*ops, **params), 0
     # vmap over stacked weights (experts, layers) or biases: one matmul per weight, in a loop.
+    return bind_per_batch_element(nvfp4_matmul_p, operands, dims, params)
+
+
+def bind_per_batch_element(primitive, operands, dims, params):
+    """vmap's rule where the batch cannot fold into M: `primitive` once per batch element, in a
+    loop (lax.map) over the batched operands; the batch axis of the result is 0."""
     size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
     batched = [jnp.moveaxis(x, d, 0) if d is not None else None for x, d in zip(operands, dims)]
 
     def one(sliced):
         ops = [s if b is not None else x for x, s, b in zip(operands, sliced, batched)]
-        return nvfp4_matmul_p.bind(*ops, **params)
+        return primitive.bind(*ops, **params)
 
     xs = [b if b is not None else jnp.zeros((size,), jnp.int8) for b in batched]
     return jax.lax.map(one, xs), 0

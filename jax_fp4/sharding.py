@@ -92,6 +92,37 @@ def _spec(sharding, ndim) -> list[tuple[str, ...]] | None:
     return spec_axes(sharding, ndim) if isinstance(sharding, NamedSharding) else None
 
 
+def weight_axes(mesh, n_axes, k_axes, *, n, k, block_size, tiled=False, local_k_check=None):
+    """(n_axes, k_axes, reasons): the mesh axes a weight's N and K stay split over, from the
+    proposed ones, and why any proposed split was dropped (that axis is gathered). N shards must
+    divide N and, in the tiled layout, keep whole 16-row tiles; K shards must keep whole scale
+    blocks of an even block size, in a slice the kernel takes (`local_k_check(k_local)`: why not,
+    or None), and the tiled layout cannot split K (its tiles hold all of it)."""
+    reasons = []
+    n_shards = axes_size(mesh, n_axes)
+    if n_axes and n % n_shards:
+        reasons.append(f"N={n} is not divisible by the {n_shards} shards of {n_axes}: gathering N")
+        n_axes = ()
+    if n_axes and tiled and (n // n_shards) % 16:
+        reasons.append(f"tiled layout: N shards of {n // n_shards} rows split its 16-row tiles")
+        n_axes = ()
+    if k_axes and tiled:
+        reasons.append("tiled layout: its 16-row tiles hold all of K: gathering K")
+        k_axes = ()
+    if k_axes:
+        shards = axes_size(mesh, k_axes)
+        if block_size % 2 or k % (block_size * shards):
+            reasons.append(
+                f"row-parallel K={k} over {shards} shards needs K % (block_size*shards) == 0 "
+                f"with an even block_size (block_size={block_size}): gathering K"
+            )
+            k_axes = ()
+        elif local_k_check is not None and (why := local_k_check(k // shards)) is not None:
+            reasons.append(f"row-parallel K slice {k // shards}: {why}: gathering K")
+            k_axes = ()
+    return n_axes, k_axes, reasons
+
+
 def plan(
     mesh, a_shape, a_sharding, packed_sharding, *, n, k, block_size, local_k_check=None, tiled=False
 ):
@@ -102,36 +133,13 @@ def plan(
     `tiled`: the weight is in the tiled layout, whose 16-row tiles hold all of K: N shards must
     keep whole tiles and K cannot be split.
     """
-    reasons = []
     a_spec = _spec(a_sharding, len(a_shape))
     w_spec = _spec(packed_sharding, 2)
     if a_spec is None or w_spec is None or mesh is None or mesh.empty:
         return [()] * (len(a_shape) - 1), (), (), ["shardings without a mesh: replicated"]
-    n_axes, k_axes = w_spec
-    n_shards = axes_size(mesh, n_axes)
-    if n_axes and n % n_shards:
-        reasons.append(f"N={n} is not divisible by the {n_shards} shards of {n_axes}")
-        n_axes = ()
-    if n_axes and tiled and (n // n_shards) % 16:
-        reasons.append(
-            f"tiled layout: N shards of {n // n_shards} rows would split its "
-            "16-row tiles: gathering N"
-        )
-        n_axes = ()
-    if k_axes and tiled:
-        reasons.append("tiled layout: its 16-row tiles hold all of K: gathering K")
-        k_axes = ()
-    if k_axes:
-        shards = axes_size(mesh, k_axes)
-        if block_size % 2 or k % (block_size * shards):
-            reasons.append(
-                f"row-parallel K={k} over {shards} shards needs K % (block_size*shards) == 0 with an "
-                f"even block_size (block_size={block_size}): gathering K"
-            )
-            k_axes = ()
-        elif local_k_check is not None and (why := local_k_check(k // shards)) is not None:
-            reasons.append(f"row-parallel K slice {k // shards}: {why}: gathering K")
-            k_axes = ()
+    n_axes, k_axes, reasons = weight_axes(
+        mesh, *w_spec, n=n, k=k, block_size=block_size, tiled=tiled, local_k_check=local_k_check
+    )
     used = set(n_axes) | set(k_axes)
     lead = []
     for dim, axes in zip(a_shape[:-1], a_spec[:-1]):
