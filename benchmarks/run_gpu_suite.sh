@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# Build jax_fp4 for this machine's GPU, run the GPU tests, then the default benchmark sweep.
+# Build jax_fp4 for this machine's GPU, run the GPU tests, then the benchmarks: the default sweep,
+# the decode step and its GEMVs (decode.py), mixture-of-experts (moe.py).
 #
-#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench] [OUTDIR]
+#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe] [OUTDIR]
 #
 # Run from the repository root, in the Python environment to test (jax with CUDA installed).
-# OUTDIR (default ./gpu_suite_out) receives build.log, tests.log, bench.log and bench.json.
+# OUTDIR (default ./gpu_suite_out) receives build.log and a .log (and .json) per part.
 set -uo pipefail
 
 build=1 only="" out=""
 while (($#)); do
   case "$1" in
     --skip-build) build=0 ;;
-    --only) only="${2:?--only takes tests or bench}"; shift ;;
-    -h|--help) sed -n 2,6p "$0"; exit 0 ;;
+    --only) only="${2:?--only takes tests, bench, decode or moe}"; shift ;;
+    -h|--help) sed -n 2,8p "$0"; exit 0 ;;
     *) out="$1" ;;
   esac
   shift
 done
-case "$only" in ""|tests|bench) ;; *) echo "--only takes tests or bench, got '$only'" >&2; exit 2 ;; esac
+case "$only" in ""|tests|bench|decode|moe) ;; *) echo "--only takes tests, bench, decode or moe, got '$only'" >&2; exit 2 ;; esac
 out="${out:-./gpu_suite_out}"
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -46,6 +47,18 @@ fi
 if [[ -z "$only" || "$only" == bench ]]; then
   echo "== benchmark (default sweep and decode step)"
   python benchmarks/bench.py --layout tiled --decode-step --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+fi
+
+if [[ -z "$only" || "$only" == decode ]]; then
+  echo "== decode step and its GEMVs"
+  python benchmarks/decode.py --json "$out/decode.json" 2>&1 | tee "$out/decode.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+fi
+
+if [[ -z "$only" || "$only" == moe ]]; then
+  echo "== mixture-of-experts"
+  python benchmarks/moe.py --json "$out/moe.json" 2>&1 | tee "$out/moe.log"
   ((PIPESTATUS[0] == 0)) || status=1
 fi
 
