@@ -56,7 +56,7 @@ from jax_fp4.explicit_axes import (
     typed_mesh,
 )
 from jax_fp4.format import NVFP4Weight, host_values, scale_as_bytes
-from jax_fp4.ops import bind_per_batch_element, default_device
+from jax_fp4.ops import bind_per_batch_element, def_compiled_impl, default_device, is_zero
 
 nvfp4_ragged_matmul_p = Primitive("nvfp4_ragged_matmul")
 
@@ -162,13 +162,7 @@ def _abstract_eval(*operands, **params):
 nvfp4_ragged_matmul_p.def_abstract_eval(_abstract_eval)
 
 
-@functools.cache
-def _jitted_bind(**params):
-    return jax.jit(functools.partial(nvfp4_ragged_matmul_p.bind, **params))
-
-
-# Eager (un-jitted) calls compile the primitive alone, like any jnp operation.
-nvfp4_ragged_matmul_p.def_impl(lambda *operands, **params: _jitted_bind(**params)(*operands))
+def_compiled_impl(nvfp4_ragged_matmul_p)
 
 
 # ---- path implementations (traced inside the lowering) ------------------------------------------
@@ -641,23 +635,19 @@ batching.primitive_batchers[nvfp4_ragged_matmul_p] = _batch
 # packed codes, block scales and group sizes are integer data and have no tangent.
 
 
-def _is_zero(t):
-    return type(t) is ad.Zero
-
-
 def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, tuning=None):
     a, packed, scale, global_scale, group_sizes, bias = split_operands(primals, has_bias)
     da, _, _, dgs, _, dbias = split_operands(tangents, has_bias)
     static = dict(block_size=block_size, backend=backend, layout=layout, tuning=tuning)
     y = bind(a, packed, scale, global_scale, group_sizes, bias, **static)
     out = []
-    dbias = None if dbias is None or _is_zero(dbias) else dbias
-    if not _is_zero(da):
+    dbias = None if dbias is None or is_zero(dbias) else dbias
+    if not is_zero(da):
         out.append(bind(da, packed, scale, global_scale, group_sizes, dbias, **static))
     elif dbias is not None:  # only the bias moves: no product needed
         rows = bias_rows(dbias, group_sizes, a.shape[0]).astype(y.dtype)
         out.append(typed_like(rows, jax.typeof(y)))
-    if not _is_zero(dgs):
+    if not is_zero(dgs):
         out.append(bind(a, packed, scale, dgs, group_sizes, None, **static))
     if not out:
         return y, ad.Zero.from_primal_value(y)
@@ -671,7 +661,7 @@ def _transpose(ct, *operands, block_size, backend, layout, has_bias, tuning=None
             "ragged_matmul: the quantized weight (packed codes, block scales) and the group "
             "sizes are not differentiable"
         )
-    if _is_zero(ct):
+    if is_zero(ct):
         ct = jnp.zeros(ct.aval.shape, ct.aval.dtype)
     ct32 = ct.astype(jnp.float32)
     ct_a = ct_gs = ct_bias = None

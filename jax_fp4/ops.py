@@ -115,13 +115,14 @@ def _abstract_eval(*operands, activation=None, **params):
 nvfp4_matmul_p.def_abstract_eval(_abstract_eval)
 
 
-@functools.cache
-def _jitted_bind(**params):
-    return jax.jit(functools.partial(nvfp4_matmul_p.bind, **params))
+def def_compiled_impl(primitive) -> None:
+    """Eager (un-jitted) calls of `primitive` compile it alone, like any jnp operation (one
+    compiled program per set of static parameters, cached)."""
+    jitted = functools.cache(lambda **params: jax.jit(functools.partial(primitive.bind, **params)))
+    primitive.def_impl(lambda *operands, **params: jitted(**params)(*operands))
 
 
-# Eager (un-jitted) calls compile the primitive alone, like any jnp operation.
-nvfp4_matmul_p.def_impl(lambda *operands, **params: _jitted_bind(**params)(*operands))
+def_compiled_impl(nvfp4_matmul_p)
 _sharding.register_primitive(nvfp4_matmul_p)  # the lowering needs the devices (partitioning)
 _lowering.register(nvfp4_matmul_p)
 
@@ -169,7 +170,8 @@ batching.primitive_batchers[nvfp4_matmul_p] = _batch
 # data and have no tangent.
 
 
-def _is_zero(t):
+def is_zero(t):
+    """Whether a tangent or cotangent is JAX's symbolic zero."""
     return type(t) is ad.Zero
 
 
@@ -193,7 +195,7 @@ def _fused_jvp(primals, tangents, *, norm_eps, activation, has_residual, **param
     # Differentiate in the operands that move only (a zero tangent stays a constant, so that,
     # e.g., a fixed global scale costs no product).
     moving = [i for i, t in enumerate((da, dgs, dbias, dnorm, dres)) if t is not None]
-    moving = [i for i in moving if not _is_zero((da, dgs, dbias, dnorm, dres)[i])]
+    moving = [i for i in moving if not is_zero((da, dgs, dbias, dnorm, dres)[i])]
     if not moving:
         return y, ad.Zero.from_primal_value(y)
     weight = dict(
@@ -268,14 +270,14 @@ def _jvp(
     )
     y = bind(a, packed, scale, global_scale, bias, **weight)
     out_tangents = []
-    dbias = None if dbias is None or _is_zero(dbias) else dbias
-    if not _is_zero(da):
+    dbias = None if dbias is None or is_zero(dbias) else dbias
+    if not is_zero(da):
         out_tangents.append(bind(da, packed, scale, global_scale, dbias, **weight))
     elif dbias is not None:  # only the bias moves: no matmul needed
         out_tangents.append(
             _explicit_axes.typed_like(jnp.broadcast_to(dbias, y.shape), jax.typeof(y))
         )
-    if not _is_zero(dgs):
+    if not is_zero(dgs):
         out_tangents.append(bind(a, packed, scale, dgs, None, **weight))
     if not out_tangents:
         return y, ad.Zero.from_primal_value(y)
@@ -306,7 +308,7 @@ def _transpose(
         raise TypeError(
             "jax_fp4: the quantized weight (packed codes, block scales) is not differentiable"
         )
-    if _is_zero(ct):
+    if is_zero(ct):
         ct = jnp.zeros(ct.aval.shape, ct.aval.dtype)
     ct_a = ct_gs = ct_bias = None
     if ad.is_undefined_primal(global_scale):
