@@ -309,7 +309,9 @@ def test_mixture_of_experts_matches_a_loop_over_tokens(example, device):
         dense_separate = example._unfuse(cfg, dense, "gate_up_proj", experts=True)
         assert dense_separate["up_proj"].shape == (e, h, inter)
         for experts in (nvfp4, separate, dense, dense_separate):
-            got = np.asarray(moe(cfg, jnp.asarray(x), jnp.asarray(router), experts))
+            # float32 products in full precision: a GPU's default is TF32 (a 1e-3 relative error).
+            with jax.default_matmul_precision("highest"):
+                got = np.asarray(moe(cfg, jnp.asarray(x), jnp.asarray(router), experts))
             assert got.dtype == np.float32
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
         again = np.asarray(moe(cfg, jnp.asarray(x), jnp.asarray(router), nvfp4))
