@@ -56,7 +56,13 @@ from jax_fp4.explicit_axes import (
     typed_mesh,
 )
 from jax_fp4.format import NVFP4Weight, host_values, scale_as_bytes
-from jax_fp4.ops import bind_per_batch_element, def_compiled_impl, default_device, is_zero
+from jax_fp4.ops import (
+    bind_per_batch_element,
+    check_bias,
+    def_compiled_impl,
+    default_device,
+    is_zero,
+)
 
 nvfp4_ragged_matmul_p = Primitive("nvfp4_ragged_matmul")
 
@@ -767,22 +773,6 @@ def _check_group_sizes(group_sizes, groups: int):
     return group_sizes
 
 
-def _check_bias(bias, w: NVFP4Weight, dtype):
-    if bias is None:
-        return None
-    if not hasattr(bias, "dtype"):
-        bias = jnp.asarray(bias)
-    if not jnp.issubdtype(bias.dtype, jnp.floating):
-        raise TypeError(f"ragged_matmul: bias must be a float array [G, N], got dtype {bias.dtype}")
-    expected = (w.packed.shape[0], w.n)
-    if tuple(bias.shape) != expected:
-        raise ValueError(
-            f"ragged_matmul: bias must have shape (G, N) = {expected}, one row per weight, got "
-            f"{tuple(bias.shape)}"
-        )
-    return bias.astype(dtype)
-
-
 def _resolve_backend(backend) -> str:
     backend = "auto" if backend is None else backend
     if not isinstance(backend, str) or backend not in _dispatch.GROUPED_BACKENDS:
@@ -827,7 +817,7 @@ def ragged_matmul(
     _check_weight(w)
     a = _check_activation(a, w)
     group_sizes = _check_group_sizes(group_sizes, w.packed.shape[0])
-    bias = _check_bias(bias, w, a.dtype)
+    bias = check_bias(bias, (w.packed.shape[0], w.n), a.dtype, op="ragged_matmul", axes=("G", "N"))
     backend = _resolve_backend(backend)
     if tuning is not None and not isinstance(tuning, KernelTuning):
         raise TypeError(

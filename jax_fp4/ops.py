@@ -380,15 +380,20 @@ def _check_activation(a, w: NVFP4Weight):
     return a
 
 
-def _check_bias(bias, w: NVFP4Weight, dtype):
+def check_bias(bias, expected: tuple[int, ...], dtype, *, op: str = "matmul", axes=("N",)):
+    """bias (None, or a float array of shape `expected`, whose axes are named `axes`) in dtype;
+    a clear error naming `op` otherwise."""
     if bias is None:
         return None
     if not hasattr(bias, "dtype"):
         bias = jnp.asarray(bias)
     if not jnp.issubdtype(bias.dtype, jnp.floating):
-        raise TypeError(f"matmul: bias must be a float array [N], got dtype {bias.dtype}")
-    if bias.shape != (w.n,):
-        raise ValueError(f"matmul: bias must have shape (N,) = ({w.n},), got {tuple(bias.shape)}")
+        raise TypeError(f"{op}: bias must be a float array [{', '.join(axes)}], got {bias.dtype}")
+    if tuple(bias.shape) != tuple(expected):
+        named = f"({', '.join(axes)}{',' if len(axes) == 1 else ''})"
+        raise ValueError(
+            f"{op}: bias must have shape {named} = {tuple(expected)}, got {tuple(bias.shape)}"
+        )
     return bias.astype(dtype)
 
 
@@ -513,7 +518,7 @@ def matmul(
     _check_weight(w)
     a = _check_activation(a, w)
     activation = _check_activation_name(activation, w)
-    bias = _check_bias(bias, w, a.dtype)
+    bias = check_bias(bias, (w.n,), a.dtype)
     norm_weight, norm_eps = _check_norm(norm_weight, norm_eps, w)
     residual = _check_residual(residual, a, w.n // 2 if activation == "silu_mul" else w.n)
     backend = _resolve_backend(backend)

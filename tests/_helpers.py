@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 import jax_fp4
 from jax_fp4 import dispatch
@@ -39,6 +40,20 @@ def gpus() -> list:
         return [d for d in jax.devices() if d.platform == "gpu"]
     except RuntimeError:  # no backend at all
         return []
+
+
+def skip_without_several_devices(request, what: str = "") -> None:
+    """For a test of several devices: a `gpu`-marked test needs two or more CUDA devices, any
+    other 8 CPU devices (tests/conftest.py asks XLA for them); skips, saying why, otherwise."""
+    if request.node.get_closest_marker("gpu") is not None:
+        found = len(gpus())
+        if found < 2:
+            pytest.skip(f"{what or 'it'} needs two or more CUDA devices, found {found}")
+    elif not (jax.device_count() >= 8 and jax.devices()[0].platform == "cpu"):
+        pytest.skip(
+            "needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 set "
+            "before jax is imported; tests/conftest.py does it)"
+        )
 
 
 def capability(device) -> tuple[int, int] | None:

@@ -14,24 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fp4
 from tests import reference
-from tests._helpers import gpus, load_repo_script
+from tests._helpers import gpus, load_repo_script, skip_without_several_devices
 from tests.test_llm_generate import reference_logits
-
-EIGHT_CPUS = jax.device_count() >= 8 and jax.devices()[0].platform == "cpu"
 
 
 @pytest.fixture(autouse=True)
 def _needs_its_devices(request):
-    """The CPU tests need 8 CPU devices as jax's devices; the `gpu` tests two or more GPUs."""
-    if request.node.get_closest_marker("gpu") is not None:
-        found = len(gpus())
-        if found < 2:
-            pytest.skip(f"tensor parallelism needs two or more CUDA devices, found {found}")
-    elif not EIGHT_CPUS:
-        pytest.skip(
-            "needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 set "
-            "before jax is imported; tests/conftest.py does it)"
-        )
+    skip_without_several_devices(request, "tensor parallelism")
 
 
 @pytest.fixture(scope="module")
