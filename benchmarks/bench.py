@@ -846,14 +846,15 @@ _MD_PREFILL = _MD_COMMON + (("TFLOP/s", lambda r: f"{r['tflops']:.0f}"),) + _MD_
 MARKDOWN_DECODE_MAX_M = 8
 
 
-def _markdown_table(columns, rows) -> list[str]:
-    left = {"N x K", "path"}  # text columns; numbers align right
+def markdown_table(columns, rows, text_columns=("N x K", "path")) -> str:
+    """rows as a Markdown table: columns are (name, row -> str) pairs; the columns named in
+    text_columns align left, the numbers right."""
     lines = [
         "| " + " | ".join(name for name, _ in columns) + " |",
-        "|" + "|".join("---" if name in left else "---:" for name, _ in columns) + "|",
+        "|" + "|".join("---" if name in text_columns else "---:" for name, _ in columns) + "|",
     ]
     lines += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in rows]
-    return lines
+    return "\n".join(lines)
 
 
 def markdown_tables(results: dict) -> str:
@@ -864,9 +865,9 @@ def markdown_tables(results: dict) -> str:
     prefill = [r for r in rows if r["m"] > MARKDOWN_DECODE_MAX_M]
     parts = []
     if decode:
-        parts.append("\n".join(_markdown_table(_MD_DECODE, decode)))
+        parts.append(markdown_table(_MD_DECODE, decode))
     if prefill:
-        parts.append("\n".join(_markdown_table(_MD_PREFILL, prefill)))
+        parts.append(markdown_table(_MD_PREFILL, prefill))
     return "\n\n".join(parts)
 
 

@@ -291,22 +291,13 @@ _GEMV_COLUMNS = (
 _TEXT_COLUMNS = {"model", "N x K"}
 
 
-def markdown_table(columns, rows) -> str:
-    lines = [
-        "| " + " | ".join(name for name, _ in columns) + " |",
-        "|" + "|".join("---" if name in _TEXT_COLUMNS else "---:" for name, _ in columns) + "|",
-    ]
-    lines += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def markdown(results: dict) -> str:
     """The runs and the gemv rows of a results dict as Markdown tables ('?': a noisy row)."""
     parts = []
     if results.get("runs"):
-        parts.append(markdown_table(_RUN_COLUMNS, results["runs"]))
+        parts.append(bench.markdown_table(_RUN_COLUMNS, results["runs"], _TEXT_COLUMNS))
     if results.get("gemv"):
-        parts.append(markdown_table(_GEMV_COLUMNS, results["gemv"]))
+        parts.append(bench.markdown_table(_GEMV_COLUMNS, results["gemv"], _TEXT_COLUMNS))
     return "\n\n".join(parts)
 
 

@@ -700,17 +700,7 @@ _MD_MODEL = (
 )
 
 
-def _markdown_table(columns, rows) -> str:
-    lines = [
-        "| " + " | ".join(name for name, _ in columns) + " |",
-        "|"
-        + "|".join(
-            "---" if name in ("weight", "routing", "path") else "---:" for name, _ in columns
-        )
-        + "|",
-    ]
-    lines += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in rows]
-    return "\n".join(lines)
+_TEXT_COLUMNS = ("weight", "routing", "path")
 
 
 def markdown(results: dict) -> str:
@@ -721,19 +711,21 @@ def markdown(results: dict) -> str:
     if gemv:
         parts.append(
             "Grouped decode GEMV (us per grouped matmul; floor: the bytes at read bandwidth)\n\n"
-            + _markdown_table(_MD_GEMV, gemv)
+            + bench.markdown_table(_MD_GEMV, gemv, _TEXT_COLUMNS)
         )
     if prefill:
         parts.append(
             "Prefill (us per grouped matmul; (a) XLA's ragged_dot on bf16 experts, (b) the "
-            "bf16 active-bytes floor)\n\n" + _markdown_table(_MD_PREFILL, prefill)
+            "bf16 active-bytes floor)\n\n"
+            + bench.markdown_table(_MD_PREFILL, prefill, _TEXT_COLUMNS)
         )
     for summary in results.get("ragged_dot_hlo", []):
         parts.append(format_hlo_summary(summary))
     if results.get("model"):
         parts.append(
             "Decode step of the MoE model (ms a step; bf16: its weights dequantized, the experts "
-            "through ragged_dot)\n\n" + _markdown_table(_MD_MODEL, results["model"])
+            "through ragged_dot)\n\n"
+            + bench.markdown_table(_MD_MODEL, results["model"], _TEXT_COLUMNS)
         )
     return "\n\n".join(parts)
 
