@@ -14,7 +14,7 @@ GEMV's kernel variant (`dispatch.plan`), the user switches (jax_fp4/config.py), 
 Fusions (static `norm_eps`, `activation`, `has_residual`; operands norm_weight [K] and residual
 [..., N_out] after the others): an RMSNorm of `a` before the product, "silu_mul" on a gate/up
 weight, a residual added last, all in float32 with one rounding (`rms_norm`, `epilogue`). The
-decode GEMV runs silu_mul and the residual in its kernel's epilogue (`_gemv_fused`), after the
+decode GEMV runs silu_mul and the residual in its kernel's epilogue (`_gemv`), after the
 RMSNorm as its own XLA fusion; every other path, and the GEMV where its kernel cannot (a
 multi-device program, whose partitioning rules know the plain product only; on the tiled layout
 silu_mul with N / 2 % 16 != 0; a `tuning` with gemv_col_tiles=1 and silu_mul), composes all of
@@ -197,36 +197,6 @@ def _gemv(
     bias,
     *,
     block_size,
-    tiled=False,
-    tensor_cores=False,
-    row_tiling=True,
-    tuning=_config.DEFAULT_TUNING,
-    **_,
-):
-    out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[0]), a.dtype)
-    call = jax.ffi.ffi_call("jax_fp4_gemv_cuda", out)
-    return call(
-        a,
-        packed,
-        scale,
-        global_scale,
-        _bias_operand(bias, a.dtype),
-        block_size=np.int64(block_size),
-        tiled=tiled,
-        tensor_cores=tensor_cores,
-        row_tiling=row_tiling,
-        **_int_attributes(tuning.gemv_attributes()),
-    )
-
-
-def _gemv_fused(
-    a,
-    packed,
-    scale,
-    global_scale,
-    bias,
-    *,
-    block_size,
     activation=None,
     residual=None,
     tiled=False,
@@ -235,32 +205,30 @@ def _gemv_fused(
     tuning=_config.DEFAULT_TUNING,
     **_,
 ):
-    """The GEMV kernel with the epilogue fusions in it: the target's extra operand residual
-    ([M, N_out], or [0] when absent) and its attribute activation (0 none, 1 silu_mul)."""
-    lead = a.shape[:-1]
-    a2 = _sharding.merge_leading(a)
+    """The GEMV kernel. With `activation` or `residual` its fused instances, the epilogue fusions
+    in the kernel: the target's extra operand residual ([M, N_out], or [0] when absent) and its
+    attribute activation (0 none, 1 silu_mul)."""
+    fused = activation is not None or residual is not None
     n_out = packed.shape[0] // 2 if activation == "silu_mul" else packed.shape[0]
-    residual = (
-        jnp.zeros((0,), a.dtype) if residual is None else residual.reshape(a2.shape[0], n_out)
+    attributes = dict(
+        block_size=block_size, tiled=tiled, tensor_cores=tensor_cores, row_tiling=row_tiling
     )
-    call = jax.ffi.ffi_call(
-        "jax_fp4_gemv_cuda", jax.ShapeDtypeStruct((a2.shape[0], n_out), a.dtype)
-    )
-    y = call(
-        a2,
+    fused_operands = []
+    if fused:
+        fused_operands.append(
+            jnp.zeros((0,), a.dtype) if residual is None else residual.reshape(a.shape[0], n_out)
+        )
+        attributes["activation"] = 1 if activation == "silu_mul" else 0
+    call = jax.ffi.ffi_call("jax_fp4_gemv_cuda", jax.ShapeDtypeStruct((a.shape[0], n_out), a.dtype))
+    return call(
+        a,
         packed,
         scale,
         global_scale,
         _bias_operand(bias, a.dtype),
-        residual,
-        block_size=np.int64(block_size),
-        tiled=tiled,
-        tensor_cores=tensor_cores,
-        row_tiling=row_tiling,
-        activation=np.int64(1 if activation == "silu_mul" else 0),
-        **_int_attributes(tuning.gemv_attributes()),
+        *fused_operands,
+        **_int_attributes({**attributes, **tuning.gemv_attributes()}),
     )
-    return y.reshape(*lead, n_out)
 
 
 def _dequant(a, packed, scale, global_scale, bias, *, block_size, tiled=False, **_):
@@ -370,11 +338,6 @@ _TILED_PATHS.update(
     dequant=_reading_tiled_layout(_dequant),
     fused=_reading_tiled_layout(_fused_gemm),
 )
-
-
-# The fused GEMV: its tensor-core kernel reads the tiled layout, the scalar one the spec layout.
-_GEMV_FUSED_ON_TILED = _reading_tiled_layout(_gemv_fused)
-_SCALAR_GEMV_FUSED_ON_TILED = _reading_spec_layout(_gemv_fused)
 
 
 # Products in float32 (bias added, no rounding) for the composed fusions, on paths that can give
@@ -591,10 +554,11 @@ def _fused_lowering(
         plan, layout, n, activation, fusions["has_residual"], attributes.get("tuning")
     )
     if in_kernel and not _partitioned(ctx, path):
+        # On the tiled layout the tensor-core kernel reads it, the scalar one the spec layout.
         if layout == "spec":
-            impl = _gemv_fused
+            impl = _gemv
         else:
-            impl = _GEMV_FUSED_ON_TILED if plan.gemv_tensor_cores else _SCALAR_GEMV_FUSED_ON_TILED
+            impl = _TILED_PATHS["gemv"] if plan.gemv_tensor_cores else _SCALAR_GEMV_ON_TILED
 
         def lowered(*ops):
             a, packed, scale, global_scale, bias, _, norm_weight, residual = split(ops)

@@ -89,6 +89,18 @@ def random_fused_case(
     return a, w, out
 
 
+def every_fusion_case(rng, lead, n, k):
+    """random_fused_case with every fusion (bias, RMSNorm, silu_mul, residual) on bfloat16."""
+    return random_fused_case(
+        rng, lead, n, k, "bfloat16", bias=True, norm=True, activation="silu_mul", residual=True
+    )
+
+
+def fused_operands(kw):
+    """The operands of a fused call after a and w: bias, norm_weight, residual (None if absent)."""
+    return kw["bias"], kw["norm_weight"], kw["residual"]
+
+
 def _call(backend, **static):
     def f(a, w, bias, norm_weight, residual):
         return jax_fp4.matmul(
@@ -108,7 +120,7 @@ def _call(backend, **static):
 def _run(backend, a, w, kw, jit=True):
     f = _call(backend, activation=kw["activation"])
     f = jax.jit(f) if jit else f
-    return f(a, w, kw["bias"], kw["norm_weight"], kw["residual"])
+    return f(a, w, *fused_operands(kw))
 
 
 def _expect(a, w, kw, backend):
@@ -274,19 +286,9 @@ def test_tiled_silu_mul_over_partial_tiles(device):
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_reruns_are_bit_identical(device, m):
     rng = np.random.default_rng()
-    a, w, kw = random_fused_case(
-        rng,
-        (m,),
-        1024,
-        2048,
-        "bfloat16",
-        bias=True,
-        norm=True,
-        activation="silu_mul",
-        residual=True,
-    )
+    a, w, kw = every_fusion_case(rng, (m,), 1024, 2048)
     f = jax.jit(_call(None, activation="silu_mul"))
-    args = (a, w, kw["bias"], kw["norm_weight"], kw["residual"])
+    args = (a, w, *fused_operands(kw))
     first = np.asarray(f(*args)).view(np.uint16)
     for _ in range(3):
         np.testing.assert_array_equal(np.asarray(f(*args)).view(np.uint16), first)
@@ -467,18 +469,8 @@ def _close(x, y, dtype, scale=None):
 
 def test_jit_eager_and_vmap(device):
     rng = np.random.default_rng()
-    a, w, kw = random_fused_case(
-        rng,
-        (6, 4),
-        64,
-        128,
-        "bfloat16",
-        bias=True,
-        norm=True,
-        activation="silu_mul",
-        residual=True,
-    )
-    args = (kw["bias"], kw["norm_weight"], kw["residual"])
+    a, w, kw = every_fusion_case(rng, (6, 4), 64, 128)
+    args = fused_operands(kw)
     f = _call(None, activation="silu_mul")
     eager = np.asarray(f(a, w, *args))
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(a, w, *args)), eager)
@@ -545,7 +537,7 @@ def test_grad_matches_the_unfused_composition(device, fusion):
     fused = loss(lambda a, w, b, nw, r: _call(None, activation=activation)(a, w, b, nw, r))
     plain = loss(lambda a, w, b, nw, r: unfused(a, w, b, nw, r, activation, None))
     argnums = (0, 1, 4) + ((2,) if norm else ()) + ((3,) if residual else ())
-    args = (a, kw["bias"], kw["norm_weight"], kw["residual"], jnp.float32(w.global_scale))
+    args = (a, *fused_operands(kw), jnp.float32(w.global_scale))
     got = jax.jit(jax.grad(fused, argnums=argnums))(*args)
     want = jax.jit(jax.grad(plain, argnums=argnums))(*args)
     # float32 sums of many terms that cancel (the global scale's is one scalar): 1e-4.
@@ -588,19 +580,9 @@ def test_grad_of_bf16_decode_call(device):
 
 def test_export_round_trip(device):
     rng = np.random.default_rng()
-    a, w, kw = random_fused_case(
-        rng,
-        (3,),
-        64,
-        128,
-        "bfloat16",
-        bias=True,
-        norm=True,
-        activation="silu_mul",
-        residual=True,
-    )
+    a, w, kw = every_fusion_case(rng, (3,), 64, 128)
     f = jax.jit(_call(None, activation="silu_mul"))
-    args = (a, w, kw["bias"], kw["norm_weight"], kw["residual"])
+    args = (a, w, *fused_operands(kw))
     exported = jax.export.export(f, disabled_checks=jax_fp4.export_disabled_checks())(*args)
     restored = jax.export.deserialize(exported.serialize())
     np.testing.assert_array_equal(
@@ -622,19 +604,9 @@ def test_sharded_fused_call(explicit, weight_spec):
     kind = AxisType.Explicit if explicit else AxisType.Auto
     mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
     rng = np.random.default_rng()
-    a, w, kw = random_fused_case(
-        rng,
-        (4,),
-        96,
-        512,
-        "bfloat16",
-        bias=True,
-        norm=True,
-        activation="silu_mul",
-        residual=True,
-    )
+    a, w, kw = every_fusion_case(rng, (4,), 96, 512)
     f = _call(None, activation="silu_mul")
-    single = np.asarray(jax.jit(f)(a, w, kw["bias"], kw["norm_weight"], kw["residual"]))
+    single = np.asarray(jax.jit(f)(a, w, *fused_operands(kw)))
 
     def put(x, spec):
         return jax.device_put(x, NamedSharding(mesh, spec))

@@ -1,7 +1,8 @@
 // Host side of the CUDA decode GEMV: the resident warps of each tensor-core kernel instance (the
 // occupancy API, for the launch heuristic of jax_fp4/gemv_config.h) and the launches of both
-// kernels, plain or fused (GemvFusion). Included by the handler (ffi/cuda/gemv/handler.cu) and
-// benchmarks/probes/gemv_probe.cu.
+// kernels, plain or fused (GemvFusion). Included by the handler (ffi/cuda/gemv/handler.cu),
+// benchmarks/probes/gemv_probe.cu, and the grouped GEMV (ffi/cuda/grouped/gemv.cuh: its kernel's
+// resident warps and column blocks).
 #ifndef JAX_FP4_CUDA_GEMV_LAUNCH_CUH_
 #define JAX_FP4_CUDA_GEMV_LAUNCH_CUH_
 
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/gemv/common.cuh"
@@ -22,6 +24,11 @@
 namespace jax_fp4 {
 namespace cuda {
 
+// Blocks of the tensor-core kernels over N: one per CT column tiles of 16.
+inline int64_t GemvMmaColumnBlocks(int64_t n, int ct) {
+  return CeilDiv(CeilDiv(n, kGemvTileCols), ct);
+}
+
 // The production launch of GemvMmaKernel for a weight in the spec or (Tiled) the tiled layout: CT
 // column tiles and RT row tiles per warp, k_split warps per block (the 256-byte L2 prefetch only
 // when k_split > 1, see GemvMmaKernel); `programmatic`: a programmatic dependent launch (sm_90+).
@@ -30,8 +37,7 @@ template <typename T, int CT, int RT, bool Tiled>
 cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* packed,
                             const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
                             int64_t n, int64_t k, int k_split, bool programmatic = false) {
-  const int64_t tiles = CeilDiv(n, kGemvTileCols);
-  const dim3 grid(static_cast<unsigned>(CeilDiv(tiles, CT)),
+  const dim3 grid(static_cast<unsigned>(GemvMmaColumnBlocks(n, CT)),
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
   const dim3 block(32 * k_split);
   const size_t smem = GemvMmaSmemBytes(CT, k_split);
@@ -49,8 +55,8 @@ cudaError_t LaunchMmaFusedLayout(cudaStream_t stream, const T* a, const uint8_t*
                                  int64_t m, int64_t n, int64_t k, int k_split, bool programmatic,
                                  const GemvFusion<T>& fusion) {
   if (CT != 2 && fusion.silu_mul) return cudaErrorInvalidValue;  // gate and up tiles pair up
-  const int64_t blocks_x = CT == 2 && fusion.silu_mul ? CeilDiv(n / 2, kGemvTileCols)
-                                                      : CeilDiv(CeilDiv(n, kGemvTileCols), CT);
+  const int64_t blocks_x =
+      CT == 2 && fusion.silu_mul ? CeilDiv(n / 2, kGemvTileCols) : GemvMmaColumnBlocks(n, CT);
   const dim3 grid(static_cast<unsigned>(blocks_x),
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
   const dim3 block(32 * k_split);
@@ -61,27 +67,27 @@ cudaError_t LaunchMmaFusedLayout(cudaStream_t stream, const T* a, const uint8_t*
                       y, m, n, k, fusion);
 }
 
-// Warps of GemvMmaKernel<T, CT, RT, *, Tiled> resident per SM on the current device, from the
-// occupancy API with one-warp blocks (the kernel's registers decide: no static shared memory, and
-// the dynamic k_split buffer is a few KB). Of the two L2-prefetch instances (k_split 1 and > 1)
-// the smaller. Queried once per device and cached; like GetDeviceInfo, legal during graph capture.
-template <typename T, int CT, int RT, bool Tiled>
-cudaError_t GemvInstanceResidentWarps(int* warps) {
+// Warps of a tensor-core kernel resident per SM on the current device, from the occupancy API with
+// one-warp blocks (the kernel's registers decide: no static shared memory, and the dynamic k_split
+// buffer is a few KB): of its two L2-prefetch instances (k_split 1 and > 1) the smaller.
+template <typename Kernel>
+cudaError_t MinResidentWarps(Kernel* with_prefetch_kernel, Kernel* without_kernel, int* warps) {
   int with_prefetch = 0, without = 0;
-  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &with_prefetch, GemvMmaKernel<T, CT, RT, 256, Tiled>, 32, 0);
+  cudaError_t err =
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&with_prefetch, with_prefetch_kernel, 32, 0);
   if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&without,
-                                                        GemvMmaKernel<T, CT, RT, 0, Tiled>, 32, 0);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&without, without_kernel, 32, 0);
   }
   *warps = std::min(with_prefetch, without);
   return err;
 }
 
-// The resident warps of the four tensor-core instances of dtype T and one layout
-// (GemvResidentWarps, gemv_config.h), cached per device.
-template <typename T, bool Tiled>
-cudaError_t GetGemvResidentWarps(GemvResidentWarps* out) {
+// The resident warps of the four tensor-core instances of one kernel family, dtype and layout
+// (GemvResidentWarps, gemv_config.h): query(ct, rt, &warps) queries one, ct and rt (column and row
+// tiles) as std::integral_constant<int, 1 or 2>. Queried once per device and cached, one cache per
+// Query type (each caller's lambda); like GetDeviceInfo, legal during graph capture.
+template <typename Query>
+cudaError_t CachedResidentWarps(GemvResidentWarps* out, Query query) {
   constexpr int kMaxDevices = 64;
   static std::atomic<uint32_t> cache[kMaxDevices];  // 8 bits per instance; 0 = not queried yet
   int device = 0;
@@ -95,14 +101,13 @@ cudaError_t GetGemvResidentWarps(GemvResidentWarps* out) {
                           static_cast<int>((packed >> 16) & 0xFFu), static_cast<int>(packed >> 24)};
     return cudaSuccess;
   }
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
   GemvResidentWarps warps{};
-  if ((err = GemvInstanceResidentWarps<T, 1, 1, Tiled>(&warps.one_tile)) != cudaSuccess) return err;
-  if ((err = GemvInstanceResidentWarps<T, 2, 1, Tiled>(&warps.two_col_tiles)) != cudaSuccess)
-    return err;
-  if ((err = GemvInstanceResidentWarps<T, 1, 2, Tiled>(&warps.two_row_tiles)) != cudaSuccess)
-    return err;
-  if ((err = GemvInstanceResidentWarps<T, 2, 2, Tiled>(&warps.two_by_two)) != cudaSuccess)
-    return err;
+  if ((err = query(One{}, One{}, &warps.one_tile)) != cudaSuccess) return err;
+  if ((err = query(Two{}, One{}, &warps.two_col_tiles)) != cudaSuccess) return err;
+  if ((err = query(One{}, Two{}, &warps.two_row_tiles)) != cudaSuccess) return err;
+  if ((err = query(Two{}, Two{}, &warps.two_by_two)) != cudaSuccess) return err;
   // At least one warp each (the launch bounds guarantee a block fits), at most 255 (8 bits).
   for (int* w : {&warps.one_tile, &warps.two_col_tiles, &warps.two_row_tiles, &warps.two_by_two}) {
     *w = std::min(std::max(*w, 1), 255);
@@ -116,6 +121,17 @@ cudaError_t GetGemvResidentWarps(GemvResidentWarps* out) {
                         std::memory_order_relaxed);
   }
   return cudaSuccess;
+}
+
+// The resident warps of the four tensor-core GEMV instances of dtype T and one layout, cached per
+// device.
+template <typename T, bool Tiled>
+cudaError_t GetGemvResidentWarps(GemvResidentWarps* out) {
+  return CachedResidentWarps(out, [](auto ct, auto rt, int* warps) {
+    constexpr int CT = decltype(ct)::value, RT = decltype(rt)::value;
+    return MinResidentWarps(GemvMmaKernel<T, CT, RT, 256, Tiled>,
+                            GemvMmaKernel<T, CT, RT, 0, Tiled>, warps);
+  });
 }
 
 template <typename T, int CT, int RT = 1>

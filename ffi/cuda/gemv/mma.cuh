@@ -234,61 +234,29 @@ constexpr size_t GemvMmaSmemBytes(int col_tiles, int k_split) {
 // Accumulator r of tile ct holds column col0 + 16 ct + g + 8 (r >= 2), row m0 + 2t + (r & 1).
 // k_split > 1: the warps' partial sums meet in reduce_buf ([k_split][CT * 4][32] floats) and are
 // summed in warp order (deterministic).
-template <typename T, int CT>
+// Fused (the fused instances): the same reduction, then StoreFusedOutput. With silu_mul (CT == 2)
+// column tile 0 holds the gate rows and tile 1 the matching up rows, so one lane (or, k_split > 1,
+// one reduced element) has both products of its output; col0 is then in outputs. Without Fused
+// the code is the plain kernel's.
+template <typename T, int CT, bool Fused = false>
 __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* reduce_buf,
                                             int k_split, const float* __restrict__ global_scale,
                                             const T* __restrict__ bias, T* __restrict__ y,
-                                            int64_t m, int64_t n, int64_t col0, int64_t m0) {
+                                            int64_t m, int64_t n, int64_t col0, int64_t m0,
+                                            const GemvFusion<T>& fusion = GemvFusion<T>{}) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const float gs = __ldg(global_scale);
-  if (k_split == 1) {
-#pragma unroll
-    for (int ct = 0; ct < CT; ++ct) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int64_t col = col0 + kGemvTileCols * ct + g + (r >= 2 ? 8 : 0);
-        const int64_t row = m0 + 2 * t + (r & 1);
-        if (col < n && row < m) StoreOutput(y, bias, n, row, col, acc[ct][r] * 128.0f, gs);
-      }
-    }
-    return;
-  }
-  constexpr int kPerWarp = CT * 4 * 32;
-#pragma unroll
-  for (int ct = 0; ct < CT; ++ct) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) reduce_buf[warp * kPerWarp + (ct * 4 + r) * 32 + lane] = acc[ct][r];
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < kPerWarp; e += 32 * k_split) {
-    float sum = 0.0f;
-    for (int w2 = 0; w2 < k_split; ++w2) sum += reduce_buf[w2 * kPerWarp + e];
-    const int el = e & 31, r = (e >> 5) & 3, ct = e >> 7;
-    const int64_t col = col0 + kGemvTileCols * ct + (el >> 2) + (r >= 2 ? 8 : 0);
-    const int64_t row = m0 + 2 * (el & 3) + (r & 1);
-    if (col < n && row < m) StoreOutput(y, bias, n, row, col, sum * 128.0f, gs);
-  }
-  __syncthreads();  // reduce_buf is reused by the next M chunk
-}
-
-// MmaEpilogue of the fused instances: the same reduction, then StoreFusedOutput. With silu_mul
-// (CT == 2) column tile 0 holds the gate rows and tile 1 the matching up rows, so one lane (or,
-// k_split > 1, one reduced element) has both products of its output; col0 is then in outputs.
-template <typename T, int CT>
-__device__ __forceinline__ void MmaEpilogueFused(const float (&acc)[CT][4], float* reduce_buf,
-                                                 int k_split,
-                                                 const float* __restrict__ global_scale,
-                                                 const T* __restrict__ bias, T* __restrict__ y,
-                                                 int64_t m, int64_t n, int64_t col0, int64_t m0,
-                                                 const GemvFusion<T>& fusion) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const float gs = __ldg(global_scale);
-  const bool silu = CT == 2 && fusion.silu_mul;
+  const bool silu = Fused && CT == 2 && fusion.silu_mul;
   const int64_t n_out = silu ? n / 2 : n;
+  auto store = [&](int64_t row, int64_t col, float sum, float sum_up) {
+    if constexpr (Fused) {
+      StoreFusedOutput(y, bias, fusion, n_out, row, col, sum, sum_up, gs);
+    } else {
+      StoreOutput(y, bias, n, row, col, sum, gs);
+    }
+  };
   if (k_split == 1) {
 #pragma unroll
     for (int ct = 0; ct < (silu ? 1 : CT); ++ct) {
@@ -297,8 +265,7 @@ __device__ __forceinline__ void MmaEpilogueFused(const float (&acc)[CT][4], floa
         const int64_t col = col0 + kGemvTileCols * ct + g + (r >= 2 ? 8 : 0);
         const int64_t row = m0 + 2 * t + (r & 1);
         if (col < n_out && row < m) {
-          StoreFusedOutput(y, bias, fusion, n_out, row, col, acc[ct][r] * 128.0f,
-                           acc[CT - 1][r] * 128.0f, gs);
+          store(row, col, acc[ct][r] * 128.0f, acc[CT - 1][r] * 128.0f);
         }
       }
     }
@@ -321,9 +288,7 @@ __device__ __forceinline__ void MmaEpilogueFused(const float (&acc)[CT][4], floa
     const int el = e & 31, r = (e >> 5) & 3, ct = e >> 7;
     const int64_t col = col0 + kGemvTileCols * ct + (el >> 2) + (r >= 2 ? 8 : 0);
     const int64_t row = m0 + 2 * (el & 3) + (r & 1);
-    if (col < n_out && row < m) {
-      StoreFusedOutput(y, bias, fusion, n_out, row, col, sum * 128.0f, sum_up * 128.0f, gs);
-    }
+    if (col < n_out && row < m) store(row, col, sum * 128.0f, sum_up * 128.0f);
   }
   __syncthreads();  // reduce_buf is reused by the next M chunk
 }
@@ -347,7 +312,7 @@ __device__ __forceinline__ void MmaEpilogueFused(const float (&acc)[CT][4], floa
 // kernels of its own, under the same launch bounds.
 //
 // Fused (the fused instances, GemvMmaFusedKernel): the epilogue applies `fusion` (silu_mul and the
-// residual, MmaEpilogueFused); with silu_mul (CT == 2) a block computes 16 outputs from 16 gate
+// residual, MmaEpilogue); with silu_mul (CT == 2) a block computes 16 outputs from 16 gate
 // rows (tile 0) and the 16 matching up rows (tile 1), grid.x over N / 2 outputs. Without Fused
 // the code is the plain kernel's.
 template <typename T, int CT, int RT, typename Decode, int Chains, int L2PrefetchBytes, bool Tiled,
@@ -470,13 +435,8 @@ __device__ __forceinline__ void GemvMmaMainloop(
     MmaSumChains<Chains, RT, CT>(acc);
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-      if constexpr (Fused) {
-        MmaEpilogueFused<T, CT>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n, col0,
+      MmaEpilogue<T, CT, Fused>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n, col0,
                                 m0 + 8 * r, fusion);
-      } else {
-        MmaEpilogue<T, CT>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n, col0,
-                           m0 + 8 * r);
-      }
     }
   }
 #else

@@ -35,26 +35,6 @@ namespace {
 
 constexpr int64_t kMaxGridY = 65535;
 
-template <typename T>
-GroupedOperands<T> Operands(const ffi::AnyBuffer& a, const ffi::Buffer<ffi::U8>& packed,
-                            const ffi::Buffer<ffi::U8>& scale,
-                            const ffi::Buffer<ffi::F32>& global_scale,
-                            const ffi::Buffer<ffi::S32>& group_sizes, const ffi::AnyBuffer& bias,
-                            ffi::Result<ffi::AnyBuffer>& y, const GroupedShape& shape) {
-  return GroupedOperands<T>{
-      static_cast<const T*>(a.untyped_data()),
-      packed.typed_data(),
-      scale.typed_data(),
-      global_scale.typed_data(),
-      group_sizes.typed_data(),
-      bias.element_count() != 0 ? static_cast<const T*>(bias.untyped_data()) : nullptr,
-      static_cast<T*>(y->untyped_data()),
-      shape.m,
-      shape.n,
-      shape.k,
-      static_cast<int>(shape.g)};
-}
-
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
                                ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
                                ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer bias,
@@ -66,11 +46,8 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
     return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
   };
   GroupedShape shape;
-  std::string problem = CheckGroupedOperands(
-      a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
-      global_scale.element_count(), group_sizes.element_count(), bias.element_type(),
-      bias.element_count(), y->element_type(), y->dimensions(), block_size, &shape);
-  if (problem.empty()) problem = CheckGroupedKernelShape(shape, block_size, tiled);
+  const std::string problem = CheckGroupedCall(a, packed, scale, global_scale, group_sizes, bias,
+                                               *y, block_size, tiled, &shape);
   if (!problem.empty()) return invalid(problem);
   const int64_t ws_needed = GroupedGemmWorkspaceBytes(shape.m, shape.n, shape.k, shape.g);
   if (static_cast<int64_t>(workspace->element_count()) < ws_needed) {
@@ -102,12 +79,14 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
   const bool vec_store = shape.n % 4 == 0 && IsAligned(y->untyped_data(), 8);
   using fused_detail::LaunchGroupedGemm;
   if (a.element_type() == ffi::DataType::F16) {
-    const auto p = Operands<__half>(a, packed, scale, global_scale, group_sizes, bias, y, shape);
+    const auto p =
+        MakeGroupedOperands<__half>(a, packed, scale, global_scale, group_sizes, bias, *y, shape);
     err = tiled ? LaunchGroupedGemm<__half, true>(stream, p, tile_m, vec_store)
                 : LaunchGroupedGemm<__half, false>(stream, p, tile_m, vec_store);
   } else {
     using B = __nv_bfloat16;
-    const auto p = Operands<B>(a, packed, scale, global_scale, group_sizes, bias, y, shape);
+    const auto p =
+        MakeGroupedOperands<B>(a, packed, scale, global_scale, group_sizes, bias, *y, shape);
     err = tiled ? LaunchGroupedGemm<B, true>(stream, p, tile_m, vec_store)
                 : LaunchGroupedGemm<B, false>(stream, p, tile_m, vec_store);
   }

@@ -16,10 +16,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/gemv/launch.cuh"  // CachedResidentWarps, GemvMmaColumnBlocks
 #include "cuda/gemv/mma.cuh"
 #include "cuda/grouped/config.h"
 #include "cuda/grouped/operands.h"
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
 template <typename T, int CT, int RT, bool Tiled>
 cudaError_t LaunchGroupedGemvInstance(cudaStream_t stream, const GroupedOperands<T>& p,
                                       int k_split) {
-  const int64_t col_blocks = CeilDiv(CeilDiv(p.n, kGemvTileCols), CT);
+  const int64_t col_blocks = GemvMmaColumnBlocks(p.n, CT);
   const int64_t slots = GroupedSlots(p.m, p.groups, 8 * RT);
   constexpr int64_t kMaxGridZ = 65535;  // more slots loop inside the kernel
   const dim3 grid(static_cast<unsigned>(col_blocks), 1,
@@ -80,56 +80,15 @@ cudaError_t LaunchGroupedGemv(cudaStream_t stream, const GroupedOperands<T>& p, 
                         : LaunchGroupedGemvInstance<T, 1, 1, Tiled>(stream, p, k_split);
 }
 
-// Warps of GroupedGemvKernel<T, CT, RT, *, Tiled> resident per SM (the smaller of its two L2
-// prefetch instances), from the occupancy API with one-warp blocks.
-template <typename T, int CT, int RT, bool Tiled>
-cudaError_t GroupedGemvInstanceWarps(int* warps) {
-  int with_prefetch = 0, without = 0;
-  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &with_prefetch, GroupedGemvKernel<T, CT, RT, 256, Tiled>, 32, 0);
-  if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &without, GroupedGemvKernel<T, CT, RT, 0, Tiled>, 32, 0);
-  }
-  *warps = std::min(std::max(std::min(with_prefetch, without), 1), 255);
-  return err;
-}
-
-// The resident warps of the four instances of dtype T and one layout, queried once per device and
-// cached (legal during graph capture: no stream is touched).
+// The resident warps of the four grouped GEMV instances of dtype T and one layout, cached per
+// device (legal during graph capture: no stream is touched).
 template <typename T, bool Tiled>
 cudaError_t GetGroupedGemvWarps(GemvResidentWarps* out) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<uint32_t> cache[kMaxDevices];  // 8 bits per instance; 0 = not queried yet
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool cached = device >= 0 && device < kMaxDevices;
-  const uint32_t packed = cached ? cache[device].load(std::memory_order_relaxed) : 0u;
-  if (packed != 0) {
-    *out =
-        GemvResidentWarps{static_cast<int>(packed & 0xFFu), static_cast<int>((packed >> 8) & 0xFFu),
-                          static_cast<int>((packed >> 16) & 0xFFu), static_cast<int>(packed >> 24)};
-    return cudaSuccess;
-  }
-  GemvResidentWarps w{};
-  if ((err = GroupedGemvInstanceWarps<T, 1, 1, Tiled>(&w.one_tile)) != cudaSuccess) return err;
-  if ((err = GroupedGemvInstanceWarps<T, 2, 1, Tiled>(&w.two_col_tiles)) != cudaSuccess) {
-    return err;
-  }
-  if ((err = GroupedGemvInstanceWarps<T, 1, 2, Tiled>(&w.two_row_tiles)) != cudaSuccess) {
-    return err;
-  }
-  if ((err = GroupedGemvInstanceWarps<T, 2, 2, Tiled>(&w.two_by_two)) != cudaSuccess) return err;
-  *out = w;
-  if (cached) {
-    cache[device].store(static_cast<uint32_t>(w.one_tile) |
-                            (static_cast<uint32_t>(w.two_col_tiles) << 8) |
-                            (static_cast<uint32_t>(w.two_row_tiles) << 16) |
-                            (static_cast<uint32_t>(w.two_by_two) << 24),
-                        std::memory_order_relaxed);
-  }
-  return cudaSuccess;
+  return CachedResidentWarps(out, [](auto ct, auto rt, int* warps) {
+    constexpr int CT = decltype(ct)::value, RT = decltype(rt)::value;
+    return MinResidentWarps(GroupedGemvKernel<T, CT, RT, 256, Tiled>,
+                            GroupedGemvKernel<T, CT, RT, 0, Tiled>, warps);
+  });
 }
 
 }  // namespace cuda

@@ -51,11 +51,8 @@ ffi::Error GroupedGemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
     return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
   };
   GroupedShape shape;
-  std::string problem = CheckGroupedOperands(
-      a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
-      global_scale.element_count(), group_sizes.element_count(), bias.element_type(),
-      bias.element_count(), y->element_type(), y->dimensions(), block_size, &shape);
-  if (problem.empty()) problem = CheckGroupedKernelShape(shape, block_size, tiled);
+  const std::string problem = CheckGroupedCall(a, packed, scale, global_scale, group_sizes, bias,
+                                               *y, block_size, tiled, &shape);
   if (!problem.empty()) return invalid(problem);
   if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
   // 16-byte loads of a and packed rows (K % 128 == 0 keeps every row and expert aligned), 2-byte
@@ -73,33 +70,13 @@ ffi::Error GroupedGemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
                       std::string(kName) + ": needs an sm_80+ device (mma.sync), found sm_" +
                           std::to_string(info.sm));
   }
-  const bool has_bias = bias.element_count() != 0;
   if (a.element_type() == ffi::DataType::F16) {
-    GroupedOperands<__half> p{static_cast<const __half*>(a.untyped_data()),
-                              packed.typed_data(),
-                              scale.typed_data(),
-                              global_scale.typed_data(),
-                              group_sizes.typed_data(),
-                              has_bias ? static_cast<const __half*>(bias.untyped_data()) : nullptr,
-                              static_cast<__half*>(y->untyped_data()),
-                              shape.m,
-                              shape.n,
-                              shape.k,
-                              static_cast<int>(shape.g)};
+    const auto p =
+        MakeGroupedOperands<__half>(a, packed, scale, global_scale, group_sizes, bias, *y, shape);
     err = RunGroupedGemv(stream, tiled, p, info.num_sms);
   } else {
-    using B = __nv_bfloat16;
-    GroupedOperands<B> p{static_cast<const B*>(a.untyped_data()),
-                         packed.typed_data(),
-                         scale.typed_data(),
-                         global_scale.typed_data(),
-                         group_sizes.typed_data(),
-                         has_bias ? static_cast<const B*>(bias.untyped_data()) : nullptr,
-                         static_cast<B*>(y->untyped_data()),
-                         shape.m,
-                         shape.n,
-                         shape.k,
-                         static_cast<int>(shape.g)};
+    const auto p = MakeGroupedOperands<__nv_bfloat16>(a, packed, scale, global_scale, group_sizes,
+                                                      bias, *y, shape);
     err = RunGroupedGemv(stream, tiled, p, info.num_sms);
   }
   if (err != cudaSuccess) return CudaError("jax_fp4_grouped_gemv_cuda: kernel launch", err);

@@ -1,6 +1,7 @@
 // Operand checks of the grouped (mixture-of-experts) CUDA handlers: a [M, K], packed [G, N, K/2],
 // scale [G, N, ceil(K / block)], global_scale [G] f32, group_sizes [G] s32, bias [G, N] or [0] in
-// a's dtype, y [M, N] in a's dtype (host), and the kernels' view of them (GroupedOperands).
+// a's dtype, y [M, N] in a's dtype (host), and the kernels' view of them (GroupedOperands,
+// MakeGroupedOperands).
 #ifndef JAX_FP4_CUDA_GROUPED_OPERANDS_H_
 #define JAX_FP4_CUDA_GROUPED_OPERANDS_H_
 
@@ -94,6 +95,46 @@ inline std::string CheckGroupedKernelShape(const GroupedShape& shape, int64_t bl
     return "the tiled layout needs N % 16 == 0, got N = " + std::to_string(shape.n);
   }
   return "";
+}
+
+// Both checks above on a grouped call's FFI operands (y: the result buffer): "" when the kernels
+// can run them, else the problem. Fills *shape.
+inline std::string CheckGroupedCall(const xla::ffi::AnyBuffer& a,
+                                    const xla::ffi::Buffer<xla::ffi::U8>& packed,
+                                    const xla::ffi::Buffer<xla::ffi::U8>& scale,
+                                    const xla::ffi::Buffer<xla::ffi::F32>& global_scale,
+                                    const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+                                    const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& y,
+                                    int64_t block_size, bool tiled, GroupedShape* shape) {
+  std::string problem = CheckGroupedOperands(
+      a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
+      global_scale.element_count(), group_sizes.element_count(), bias.element_type(),
+      bias.element_count(), y.element_type(), y.dimensions(), block_size, shape);
+  if (problem.empty()) problem = CheckGroupedKernelShape(*shape, block_size, tiled);
+  return problem;
+}
+
+// The kernels' view of a checked grouped call, T the activations' type.
+template <typename T>
+GroupedOperands<T> MakeGroupedOperands(const xla::ffi::AnyBuffer& a,
+                                       const xla::ffi::Buffer<xla::ffi::U8>& packed,
+                                       const xla::ffi::Buffer<xla::ffi::U8>& scale,
+                                       const xla::ffi::Buffer<xla::ffi::F32>& global_scale,
+                                       const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+                                       const xla::ffi::AnyBuffer& bias, xla::ffi::AnyBuffer& y,
+                                       const GroupedShape& shape) {
+  return GroupedOperands<T>{
+      static_cast<const T*>(a.untyped_data()),
+      packed.typed_data(),
+      scale.typed_data(),
+      global_scale.typed_data(),
+      group_sizes.typed_data(),
+      bias.element_count() != 0 ? static_cast<const T*>(bias.untyped_data()) : nullptr,
+      static_cast<T*>(y.untyped_data()),
+      shape.m,
+      shape.n,
+      shape.k,
+      static_cast<int>(shape.g)};
 }
 
 }  // namespace jax_fp4
