@@ -6,7 +6,7 @@
     python benchmarks/decode.py --quick               # a tiny model and shapes: a CPU smoke run
     python benchmarks/decode.py --markdown-from benchmarks/results/decode_h200.json
 
-Writes {"runs": [...], "gemv": [...]} to --json (default benchmarks/results/decode_<gpu>.json,
+Writes {"runs": [...], "gemv": [...], "mlp": [...]} to --json (default benchmarks/results/decode_<gpu>.json,
 e.g. decode_h200.json; written after each part), each record with the "command" that measured it
 and each part's setup in "runs_setup" / "gemv_setup", and prints both as Markdown tables. The
 records of earlier calls on the same device stay in the file unless this call measures them again
@@ -31,6 +31,11 @@ lengths, the weights cycling through more memory than the L2; benchmarks/README.
 "tbps" (NVFP4 bytes + activations + outputs over us), "fraction_of_read_bw" (over the same-run
 streaming read of buffers of the weight's size, bench.py's yardstick), "bf16_us" and "x_bf16"
 (jnp.dot on the same weights in bf16, in the same dependent chain), "glue_us".
+
+mlp: the model's MLP as a decoder layer runs it, with no joint to subtract: gate/up (SiLU(gate) * up
+in the epilogue) then down (the residual added in the epilogue), each pair's output the next
+pair's input, at each --gemv-m. Per row "us" (the pair), "tbps", "fraction_of_read_bw" (over the
+same-run read of both weights' bytes), "bf16_us" and "x_bf16".
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 _BENCHMARKS = Path(__file__).resolve().parent
@@ -220,6 +226,78 @@ def gemv_rows(
     return rows
 
 
+def mlp_rows(
+    hidden: int,
+    intermediate: int,
+    ms: Sequence[int],
+    settings: bench.Settings,
+    seed: int,
+    log: Callable[[str], None] = _log,
+) -> list[dict]:
+    """The MLP's two GEMVs as a decoder layer runs them, in a dependent chain with no joint to
+    subtract: x [M, hidden] -> gate_up [2I, hidden] with SiLU(gate) * up in the epilogue -> down
+    [hidden, I] with the residual x added in the epilogue -> the next pair's x. One row per M: the
+    pair's us, TB/s (both weights' NVFP4 bytes + activations + outputs), fraction of the same-run
+    streaming read of the weights' bytes, and bf16 jnp.dot with XLA's SiLU * up and residual."""
+    runner = bench.Bench(settings, jax.random.key(seed), log=log)
+    itemsize = np.dtype(settings.dtype).itemsize
+    gate_up, down = bench.Shape(2 * intermediate, hidden), bench.Shape(hidden, intermediate)
+    weight_bytes = sum(bench.nvfp4_weight_bytes(s.n, s.k) for s in (gate_up, down))
+    read = runner.read_bandwidth(weight_bytes)
+    l1, l2 = bench.chain_lengths(
+        weight_bytes, 3 * intermediate * hidden * itemsize, settings.budget
+    )
+    dense_gu, fp4_gu = bench.make_weights(runner._next_key(), gate_up, l2, settings.dtype)
+    dense_down, fp4_down = bench.make_weights(runner._next_key(), down, l2, settings.dtype)
+    fp4_pairs = [(runner.laid_out(g), runner.laid_out(d)) for g, d in zip(fp4_gu, fp4_down)]
+    dense_pairs = list(zip(dense_gu, dense_down))
+    options = dict(backend=settings.backend, tuning=settings.tuning)
+
+    def fp4_mlp(x, pair):
+        h = jax_fp4.matmul(x, pair[0], activation="silu_mul", **options)
+        return jax_fp4.matmul(h, pair[1], residual=x, **options)
+
+    def dense_mlp(x, pair):
+        gate, up = jnp.split((x @ pair[0].T).astype(jnp.float32), 2, axis=-1)
+        h = (jax.nn.silu(gate) * up).astype(x.dtype)
+        return (x.astype(jnp.float32) + (h @ pair[1].T).astype(jnp.float32)).astype(x.dtype)
+
+    rows = []
+    for m in ms:
+        started = time.perf_counter()
+        x = bench.make_activations(runner._next_key(), m, hidden, 1, settings.dtype)[0]
+        fp4 = runner._time(bench.dependent_chain_of(fp4_mlp), (x, fp4_pairs), l1, l2)
+        dense = runner._time(bench.dependent_chain_of(dense_mlp), (x, dense_pairs), l1, l2)
+        # x, h and the residual read, h and the output written
+        nbytes = weight_bytes + (3 * m * hidden + 2 * m * intermediate) * itemsize
+        tbps = bench.tbps(nbytes, fp4.us)
+        row = {
+            "hidden": hidden,
+            "intermediate": intermediate,
+            "m": m,
+            "us": fp4.us,
+            "tbps": tbps,
+            "fraction_of_read_bw": tbps / read.tbps,
+            "bf16_us": dense.us,
+            "x_bf16": dense.us / fp4.us,
+            "read_bw_tbps": read.tbps,
+            "floor_us": nbytes / (read.tbps * 1e12) * 1e6,
+            "bytes": nbytes,
+            "layers": [fp4.l1, fp4.l2],
+            "path": jax_fp4.dispatch_path(x, fp4_pairs[0][0], backend=settings.backend),
+            "noisy": fp4.noisy or dense.noisy or read.noisy,
+        }
+        log(
+            f"MLP {hidden}->{2 * intermediate}->{hidden} M={m}: {fp4.us:.2f} us, {tbps:.2f} TB/s, "
+            f"{100 * row['fraction_of_read_bw']:.0f}% of read; bf16 {dense.us:.2f} us "
+            f"(x{row['x_bf16']:.2f})"
+            + ("  (noisy)" if row["noisy"] else "")
+            + f"   [{time.perf_counter() - started:.1f} s]"
+        )
+        rows.append(row)
+    return rows
+
+
 def gemv_row(n, k, m, itemsize, fp4, dense, glue, read) -> dict:
     """A gemv row from the chain timings (bench.ChainTiming, per layer) and the read bandwidth
     (bench.ReadBandwidth). A joint slower than the matmul's whole chain time (a noisy CPU) leaves
@@ -288,16 +366,27 @@ _GEMV_COLUMNS = (
     ("x bf16", lambda r: _num(r["x_bf16"])),
     ("joint us", lambda r: _num(r["glue_us"])),
 )
-_TEXT_COLUMNS = {"model", "N x K"}
+_MLP_COLUMNS = (
+    ("hidden -> 2I -> hidden", lambda r: f"{r['hidden']}->{2 * r['intermediate']}->{r['hidden']}"),
+    ("M", lambda r: str(r["m"])),
+    ("us", lambda r: _num(r["us"]) + ("?" if r.get("noisy") else "")),
+    ("TB/s", lambda r: _num(r["tbps"])),
+    ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
+    ("bf16 us", lambda r: _num(r["bf16_us"])),
+    ("x bf16", lambda r: _num(r["x_bf16"])),
+)
+_TEXT_COLUMNS = {"model", "N x K", "hidden -> 2I -> hidden"}
 
 
 def markdown(results: dict) -> str:
-    """The runs and the gemv rows of a results dict as Markdown tables ('?': a noisy row)."""
+    """The runs, gemv and mlp rows of a results dict as Markdown tables ('?': a noisy row)."""
     parts = []
     if results.get("runs"):
         parts.append(bench.markdown_table(_RUN_COLUMNS, results["runs"], _TEXT_COLUMNS))
     if results.get("gemv"):
         parts.append(bench.markdown_table(_GEMV_COLUMNS, results["gemv"], _TEXT_COLUMNS))
+    if results.get("mlp"):
+        parts.append(bench.markdown_table(_MLP_COLUMNS, results["mlp"], _TEXT_COLUMNS))
     return "\n\n".join(parts)
 
 
@@ -318,6 +407,7 @@ def earlier_results(path: Path, current: dict) -> dict:
 
 RUN_KEY = ("model", "batch", "context")
 GEMV_KEY = ("n", "k", "m", "layout")
+MLP_KEY = ("hidden", "intermediate", "m")
 
 
 def merged(earlier: Sequence[dict], new: Sequence[dict], key: Sequence[str]) -> list[dict]:
@@ -479,13 +569,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs_setup": None,
         "gemv": [],
         "gemv_setup": None,
+        "mlp": [],
     }
     if not args.fresh:
         earlier = earlier_results(out, results)
         results.update(
             {
                 key: earlier[key]
-                for key in ("runs", "runs_setup", "gemv", "gemv_setup")
+                for key in ("runs", "runs_setup", "gemv", "gemv_setup", "mlp")
                 if earlier.get(key) is not None
             }
         )
@@ -533,6 +624,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in rows:
             row["command"] = command
         results["gemv"] = merged(results["gemv"], rows, GEMV_KEY)
+        config = model_config(load_example(), model)
+        mlp = mlp_rows(config["hidden_size"], config["intermediate_size"], gemv_m, settings, seed)
+        for row in mlp:
+            row["command"] = command
+        results["mlp"] = merged(results["mlp"], mlp, MLP_KEY)
         results["gemv_setup"] = {
             "command": command,
             "layout": args.layout,

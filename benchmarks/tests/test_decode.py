@@ -66,8 +66,18 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
         assert r["x_bf16"] == pytest.approx(r["bf16_us"] / r["us"])
         assert r["layout"] == "tiled" and r["path"] == "cpu" and r["command"] == command
 
+    (pair,) = results["mlp"]  # the quick model's gate_up -> down pair, at its one M
+    hidden, inter = decode.QUICK_MODEL["hidden_size"], decode.QUICK_MODEL["intermediate_size"]
+    assert (pair["hidden"], pair["intermediate"], pair["m"]) == (hidden, inter, 1)
+    weights = bench.nvfp4_weight_bytes(2 * inter, hidden) + bench.nvfp4_weight_bytes(hidden, inter)
+    assert pair["bytes"] == weights + (3 * hidden + 2 * inter) * 2
+    assert _positive(pair["us"]) and _positive(pair["bf16_us"]) and pair["path"] == "cpu"
+    assert pair["tbps"] == pytest.approx(pair["bytes"] / (pair["us"] * 1e-6) / 1e12)
+    assert pair["fraction_of_read_bw"] == pytest.approx(pair["tbps"] / pair["read_bw_tbps"])
+
     printed = capsys.readouterr().out
     assert "| model | batch | context | NVFP4 ms | bf16 ms |" in printed
+    assert f"| {hidden}->{2 * inter}->{hidden} | 1 |" in printed
     assert "| N x K | M | us | TB/s | % of read BW |" in printed
     assert f"| {rows[0]['n']}x{rows[0]['k']} | 1 |" in printed
 

@@ -153,6 +153,11 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
     }
     residual_data = residual->untyped_data();
   }
+  // The kernels index scales as one per 16 weights: another block size would read past them.
+  if (block_size != 16) {
+    return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: block_size must be 16, got " +
+                                       std::to_string(block_size));
+  }
   if (shape.k % 32 != 0) {
     return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: K must be a multiple of 32, got " +
                                        std::to_string(shape.k));
