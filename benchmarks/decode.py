@@ -356,24 +356,22 @@ _RUN_COLUMNS = (
     ("floor ms", lambda r: _num(r.get("floor_ms"))),
     ("NVFP4 / floor", lambda r: _num(r.get("nvfp4_over_floor"))),
 )
-_GEMV_COLUMNS = (
-    ("N x K", lambda r: f"{r['n']}x{r['k']}"),
+_TIMING_COLUMNS = (  # the gemv and mlp rows' own columns, after what they name
     ("M", lambda r: str(r["m"])),
     ("us", lambda r: _num(r["us"]) + ("?" if r.get("noisy") else "")),
     ("TB/s", lambda r: _num(r["tbps"])),
     ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
     ("bf16 us", lambda r: _num(r["bf16_us"])),
     ("x bf16", lambda r: _num(r["x_bf16"])),
+)
+_GEMV_COLUMNS = (
+    ("N x K", lambda r: f"{r['n']}x{r['k']}"),
+    *_TIMING_COLUMNS,
     ("joint us", lambda r: _num(r["glue_us"])),
 )
 _MLP_COLUMNS = (
     ("hidden -> 2I -> hidden", lambda r: f"{r['hidden']}->{2 * r['intermediate']}->{r['hidden']}"),
-    ("M", lambda r: str(r["m"])),
-    ("us", lambda r: _num(r["us"]) + ("?" if r.get("noisy") else "")),
-    ("TB/s", lambda r: _num(r["tbps"])),
-    ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
-    ("bf16 us", lambda r: _num(r["bf16_us"])),
-    ("x bf16", lambda r: _num(r["x_bf16"])),
+    *_TIMING_COLUMNS,
 )
 _TEXT_COLUMNS = {"model", "N x K", "hidden -> 2I -> hidden"}
 
