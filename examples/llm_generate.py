@@ -33,7 +33,7 @@ per-expert tensors (model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj).
 device (q/k/v, gate/up and each layer's experts quantized jointly, as the tools export them);
 --compare-bf16 decodes the same weights dequantized to bf16 through XLA's dot (jax.lax.ragged_dot
 for experts) and prints the ratio of the decode times (one jitted call per token, compilation
-excluded, the position kept on the device). --gpu-busy reads the time the GPU is busy per step
+excluded; the tokens, the position and the caches stay on the device, donated to each step). --gpu-busy reads the time the GPU is busy per step
 from a jax.profiler trace of a few more steps: the loop's time per step close to it means the host
 keeps up. Each run also prints its byte floor: the bytes a step reads (weights, the experts the
 batch's tokens visit, the KV cache) at the streaming-read bandwidth measured at the start.
