@@ -1041,7 +1041,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _log(text: str) -> None:
+def log_progress(text: str) -> None:
+    """A progress line, on stderr (stdout holds the tables)."""
     print(text, file=sys.stderr, flush=True)
 
 
@@ -1081,13 +1082,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     ms = args.m or (QUICK_M if args.quick else DEFAULT_M)
 
-    _log(
+    log_progress(
         f"jax_fp4 bench on {device_description()}, jax {jax.__version__}, dtype {args.dtype}, "
         f"backend {args.backend or 'auto'}, layout {args.layout}, {settings.repeats} repeats, "
         f"{settings.passes} pass{'es' if settings.passes > 1 else ''}, "
         f"seed {seed}"
     )
-    bench = Bench(settings, jax.random.key(seed), log=_log)
+    bench = Bench(settings, jax.random.key(seed), log=log_progress)
     started = time.perf_counter()
     if not args.quick:
         warm_up_device(1.0)
@@ -1106,11 +1107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_json(complete=False)  # a run cut short by a time limit keeps its shapes
     if args.decode_step:
         decode = bench.decode_step(QUICK_DECODE_MODEL if args.quick else DecodeModel())
-    _log(f"done in {time.perf_counter() - started:.1f} s")
+    log_progress(f"done in {time.perf_counter() - started:.1f} s")
 
     results = write_json(complete=True)
     if args.json:
-        _log(f"wrote {args.json}")
+        log_progress(f"wrote {args.json}")
     read_bw = results["read_bw_tbps"]
     print(
         f"device {results['device']}, jax {results['jax_version']}, read bandwidth "

@@ -101,8 +101,7 @@ QUICK = {
 QUICK_READ_BYTES = 1 << 22
 
 
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+_log = bench.log_progress
 
 
 def gpu_tag(device_kind: str, platform: str) -> str:

@@ -881,8 +881,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+_log = bench.log_progress
 
 
 def main(argv: Sequence[str] | None = None) -> int:

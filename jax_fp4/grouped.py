@@ -59,9 +59,11 @@ from jax_fp4.format import NVFP4Weight, host_values, scale_as_bytes
 from jax_fp4.ops import (
     bind_per_batch_element,
     check_bias,
+    check_tuning,
     def_compiled_impl,
     default_device,
     is_zero,
+    resolve_backend,
 )
 
 nvfp4_ragged_matmul_p = Primitive("nvfp4_ragged_matmul")
@@ -773,16 +775,6 @@ def _check_group_sizes(group_sizes, groups: int):
     return group_sizes
 
 
-def _resolve_backend(backend) -> str:
-    backend = "auto" if backend is None else backend
-    if not isinstance(backend, str) or backend not in _dispatch.GROUPED_BACKENDS:
-        raise ValueError(
-            f"ragged_matmul: backend must be one of {_dispatch.GROUPED_BACKENDS} or None, got "
-            f"{backend!r}"
-        )
-    return backend
-
-
 def ragged_matmul(
     a,
     w: NVFP4Weight,
@@ -818,12 +810,8 @@ def ragged_matmul(
     a = _check_activation(a, w)
     group_sizes = _check_group_sizes(group_sizes, w.packed.shape[0])
     bias = check_bias(bias, (w.packed.shape[0], w.n), a.dtype, op="ragged_matmul", axes=("G", "N"))
-    backend = _resolve_backend(backend)
-    if tuning is not None and not isinstance(tuning, KernelTuning):
-        raise TypeError(
-            "ragged_matmul: tuning must be a jax_fp4.KernelTuning or None, got "
-            f"{type(tuning).__name__}"
-        )
+    backend = resolve_backend(backend, _dispatch.GROUPED_BACKENDS, op="ragged_matmul")
+    tuning = check_tuning(tuning, op="ragged_matmul")
     _dispatch.check_grouped_backend(
         backend, problem_of(a.shape, a.dtype, w.packed.shape, w.block_size, w.layout)
     )
@@ -857,6 +845,6 @@ def ragged_dispatch_path(
         a.dtype,
         w.packed.shape,
         w.block_size,
-        _resolve_backend(backend),
+        resolve_backend(backend, _dispatch.GROUPED_BACKENDS, op="ragged_matmul"),
         w.layout,
     )

@@ -493,15 +493,7 @@ def _lowering(
         return _fused_lowering(
             ctx, operands, plan, attributes, block_size, layout, has_bias, has_swizzled, fusions
         )
-    impl = _sharding.wrap_impl(
-        ctx,
-        path,
-        _impl_for(plan, layout),
-        block_size=block_size,
-        has_bias=has_bias,
-        tiled=layout == "tiled",
-        impl_kwargs=tuple(sorted(attributes.items())),
-    )
+    impl = _wrapped_impl(ctx, plan, attributes, block_size, layout, has_bias)
 
     def lowered(*ops):
         *five, swizzled = split_operands(ops, has_bias, has_swizzled)
@@ -536,6 +528,20 @@ def _fuses_in_kernel(
         if tuning is not None and tuning.gemv_col_tiles == 1:
             return False
     return True
+
+
+def _wrapped_impl(ctx, plan, attributes, block_size, layout, has_bias):
+    """The plan's implementation as the lowering runs it: under the sharding rules where the
+    operands are sharded, with the plan's kernel attributes."""
+    return _sharding.wrap_impl(
+        ctx,
+        plan.path,
+        _impl_for(plan, layout),
+        block_size=block_size,
+        has_bias=has_bias,
+        tiled=layout == "tiled",
+        impl_kwargs=tuple(sorted(attributes.items())),
+    )
 
 
 def _fused_lowering(
@@ -606,15 +612,7 @@ def _product_f32(ctx, plan, attributes, block_size, layout, has_bias):
             return impl(a, packed, scale, global_scale, bias, block_size=block_size)
 
         return product
-    impl = _sharding.wrap_impl(
-        ctx,
-        path,
-        _impl_for(plan, layout),
-        block_size=block_size,
-        has_bias=has_bias,
-        tiled=layout == "tiled",
-        impl_kwargs=tuple(sorted(attributes.items())),
-    )
+    impl = _wrapped_impl(ctx, plan, attributes, block_size, layout, has_bias)
 
     def product(a, packed, scale, global_scale, bias, swizzled):
         if path == "cpu":  # its float32 build: the product unrounded

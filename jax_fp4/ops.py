@@ -457,19 +457,18 @@ def _check_residual(residual, a, n_out: int):
     return residual
 
 
-def _resolve_backend(backend) -> str:
+def resolve_backend(backend, backends=_dispatch.BACKENDS, *, op: str = "matmul") -> str:
+    """backend (None: "auto") if it is one of `backends`; a clear error naming `op` otherwise."""
     backend = "auto" if backend is None else backend
-    if not isinstance(backend, str) or backend not in _dispatch.BACKENDS:
-        raise ValueError(
-            f"matmul: backend must be one of {_dispatch.BACKENDS} or None, got {backend!r}"
-        )
+    if not isinstance(backend, str) or backend not in backends:
+        raise ValueError(f"{op}: backend must be one of {backends} or None, got {backend!r}")
     return backend
 
 
-def _check_tuning(tuning) -> KernelTuning | None:
+def check_tuning(tuning, *, op: str = "matmul") -> KernelTuning | None:
     if tuning is not None and not isinstance(tuning, KernelTuning):
         raise TypeError(
-            f"matmul: tuning must be a jax_fp4.KernelTuning or None, got {type(tuning).__name__}"
+            f"{op}: tuning must be a jax_fp4.KernelTuning or None, got {type(tuning).__name__}"
         )
     return tuning
 
@@ -521,8 +520,8 @@ def matmul(
     bias = check_bias(bias, (w.n,), a.dtype)
     norm_weight, norm_eps = _check_norm(norm_weight, norm_eps, w)
     residual = _check_residual(residual, a, w.n // 2 if activation == "silu_mul" else w.n)
-    backend = _resolve_backend(backend)
-    tuning = _check_tuning(tuning)
+    backend = resolve_backend(backend)
+    tuning = check_tuning(tuning)
     _dispatch.check_backend(
         backend, _lowering.problem_of(a.shape, a.dtype, w.packed.shape, w.block_size, w.layout)
     )
@@ -570,6 +569,6 @@ def dispatch_path(
         a.dtype,
         w.packed.shape,
         w.block_size,
-        _resolve_backend(backend),
+        resolve_backend(backend),
         w.layout,
     )
