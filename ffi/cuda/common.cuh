@@ -90,6 +90,15 @@ inline bool IsAligned(const void* p, uintptr_t bytes) {
   return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
 }
 
+// The kernels' vector loads: a and packed 16 bytes at a time, scale `scale_bytes` at a time. Empty
+// when the operands allow them, else what is misaligned.
+inline std::string CheckOperandAlignment(const void* a, const void* packed, const void* scale,
+                                         int scale_bytes) {
+  if (IsAligned(a, 16) && IsAligned(packed, 16) && IsAligned(scale, scale_bytes)) return "";
+  return "a and packed must be 16-byte aligned, scale " + std::to_string(scale_bytes) +
+         "-byte aligned";
+}
+
 constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The launch attribute of a programmatic dependent launch: the kernel may start before the

@@ -58,10 +58,10 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
   // Prepacked scales come by bulk copy (16-byte aligned runs), spec-layout ones 8 bytes a row.
-  if (!IsAligned(a.untyped_data(), 16) || !IsAligned(packed.typed_data(), 16) ||
-      !IsAligned(scale.typed_data(), tiled ? 16 : 8)) {
-    return invalid(std::string("a and packed must be 16-byte aligned, scale ") +
-                   (tiled ? "16" : "8") + "-byte aligned");
+  if (const std::string bad = CheckOperandAlignment(a.untyped_data(), packed.typed_data(),
+                                                    scale.typed_data(), tiled ? 16 : 8);
+      !bad.empty()) {
+    return invalid(bad);
   }
 
   DeviceInfo info;

@@ -205,11 +205,10 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   const void* bias_data = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   // 16-byte vector loads of a and packed (rows are 16-byte multiples since K % 32 == 0); the
   // tiled layout's scales are read 4 bytes at a time.
-  if (!IsAligned(a.untyped_data(), 16) || !IsAligned(packed.untyped_data(), 16) ||
-      !IsAligned(scale.untyped_data(), tiled ? 4 : 2)) {
-    return ffi::Error::InvalidArgument(
-        "jax_fp4_gemv_cuda: a and packed must be 16-byte aligned and scale 2-byte aligned "
-        "(4-byte for the tiled layout)");
+  if (const std::string bad = CheckOperandAlignment(a.untyped_data(), packed.untyped_data(),
+                                                    scale.untyped_data(), tiled ? 4 : 2);
+      !bad.empty()) {
+    return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + bad);
   }
 
   DeviceInfo info;

@@ -63,10 +63,10 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
   if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
   // TMA activation tiles and 16-byte weight copies; scales 8 bytes a row (tiled: 128-byte runs by
   // bulk copy). K % 128 == 0 keeps every expert's slices as aligned as the arrays.
-  if (!IsAligned(a.untyped_data(), 16) || !IsAligned(packed.typed_data(), 16) ||
-      !IsAligned(scale.typed_data(), tiled ? 16 : 8)) {
-    return invalid(std::string("a and packed must be 16-byte aligned, scale ") +
-                   (tiled ? "16" : "8") + "-byte aligned");
+  if (const std::string bad = CheckOperandAlignment(a.untyped_data(), packed.typed_data(),
+                                                    scale.typed_data(), tiled ? 16 : 8);
+      !bad.empty()) {
+    return invalid(bad);
   }
   DeviceInfo info;
   cudaError_t err = GetDeviceInfo(&info);

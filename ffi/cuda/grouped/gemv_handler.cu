@@ -57,10 +57,10 @@ ffi::Error GroupedGemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
   if (shape.m == 0 || shape.n == 0) return ffi::Error::Success();
   // 16-byte loads of a and packed rows (K % 128 == 0 keeps every row and expert aligned), 2-byte
   // scale pairs (tiled: 4-byte words).
-  if (!IsAligned(a.untyped_data(), 16) || !IsAligned(packed.typed_data(), 16) ||
-      !IsAligned(scale.typed_data(), tiled ? 4 : 2)) {
-    return invalid(std::string("a and packed must be 16-byte aligned, scale ") +
-                   (tiled ? "4" : "2") + "-byte aligned");
+  if (const std::string bad = CheckOperandAlignment(a.untyped_data(), packed.typed_data(),
+                                                    scale.typed_data(), tiled ? 4 : 2);
+      !bad.empty()) {
+    return invalid(bad);
   }
   DeviceInfo info;
   cudaError_t err = GetDeviceInfo(&info);
