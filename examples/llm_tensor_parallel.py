@@ -335,7 +335,7 @@ def compare(one: dict, tp_cfg, tp_params, tp_dense, sharding, prompt, max_new_to
         "tp_ms": _ms(t),
         "one_gpu_ms": one_ms,
         "bf16_tp_ms": None,
-        "speedup": _ratio(one_ms, _ms(t)),
+        "speedup": llm._ratio(one_ms, _ms(t)),
         "same_leading_tokens": leading_agreement(tokens, one["tokens"]),
         "first_step_max_logit_diff": float(np.max(np.abs(tp_logits - one["logits"]))),
         "first_step_max_abs_logit": float(np.max(np.abs(one["logits"]))),
@@ -364,10 +364,6 @@ def compare(one: dict, tp_cfg, tp_params, tp_dense, sharding, prompt, max_new_to
         f"{ {k: v for k, v in counts.items() if v} }"
     )
     return run
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
 
 
 def main(argv=None) -> int:
