@@ -363,7 +363,6 @@ def test_random_presets_and_the_cli(example, tmp_path, capsys):
 
     tiny = example.PRESETS["qwen3-moe-tiny"]
     cfg, params = example.random_model(tiny, layout="spec")
-    _, stacked = example.random_model(tiny, layout="spec", stack_layers=True)
     gate_up = params["layers"][1]["experts"]["gate_up_proj"]
     assert gate_up.shape == (cfg.experts, 2 * cfg.moe_intermediate, cfg.hidden)
     assert np.asarray(gate_up.global_scale).shape == (cfg.experts,)
@@ -380,15 +379,23 @@ def test_random_presets_and_the_cli(example, tmp_path, capsys):
     assert down.shape == (cfg.experts, cfg.moe_intermediate, cfg.hidden)
     assert down.dtype == jnp.bfloat16
     tokens = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab, size=(2, 6)))
+    # Stacked layers (lax.scan) against unrolled ones in float32: XLA rounds the two programs'
+    # bf16 intermediates differently, enough to flip a near-tie of the router for some token
+    # draws; in float32 they agree to a few 1e-7.
+    stacked_32 = {
+        stack: example.random_model(tiny, layout="spec", stack_layers=stack, dtype=jnp.float32)[1]
+        for stack in (False, True)
+    }
     out = {}
     for name, model in (
         ("unrolled", params),
-        ("stacked", stacked),
         ("bf16", twin),
+        ("unrolled f32", stacked_32[False]),
+        ("stacked f32", stacked_32[True]),
     ):
         empty = example.empty_cache(cfg, model, 2, 6)
         out[name] = np.asarray(example.forward(cfg, model, tokens, 0, *empty)[0])
-    assert reference.relative_error(out["stacked"], out["unrolled"]) < 0.02
+    assert reference.relative_error(out["stacked f32"], out["unrolled f32"]) < 1e-5
     # bf16 rounds differently from the kernels, which can flip a near-tie of the router for a
     # token (its logits then differ by design): most tokens must agree closely.
     per_token = [
