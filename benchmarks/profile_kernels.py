@@ -5,7 +5,9 @@ with a cold L2, launch shape, stall reasons). Run it under ncu, e.g.
         --section Occupancy --section WarpStateStats python benchmarks/profile_kernels.py
 
 Cases are "backend:M:NxK" (default: the decode GEMV and the fused GEMM at the shapes docs/design.md
-discusses). Every case runs twice (compile + warm) before the profiled third call. `--layout
+discusses), or "grouped:TOKENS:NxK" for jax_fp4.ragged_matmul over --experts stacked [N, K] weights
+with TOKENS tokens routed uniformly at random to --top-k distinct experts each (M = TOKENS x top-k
+rows; the grouped GEMV or GEMM, whichever the dispatch picks). Every case runs twice (compile + warm) before the profiled third call. `--layout
 tiled` prepacks the weights (jax_fp4.prepack), as the default bench sweep times them.
 """
 
@@ -33,6 +35,19 @@ def run_case(backend: str, m: int, n: int, k: int, tiled: bool = False) -> None:
         jax.block_until_ready(f(a, w))
 
 
+def run_grouped_case(tokens: int, n: int, k: int, experts: int, top_k: int, tiled: bool) -> None:
+    rng = np.random.default_rng(0)
+    w = jax_fp4.quantize(jnp.asarray(rng.standard_normal((experts, n, k), np.float32)))
+    if tiled:
+        w = jax_fp4.prepack(w)
+    choice = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    sizes = jnp.asarray(np.bincount(choice.ravel(), minlength=experts), jnp.int32)
+    a = jnp.asarray(rng.standard_normal((tokens * top_k, k), np.float32), jnp.bfloat16)
+    f = jax.jit(jax_fp4.ragged_matmul)
+    for _ in range(3):
+        jax.block_until_ready(f(a, w, sizes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=DEFAULT_CASES, help="backend:M:NxK,...")
@@ -42,12 +57,23 @@ def main() -> None:
         default="spec",
         help="weights in the spec's layout or prepacked (N %% 16 == 0, K %% 128 == 0)",
     )
+    ap.add_argument("--experts", type=int, default=128, help="grouped cases: stacked experts")
+    ap.add_argument("--top-k", type=int, default=8, help="grouped cases: experts per token")
     args = ap.parse_args()
+    tiled = args.layout == "tiled"
     for case in args.cases.split(","):
         backend, m, shape = case.split(":")
         n, k = (int(x) for x in shape.split("x"))
-        print(f"case {backend} M={m} N={n} K={k} layout {args.layout}", flush=True)
-        run_case(backend, int(m), n, k, tiled=args.layout == "tiled")
+        if backend == "grouped":
+            print(
+                f"case grouped tokens={m} x top-{args.top_k} of {args.experts} experts N={n} K={k} "
+                f"layout {args.layout}",
+                flush=True,
+            )
+            run_grouped_case(int(m), n, k, args.experts, args.top_k, tiled)
+        else:
+            print(f"case {backend} M={m} N={n} K={k} layout {args.layout}", flush=True)
+            run_case(backend, int(m), n, k, tiled=tiled)
 
 
 if __name__ == "__main__":
