@@ -146,17 +146,22 @@ def decode_runs(
     *,
     gpu_busy_steps: int,
     layout: str = "tiled",
+    layers: int | None = None,
     read_bytes: int | None = None,
     log: Callable[[str], None] = _log,
 ) -> tuple[list[dict], dict]:
     """The example's run record for each (batch, prompt length) of `cases`, NVFP4 and bf16, on one
-    model built once; and the setup (config, read bandwidth). `read_bytes`: the streaming read's
-    buffer (default the example's: 1 GiB on a GPU)."""
+    model built once (`layers` decoder layers, default the config's), each record with its
+    "layers"; and the setup (config, read bandwidth). `read_bytes`: the streaming read's buffer
+    (default the example's: 1 GiB on a GPU)."""
     llm = load_example()
     read_bps = llm.read_bandwidth(read_bytes)  # before the weights take the device's memory
     log(f"streaming read: {read_bps / 1e9:.0f} GB/s")
     started = time.perf_counter()
-    cfg, params = llm.random_model(model_config(llm, model), layout=layout)
+    config = dict(model_config(llm, model))
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    cfg, params = llm.random_model(config, layout=layout)
     dense = llm.dense_twin(params)
     log(f"model {model}: built in {time.perf_counter() - started:.1f} s")
     runs = []
@@ -164,18 +169,17 @@ def decode_runs(
         ids = np.random.default_rng(0).integers(0, cfg.vocab, prompt_len)
         prompt = np.broadcast_to(ids, (batch, prompt_len))
         started = time.perf_counter()
-        runs.append(
-            llm.run_batch(
-                cfg,
-                params,
-                dense,
-                prompt,
-                new_tokens,
-                model=model,
-                read_bps=read_bps,
-                gpu_busy_steps=gpu_busy_steps,
-            )
+        run = llm.run_batch(
+            cfg,
+            params,
+            dense,
+            prompt,
+            new_tokens,
+            model=model,
+            read_bps=read_bps,
+            gpu_busy_steps=gpu_busy_steps,
         )
+        runs.append({**run, "layers": cfg.layers})
         log(f"batch {batch}, prompt {prompt_len}: {time.perf_counter() - started:.1f} s")
     setup = {"config": dataclasses.asdict(cfg), "read_gb_per_s": read_bps / 1e9}
     return runs, setup
@@ -345,6 +349,7 @@ def _num(value) -> str:
 
 _RUN_COLUMNS = (
     ("model", lambda r: str(r["model"])),
+    ("layers", lambda r: str(r["layers"]) if r.get("layers") else "-"),
     ("batch", lambda r: str(r["batch"])),
     ("context", lambda r: str(r["context"])),
     ("NVFP4 ms", lambda r: _num(r.get("nvfp4_ms"))),
@@ -402,7 +407,7 @@ def earlier_results(path: Path, current: dict) -> dict:
     return earlier
 
 
-RUN_KEY = ("model", "batch", "context")
+RUN_KEY = ("model", "layers", "batch", "context")
 GEMV_KEY = ("n", "k", "m", "layout")
 MLP_KEY = ("hidden", "intermediate", "m")
 
@@ -440,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="a preset of examples/llm_generate.py or a config.json (default llama3-8b)",
+    )
+    runs.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="the model's decoder layers (default the config's; an H100 holds qwen3-30b-a3b's "
+        "bf16 twin beside the NVFP4 model only at about half its 48)",
     )
     runs.add_argument(
         "--batches",
@@ -548,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--prompt-len, --long-prompt and --new-tokens must be >= 1, got {prompt_len}, "
             f"{long_prompt} and {new_tokens}"
         )
+    if args.layers is not None and args.layers < 1:
+        raise SystemExit(f"--layers must be >= 1, got {args.layers}")
     if busy_steps < 0:
         raise SystemExit(f"--gpu-busy-steps must be >= 0, got {busy_steps}")
     if args.repeats is not None and args.repeats < 1:
@@ -593,6 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             new_tokens,
             gpu_busy_steps=busy_steps,
             layout=args.layout,
+            layers=args.layers,
             read_bytes=QUICK_READ_BYTES if args.quick else None,
         )
         for run in runs:

@@ -1,12 +1,17 @@
-"""MoE benchmark: jax_fp4.ragged_matmul on Qwen3-30B-A3B's experts, and the model's decode step.
+"""MoE benchmark: jax_fp4.ragged_matmul on Qwen3-30B-A3B's experts.
 
-    python benchmarks/moe.py                        # all; JSON: benchmarks/results/moe_<gpu>.json
-    python benchmarks/moe.py --parts gemv,prefill   # the grouped matmuls alone
-    python benchmarks/moe.py --parts model --layers 24    # the model at 24 of its 48 layers
+    python benchmarks/moe.py                        # both parts; JSON: results/moe_<gpu>.json
+    python benchmarks/moe.py --parts gemv           # the grouped decode GEMV alone
     python benchmarks/moe.py --quick                # tiny shapes: a CPU smoke run (seconds)
     python benchmarks/moe.py --markdown-from benchmarks/results/moe_h200.json
 
-Parts (--parts, default all three):
+The MoE model's decode step is benchmarks/decode.py's, run on the example's qwen3-30b-a3b preset:
+`python benchmarks/decode.py --model qwen3-30b-a3b --batches 1,8 --no-gemv` (the example's own
+decode loop against the model with its experts dequantized to bf16 through jax.lax.ragged_dot,
+the GPU-busy time and both byte floors; add --layers 24 on an H100, whose 78 GB do not hold the
+bf16 twin of all 48 layers beside the NVFP4 model).
+
+Parts (--parts, default both):
 
   gemv     the grouped decode GEMV on the expert shapes, gate_up [E=128, N=1536, K=2048] and down
            [128, 2048, 768], with 1, 8 and 32 tokens x top-8 (M = 8, 64, 256 rows), under uniform
@@ -22,22 +27,12 @@ Parts (--parts, default all three):
            outputs at the same run's read bandwidth for that many bytes. Prints what XLA compiles
            ragged_dot to on this device (custom calls, fusions, dots and how much work the largest
            dot does against the ragged product: a dense dot over all experts shows as E x).
-  model    one decode step of examples/llm_generate.py's qwen3-30b-a3b preset (random weights) at
-           batch 1 and 8, against the same model with its weights dequantized to bf16 (its
-           `dense_twin`: the experts through jax.lax.ragged_dot), and against the bf16 step's byte
-           floor: its non-expert weights, the expected active experts' bf16 bytes (uniform routing:
-           E * (1 - (1 - k/E)^B) distinct experts for B tokens) and the KV cache it reads, at the
-           read bandwidth. The bf16 twin of all 48 layers does not fit beside the NVFP4 model in an
-           H100's 78 GB: --layers sets the depth (without it, the deepest that fits the device's
-           memory, logged and recorded as `layers_limited_by_memory`).
 
 Method (as benchmarks/bench.py): each grouped matmul runs as a jitted chain of L layers, every layer
 its own random weights (normal / sqrt(K), quantized by jax_fp4.quantize, prepacked with
 --layout tiled) and its own activations, so that the active experts of the layers the difference
 measures span several times the 60 MB L2; per-layer time = (t(L2) - t(L1)) / (L2 - L1). Every
-layer of a row shares the row's routing (group sizes), so its byte count is exact. The model's
-step runs as a jitted lax.fori_loop of greedy steps with the step count a runtime argument (one
-compilation): per-step time = (t(1 + S) - t(1)) / S, medians of alternating calls.
+layer of a row shares the row's routing (group sizes), so its byte count is exact.
 """
 
 from __future__ import annotations
@@ -49,7 +44,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -67,13 +61,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_fp4  # noqa: E402
-from tests._helpers import load_repo_script  # noqa: E402
 
 RESULTS_DIR = _BENCHMARKS / "results"
 
-PARTS = ("gemv", "prefill", "model")
+PARTS = ("gemv", "prefill")
 ROUTINGS = ("uniform", "zipf")
-MODEL_PRESET = "qwen3-30b-a3b"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +93,7 @@ QUICK_EXPERT_SHAPES = (ExpertShape("gate_up", 8, 64, 128), ExpertShape("down", 8
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What runs: shapes, token counts, routings and the model's batches."""
+    """What runs: shapes, token counts and routings."""
 
     shapes: tuple[ExpertShape, ...] = EXPERT_SHAPES
     top_k: int = 8
@@ -109,9 +101,6 @@ class Plan:
     prefill_tokens: int = 4096
     routings: tuple[str, ...] = ROUTINGS
     zipf: float = 1.2
-    batches: tuple[int, ...] = (1, 8)
-    context: int = 512  # KV positions already filled when the timed decode steps start
-    steps: int = 8  # decode steps whose time the difference measures (S)
     mem_cap_bytes: int = 10 * bench.GB  # most weight bytes one chain holds
     gemv_bf16: bool = False
 
@@ -121,14 +110,9 @@ QUICK_PLAN = Plan(
     top_k=2,
     gemv_tokens=(2,),
     prefill_tokens=16,
-    batches=(2,),
-    context=8,
-    steps=2,
     mem_cap_bytes=64 * bench.MB,
 )
 QUICK_MAX_LAYERS = 3  # --quick: chains of 1 and 3 layers
-
-QUICK_MODEL_PRESET = "qwen3-moe-tiny"  # the preset's architecture at test size
 
 
 # ---- routing -------------------------------------------------------------------------------------
@@ -464,194 +448,6 @@ def format_grouped_row(r: GroupedRow) -> str:
     )
 
 
-# ---- the model's decode step ---------------------------------------------------------------------
-
-
-@functools.cache
-def load_llm_example():
-    """examples/llm_generate.py as a module (loaded once)."""
-    return load_repo_script("examples/llm_generate.py")
-
-
-def model_config(llm, quick: bool) -> dict:
-    return dict(llm.PRESETS[QUICK_MODEL_PRESET if quick else MODEL_PRESET])
-
-
-def layer_param_counts(config: dict) -> tuple[int, int]:
-    """(expert parameters, other parameters) of one decoder layer of a Qwen3-MoE config."""
-    h, hd = (
-        config["hidden_size"],
-        config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-    )
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    experts = config["num_experts"] * 3 * config["moe_intermediate_size"] * h
-    return experts, 2 * q * h + 2 * kv * h + config["num_experts"] * h
-
-
-def layers_that_fit(config: dict, memory_bytes: int | None) -> int:
-    """The most layers for which the NVFP4 model and its bf16 twin fit in 80% of `memory_bytes`
-    (every layer of the preset where the device does not say)."""
-    if memory_bytes is None:
-        return config["num_hidden_layers"]
-    experts, other = layer_param_counts(config)
-    nvfp4 = (experts + other) * (0.5 + 1 / 16)
-    per_layer = nvfp4 + (experts + other) * 2
-    fixed = 2 * config["vocab_size"] * config["hidden_size"] * 2  # embeddings and lm_head, bf16
-    fit = int((0.8 * memory_bytes - fixed) // per_layer)
-    return max(1, min(config["num_hidden_layers"], fit))
-
-
-def device_memory_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
-
-
-@dataclasses.dataclass
-class ModelRow:
-    model: str
-    layers: int
-    layers_limited_by_memory: bool
-    batch: int
-    context: int
-    experts: int
-    top_k: int
-    expected_active_experts: float
-    nvfp4_ms: float
-    bf16_ms: float
-    speedup_vs_bf16: float
-    nvfp4_bytes: int  # what the NVFP4 step reads: weights (the expected active experts), KV cache
-    nvfp4_floor_ms: float
-    fraction_of_nvfp4_floor: float  # floor / time
-    bf16_bytes: int  # the same for the bf16 step
-    bf16_floor_ms: float
-    # bf16_floor_ms / nvfp4_ms: above 1, the NVFP4 step beats any bf16 step of this model
-    bf16_floor_vs_nvfp4: float
-    bf16_vs_bf16_floor: float  # bf16_floor_ms / bf16_ms
-    nvfp4_read_bw_tbps: float
-    bf16_read_bw_tbps: float
-    noisy: bool
-
-
-def cache_length(plan: Plan) -> int:
-    """The KV cache's length: the context, the warm-up step and the timed steps."""
-    return plan.context + plan.steps + 2
-
-
-def time_decode_steps(
-    llm, cfg, params, batch: int, plan: Plan, b: bench.Bench, label: str
-) -> tuple[float, bool]:
-    """Device time of one greedy decode step (ms), from a jitted fori_loop of steps whose count is
-    a runtime argument: (t(1 + S) - t(1)) / S over medians of alternating calls; and whether that
-    difference was not positive (then an upper bound: t(1 + S) / (1 + S))."""
-    s, key = b.settings, b._next_key()
-    k_cache, v_cache = llm.empty_cache(cfg, params, batch, cache_length(plan))
-    tokens = jax.random.randint(key, (batch, 1), 0, cfg.vocab, jnp.int32)
-
-    def run(params, tokens, k_cache, v_cache, steps):
-        def body(i, carry):
-            return llm.greedy_step(cfg, params, carry[0], plan.context + i, carry[1], carry[2])
-
-        return jax.lax.fori_loop(0, steps, body, (tokens, k_cache, v_cache))[0]
-
-    one, more = jnp.int32(1), jnp.int32(1 + plan.steps)
-    started = time.perf_counter()
-    compiled = jax.jit(run).lower(params, tokens, k_cache, v_cache, one).compile()
-    b.log(
-        f"model: {label} decode step at batch {batch} compiled in "
-        f"{time.perf_counter() - started:.1f} s"
-    )
-    args = (params, tokens, k_cache, v_cache)
-    for _ in range(max(s.warmup, 1)):
-        pair_s = bench._time_once(compiled, (*args, one)) + bench._time_once(
-            compiled, (*args, more)
-        )
-    repeats = s.repeats
-    if s.min_time_s > 0:
-        repeats = max(repeats, min(10 * repeats, math.ceil(s.min_time_s / pair_s)))
-    t1, t2 = [], []
-    for _ in range(repeats):
-        t1.append(bench._time_once(compiled, (*args, one)))
-        t2.append(bench._time_once(compiled, (*args, more)))
-    diff = (statistics.median(t2) - statistics.median(t1)) / plan.steps
-    if diff > 0:
-        return diff * 1e3, False
-    return statistics.median(t2) / (1 + plan.steps) * 1e3, True
-
-
-def model_rows(
-    b: bench.Bench, plan: Plan, quick: bool, layers: int | None, scan_layers: bool, seed: int
-) -> list[ModelRow]:
-    """The model part: the preset's NVFP4 model and its bf16 twin, one decode step at each batch,
-    and the bytes each step must read (examples/llm_generate.py's step_bytes with the expected
-    active experts, and cache_bytes) at the read bandwidth for a layer's share of them."""
-    llm = load_llm_example()
-    s = b.settings
-    config = model_config(llm, quick)
-    limited = False
-    if layers is None:
-        layers = layers_that_fit(config, device_memory_bytes())
-        limited = layers < config["num_hidden_layers"]
-        if limited:
-            b.log(
-                f"model: {layers} of {config['num_hidden_layers']} layers (the NVFP4 model and "
-                "the bf16 twin of all of them do not fit this device's memory)"
-            )
-    config["num_hidden_layers"] = layers
-    started = time.perf_counter()
-    cfg, params = llm.random_model(config, seed=seed, layout=s.layout, stack_layers=scan_layers)
-    dense = llm.dense_twin(params)
-    b.log(f"model: {layers} layers drawn and dequantized in {time.perf_counter() - started:.1f} s")
-    rows = []
-    for batch in plan.batches:
-        active = llm.expected_active_experts(cfg, batch)
-        kv = llm.cache_bytes(cfg, batch, cache_length(plan))
-        fp4_bytes = llm.step_bytes(params, active_experts=active) + kv
-        bf16_bytes = llm.step_bytes(dense, active_experts=active) + kv
-        fp4_read = b.read_bandwidth(max(1, fp4_bytes // layers))
-        bf16_read = b.read_bandwidth(max(1, bf16_bytes // layers))
-        fp4_ms, fp4_noisy = time_decode_steps(llm, cfg, params, batch, plan, b, "NVFP4")
-        bf16_ms, bf16_noisy = time_decode_steps(llm, cfg, dense, batch, plan, b, "bf16")
-        fp4_floor = fp4_bytes / (fp4_read.tbps * 1e12) * 1e3
-        bf16_floor = bf16_bytes / (bf16_read.tbps * 1e12) * 1e3
-        row = ModelRow(
-            model=QUICK_MODEL_PRESET if quick else MODEL_PRESET,
-            layers=layers,
-            layers_limited_by_memory=limited,
-            batch=batch,
-            context=plan.context,
-            experts=cfg.experts,
-            top_k=cfg.experts_per_token,
-            expected_active_experts=active,
-            nvfp4_ms=fp4_ms,
-            bf16_ms=bf16_ms,
-            speedup_vs_bf16=bf16_ms / fp4_ms,
-            nvfp4_bytes=fp4_bytes,
-            nvfp4_floor_ms=fp4_floor,
-            fraction_of_nvfp4_floor=fp4_floor / fp4_ms,
-            bf16_bytes=bf16_bytes,
-            bf16_floor_ms=bf16_floor,
-            bf16_floor_vs_nvfp4=bf16_floor / fp4_ms,
-            bf16_vs_bf16_floor=bf16_floor / bf16_ms,
-            nvfp4_read_bw_tbps=fp4_read.tbps,
-            bf16_read_bw_tbps=bf16_read.tbps,
-            noisy=fp4_noisy or bf16_noisy or fp4_read.noisy or bf16_read.noisy,
-        )
-        b.log(format_model_row(row))
-        rows.append(row)
-    return rows
-
-
-def format_model_row(r: ModelRow) -> str:
-    return (
-        f"model {r.model}, {r.layers} layers, batch {r.batch}, context {r.context}: NVFP4 "
-        f"{r.nvfp4_ms:.3f} ms a step ({100 * r.fraction_of_nvfp4_floor:.0f}% of its floor "
-        f"{r.nvfp4_floor_ms:.3f}), bf16 experts via ragged_dot {r.bf16_ms:.3f} ms "
-        f"(x{r.speedup_vs_bf16:.2f}), "
-        f"bf16 floor {r.bf16_floor_ms:.3f} ms (x{r.bf16_floor_vs_nvfp4:.2f} of NVFP4's time)"
-        f"{' (noisy)' if r.noisy else ''}"
-    )
-
-
 # ---- output --------------------------------------------------------------------------------------
 
 
@@ -688,23 +484,13 @@ _MD_PREFILL = (
     ("(b) bf16 floor us", lambda r: f"{r['bf16_floor_us']:.0f}"),
     ("(b) / us", lambda r: f"{r['fraction_of_bf16_floor']:.2f}"),
 )
-_MD_MODEL = (
-    ("layers", lambda r: f"{r['layers']}"),
-    ("batch", lambda r: f"{r['batch']}"),
-    ("NVFP4 ms", lambda r: f"{r['nvfp4_ms']:.3f}{_mark(r)}"),
-    ("NVFP4 floor ms", lambda r: f"{r['nvfp4_floor_ms']:.3f}"),
-    ("bf16 (a) ms", lambda r: f"{r['bf16_ms']:.3f}"),
-    ("x bf16", lambda r: f"{r['speedup_vs_bf16']:.2f}"),
-    ("bf16 floor ms", lambda r: f"{r['bf16_floor_ms']:.3f}"),
-    ("bf16 floor / NVFP4", lambda r: f"{r['bf16_floor_vs_nvfp4']:.2f}"),
-)
 
 
 _TEXT_COLUMNS = ("weight", "routing", "path")
 
 
 def markdown(results: dict) -> str:
-    """A results JSON as Markdown: the grouped GEMV, the prefill, XLA's ragged_dot, the model."""
+    """A results JSON as Markdown: the grouped GEMV, the prefill and XLA's ragged_dot."""
     parts = []
     gemv = [r for r in results["rows"] if r["part"] == "gemv"]
     prefill = [r for r in results["rows"] if r["part"] == "prefill"]
@@ -721,16 +507,10 @@ def markdown(results: dict) -> str:
         )
     for summary in results.get("ragged_dot_hlo", []):
         parts.append(format_hlo_summary(summary))
-    if results.get("model"):
-        parts.append(
-            "Decode step of the MoE model (ms a step; bf16: its weights dequantized, the experts "
-            "through ragged_dot)\n\n"
-            + bench.markdown_table(_MD_MODEL, results["model"], _TEXT_COLUMNS)
-        )
     return "\n\n".join(parts)
 
 
-def results_json(b: bench.Bench, plan: Plan, seed: int, rows, hlo, model, complete: bool) -> dict:
+def results_json(b: bench.Bench, plan: Plan, seed: int, rows, hlo, complete: bool) -> dict:
     s = b.settings
     return {
         "device": bench.device_description(),
@@ -747,7 +527,6 @@ def results_json(b: bench.Bench, plan: Plan, seed: int, rows, hlo, model, comple
         "read_bw": [dataclasses.asdict(r) for r in b.reads],
         "rows": [dataclasses.asdict(r) for r in rows],
         "ragged_dot_hlo": hlo,
-        "model": [dataclasses.asdict(r) for r in model],
         "complete": complete,
     }
 
@@ -801,27 +580,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routings", type=_routings, default=None, help="uniform,zipf (default both)")
     p.add_argument(
         "--zipf", type=float, default=Plan.zipf, help=f"Zipf exponent (default {Plan.zipf})"
-    )
-    p.add_argument(
-        "--batches", type=_list(int), default=None, help="the model part's batches (default 1,8)"
-    )
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="the model's decoder layers (default: the preset's 48, or as many as fit beside the "
-        "bf16 twin in the device's memory)",
-    )
-    p.add_argument(
-        "--context",
-        type=int,
-        default=None,
-        help="KV positions filled before the timed steps (default 512)",
-    )
-    p.add_argument(
-        "--scan-layers",
-        action="store_true",
-        help="the model's layers under lax.scan (default unrolled)",
     )
     p.add_argument(
         "--gemv-bf16",
@@ -890,11 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.markdown_from) as f:
             print(markdown(json.load(f)))
         return 0
-    grouped = [p for p in args.parts if p in ("gemv", "prefill")]
-    if grouped and not hasattr(jax_fp4, "ragged_matmul"):
-        raise SystemExit(
-            f"--parts {','.join(grouped)} needs jax_fp4.ragged_matmul, which this jax_fp4 lacks"
-        )
+    grouped = list(args.parts)
     base = QUICK_PLAN if args.quick else Plan()
     plan = dataclasses.replace(
         base,
@@ -902,8 +656,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_tokens=args.prefill_tokens or base.prefill_tokens,
         routings=args.routings or base.routings,
         zipf=args.zipf,
-        batches=args.batches or base.batches,
-        context=args.context if args.context is not None else base.context,
         mem_cap_bytes=int(args.mem_cap_gb * bench.GB) if args.mem_cap_gb else base.mem_cap_bytes,
         gemv_bf16=args.gemv_bf16 or base.gemv_bf16,
     )
@@ -945,10 +697,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.warm_up_device(1.0)
     rows: list[GroupedRow] = []
     hlo: list[dict] = []
-    model: list[ModelRow] = []
 
     def write(complete: bool) -> dict:
-        results = results_json(b, plan, seed, rows, hlo, model, complete)
+        results = results_json(b, plan, seed, rows, hlo, complete)
         if json_path:
             bench.write_json_file(json_path, results)
         return results
@@ -968,8 +719,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 path = path.with_name(f"{path.stem}_{shape.name}{path.suffix}")
                 path.write_text(text)
                 _log(f"wrote {path}")
-    if "model" in args.parts:
-        model = model_rows(b, plan, args.quick, args.layers, args.scan_layers, seed)
     _log(f"done in {time.perf_counter() - started:.1f} s")
     results = write(complete=True)
     if json_path:

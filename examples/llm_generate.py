@@ -873,14 +873,49 @@ def experts_matmul(a, w, group_sizes):
     return jax.lax.ragged_dot(a, w.astype(a.dtype), group_sizes)
 
 
+# Up to this many (token, slot) pairs, expert_order compares every pair with every other ([P, P]
+# and [E, P] comparisons that XLA runs as a few fused reductions); past it, P^2 grows too large and
+# the pairs are sorted (a sort, and scatters for the inverse and the group sizes).
+COMPARE_PAIRS_MAX = 1024
+
+
+def _order_by_comparison(flat, experts: int):
+    index = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    ahead = (flat[None, :] < flat[:, None]) | (
+        (flat[None, :] == flat[:, None]) & (index[None, :] < index[:, None])
+    )  # [j, i]: pair i goes before pair j
+    inverse = jnp.sum(ahead, axis=1, dtype=jnp.int32)
+    order = jnp.sum(
+        jnp.where(inverse[None, :] == index[:, None], index[None, :], 0), axis=1, dtype=jnp.int32
+    )
+    ids = jnp.arange(experts, dtype=flat.dtype)
+    group_sizes = jnp.sum(flat[None, :] == ids[:, None], axis=1, dtype=jnp.int32)
+    return order, inverse, group_sizes
+
+
+def _order_by_sort(flat, experts: int):
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
+    group_sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+    return order, inverse, group_sizes
+
+
+def expert_order(flat, experts: int):
+    """(order, inverse, group_sizes) of the (token, slot) pairs whose experts are flat [P] (int32,
+    each in [0, experts)): order [P] the pairs stably sorted by expert, inverse [P] its inverse
+    (the row of pair j), group_sizes [experts] the pairs of each expert; all int32."""
+    if flat.shape[0] <= COMPARE_PAIRS_MAX:
+        return _order_by_comparison(flat, experts)
+    return _order_by_sort(flat, experts)
+
+
 def mixture_of_experts(cfg: Config, x, router, experts: dict):
     """The MoE block on normed tokens x [T, H]: float32 [T, H], the sum over each token's top-k
     experts of its router weight times the expert's down(silu(gate(x)) * up(x))."""
     t, k = x.shape[0], cfg.experts_per_token
     weights, chosen = route(cfg, linear(x, router))  # the router's logits in x's dtype, as HF's
-    flat = chosen.reshape(-1)  # [T * k] (token, slot) pairs
-    order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
-    group_sizes = jnp.bincount(flat, length=cfg.experts).astype(jnp.int32)
+    # The (token, slot) pairs grouped by expert.
+    order, inverse, group_sizes = expert_order(chosen.reshape(-1), cfg.experts)
     rows = x[order // k]
     if "gate_up_proj" in experts:
         gate, up = jnp.split(experts_matmul(rows, experts["gate_up_proj"], group_sizes), 2, -1)
@@ -891,7 +926,6 @@ def mixture_of_experts(cfg: Config, x, router, experts: dict):
     # Back to (token, slot) order through the inverse permutation, then each token's k outputs
     # summed in slot order: a gather and a fixed-order sum, where a scatter-add of the pairs onto
     # their tokens would add in the order the GPU's atomics happen to land (not bit-reproducible).
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     out = out[inverse].astype(jnp.float32).reshape(t, k, -1)
     return jnp.sum(out * weights[..., None], axis=1)
 

@@ -15,6 +15,7 @@ import pytest
 
 RUN_FIELDS = (
     "model",
+    "layers",
     "batch",
     "context",
     "nvfp4_ms",
@@ -32,12 +33,13 @@ def _positive(x) -> bool:
 
 def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     out = tmp_path / "decode.json"
-    assert decode.main(["--quick", "--seed", "3", "--json", str(out)]) == 0
+    assert decode.main(["--quick", "--layers", "2", "--seed", "3", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
-    command = f"python benchmarks/decode.py --quick --seed 3 --json {out}"
+    command = f"python benchmarks/decode.py --quick --layers 2 --seed 3 --json {out}"
     assert results["platform"] == "cpu"
     assert results["runs_setup"]["command"] == results["gemv_setup"]["command"] == command
     assert results["runs_setup"]["model"] == "quick" and results["gemv_setup"]["seed"] == 3
+    assert results["runs_setup"]["config"]["layers"] == 2  # --layers over the config's 1
 
     quick = decode.QUICK
     expected = [(b, quick["prompt_len"]) for b in quick["batches"]] + [(1, quick["long_prompt"])]
@@ -45,7 +47,7 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     assert [(r["batch"], r["context"] - quick["new_tokens"]) for r in runs] == expected
     for r in runs:
         assert all(field in r for field in RUN_FIELDS), sorted(r)
-        assert r["model"] == "quick" and r["command"] == command
+        assert r["model"] == "quick" and r["layers"] == 2 and r["command"] == command
         assert _positive(r["nvfp4_ms"]) and _positive(r["bf16_ms"]) and _positive(r["floor_ms"])
         assert r["ratio"] == pytest.approx(r["bf16_ms"] / r["nvfp4_ms"])
         assert r["gpu_busy_ms"] is None  # no GPU in the trace
@@ -76,7 +78,7 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     assert pair["fraction_of_read_bw"] == pytest.approx(pair["tbps"] / pair["read_bw_tbps"])
 
     printed = capsys.readouterr().out
-    assert "| model | batch | context | NVFP4 ms | bf16 ms |" in printed
+    assert "| model | layers | batch | context | NVFP4 ms | bf16 ms |" in printed
     assert f"| {hidden}->{2 * inter}->{hidden} | 1 |" in printed
     assert "| N x K | M | us | TB/s | % of read BW |" in printed
     assert f"| {rows[0]['n']}x{rows[0]['k']} | 1 |" in printed
@@ -101,6 +103,8 @@ def test_earlier_records_stay_unless_measured_again(tmp_path):
         {"model": "m", "batch": 1, "context": 2112, "nvfp4_ms": 4.0},
     ]
     assert decode.merged(runs, new, decode.RUN_KEY) == [runs[0], new[0], new[1]]
+    shallower = [{"model": "m", "layers": 24, "batch": 1, "context": 72, "nvfp4_ms": 1.0}]
+    assert decode.merged(runs, shallower, decode.RUN_KEY) == runs + shallower
     rows = [{"n": 8, "k": 8, "m": 1, "layout": "tiled", "us": 1.0}]
     spec = [{"n": 8, "k": 8, "m": 1, "layout": "spec", "us": 2.0}]
     assert decode.merged(rows, spec, decode.GEMV_KEY) == rows + spec
@@ -118,7 +122,8 @@ def test_help_documents_the_command_line(capsys):
 
 def test_markdown_from_an_earlier_result(tmp_path, capsys):
     run = dict.fromkeys(RUN_FIELDS)
-    run.update(model="llama3-8b", batch=1, context=72, nvfp4_ms=1.5, bf16_ms=4.5, ratio=3.0)
+    run.update(model="llama3-8b", layers=32, batch=1, context=72, nvfp4_ms=1.5, bf16_ms=4.5)
+    run.update(ratio=3.0)
     run.update(floor_ms=1.2, nvfp4_over_floor=1.25)  # gpu_busy_ms and loop_over_gpu_busy: none
     row = {"n": 4096, "k": 4096, "m": 1, "us": 5.0, "tbps": 1.7, "fraction_of_read_bw": 0.9}
     row.update(bf16_us=11.0, x_bf16=2.2, glue_us=0.0, noisy=True)
@@ -126,7 +131,7 @@ def test_markdown_from_an_earlier_result(tmp_path, capsys):
     path.write_text(json.dumps({"runs": [run], "gemv": [row]}))
     assert decode.main(["--markdown-from", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "| llama3-8b | 1 | 72 | 1.50 | 4.50 | 3.00 | - | - | 1.20 | 1.25 |" in lines
+    assert "| llama3-8b | 32 | 1 | 72 | 1.50 | 4.50 | 3.00 | - | - | 1.20 | 1.25 |" in lines
     assert "| 4096x4096 | 1 | 5.00? | 1.70 | 90% | 11.00 | 2.20 | 0.00 |" in lines
 
 
@@ -145,6 +150,8 @@ def test_bad_arguments_are_refused():
         decode.main(["--gemv-shapes", "4096x"])
     with pytest.raises(SystemExit):
         decode.main(["--quick", "--new-tokens", "0"])
+    with pytest.raises(SystemExit):
+        decode.main(["--quick", "--layers", "0"])
 
 
 def test_fit_width_slices_or_repeats_columns():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_fp4
+from tests._helpers import load_repo_script
 
 needs_ragged_matmul = pytest.mark.skipif(
     not hasattr(jax_fp4, "ragged_matmul"), reason="this jax_fp4 has no ragged_matmul"
@@ -48,13 +49,15 @@ def test_zipf_routing_is_skewed_and_the_expected_active_count():
     sizes = {k: moe.group_sizes(moe.route(rng, k, 32, 128, 8, 1.2), 128) for k in moe.ROUTINGS}
     assert sizes["zipf"].max() > 2 * sizes["uniform"].max()
     assert np.count_nonzero(sizes["zipf"]) < np.count_nonzero(sizes["uniform"])
-    # The model part's expected active experts against uniform routing's draws (8 x top-8 of 128).
-    cfg = moe.load_llm_example().Config.from_json(moe.load_llm_example().PRESETS[moe.MODEL_PRESET])
+    # The example's expected active experts (the MoE model's byte floor in benchmarks/decode.py)
+    # against uniform routing's draws (8 x top-8 of 128).
+    llm = load_repo_script("examples/llm_generate.py")
+    cfg = llm.Config.from_json(llm.PRESETS["qwen3-30b-a3b"])
     active = [
         np.count_nonzero(moe.group_sizes(moe.route(rng, "uniform", 8, 128, 8, 1.2), 128))
         for _ in range(200)
     ]
-    assert abs(np.mean(active) - moe.load_llm_example().expected_active_experts(cfg, 8)) < 1.5
+    assert abs(np.mean(active) - llm.expected_active_experts(cfg, 8)) < 1.5
 
 
 # The entry computation of jax.lax.ragged_dot(bf16 [32768, 2048], bf16 [128, 2048, 1536], sizes)
@@ -105,29 +108,6 @@ def test_hlo_summary_of_xla_ragged_dot_here_and_on_an_h100():
     )
     summary = moe.hlo_summary(one, 32768, 128, 2048, 1536)
     assert summary["largest_dot_work"] == 1 and not summary["dense_over_all_experts"]
-
-
-def test_layers_that_fit_the_device_memory():
-    config = {
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_experts": 6,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 48,
-        "vocab_size": 100,
-    }
-    experts, other = 6 * 3 * 32 * 64, 2 * 64 * 64 + 2 * 32 * 64 + 6 * 64
-    assert moe.layer_param_counts(config) == (experts, other)
-    assert moe.layers_that_fit(config, None) == 48
-    per_layer = (experts + other) * (2 + 0.5 + 1 / 16)  # bf16 twin + NVFP4 codes and scales
-    memory = (2 * 100 * 64 * 2 + 12.5 * per_layer) / 0.8
-    assert moe.layers_that_fit(config, memory) == 12
-    assert moe.layers_that_fit(config, 10**12) == 48 and moe.layers_that_fit(config, 1) == 1
-    # The preset: an H100's 80 GB do not hold all 48 layers twice, an H200's 141 GB do.
-    preset = moe.load_llm_example().PRESETS[moe.MODEL_PRESET]
-    assert moe.layers_that_fit(preset, 80 * 2**30) < 48 == moe.layers_that_fit(preset, 141 * 2**30)
 
 
 @needs_ragged_matmul
@@ -187,45 +167,3 @@ def test_quick_run_of_the_grouped_parts_writes_json_and_tables(tmp_path, capsys)
     assert "a dense dot over all 8 experts" in printed
     assert moe.main(["--markdown-from", str(out)]) == 0
     assert capsys.readouterr().out.strip() == printed.split("\n", 1)[1].strip()
-
-
-def _model_preset_present() -> bool:
-    return moe.MODEL_PRESET in moe.load_llm_example().PRESETS
-
-
-@pytest.mark.skipif(
-    not _model_preset_present(), reason=f"examples/llm_generate.py has no {moe.MODEL_PRESET} preset"
-)
-def test_quick_run_of_the_model_part(tmp_path, capsys):
-    out = tmp_path / "moe.json"
-    rc = moe.main(
-        [
-            "--quick",
-            "--parts",
-            "model",
-            "--seed",
-            "4",
-            "--repeats",
-            "1",
-            "--warmup",
-            "0",
-            "--json",
-            str(out),
-        ]
-    )
-    assert rc == 0
-    results = json.loads(out.read_text())
-    assert not results["rows"] and len(results["model"]) == len(moe.QUICK_PLAN.batches)
-    for r in results["model"]:
-        assert r["layers"] == 2 and not r["layers_limited_by_memory"]
-        for field in (
-            "nvfp4_ms",
-            "bf16_ms",
-            "speedup_vs_bf16",
-            "nvfp4_floor_ms",
-            "bf16_floor_ms",
-            "bf16_floor_vs_nvfp4",
-        ):
-            assert _positive_finite(r[field]), (field, r)
-        assert r["bf16_bytes"] > r["nvfp4_bytes"]
-    assert "Decode step of the MoE model" in capsys.readouterr().out
