@@ -7,8 +7,9 @@ with a cold L2, launch shape, stall reasons). Run it under ncu, e.g.
 Cases are "backend:M:NxK" (default: the decode GEMV and the fused GEMM at the shapes docs/design.md
 discusses), or "grouped:TOKENS:NxK" for jax_fp4.ragged_matmul over --experts stacked [N, K] weights
 with TOKENS tokens routed uniformly at random to --top-k distinct experts each (M = TOKENS x top-k
-rows; the grouped GEMV or GEMM, whichever the dispatch picks). Every case runs twice (compile + warm) before the profiled third call. `--layout
-tiled` prepacks the weights (jax_fp4.prepack), as the default bench sweep times them.
+rows; the grouped GEMV or GEMM, whichever the dispatch picks). Every case runs twice (compile +
+warm) before the profiled third call. `--layout tiled` prepacks the weights (jax_fp4.prepack), as
+the default bench sweep times them.
 """
 
 from __future__ import annotations
