@@ -10,12 +10,7 @@ import moe
 import numpy as np
 import pytest
 
-import jax_fp4
 from tests._helpers import load_repo_script
-
-needs_ragged_matmul = pytest.mark.skipif(
-    not hasattr(jax_fp4, "ragged_matmul"), reason="this jax_fp4 has no ragged_matmul"
-)
 
 
 def _positive_finite(x) -> bool:
@@ -110,7 +105,6 @@ def test_hlo_summary_of_xla_ragged_dot_here_and_on_an_h100():
     assert summary["largest_dot_work"] == 1 and not summary["dense_over_all_experts"]
 
 
-@needs_ragged_matmul
 def test_quick_run_of_the_grouped_parts_writes_json_and_tables(tmp_path, capsys):
     out = tmp_path / "moe.json"
     hlo = tmp_path / "ragged_dot.txt"
