@@ -648,7 +648,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.markdown_from) as f:
             print(markdown(json.load(f)))
         return 0
-    grouped = list(args.parts)
     base = QUICK_PLAN if args.quick else Plan()
     plan = dataclasses.replace(
         base,
@@ -704,10 +703,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench.write_json_file(json_path, results)
         return results
 
-    if grouped:
-        for shape in plan.shapes:
-            rows += grouped_rows(b, plan, shape, grouped, rng)
-            write(complete=False)
+    for shape in plan.shapes:  # --parts holds at least one of gemv and prefill
+        rows += grouped_rows(b, plan, shape, args.parts, rng)
+        write(complete=False)
     if "prefill" in args.parts:
         for shape in plan.shapes:
             m = plan.prefill_tokens * plan.top_k
