@@ -863,14 +863,16 @@ def route(cfg: Config, logits):
     return weights, experts.astype(jnp.int32)
 
 
-def experts_matmul(a, w, group_sizes):
+def experts_matmul(a, w, group_sizes, activation=None):
     """a [M, K], rows sorted by expert (group_sizes [E] of them each), times each row's expert:
-    [M, N] in a's dtype. NVFP4 experts w [E, N, K] (as checkpoints store each expert) through
-    jax_fp4.ragged_matmul, which reads only the experts that have rows; dense ones [E, K, N]
-    (jax.lax.ragged_dot's own layout) through ragged_dot."""
+    [M, N] in a's dtype; activation "silu_mul" on fused gate/up experts gives silu(gate) * up
+    [M, N / 2]. NVFP4 experts w [E, N, K] (as checkpoints store each expert) through
+    jax_fp4.ragged_matmul, which reads only the experts that have rows and runs silu_mul in its
+    kernel; dense ones [E, K, N] (jax.lax.ragged_dot's own layout) through ragged_dot."""
     if isinstance(w, jax_fp4.NVFP4Weight):
-        return jax_fp4.ragged_matmul(a, w, group_sizes)
-    return jax.lax.ragged_dot(a, w.astype(a.dtype), group_sizes)
+        return jax_fp4.ragged_matmul(a, w, group_sizes, activation=activation)
+    y = jax.lax.ragged_dot(a, w.astype(a.dtype), group_sizes)
+    return silu_mul(*jnp.split(y, 2, -1)) if activation == "silu_mul" else y
 
 
 # Up to this many (token, slot) pairs, expert_order compares every pair with every other ([P, P]
@@ -919,11 +921,11 @@ def mixture_of_experts(cfg: Config, x, router, experts: dict):
     order, inverse, group_sizes = expert_order(chosen.reshape(-1), cfg.experts)
     rows = x[order // k]
     if "gate_up_proj" in experts:
-        gate, up = jnp.split(experts_matmul(rows, experts["gate_up_proj"], group_sizes), 2, -1)
+        hidden = experts_matmul(rows, experts["gate_up_proj"], group_sizes, "silu_mul")
     else:
         gate = experts_matmul(rows, experts["gate_proj"], group_sizes)
-        up = experts_matmul(rows, experts["up_proj"], group_sizes)
-    out = experts_matmul(silu_mul(gate, up), experts["down_proj"], group_sizes)
+        hidden = silu_mul(gate, experts_matmul(rows, experts["up_proj"], group_sizes))
+    out = experts_matmul(hidden, experts["down_proj"], group_sizes)
     # Back to (token, slot) order through the inverse permutation, then each token's k outputs
     # summed in slot order: a gather and a fixed-order sum, where a scatter-add of the pairs onto
     # their tokens would add in the order the GPU's atomics happen to land (not bit-reproducible).

@@ -10,7 +10,10 @@ the program never depends on them at trace time, so one compiled program serves 
 
 Operands of the primitive: a [M, K], packed uint8 [G, N, K/2], scale uint8 [G, N, ceil(K/bs)],
 global_scale float32 [G], group_sizes int32 [G], then bias [G, N] (a's dtype) when has_bias.
-Result: [M, N] in a's dtype.
+Result: [M, N] in a's dtype; [M, N / 2] with activation "silu_mul" (static): each weight a fused
+gate/up pair, silu(gate) * up taken from the float32 products with one rounding, in the grouped
+GEMV's kernel (its epilogue) and composed around the product on the other paths, as matmul's
+fusions (jax_fp4/lowering.py). Its JVP is that of the composition.
 
 Group sizes out of range: ragged_dot leaves them unspecified. Here every path reads them as the
 kernels do: a negative size counts as 0 (eager calls with concrete sizes raise instead), and
@@ -58,6 +61,7 @@ from jax_fp4.explicit_axes import (
 from jax_fp4.format import NVFP4Weight, host_values, scale_as_bytes
 from jax_fp4.ops import (
     bind_per_batch_element,
+    check_activation_name,
     check_bias,
     check_tuning,
     def_compiled_impl,
@@ -85,6 +89,7 @@ def bind(
     backend: str,
     layout: str = "spec",
     tuning: KernelTuning | None = None,
+    activation: str | None = None,
 ):
     """Bind the primitive; `bias` may be None. Operands must already be validated."""
     operands = (a, packed, scale, global_scale, group_sizes) + (() if bias is None else (bias,))
@@ -95,6 +100,7 @@ def bind(
         layout=layout,
         has_bias=bias is not None,
         tuning=tuning,
+        activation=activation,
     )
 
 
@@ -157,10 +163,10 @@ def result_sharding(a_aval, packed_aval):
     return NamedSharding(sharding.mesh, P(None, spec_entry(n_axes)))
 
 
-def _abstract_eval(*operands, **params):
+def _abstract_eval(*operands, activation=None, **params):
     del params
     a, packed = operands[0], operands[1]
-    shape = (a.shape[0], packed.shape[1])
+    shape = (a.shape[0], packed.shape[1] // (2 if activation == "silu_mul" else 1))
     sharding = result_sharding(a, packed)
     if sharding is None:
         return jax.core.ShapedArray(shape, a.dtype)
@@ -182,9 +188,13 @@ def _with_bias(y32, bias, group_sizes, dtype):
     return y32.astype(dtype)
 
 
-def _empty(a, packed, scale, global_scale, group_sizes, bias, **_):
+# The pure-JAX paths round their float32 product to `out_dtype` (default a's dtype); a call with an
+# activation takes it unrounded (float32) for the epilogue.
+
+
+def _empty(a, packed, scale, global_scale, group_sizes, bias, *, out_dtype=None, **_):
     y = jnp.zeros((a.shape[0], packed.shape[1]), jnp.float32)
-    return _with_bias(y, bias, group_sizes, a.dtype)
+    return _with_bias(y, bias, group_sizes, out_dtype or a.dtype)
 
 
 def _dense(packed, scale, global_scale, block_size, layout, dtype):
@@ -200,7 +210,9 @@ def _ragged_dot(lhs, rhs, group_sizes, **kwargs):
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, out_sharding=out_sharding, **kwargs)
 
 
-def _reference(a, packed, scale, global_scale, group_sizes, bias, *, block_size, layout, **_):
+def _reference(
+    a, packed, scale, global_scale, group_sizes, bias, *, block_size, layout, out_dtype=None, **_
+):
     w = _dense(packed, scale, global_scale, block_size, layout, jnp.float32)
     y = _ragged_dot(
         a.astype(jnp.float32),
@@ -209,10 +221,12 @@ def _reference(a, packed, scale, global_scale, group_sizes, bias, *, block_size,
         precision=jax.lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
-    return _with_bias(y, bias, group_sizes, a.dtype)
+    return _with_bias(y, bias, group_sizes, out_dtype or a.dtype)
 
 
-def _xla(a, packed, scale, global_scale, group_sizes, bias, *, block_size, layout, **_):
+def _xla(
+    a, packed, scale, global_scale, group_sizes, bias, *, block_size, layout, out_dtype=None, **_
+):
     # The weight in a's dtype, as the dense xla path: XLA may fuse the dequantize into its product.
     w = _dense(packed, scale, global_scale, block_size, layout, a.dtype)
     y = _ragged_dot(
@@ -221,7 +235,7 @@ def _xla(a, packed, scale, global_scale, group_sizes, bias, *, block_size, layou
         effective_sizes(group_sizes, a.shape[0]),
         preferred_element_type=jnp.float32,
     )
-    return _with_bias(y, bias, group_sizes, a.dtype)
+    return _with_bias(y, bias, group_sizes, out_dtype or a.dtype)
 
 
 def _bias_operand(bias, dtype):
@@ -243,12 +257,16 @@ def _cpu(a, packed, scale, global_scale, group_sizes, bias, *, block_size, layou
     )
 
 
-def _grouped_gemv(a, packed, scale, global_scale, group_sizes, bias, *, block_size, layout, **_):
-    out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[1]), a.dtype)
+def _grouped_gemv(
+    a, packed, scale, global_scale, group_sizes, bias, *, block_size, layout, activation=None, **_
+):
+    silu_mul = activation == "silu_mul"
+    out = jax.ShapeDtypeStruct((a.shape[0], packed.shape[1] // (2 if silu_mul else 1)), a.dtype)
     return jax.ffi.ffi_call(GEMV_TARGET, out)(
         *_kernel_operands(a, packed, scale, global_scale, group_sizes, bias),
         block_size=np.int64(block_size),
         tiled=layout == "tiled",
+        activation=np.int64(1 if silu_mul else 0),
     )
 
 
@@ -536,31 +554,62 @@ def _kernel_run(impl, layout: str, block_size: int, attributes: tuple):
     return run
 
 
-def _lowering_rule(ctx, *operands, block_size, backend, layout, has_bias, tuning=None, platform):
+def _fuses_in_kernel(path: str, layout: str, n: int) -> bool:
+    """Whether `path` runs silu_mul in its kernel: the grouped GEMV's fused epilogue, which pairs
+    a 16-row gate tile with its up tile (on the tiled layout the up rows must start on a tile)."""
+    return path == "grouped_gemv" and (layout == "spec" or (n // 2) % 16 == 0)
+
+
+_F32_PATHS = ("empty", "reference", "xla")  # paths that give the product unrounded (out_dtype)
+
+
+def _lowering_rule(
+    ctx, *operands, block_size, backend, layout, has_bias, tuning=None, activation=None, platform
+):
     del tuning  # the grouped kernels have no tuning attributes
     a_aval, packed_aval = ctx.avals_in[0], ctx.avals_in[1]
     out_sharding = explicit_type(ctx.avals_out[0])
     path = path_for(
         platform, a_aval.shape, a_aval.dtype, packed_aval.shape, block_size, backend, layout
     )
-    attributes = (("avx512", _config.cpu_avx512()),) if path == "cpu" else ()
-    run = _kernel_run(_PATHS[path], layout, block_size, attributes)
     mesh = next((m for aval in ctx.avals_in if (m := typed_mesh(aval)) is not None), None)
     rules = path in KERNEL_PATHS and _config.custom_partitioning()
+    partitioned = rules and (mesh is not None or _sharding._needs_rule(ctx))
+    # An activation runs in the kernel where it can (one device's program), else around the
+    # product, taken in float32 where the path can give it (reference, xla, empty, and cpu run on
+    # float32 activations) and rounded to a's dtype first on the CUDA kernels.
+    in_kernel = (
+        activation is not None
+        and not partitioned
+        and _fuses_in_kernel(path, layout, packed_aval.shape[1])
+    )
+    composed = activation is not None and not in_kernel
+    attributes = (("avx512", _config.cpu_avx512()),) if path == "cpu" else ()
+    if in_kernel:
+        attributes += (("activation", activation),)
+    elif composed and path in _F32_PATHS:
+        attributes += (("out_dtype", jnp.float32),)
+    run = _kernel_run(_PATHS[path], layout, block_size, attributes)
     static = (has_bias, a_aval.shape[1], block_size, layout == "tiled")
     local_k_check = _local_k_check(path, block_size, np.dtype(a_aval.dtype))
     if rules and mesh is not None:
         call = _by_sharding_types(run, mesh, packed_aval, *static, local_k_check)
-    elif rules and _sharding._needs_rule(ctx):
+    elif partitioned:
         call = _partitioned(run, *static, local_k_check)
     else:
 
         def call(*ops):
             return run(*split_operands(_replicated_by_type(ops), has_bias))
 
+    def product_then_epilogue(*ops):
+        if path == "cpu":  # its float32 build: the product unrounded
+            ops = [x.astype(jnp.float32) if i in (0, 5) else x for i, x in enumerate(ops)]
+        y32 = call(*ops).astype(jnp.float32)
+        return _lowering.epilogue(y32, activation, None, a_aval.dtype)
+
     def lowered(*ops):
         with jax.named_scope(f"jax_fp4/{path}"):
-            y = call(*ops)
+            y = product_then_epilogue(*ops) if composed else call(*ops)
         return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
 
     return mlir.lower_fun(lowered, multiple_results=False)(ctx, *operands)
@@ -643,10 +692,38 @@ batching.primitive_batchers[nvfp4_ragged_matmul_p] = _batch
 # packed codes, block scales and group sizes are integer data and have no tangent.
 
 
-def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, tuning=None):
+def _activation_jvp(primals, tangents, *, activation, has_bias, **static):
+    """The JVP of a call with an activation: the fused primitive's value, and the tangent of its
+    composition (the plain product, then the float32 epilogue), in the operands that move."""
     a, packed, scale, global_scale, group_sizes, bias = split_operands(primals, has_bias)
     da, _, _, dgs, _, dbias = split_operands(tangents, has_bias)
+    y = nvfp4_ragged_matmul_p.bind(*primals, activation=activation, has_bias=has_bias, **static)
+    primal_in, tangent_in = (a, global_scale, bias), (da, dgs, dbias)
+    moving = [i for i, t in enumerate(tangent_in) if t is not None and not is_zero(t)]
+    if not moving:
+        return y, ad.Zero.from_primal_value(y)
+
+    def composition(*moved):
+        x = list(primal_in)
+        for i, value in zip(moving, moved):
+            x[i] = value
+        a, global_scale, bias = x
+        y = bind(a, packed, scale, global_scale, group_sizes, bias, **static)
+        return _lowering.epilogue(y.astype(jnp.float32), activation, None, a.dtype)
+
+    moved = [primal_in[i] for i in moving]
+    _, dy = jax.jvp(composition, moved, [tangent_in[i] for i in moving])
+    return y, typed_like(dy, jax.typeof(y))
+
+
+def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, tuning=None, activation=None):
     static = dict(block_size=block_size, backend=backend, layout=layout, tuning=tuning)
+    if activation is not None:
+        return _activation_jvp(
+            primals, tangents, activation=activation, has_bias=has_bias, **static
+        )
+    a, packed, scale, global_scale, group_sizes, bias = split_operands(primals, has_bias)
+    da, _, _, dgs, _, dbias = split_operands(tangents, has_bias)
     y = bind(a, packed, scale, global_scale, group_sizes, bias, **static)
     out = []
     dbias = None if dbias is None or is_zero(dbias) else dbias
@@ -662,7 +739,9 @@ def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, tuning=Non
     return y, functools.reduce(jnp.add, out)
 
 
-def _transpose(ct, *operands, block_size, backend, layout, has_bias, tuning=None):
+def _transpose(ct, *operands, block_size, backend, layout, has_bias, tuning=None, activation=None):
+    if activation is not None:  # not linear: its JVP (the composition's) leaves plain products
+        raise NotImplementedError("ragged_matmul: a call with an activation is not linear")
     a, packed, scale, global_scale, group_sizes, bias = split_operands(operands, has_bias)
     if any(ad.is_undefined_primal(x) for x in (packed, scale, group_sizes)):
         raise TypeError(
@@ -781,6 +860,7 @@ def ragged_matmul(
     group_sizes,
     bias=None,
     *,
+    activation: str | None = None,
     backend: str | None = None,
     tuning: KernelTuning | None = None,
 ):
@@ -794,6 +874,12 @@ def ragged_matmul(
         M leaves the groups past M without rows; a negative size counts as 0 (an eager call with
         concrete sizes raises ValueError instead).
       bias: optional [G, N], group g's row added to its rows, cast to a's dtype.
+      activation: None, or "silu_mul": each weight of the stack is a fused gate/up weight
+        [2 I, K] (rows [:I] the gate, [I:] the up projection) and the result is silu(gate) * up
+        [M, I], from the float32 products with one rounding where the path allows it (the grouped
+        GEMV's kernel, reference, xla, cpu; the grouped GEMM rounds its product first), as
+        `matmul`'s activation. A mixture-of-experts MLP's first product then needs no separate
+        activation pass.
       backend: None/"auto" picks a path from the static shapes (M, G, N, K) and the platform;
         one of GROUPED_BACKENDS ("reference", "xla", "cpu", "grouped_gemv", "grouped_gemm")
         forces one, and raises ValueError if it cannot serve these shapes or this platform.
@@ -801,7 +887,7 @@ def ragged_matmul(
         kernels have no tuning attributes and ignore it.
 
     Returns:
-      [M, N] in a's dtype.
+      [M, N] in a's dtype ([M, N / 2] with activation "silu_mul").
 
     Differentiable with respect to a, bias and w.global_scale; the packed codes, block scales and
     group sizes are integer data (no tangent).
@@ -810,6 +896,7 @@ def ragged_matmul(
     a = _check_activation(a, w)
     group_sizes = _check_group_sizes(group_sizes, w.packed.shape[0])
     bias = check_bias(bias, (w.packed.shape[0], w.n), a.dtype, op="ragged_matmul", axes=("G", "N"))
+    activation = check_activation_name(activation, w, op="ragged_matmul")
     backend = resolve_backend(backend, _dispatch.GROUPED_BACKENDS, op="ragged_matmul")
     tuning = check_tuning(tuning, op="ragged_matmul")
     _dispatch.check_grouped_backend(
@@ -826,6 +913,7 @@ def ragged_matmul(
         backend=backend,
         layout=w.layout,
         tuning=tuning,
+        activation=activation,
     )
 
 

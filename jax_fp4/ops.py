@@ -397,16 +397,17 @@ def check_bias(bias, expected: tuple[int, ...], dtype, *, op: str = "matmul", ax
     return bias.astype(dtype)
 
 
-def _check_activation_name(activation, w: NVFP4Weight):
+def check_activation_name(activation, w: NVFP4Weight, *, op: str = "matmul"):
+    """`activation` checked against w (None or one of ACTIVATIONS; silu_mul needs an even N)."""
     if activation is None:
         return None
     if not isinstance(activation, str) or activation not in _lowering.ACTIVATIONS:
         raise ValueError(
-            f"matmul: activation must be one of {_lowering.ACTIVATIONS} or None, got {activation!r}"
+            f"{op}: activation must be one of {_lowering.ACTIVATIONS} or None, got {activation!r}"
         )
     if w.n % 2:
         raise ValueError(
-            "matmul: activation='silu_mul' needs a fused gate/up weight [2 I, K] (rows [:I] the "
+            f"{op}: activation='silu_mul' needs a fused gate/up weight [2 I, K] (rows [:I] the "
             f"gate, [I:] the up projection), so an even N; got w.shape = {w.shape}"
         )
     return activation
@@ -516,7 +517,7 @@ def matmul(
     """
     _check_weight(w)
     a = _check_activation(a, w)
-    activation = _check_activation_name(activation, w)
+    activation = check_activation_name(activation, w)
     bias = check_bias(bias, (w.n,), a.dtype)
     norm_weight, norm_eps = _check_norm(norm_weight, norm_eps, w)
     residual = _check_residual(residual, a, w.n // 2 if activation == "silu_mul" else w.n)

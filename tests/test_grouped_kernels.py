@@ -122,8 +122,9 @@ def check(y, ref, mag, sizes, dtype):
     )
 
 
-def call(target, a, packed, scale, gs, sizes, bias, *, tiled, block_size=16):
-    """The target on spec-layout weights (tiled=True: handed the tiled layout), y as NumPy."""
+def call(target, a, packed, scale, gs, sizes, bias, *, tiled, block_size=16, activation=0):
+    """The target on spec-layout weights (tiled=True: handed the tiled layout), y as NumPy. The
+    GEMV's activation: 0 none, 1 silu_mul (y [M, N / 2])."""
     a = jnp.asarray(a)
     m, k = a.shape
     g, n = packed.shape[:2]
@@ -138,10 +139,15 @@ def call(target, a, packed, scale, gs, sizes, bias, *, tiled, block_size=16):
         bias,
     )
     attrs = dict(block_size=np.int64(block_size), tiled=bool(tiled))
+    if target == GEMV:
+        n_out = n // 2 if activation == 1 else n
+        poison((m, n_out), a.dtype)
+        y_type = jax.ShapeDtypeStruct((m, n_out), a.dtype)
+        return np.asarray(
+            jax.ffi.ffi_call(GEMV, y_type)(a, *operands, activation=np.int64(activation), **attrs)
+        )
     poison((m, n), a.dtype)
     y_type = jax.ShapeDtypeStruct((m, n), a.dtype)
-    if target == GEMV:
-        return np.asarray(jax.ffi.ffi_call(GEMV, y_type)(a, *operands, **attrs))
     ws = jax.ShapeDtypeStruct((grouped_gemm_workspace_bytes(m, n, k, g),), jnp.uint8)
     y, _ = jax.ffi.ffi_call(GEMM, (y_type, ws))(
         _fused.to_fragment_order(a, tiled), *operands, **attrs
@@ -217,6 +223,44 @@ def test_grouped_gemv_ragged_n_and_bias(dtype):
     rng = np.random.default_rng()
     for kind in ("random", "over"):
         run_case(GEMV, rng, 23, 40, 256, 6, kind, dtype, False, True, special=True)
+
+
+def silu_mul_reference(ref, mag):
+    """silu(gate) * up of a float64 product [M, 2 I] (gate [:, :I], up [:, I:]), and the error
+    scale of its float32 accumulation carried through (|d/dgate| mag_gate + |d/dup| mag_up)."""
+    half = ref.shape[1] // 2
+    gate, up = ref[:, :half], ref[:, half:]
+    sig = 1.0 / (1.0 + np.exp(-gate))
+    out = gate * sig * up
+    slope = sig * (1.0 + gate * (1.0 - sig))  # d silu / d gate
+    return out, np.abs(slope * up) * mag[:, :half] + np.abs(gate * sig) * mag[:, half:]
+
+
+# (M, N, K, G): N / 2 % 16 == 0 (the tiled layout's tiles) and N / 2 odd (spec), a chunk of 16
+# rows, many groups.
+SILU_SHAPES = [(8, 64, 256, 8), (13, 96, 384, 5), (37, 34, 256, 16), (64, 32, 128, 200)]
+
+
+@needs_gemv
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("kind", ["random", "all_in_one", "over"])
+@pytest.mark.parametrize("shape", SILU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_grouped_gemv_silu_mul(shape, kind, tiled, dtype):
+    """activation 1: each group's gate rows [0, N/2) and up rows [N/2, N) give y [M, N / 2] =
+    silu(gate) * up from the float32 products (bias included), one rounding."""
+    m, n, k, g = shape
+    if tiled and (n // 2) % 16:
+        pytest.skip("the tiled layout needs N / 2 % 16 == 0 for silu_mul")
+    rng = np.random.default_rng()
+    packed, scale, gs = random_experts(rng, g, n, k)
+    gs = gs / 16  # silu(gate) * up well inside float16's range
+    a = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32), dtype)
+    bias = jnp.asarray(rng.standard_normal((g, n)), dtype) if m % 2 else None
+    sizes = random_sizes(rng, g, m, kind)
+    y = call(GEMV, a, packed, scale, gs, sizes, bias, tiled=tiled, activation=1)
+    ref, mag = silu_mul_reference(*grouped_reference(a, packed, scale, gs, sizes, bias))
+    check(y, ref, mag, sizes, dtype)
 
 
 # ---- the grouped fused GEMM ---------------------------------------------------------------------
@@ -323,8 +367,9 @@ def test_invalid_operands(target):
     a = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     sizes = np.array([8, 8], np.int32)
 
-    def attempt(a=a, packed=packed, scale=scale, gs=gs, sizes=sizes, block_size=16):
-        call(target, a, packed, scale, gs, sizes, None, tiled=False, block_size=block_size)
+    def attempt(a=a, packed=packed, scale=scale, gs=gs, sizes=sizes, block_size=16, **kw):
+        kw = dict(tiled=False, activation=0) | kw
+        call(target, a, packed, scale, gs, sizes, None, block_size=block_size, **kw)
 
     cases = [
         (dict(sizes=np.array([8, 8, 0], np.int32)), "group_sizes must hold G = 2"),
@@ -337,6 +382,19 @@ def test_invalid_operands(target):
             "K must be a positive multiple of 128",
         ),
     ]
+    if target == GEMV:
+        packed48, scale48, _ = random_experts(rng, g, 48, k)
+        cases += [
+            (dict(activation=2), "activation must be 0 (none) or 1 (silu_mul), got 2"),
+            (
+                dict(activation=1, packed=packed[:, :31], scale=scale[:, :31]),
+                "activation silu_mul needs an even N, got N = 31",
+            ),
+            (
+                dict(activation=1, packed=packed48, scale=scale48, tiled=True),
+                "activation silu_mul on the tiled layout needs N / 2 % 16 == 0, got N = 48",
+            ),
+        ]
     for overrides, message in cases:
         with pytest.raises(Exception, match=message.replace("[", r"\[").replace("]", r"\]")):
             attempt(**overrides)

@@ -48,9 +48,10 @@ def ref_ragged(a, packed, scale, gs, block_size, sizes, bias=None, *, weight_dty
     return y
 
 
-def random_stack(rng, g, n, k, block_size=16):
-    """A random stack of G weights: (NVFP4Weight, packed, scale bytes, global scales)."""
-    parts = [reference.random_weight(rng, n, k, block_size) for _ in range(g)]
+def random_stack(rng, g, n, k, block_size=16, *, unit_gain=False):
+    """A random stack of G weights: (NVFP4Weight, packed, scale bytes, global scales); unit_gain:
+    rows of unit norm (reference.unit_gain_global_scale)."""
+    parts = [reference.random_weight(rng, n, k, block_size, unit_gain=unit_gain) for _ in range(g)]
     packed = np.stack([p[0] for p in parts]).reshape(g, n, k // 2)
     scale = np.stack([p[1] for p in parts]).reshape(g, n, -1)
     gs = np.array([p[2] for p in parts], np.float32)
@@ -98,10 +99,10 @@ def backends(device, a, w):
     return names
 
 
-def run(a, w, sizes, bias=None, backend=None):
-    return jax.jit(lambda a, w, s, b: jax_fp4.ragged_matmul(a, w, s, b, backend=backend))(
-        a, w, sizes, bias
-    )
+def run(a, w, sizes, bias=None, backend=None, activation=None):
+    return jax.jit(
+        lambda a, w, s, b: jax_fp4.ragged_matmul(a, w, s, b, backend=backend, activation=activation)
+    )(a, w, sizes, bias)
 
 
 def expected(a, w, sizes, bias, arrays, backend):
@@ -422,6 +423,100 @@ def test_weight_codes_are_not_differentiable():
         jax.grad(through_scale_bytes)(w.scale)
 
 
+# ---- activation="silu_mul" ---------------------------------------------------------------------
+
+
+def silu_mul64(y):
+    """silu(gate) * up of a float64 product [..., 2 I]: gate [..., :I], up [..., I:]."""
+    half = y.shape[-1] // 2
+    gate, up = y[..., :half], y[..., half:]
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+SILU_SHAPES = [
+    # (M, G, N, K, layout): on a GPU the grouped GEMV runs silu_mul in its kernel where K % 128 ==
+    # 0 (and, tiled, N / 2 % 16 == 0), the GEMM and the others around the product.
+    (23, 4, 40, 64, "spec"),  # K % 128 != 0
+    (9, 16, 34, 256, "spec"),  # N / 2 odd
+    (9, 16, 64, 256, "tiled"),
+    (9, 16, 48, 256, "tiled"),  # N / 2 % 16 != 0: around the GEMV's product
+    (300, 8, 128, 1024, "tiled"),  # tens of rows per group: the GEMM
+]
+
+
+@pytest.mark.parametrize("m, g, n, k, layout", SILU_SHAPES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_mul_matches_reference(device, m, g, n, k, layout, dtype, with_bias):
+    rng = np.random.default_rng()
+    w, packed, scale, gs = random_stack(rng, g, n, k, unit_gain=True)
+    w = jax_fp4.prepack(w) if layout == "tiled" else w
+    a = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    bias = jnp.asarray(rng.standard_normal((g, n)), dtype) if with_bias else None
+    sizes = random_sizes(rng, g, m)
+    end = past_the_groups(sizes, m)
+    for backend in backends(device, a, w):
+        y = run(a, w, sizes, bias, backend, activation="silu_mul")
+        want = silu_mul64(expected(a, w, sizes, bias, (packed, scale, gs), backend))
+        _check(y, want, dtype)
+        assert not np.asarray(y, np.float32)[end:].any(), backend  # zeros past the groups
+
+
+def test_silu_mul_under_vmap(device):
+    """vmap folds the batch into one grouped call, the activation included."""
+    rng = np.random.default_rng()
+    w, packed, scale, gs = random_stack(rng, 6, 32, 128, unit_gain=True)
+    a = jnp.asarray(rng.standard_normal((3, 10, 128)), jnp.bfloat16)
+    sizes = np.stack([random_sizes(rng, 6, 10) for _ in range(3)])
+    f = jax.jit(jax.vmap(lambda a, s: jax_fp4.ragged_matmul(a, w, s, activation="silu_mul")))
+    y = f(a, sizes)
+    assert y.shape == (3, 10, 16)
+    for i in range(3):
+        want = silu_mul64(expected(a[i], w, sizes[i], None, (packed, scale, gs), None))
+        _check(y[i], want, "bfloat16")
+
+
+def test_silu_mul_grad_matches_the_float64_model(device):
+    """d/da, d/dbias, d/dglobal_scale of sum(c * silu(gate) * up) against their float64
+    formulas (the tangent is the composition's: the product, then silu_mul in float32)."""
+    rng = np.random.default_rng()
+    m, g, n, k = 29, 5, 24, 64
+    w, packed, scale, gs = random_stack(rng, g, n, k, unit_gain=True)
+    a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((g, n)), jnp.float32)
+    c = rng.standard_normal((m, n // 2))
+    sizes = random_sizes(rng, g, m, "short")
+    ends = np.cumsum(sizes)
+
+    def loss(a, bias, global_scale):
+        ww = jax_fp4.NVFP4Weight(w.packed, w.scale, global_scale)
+        y = jax_fp4.ragged_matmul(
+            a.astype(jnp.bfloat16), ww, sizes, bias.astype(jnp.bfloat16), activation="silu_mul"
+        )
+        return jnp.sum(jnp.asarray(c, jnp.float32) * y.astype(jnp.float32))
+
+    da, dbias, dgs = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(a, bias, w.global_scale)
+    want_da, want_dbias, want_dgs = np.zeros((m, k)), np.zeros((g, n)), np.zeros(g)
+    a16 = np.asarray(a.astype(jnp.bfloat16), np.float64)
+    b16 = np.asarray(bias.astype(jnp.bfloat16), np.float64)
+    half = n // 2
+    for i in range(g):
+        rows = slice(ends[i] - sizes[i], ends[i])
+        unit = reference.dequantize(packed[i], scale[i], 1.0, 16)
+        y = a16[rows] @ (unit * gs[i]).T + b16[i]
+        gate, up = y[:, :half], y[:, half:]
+        sig = 1.0 / (1.0 + np.exp(-gate))
+        dy = np.concatenate(
+            [c[rows] * sig * (1.0 + gate * (1.0 - sig)) * up, c[rows] * gate * sig], axis=1
+        )
+        want_da[rows] = dy @ (unit * gs[i])
+        want_dbias[i] = dy.sum(0)
+        want_dgs[i] = np.sum(dy * (a16[rows] @ unit.T))
+    for got, want in ((da, want_da), (dbias, want_dbias), (dgs, want_dgs)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
+    assert not np.asarray(da)[ends[-1] :].any()
+
+
 # ---- errors ----------------------------------------------------------------------------------------
 
 
@@ -477,6 +572,18 @@ def test_bad_input(make_args, error, match):
     args = make_args(_weight())
     with pytest.raises(error, match=match):
         jax.jit(jax_fp4.ragged_matmul)(*args)
+
+
+def test_bad_activation():
+    with pytest.raises(
+        ValueError,
+        match=r"ragged_matmul: activation must be one of \('silu_mul',\) or None, got 'gelu'",
+    ):
+        jax_fp4.ragged_matmul(A, _weight(), SIZES, activation="gelu")
+    with pytest.raises(
+        ValueError, match=r"ragged_matmul: activation='silu_mul' needs .* an even N; got"
+    ):
+        jax_fp4.ragged_matmul(A, _weight(n=7), SIZES, activation="silu_mul")
 
 
 def test_bad_backend_and_unservable_forced_backend():
@@ -786,3 +893,18 @@ def test_exported_program_runs_its_kernel(explicit_mesh):
         np.asarray(again.call(a, w, sizes, bias)).view(np.uint16),
         np.asarray(f(a, w, sizes, bias)).view(np.uint16),
     )
+
+
+@needs_eight_cpus
+@pytest.mark.parametrize("spec", [P(None, "x", None), P(None, None, "x")])
+def test_silu_mul_with_sharded_weights(spec):
+    """Under a multi-device jit silu_mul runs around the partitioned product (gate and up rows
+    sit on different devices of an N split)."""
+    rng = np.random.default_rng()
+    mesh = _mesh()
+    w, packed, scale, gs = random_stack(rng, 16, 64, 512, unit_gain=True)
+    a = jnp.asarray(rng.standard_normal((40, 512)), jnp.bfloat16)
+    sizes = random_sizes(rng, 16, 40)
+    ws = jax.device_put(w, w.shardings(NamedSharding(mesh, spec)))
+    y = jax.jit(lambda a, w, s: jax_fp4.ragged_matmul(a, w, s, activation="silu_mul"))(a, ws, sizes)
+    _check(y, silu_mul64(expected(a, w, sizes, None, (packed, scale, gs), "cpu")), "bfloat16")

@@ -48,13 +48,20 @@ constexpr int64_t GroupedGemmWorkspaceBytes(int64_t /*m*/, int64_t /*n*/, int64_
 }
 
 // m, n, k: the problem ([M, K] x G experts [N, K]); g: the groups; num_sms; tiled: the weights'
-// layout; warps: the resident warps per SM of the grouped GEMV's kernel instances.
+// layout; warps: the resident warps per SM of the grouped GEMV's kernel instances; silu_mul: the
+// GEMV's fused epilogue, which pairs a 16-row gate tile with its up tile in each warp (two column
+// tiles, the split for them).
 constexpr GroupedLaunchConfig grouped_launch_config(int64_t m, int64_t n, int64_t k, int64_t g,
                                                     int64_t num_sms, bool tiled,
-                                                    const GemvResidentWarps& warps) {
+                                                    const GemvResidentWarps& warps,
+                                                    bool silu_mul = false) {
   const int64_t active = g < m ? (g > 0 ? g : 1) : (m > 0 ? m : 1);
-  const GemvLaunchConfig gemv =
-      gemv_launch_config(GroupedRowsPerGroup(m, g), n * active, k, num_sms, tiled, warps);
+  const int64_t rows = GroupedRowsPerGroup(m, g);
+  GemvLaunchConfig gemv = gemv_launch_config(rows, n * active, k, num_sms, tiled, warps);
+  if (silu_mul && gemv.col_tiles != 2) {
+    gemv.col_tiles = 2;
+    gemv.k_split = gemv_mma_split(rows, n * active, k, num_sms, tiled, warps, 2, gemv.row_tiles);
+  }
   return GroupedLaunchConfig{gemv.col_tiles, gemv.row_tiles, gemv.k_split, GroupedGemmTileM(m, g)};
 }
 

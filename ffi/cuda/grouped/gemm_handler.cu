@@ -46,8 +46,9 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
     return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
   };
   GroupedShape shape;
-  const std::string problem = CheckGroupedCall(a, packed, scale, global_scale, group_sizes, bias,
-                                               *y, block_size, tiled, &shape);
+  const std::string problem =
+      CheckGroupedCall(a, packed, scale, global_scale, group_sizes, bias, *y, block_size, tiled,
+                       /*silu_mul=*/false, &shape);
   if (!problem.empty()) return invalid(problem);
   const int64_t ws_needed = GroupedGemmWorkspaceBytes(shape.m, shape.n, shape.k, shape.g);
   if (static_cast<int64_t>(workspace->element_count()) < ws_needed) {

@@ -2,7 +2,8 @@
 // (GemvMmaMainloop, ffi/cuda/gemv/mma.cuh) run on one chunk of one group's rows per block, with the
 // group's weight, scales, global scale and bias as its operands.
 //
-// Grid: x = the GEMV's column blocks of one expert (16 col_tiles columns each), z = slots
+// Grid: x = the GEMV's column blocks of one expert (16 col_tiles columns each; with silu_mul 16
+// outputs), z = slots
 // (ffi/cuda/grouped/schedule.cuh): slot s serves the s-th chunk of 8 row_tiles rows in group
 // order, found by one warp scan of group_sizes; the slots past the last chunk zero the rows past
 // the groups. So only the weights of groups with rows are read, a group of r rows costs
@@ -30,48 +31,63 @@ namespace jax_fp4 {
 namespace cuda {
 
 // CT column tiles and RT row tiles per warp, k_split = blockDim.x / 32 warps splitting K, as
-// GemvMmaKernel (same launch bounds, so the same registers and residency).
-template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled>
+// GemvMmaKernel (same launch bounds, so the same registers and residency). SiluMul: the decode
+// GEMV's fused epilogue (GemvMmaMainloop with GemvFusion::silu_mul): each group's rows [0, N/2)
+// are its gate and [N/2, N) its up projection, a block's 16 outputs (y [M, N/2]) come from 16 gate
+// rows (tile 0) and the 16 matching up rows (tile 1), so CT == 2.
+template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled, bool SiluMul>
 __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
                                   GemvMmaShape{CT, RT, Tiled}.min_blocks_per_sm())
     GroupedGemvKernel(GroupedOperands<T> p, int64_t slots) {
+  static_assert(!SiluMul || CT == 2, "silu_mul pairs a gate and an up tile in each warp");
   constexpr int kChunk = 8 * RT;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * (kGemvTileCols * CT);
+  constexpr int64_t kBlockCols = kGemvTileCols * (SiluMul ? 1 : CT);
+  const int64_t n_out = SiluMul ? p.n / 2 : p.n;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kBlockCols;
+  GemvFusion<T> fusion;
+  fusion.silu_mul = SiluMul;
   for (int64_t slot = blockIdx.z; slot < slots; slot += gridDim.z) {
     // Every warp finds the same chunk (L1 hits after the first): no barrier needed.
     const GroupChunk c = FindGroupChunk(p.sizes, p.groups, p.m, kChunk, slot);
     if (c.group < 0) {
-      ZeroTailRows(p.y, c, slot, slots, p.m, p.n, col0, col0 + kGemvTileCols * CT);
+      ZeroTailRows(p.y, c, slot, slots, p.m, n_out, col0, col0 + kBlockCols);
       continue;
     }
     const int64_t g = c.group;
     const int64_t rows = Min64(c.begin + kChunk, c.end) - c.begin;
     // gridDim.y == 1: the main loop's chunk loop runs once, over these `rows` rows.
-    GemvMmaMainloop<T, CT, RT, GemvLayoutDecode<Tiled>, 1, L2PrefetchBytes, Tiled>(
+    GemvMmaMainloop<T, CT, RT, GemvLayoutDecode<Tiled>, 1, L2PrefetchBytes, Tiled, SiluMul>(
         p.a + c.begin * p.k, p.packed + g * p.n * (p.k / 2), p.scale + g * p.n * (p.k / 16),
-        p.gs + g, p.bias != nullptr ? p.bias + g * p.n : nullptr, p.y + c.begin * p.n, rows, p.n,
-        p.k);
+        p.gs + g, p.bias != nullptr ? p.bias + g * p.n : nullptr, p.y + c.begin * n_out, rows, p.n,
+        p.k, fusion);
   }
 }
 
-template <typename T, int CT, int RT, bool Tiled>
+template <typename T, int CT, int RT, bool Tiled, bool SiluMul = false>
 cudaError_t LaunchGroupedGemvInstance(cudaStream_t stream, const GroupedOperands<T>& p,
                                       int k_split) {
-  const int64_t col_blocks = GemvMmaColumnBlocks(p.n, CT);
+  const int64_t col_blocks =
+      SiluMul ? CeilDiv(p.n / 2, kGemvTileCols) : GemvMmaColumnBlocks(p.n, CT);
   const int64_t slots = GroupedSlots(p.m, p.groups, 8 * RT);
   constexpr int64_t kMaxGridZ = 65535;  // more slots loop inside the kernel
   const dim3 grid(static_cast<unsigned>(col_blocks), 1,
                   static_cast<unsigned>(std::min<int64_t>(slots, kMaxGridZ)));
   const size_t smem = GemvMmaSmemBytes(CT, k_split);
-  auto* kernel = k_split > 1 ? GroupedGemvKernel<T, CT, RT, 256, Tiled>
-                             : GroupedGemvKernel<T, CT, RT, 0, Tiled>;
+  auto* kernel = k_split > 1 ? GroupedGemvKernel<T, CT, RT, 256, Tiled, SiluMul>
+                             : GroupedGemvKernel<T, CT, RT, 0, Tiled, SiluMul>;
   kernel<<<grid, dim3(32 * k_split), smem, stream>>>(p, slots);
   return cudaGetLastError();
 }
 
+// silu_mul: y [M, N/2] (GroupedGemvKernel's SiluMul), two column tiles (the config's).
 template <typename T, bool Tiled>
 cudaError_t LaunchGroupedGemv(cudaStream_t stream, const GroupedOperands<T>& p, int col_tiles,
-                              int row_tiles, int k_split) {
+                              int row_tiles, int k_split, bool silu_mul) {
+  if (silu_mul) {
+    if (col_tiles != 2) return cudaErrorInvalidValue;  // gate and up tiles pair up
+    return row_tiles == 2 ? LaunchGroupedGemvInstance<T, 2, 2, Tiled, true>(stream, p, k_split)
+                          : LaunchGroupedGemvInstance<T, 2, 1, Tiled, true>(stream, p, k_split);
+  }
   if (col_tiles == 2) {
     return row_tiles == 2 ? LaunchGroupedGemvInstance<T, 2, 2, Tiled>(stream, p, k_split)
                           : LaunchGroupedGemvInstance<T, 2, 1, Tiled>(stream, p, k_split);
@@ -81,13 +97,14 @@ cudaError_t LaunchGroupedGemv(cudaStream_t stream, const GroupedOperands<T>& p, 
 }
 
 // The resident warps of the four grouped GEMV instances of dtype T and one layout, cached per
-// device (legal during graph capture: no stream is touched).
+// device (legal during graph capture: no stream is touched); the silu_mul instances have the
+// same launch bounds.
 template <typename T, bool Tiled>
 cudaError_t GetGroupedGemvWarps(GemvResidentWarps* out) {
   return CachedResidentWarps(out, [](auto ct, auto rt, int* warps) {
     constexpr int CT = decltype(ct)::value, RT = decltype(rt)::value;
-    return MinResidentWarps(GroupedGemvKernel<T, CT, RT, 256, Tiled>,
-                            GroupedGemvKernel<T, CT, RT, 0, Tiled>, warps);
+    return MinResidentWarps(GroupedGemvKernel<T, CT, RT, 256, Tiled, false>,
+                            GroupedGemvKernel<T, CT, RT, 0, Tiled, false>, warps);
   });
 }
 

@@ -1,7 +1,7 @@
 // Operand checks of the grouped (mixture-of-experts) CUDA handlers: a [M, K], packed [G, N, K/2],
 // scale [G, N, ceil(K / block)], global_scale [G] f32, group_sizes [G] s32, bias [G, N] or [0] in
-// a's dtype, y [M, N] in a's dtype (host), and the kernels' view of them (GroupedOperands,
-// MakeGroupedOperands).
+// a's dtype, y [M, N] in a's dtype ([M, N / 2] with the GEMV's silu_mul) (host), and the kernels'
+// view of them (GroupedOperands, MakeGroupedOperands).
 #ifndef JAX_FP4_CUDA_GROUPED_OPERANDS_H_
 #define JAX_FP4_CUDA_GROUPED_OPERANDS_H_
 
@@ -26,18 +26,19 @@ struct GroupedOperands {
   const float* gs;        // [G]
   const int32_t* sizes;   // [G]
   const T* bias;          // [G, N] or nullptr
-  T* y;                   // [M, N]
+  T* y;                   // [M, N] ([M, N / 2] with silu_mul)
   int64_t m, n, k;
   int groups;
 };
 
-// "" when the operands are consistent, else the problem. Fills *shape.
+// "" when the operands are consistent, else the problem. Fills *shape. silu_mul: y holds
+// silu(gate) * up of each group's gate rows [0, N/2) and up rows [N/2, N): [M, N / 2], N even.
 inline std::string CheckGroupedOperands(
     xla::ffi::DataType a_type, xla::ffi::Span<const int64_t> a_dims,
     xla::ffi::Span<const int64_t> packed_dims, xla::ffi::Span<const int64_t> scale_dims,
     size_t global_scale_count, size_t group_sizes_count, xla::ffi::DataType bias_type,
     size_t bias_count, xla::ffi::DataType y_type, xla::ffi::Span<const int64_t> y_dims,
-    int64_t block_size, GroupedShape* shape) {
+    int64_t block_size, bool silu_mul, GroupedShape* shape) {
   if (block_size <= 0) return "block_size must be positive, got " + std::to_string(block_size);
   if (packed_dims.size() != 3) {
     return "packed must be rank 3 [G, N, K/2], got " + DimsToString(packed_dims);
@@ -67,8 +68,12 @@ inline std::string CheckGroupedOperands(
   }
   shape->m = a_dims[0];
   if (y_type != a_type) return "y must have a's element type";
-  if (y_dims.size() != 2 || y_dims[0] != shape->m || y_dims[1] != shape->n) {
-    return "y must be [" + std::to_string(shape->m) + ", " + std::to_string(shape->n) + "], got " +
+  if (silu_mul && shape->n % 2 != 0) {
+    return "activation silu_mul needs an even N, got N = " + std::to_string(shape->n);
+  }
+  const int64_t y_cols = silu_mul ? shape->n / 2 : shape->n;
+  if (y_dims.size() != 2 || y_dims[0] != shape->m || y_dims[1] != y_cols) {
+    return "y must be [" + std::to_string(shape->m) + ", " + std::to_string(y_cols) + "], got " +
            DimsToString(y_dims);
   }
   if (bias_count != 0 &&
@@ -84,9 +89,10 @@ inline std::string CheckGroupedOperands(
 }
 
 // What both grouped kernels need beyond consistent operands: block size 16, K a positive multiple
-// of 128 (the kernels' 128-wide windows / stages), and on the tiled layout N % 16 == 0.
+// of 128 (the kernels' 128-wide windows / stages), and on the tiled layout N % 16 == 0 (with
+// silu_mul N / 2 % 16 == 0: the up rows start on a tile).
 inline std::string CheckGroupedKernelShape(const GroupedShape& shape, int64_t block_size,
-                                           bool tiled) {
+                                           bool tiled, bool silu_mul) {
   if (block_size != 16) return "block_size must be 16, got " + std::to_string(block_size);
   if (shape.k <= 0 || shape.k % 128 != 0) {
     return "K must be a positive multiple of 128, got " + std::to_string(shape.k);
@@ -94,23 +100,28 @@ inline std::string CheckGroupedKernelShape(const GroupedShape& shape, int64_t bl
   if (tiled && shape.n % 16 != 0) {
     return "the tiled layout needs N % 16 == 0, got N = " + std::to_string(shape.n);
   }
+  if (tiled && silu_mul && (shape.n / 2) % 16 != 0) {
+    return "activation silu_mul on the tiled layout needs N / 2 % 16 == 0, got N = " +
+           std::to_string(shape.n);
+  }
   return "";
 }
 
 // Both checks above on a grouped call's FFI operands (y: the result buffer): "" when the kernels
-// can run them, else the problem. Fills *shape.
+// can run them, else the problem. Fills *shape. silu_mul: the GEMV's fused epilogue.
 inline std::string CheckGroupedCall(const xla::ffi::AnyBuffer& a,
                                     const xla::ffi::Buffer<xla::ffi::U8>& packed,
                                     const xla::ffi::Buffer<xla::ffi::U8>& scale,
                                     const xla::ffi::Buffer<xla::ffi::F32>& global_scale,
                                     const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
                                     const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& y,
-                                    int64_t block_size, bool tiled, GroupedShape* shape) {
+                                    int64_t block_size, bool tiled, bool silu_mul,
+                                    GroupedShape* shape) {
   std::string problem = CheckGroupedOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
       global_scale.element_count(), group_sizes.element_count(), bias.element_type(),
-      bias.element_count(), y.element_type(), y.dimensions(), block_size, shape);
-  if (problem.empty()) problem = CheckGroupedKernelShape(*shape, block_size, tiled);
+      bias.element_count(), y.element_type(), y.dimensions(), block_size, silu_mul, shape);
+  if (problem.empty()) problem = CheckGroupedKernelShape(*shape, block_size, tiled, silu_mul);
   return problem;
 }
 
