@@ -66,6 +66,8 @@ def needs_gemm(fn):
 
 
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+# Half the smallest subnormal: the rounding error of a result in the subnormal range.
+TINY = {"float16": 2.0**-25, "bfloat16": 2.0**-134}
 
 
 # ---- problems and the reference ----------------------------------------------------------------
@@ -114,7 +116,7 @@ def check(y, ref, mag, sizes, dtype):
     assert np.isfinite(y64).all(), "non-finite output: a row was not written"
     used = max((hi for _, hi in group_bounds(sizes, ref.shape[0])), default=0)
     assert (y64[used:] == 0).all(), "rows past the groups must be zero"
-    bound = 2 * EPS[dtype] * np.abs(ref) + 1e-5 * mag + 1e-30
+    bound = 2 * EPS[dtype] * np.abs(ref) + 1e-5 * mag + TINY[dtype]
     bad = np.abs(y64 - ref) > bound
     assert not bad.any(), (
         f"{int(bad.sum())} of {bad.size} elements off; first at {np.argwhere(bad)[0]}: "
