@@ -854,11 +854,12 @@ def silu_mul(gate, up):
 
 def route(cfg: Config, logits):
     """(weights [T, k] float32, experts [T, k] int32) from router logits [T, E]: softmax in float32,
-    the top k (jax.lax.top_k: the lower expert on ties). Qwen3-MoE's norm_topk_prob renormalises
-    the k weights to sum 1; mixture_of_experts divides its weighted sum by theirs instead, which
-    XLA folds into the sum's kernel (the [T, k] division alone was a kernel a layer)."""
+    the top k (jax.lax.top_k: the lower expert on ties), renormalised to sum 1 if norm_topk_prob
+    (Qwen3-MoE's routing)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
 
 
@@ -929,8 +930,7 @@ def mixture_of_experts(cfg: Config, x, router, experts: dict):
     # summed in slot order: a gather and a fixed-order sum, where a scatter-add of the pairs onto
     # their tokens would add in the order the GPU's atomics happen to land (not bit-reproducible).
     out = out[inverse].astype(jnp.float32).reshape(t, k, -1)
-    y = jnp.sum(out * weights[..., None], axis=1)
-    return y / jnp.sum(weights, axis=-1, keepdims=True) if cfg.norm_topk_prob else y
+    return jnp.sum(out * weights[..., None], axis=1)
 
 
 def _moe(cfg: Config, h, layer):
@@ -941,26 +941,12 @@ def _moe(cfg: Config, h, layer):
     return (h.astype(jnp.float32) + y).astype(h.dtype)
 
 
-def _qk_norm(cfg: Config, q, k, layer):
-    """Qwen3's RMS norms of each head of q and of k (weights q_norm, k_norm [head_dim]) as one
-    norm over the heads of both: one reduction kernel a layer instead of two on a GPU."""
-    both = jnp.concatenate([q, k], axis=-2)  # [B, S, heads + kv_heads, head_dim]
-    weight = jnp.concatenate(
-        [
-            jnp.broadcast_to(layer["q_norm"], (cfg.heads, cfg.head_dim)),
-            jnp.broadcast_to(layer["k_norm"], (cfg.kv_heads, cfg.head_dim)),
-        ]
-    )
-    both = rms_norm(both, weight, cfg.rms_eps)
-    return both[..., : cfg.heads, :], both[..., cfg.heads :, :]
-
-
 def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
     """One decoder layer on h [B, S, hidden] at positions [S]; caches [B, kv_heads, T, head_dim]."""
     b, s, _ = h.shape
     q, k, v = _qkv(cfg, h, layer)
     if "q_norm" in layer:
-        q, k = _qk_norm(cfg, q, k, layer)
+        q, k = rms_norm(q, layer["q_norm"], cfg.rms_eps), rms_norm(k, layer["k_norm"], cfg.rms_eps)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     # The caches hold each head's positions together ([B, kv_heads, T, head_dim]): the layout of
     # the attention's batched matmuls, read where it lies. Caches of [B, T, kv_heads, head_dim]

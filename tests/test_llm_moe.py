@@ -345,19 +345,23 @@ def test_expert_order_matches_a_stable_sort(example, device, pairs):
 
 
 def test_route_takes_the_top_k_of_a_float32_softmax(example):
-    """route's weights are the top k of the softmax (mixture_of_experts renormalises them when
-    norm_topk_prob: test_mixture_of_experts_matches_a_loop_over_tokens checks both)."""
     rng = np.random.default_rng()
     logits = rng.standard_normal((9, 6)).astype(np.float32) * 3
-    cfg = example.Config.from_json(dict(ODD, num_experts=6, num_experts_per_tok=4))
-    weights, experts = example.route(cfg, jnp.asarray(logits, jnp.bfloat16))
-    assert weights.dtype == jnp.float32 and experts.dtype == jnp.int32
-    rounded = np.asarray(jnp.asarray(logits, jnp.bfloat16), np.float64)
-    probs = np.exp(rounded - rounded.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    top = np.argsort(-rounded, axis=-1, kind="stable")[:, :4]
-    np.testing.assert_array_equal(np.asarray(experts), top)
-    np.testing.assert_allclose(np.asarray(weights), np.take_along_axis(probs, top, -1), rtol=1e-6)
+    for norm in (True, False):
+        cfg = example.Config.from_json(
+            dict(ODD, num_experts=6, num_experts_per_tok=4, norm_topk_prob=norm)
+        )
+        weights, experts = example.route(cfg, jnp.asarray(logits, jnp.bfloat16))
+        assert weights.dtype == jnp.float32 and experts.dtype == jnp.int32
+        rounded = np.asarray(jnp.asarray(logits, jnp.bfloat16), np.float64)
+        probs = np.exp(rounded - rounded.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        top = np.argsort(-rounded, axis=-1, kind="stable")[:, :4]
+        want = np.take_along_axis(probs, top, -1)
+        if norm:
+            want /= want.sum(-1, keepdims=True)
+        np.testing.assert_array_equal(np.asarray(experts), top)
+        np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
 
 
 def test_random_presets_and_the_cli(example, tmp_path, capsys):
