@@ -341,6 +341,7 @@ def test_one_program_new_group_sizes(target):
     ws = jax.ShapeDtypeStruct((grouped_gemm_workspace_bytes(m, n, k, g),), jnp.uint8)
     y_type = jax.ShapeDtypeStruct((m, n), a.dtype)
     attrs = dict(block_size=np.int64(16), tiled=False)
+    gemv_attrs = dict(attrs, activation=np.int64(0))
 
     @jax.jit
     def run(a, sizes):
@@ -352,7 +353,7 @@ def test_one_program_new_group_sizes(target):
             jnp.zeros((0,), a.dtype),
         )
         if target == GEMV:
-            return jax.ffi.ffi_call(GEMV, y_type)(a, *ops, **attrs)
+            return jax.ffi.ffi_call(GEMV, y_type)(a, *ops, **gemv_attrs)
         return jax.ffi.ffi_call(GEMM, (y_type, ws))(_fused.to_fragment_order(a), *ops, **attrs)[0]
 
     for kind in ("random", "all_in_one", "under", "over", "random"):

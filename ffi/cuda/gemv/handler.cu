@@ -33,8 +33,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
-#include "cuda/attributes.h"
 #include "cuda/common.cuh"
 #include "cuda/gemv/launch.cuh"
 #include "cuda/handlers.h"
@@ -52,6 +52,26 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + what);
 }
 
+// The attributes: the plain call's eight, and the one a fused call adds. Read from the
+// dictionary of all attributes (so that the fusion one can be absent); any other name is an
+// error, so that a misspelt attribute is not silently ignored.
+constexpr std::string_view kPlainAttributes[] = {"block_size",     "tiled",       "tensor_cores",
+                                                 "row_tiling",     "col_tiles",   "k_split",
+                                                 "rows_per_block", "programmatic"};
+constexpr std::string_view kFusionAttributes[] = {"activation"};
+
+template <typename V>
+ffi::Error ReadAttribute(const ffi::Dictionary& attrs, std::string_view name, V* out) {
+  if (!attrs.contains(name)) return Invalid("missing attribute " + std::string(name));
+  ffi::ErrorOr<V> value = attrs.get<V>(name);
+  if (!value.has_value()) {
+    return Invalid("attribute " + std::string(name) + " has the wrong type (" +
+                   value.error().message() + ")");
+  }
+  *out = *value;
+  return ffi::Error::Success();
+}
+
 struct GemvAttributes {
   int64_t block_size = 0;
   bool tiled = false, tensor_cores = false, row_tiling = false;
@@ -61,22 +81,28 @@ struct GemvAttributes {
   int64_t activation = 0;
 };
 
-// The attributes: the plain call's eight, and the one a fused call adds (absent on a plain call).
 ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
-  std::string problem =
-      CheckAttributeNames(attrs, {"block_size", "tiled", "tensor_cores", "row_tiling", "col_tiles",
-                                  "k_split", "rows_per_block", "programmatic", "activation"});
-  if (problem.empty()) problem = ReadAttribute(attrs, "block_size", &out->block_size);
-  if (problem.empty()) problem = ReadAttribute(attrs, "tiled", &out->tiled);
-  if (problem.empty()) problem = ReadAttribute(attrs, "tensor_cores", &out->tensor_cores);
-  if (problem.empty()) problem = ReadAttribute(attrs, "row_tiling", &out->row_tiling);
-  if (problem.empty()) problem = ReadAttribute(attrs, "col_tiles", &out->col_tiles);
-  if (problem.empty()) problem = ReadAttribute(attrs, "k_split", &out->k_split);
-  if (problem.empty()) problem = ReadAttribute(attrs, "rows_per_block", &out->rows_per_block);
-  if (problem.empty()) problem = ReadAttribute(attrs, "programmatic", &out->programmatic);
+  for (const std::string_view name : attrs) {
+    const bool known = std::find(std::begin(kPlainAttributes), std::end(kPlainAttributes), name) !=
+                           std::end(kPlainAttributes) ||
+                       std::find(std::begin(kFusionAttributes), std::end(kFusionAttributes),
+                                 name) != std::end(kFusionAttributes);
+    if (!known) return Invalid("unknown attribute " + std::string(name));
+  }
+  ffi::Error err;
+  if ((err = ReadAttribute(attrs, "block_size", &out->block_size)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "tiled", &out->tiled)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "tensor_cores", &out->tensor_cores)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "row_tiling", &out->row_tiling)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "col_tiles", &out->col_tiles)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "k_split", &out->k_split)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "rows_per_block", &out->rows_per_block)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "programmatic", &out->programmatic)).failure()) return err;
   out->fused = attrs.contains("activation");
-  if (problem.empty()) problem = ReadAttribute(attrs, "activation", &out->activation, true);
-  return problem.empty() ? ffi::Error::Success() : Invalid(problem);
+  if (out->fused && (err = ReadAttribute(attrs, "activation", &out->activation)).failure()) {
+    return err;
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,

@@ -8,9 +8,9 @@
 // rounding (the decode GEMV's fused epilogue). Operands (a [M, K] f16/bf16, packed [G, N, K/2] u8,
 // scale [G, N, K/16] u8 E4M3 (tiled: jax_fp4.prepack's arrays stacked on G), global_scale [G] f32,
 // group_sizes [G] s32, bias [G, N] or [0] in a's dtype) -> y [M, N] (silu_mul: [M, N/2]);
-// attributes block_size (16), tiled and activation (0 none, 1 silu_mul; absent: 0). Needs K % 128
-// == 0 and an sm_80+ device (the tensor-core GEMV). The launch depends on the shapes only: the
-// group offsets are found on the device, so the call is capturable into a CUDA graph.
+// attributes block_size (16), tiled and activation (0 none, 1 silu_mul). Needs K % 128 == 0 and an
+// sm_80+ device (the tensor-core GEMV). The launch depends on the shapes only: the group offsets
+// are found on the device, so the call is capturable into a CUDA graph.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/attributes.h"
 #include "cuda/common.cuh"
 #include "cuda/grouped/config.h"
 #include "cuda/grouped/gemv.cuh"
@@ -48,18 +47,12 @@ cudaError_t RunGroupedGemv(cudaStream_t stream, bool tiled, bool silu_mul,
 ffi::Error GroupedGemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
                                ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
                                ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer bias,
-                               ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary attrs) {
+                               ffi::Result<ffi::AnyBuffer> y, int64_t block_size, bool tiled,
+                               int64_t activation) {
   constexpr const char* kName = "jax_fp4_grouped_gemv_cuda";
   auto invalid = [&](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
   };
-  int64_t block_size = 0, activation = 0;
-  bool tiled = false;
-  std::string bad_attribute = CheckAttributeNames(attrs, {"block_size", "tiled", "activation"});
-  if (bad_attribute.empty()) bad_attribute = ReadAttribute(attrs, "block_size", &block_size);
-  if (bad_attribute.empty()) bad_attribute = ReadAttribute(attrs, "tiled", &tiled);
-  if (bad_attribute.empty()) bad_attribute = ReadAttribute(attrs, "activation", &activation, true);
-  if (!bad_attribute.empty()) return invalid(bad_attribute);
   if (activation != 0 && activation != 1) {
     return invalid("activation must be 0 (none) or 1 (silu_mul), got " +
                    std::to_string(activation));
@@ -112,7 +105,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GroupedGemvCuda, jax_fp4::cuda::GroupedGemvC
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
                                   .Arg<ffi::AnyBuffer>()         // bias [G, N] or [0]
                                   .Ret<ffi::AnyBuffer>()         // y [M, N] or [M, N/2]
-                                  // block_size:i64, tiled (weights in the tiled layout),
-                                  // activation:i64 (0 none, 1 silu_mul; absent: 0)
-                                  .Attrs(),
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<bool>("tiled")           // weights in the tiled layout
+                                  .Attr<int64_t>("activation"),  // 0 none, 1 silu_mul
                               {ffi::Traits::kCmdBufferCompatible});
