@@ -13,7 +13,8 @@ bf16 twin of all 48 layers beside the NVFP4 model).
 
 Parts (--parts, default both):
 
-  gemv     the grouped decode GEMV on the expert shapes, gate_up [E=128, N=1536, K=2048] and down
+  gemv     the grouped decode GEMV on the expert shapes, gate_up [E=128, N=1536, K=2048] (plain,
+           and with activation="silu_mul" as the decode step runs it) and down
            [128, 2048, 768], with 1, 8 and 32 tokens x top-8 (M = 8, 64, 256 rows), under uniform
            random routing (each token's 8 experts drawn without replacement) and Zipf-skewed
            routing (expert of popularity rank r drawn with weight 1 / r^--zipf, ranks a random
@@ -70,12 +71,22 @@ ROUTINGS = ("uniform", "zipf")
 
 @dataclasses.dataclass(frozen=True)
 class ExpertShape:
-    """A stacked expert weight [experts, n, k] (NVFP4Weight [E, N, K])."""
+    """A stacked expert weight [experts, n, k] (NVFP4Weight [E, N, K]); `activation` the
+    ragged_matmul activation its product runs with ("silu_mul": gate/up experts, [M, N / 2] out;
+    timed in the gemv part only, as the decode step runs it)."""
 
     name: str
     experts: int
     n: int
     k: int
+    activation: str | None = None
+
+    @property
+    def n_out(self) -> int:
+        return self.n // 2 if self.activation == "silu_mul" else self.n
+
+    def runs_in(self, part: str) -> bool:
+        return part == "gemv" or self.activation is None
 
     def nvfp4_bytes(self, experts: int | None = None) -> int:
         count = self.experts if experts is None else experts
@@ -86,9 +97,18 @@ class ExpertShape:
         return count * self.n * self.k * 2
 
 
-# Qwen3-30B-A3B: hidden 2048, 128 experts of intermediate 768 (gate and up fused: 1536 rows).
-EXPERT_SHAPES = (ExpertShape("gate_up", 128, 1536, 2048), ExpertShape("down", 128, 2048, 768))
-QUICK_EXPERT_SHAPES = (ExpertShape("gate_up", 8, 64, 128), ExpertShape("down", 8, 128, 32))
+# Qwen3-30B-A3B: hidden 2048, 128 experts of intermediate 768 (gate and up fused: 1536 rows); the
+# decode step runs gate_up with SiLU(gate) * up in the grouped GEMV's epilogue.
+EXPERT_SHAPES = (
+    ExpertShape("gate_up", 128, 1536, 2048),
+    ExpertShape("gate_up+silu_mul", 128, 1536, 2048, "silu_mul"),
+    ExpertShape("down", 128, 2048, 768),
+)
+QUICK_EXPERT_SHAPES = (
+    ExpertShape("gate_up", 8, 64, 128),
+    ExpertShape("gate_up+silu_mul", 8, 64, 128, "silu_mul"),
+    ExpertShape("down", 8, 128, 32),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,15 +329,24 @@ class GroupedRow:
     noisy: bool
 
 
-def _grouped_layer(backend: str | None, tuning):
+def _grouped_layer(backend: str | None, tuning, activation: str | None):
     def jax_fp4_ragged_matmul(a, w, sizes):
-        return jax_fp4.ragged_matmul(a, w, sizes, backend=backend, tuning=tuning)
+        return jax_fp4.ragged_matmul(
+            a, w, sizes, activation=activation, backend=backend, tuning=tuning
+        )
 
     return jax_fp4_ragged_matmul
 
 
-def ragged_dot_layer(a, w, sizes):
-    return jax.lax.ragged_dot(a, w, sizes)
+def _ragged_dot_layer(activation: str | None):
+    def ragged_dot_layer(a, w, sizes):
+        y = jax.lax.ragged_dot(a, w, sizes)
+        if activation == "silu_mul":
+            gate, up = jnp.split(y.astype(jnp.float32), 2, -1)
+            y = (jax.nn.silu(gate) * up).astype(a.dtype)
+        return y
+
+    return ragged_dot_layer
 
 
 def _chain_lengths(active_bytes: int, held_bytes: int, plan: Plan, budget: bench.Budget):
@@ -365,7 +394,7 @@ def grouped_rows(
     s = b.settings
     itemsize = np.dtype(s.dtype).itemsize
     cases = []
-    for part in parts:
+    for part in filter(shape.runs_in, parts):
         with_ragged_dot = part == "prefill" or plan.gemv_bf16
         held = shape.nvfp4_bytes() + (shape.bf16_bytes() if with_ragged_dot else 0)
         for tokens in plan.gemv_tokens if part == "gemv" else (plan.prefill_tokens,):
@@ -384,15 +413,18 @@ def grouped_rows(
         m = tokens * plan.top_k
         acts = bench.make_activations(b._next_key(), m, shape.k, l2, s.dtype)
         size_list = [jnp.asarray(sizes)] * l2
-        io = bench.io_bytes(m, shape.n, shape.k, itemsize)
+        io = bench.io_bytes(m, shape.n_out, shape.k, itemsize)
         nbytes, bf16_nbytes = shape.nvfp4_bytes(active) + io, shape.bf16_bytes(active) + io
         read, bf16_read = b.read_bandwidth(nbytes), b.read_bandwidth(bf16_nbytes)
-        layer = _grouped_layer(s.backend, s.tuning)
+        layer = _grouped_layer(s.backend, s.tuning, shape.activation)
         fp4 = b._time(bench.chain_of(layer), (acts, fp4_ws[:l2], size_list), l1, l2)
         ragged = None
         if with_ragged_dot:
             ragged = b._time(
-                bench.chain_of(ragged_dot_layer), (acts, bf16_ws[:l2], size_list), l1, l2
+                bench.chain_of(_ragged_dot_layer(shape.activation)),
+                (acts, bf16_ws[:l2], size_list),
+                l1,
+                l2,
             )
         fp4_tbps = bench.tbps(nbytes, fp4.us)
         bf16_floor = bf16_nbytes / (bf16_read.tbps * 1e12) * 1e6
@@ -704,10 +736,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return results
 
     for shape in plan.shapes:  # --parts holds at least one of gemv and prefill
-        rows += grouped_rows(b, plan, shape, args.parts, rng)
-        write(complete=False)
+        if any(map(shape.runs_in, args.parts)):
+            rows += grouped_rows(b, plan, shape, args.parts, rng)
+            write(complete=False)
     if "prefill" in args.parts:
-        for shape in plan.shapes:
+        for shape in filter(lambda s: s.runs_in("prefill"), plan.shapes):
             m = plan.prefill_tokens * plan.top_k
             text = ragged_dot_hlo(m, shape.experts, shape.k, shape.n)
             hlo.append(hlo_summary(text, m, shape.experts, shape.k, shape.n))
