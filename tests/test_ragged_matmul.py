@@ -3,8 +3,9 @@ semantics) against a float64 NumPy model, on each device present (the `device` f
 always; on a CUDA device the grouped GEMV and GEMM where this build has them): every backend the
 device serves, group sizes with empty groups, one group holding every row, rows past the groups
 and sizes out of range, both layouts, fp16/bf16 (and float32 where served), bias, activation
-"silu_mul" (in the grouped GEMV's kernel and composed), jit / vmap / grad, bit-identical reruns, the bad-input catalogue, the dispatch rules, and the sharded layouts
-(expert- and tensor-parallel) on 8 CPU devices."""
+"silu_mul" (in the grouped GEMV's kernel and composed), jit / vmap / grad, bit-identical reruns,
+the bad-input catalogue, the dispatch rules, and the sharded layouts (expert- and
+tensor-parallel) on 8 CPU devices."""
 
 import re
 
