@@ -18,6 +18,7 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+import moe  # the grouped cases' routing (benchmarks/ is this script's directory)
 import numpy as np
 
 import jax_fp4
@@ -41,8 +42,8 @@ def run_grouped_case(tokens: int, n: int, k: int, experts: int, top_k: int, tile
     w = jax_fp4.quantize(jnp.asarray(rng.standard_normal((experts, n, k), np.float32)))
     if tiled:
         w = jax_fp4.prepack(w)
-    choice = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
-    sizes = jnp.asarray(np.bincount(choice.ravel(), minlength=experts), jnp.int32)
+    choice = moe.route(rng, "uniform", tokens, experts, top_k, zipf=0.0)
+    sizes = jnp.asarray(moe.group_sizes(choice, experts))
     a = jnp.asarray(rng.standard_normal((tokens * top_k, k), np.float32), jnp.bfloat16)
     f = jax.jit(jax_fp4.ragged_matmul)
     for _ in range(3):
