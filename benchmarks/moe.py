@@ -341,10 +341,10 @@ def _grouped_layer(backend: str | None, tuning, activation: str | None):
 def _ragged_dot_layer(activation: str | None):
     def ragged_dot_layer(a, w, sizes):
         y = jax.lax.ragged_dot(a, w, sizes)
-        if activation == "silu_mul":
-            gate, up = jnp.split(y.astype(jnp.float32), 2, -1)
-            y = (jax.nn.silu(gate) * up).astype(a.dtype)
-        return y
+        if activation is None:
+            return y
+        # jax_fp4's own epilogue (float32, one rounding), as its composed paths apply it.
+        return jax_fp4.lowering.epilogue(y.astype(jnp.float32), activation, None, a.dtype)
 
     return ragged_dot_layer
 
