@@ -64,6 +64,7 @@ from jax_fp4.ops import (
     check_activation_name,
     check_bias,
     check_tuning,
+    composition_jvp,
     def_compiled_impl,
     default_device,
     is_zero,
@@ -698,22 +699,12 @@ def _activation_jvp(primals, tangents, *, activation, has_bias, **static):
     a, packed, scale, global_scale, group_sizes, bias = split_operands(primals, has_bias)
     da, _, _, dgs, _, dbias = split_operands(tangents, has_bias)
     y = nvfp4_ragged_matmul_p.bind(*primals, activation=activation, has_bias=has_bias, **static)
-    primal_in, tangent_in = (a, global_scale, bias), (da, dgs, dbias)
-    moving = [i for i, t in enumerate(tangent_in) if t is not None and not is_zero(t)]
-    if not moving:
-        return y, ad.Zero.from_primal_value(y)
 
-    def composition(*moved):
-        x = list(primal_in)
-        for i, value in zip(moving, moved):
-            x[i] = value
-        a, global_scale, bias = x
+    def composition(a, global_scale, bias):
         y = bind(a, packed, scale, global_scale, group_sizes, bias, **static)
         return _lowering.epilogue(y.astype(jnp.float32), activation, None, a.dtype)
 
-    moved = [primal_in[i] for i in moving]
-    _, dy = jax.jvp(composition, moved, [tangent_in[i] for i in moving])
-    return y, typed_like(dy, jax.typeof(y))
+    return composition_jvp(y, composition, (a, global_scale, bias), (da, dgs, dbias))
 
 
 def _jvp(primals, tangents, *, block_size, backend, layout, has_bias, tuning=None, activation=None):

@@ -175,6 +175,24 @@ def is_zero(t):
     return type(t) is ad.Zero
 
 
+def composition_jvp(y, composition, primal_in, tangent_in):
+    """(y, the tangent of composition(*primal_in)) for a fused primitive's value y and its unfused
+    composition, differentiated in the operands that move only: a None or zero tangent keeps its
+    operand a constant (so that, e.g., a fixed global scale costs no product)."""
+    moving = [i for i, t in enumerate(tangent_in) if t is not None and not is_zero(t)]
+    if not moving:
+        return y, ad.Zero.from_primal_value(y)
+
+    def of_moving(*moved):
+        x = list(primal_in)
+        for i, value in zip(moving, moved):
+            x[i] = value
+        return composition(*x)
+
+    _, dy = jax.jvp(of_moving, [primal_in[i] for i in moving], [tangent_in[i] for i in moving])
+    return y, _explicit_axes.typed_like(dy, jax.typeof(y))
+
+
 def _fused_jvp(primals, tangents, *, norm_eps, activation, has_residual, **params):
     """The JVP of a fused call: the fused primitive's value, and the tangent of its unfused
     composition (differentiable in a, the global scale, bias, norm_weight and residual)."""
@@ -191,13 +209,6 @@ def _fused_jvp(primals, tangents, *, norm_eps, activation, has_residual, **param
     y = nvfp4_matmul_p.bind(
         *primals, norm_eps=norm_eps, activation=activation, has_residual=has_residual, **params
     )
-    primal_in = (a, global_scale, bias, norm_weight, residual)
-    # Differentiate in the operands that move only (a zero tangent stays a constant, so that,
-    # e.g., a fixed global scale costs no product).
-    moving = [i for i, t in enumerate((da, dgs, dbias, dnorm, dres)) if t is not None]
-    moving = [i for i in moving if not is_zero((da, dgs, dbias, dnorm, dres)[i])]
-    if not moving:
-        return y, ad.Zero.from_primal_value(y)
     weight = dict(
         block_size=params["block_size"],
         backend=params["backend"],
@@ -206,11 +217,7 @@ def _fused_jvp(primals, tangents, *, norm_eps, activation, has_residual, **param
         tuning=params.get("tuning"),
     )
 
-    def composition(*moved):
-        x = list(primal_in)
-        for i, value in zip(moving, moved):
-            x[i] = value
-        a, global_scale, bias, norm_weight, residual = x
+    def composition(a, global_scale, bias, norm_weight, residual):
         return unfused(
             a,
             packed,
@@ -224,9 +231,12 @@ def _fused_jvp(primals, tangents, *, norm_eps, activation, has_residual, **param
             **weight,
         )
 
-    tangent_in = (da, dgs, dbias, dnorm, dres)
-    _, dy = jax.jvp(composition, [primal_in[i] for i in moving], [tangent_in[i] for i in moving])
-    return y, _explicit_axes.typed_like(dy, jax.typeof(y))
+    return composition_jvp(
+        y,
+        composition,
+        (a, global_scale, bias, norm_weight, residual),
+        (da, dgs, dbias, dnorm, dres),
+    )
 
 
 def _jvp(
