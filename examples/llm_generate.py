@@ -23,8 +23,9 @@ gate_up_proj's output and the residual add on o_proj's and down_proj's; on dense
 the same ops around its dot.
 
 Qwen3-MoE (config.json with "num_experts"; every layer an MoE layer): a bf16 router (mlp.gate),
-softmax in float32, top-k renormalised where norm_topk_prob, no shared expert. The (token, expert)
-pairs are sorted by expert and run through jax_fp4.ragged_matmul on the layer's stacked experts
+softmax in float32, top-k renormalised where norm_topk_prob, no shared expert. jax_fp4.route_top_k
+takes the top k and sorts the (token, expert) pairs by expert (one kernel on a GPU), which run
+through jax_fp4.ragged_matmul on the layer's stacked experts
 (gate/up [E, 2I, H], down [E, H, I]), which reads only the experts that have tokens; the outputs,
 weighted by the router, are summed back per token. jax_fp4.checkpoint.load_experts reads the
 per-expert tensors (model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj).
@@ -852,17 +853,6 @@ def silu_mul(gate, up):
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
-def route(cfg: Config, logits):
-    """(weights [T, k] float32, experts [T, k] int32) from router logits [T, E]: softmax in float32,
-    the top k (jax.lax.top_k: the lower expert on ties), renormalised to sum 1 if norm_topk_prob
-    (Qwen3-MoE's routing)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
-    if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
-
-
 def experts_matmul(a, w, group_sizes, activation=None):
     """a [M, K], rows sorted by expert (group_sizes [E] of them each), times each row's expert:
     [M, N] in a's dtype; activation "silu_mul" on fused gate/up experts gives silu(gate) * up
@@ -875,51 +865,15 @@ def experts_matmul(a, w, group_sizes, activation=None):
     return silu_mul(*jnp.split(y, 2, -1)) if activation == "silu_mul" else y
 
 
-# Up to this many (token, slot) pairs, expert_order compares every pair with every other ([P, P]
-# and [E, P] comparisons that XLA runs as a few fused reductions: 5 kernels a layer fewer than the
-# sort's, 8% off Qwen3-30B-A3B's decode step at batch 1 on an H100, docs/design.md); past it (a
-# million comparisons) the pairs are sorted (a sort, and scatters for the inverse and the sizes).
-COMPARE_PAIRS_MAX = 1024
-
-
-def _order_by_comparison(flat, experts: int):
-    index = jnp.arange(flat.shape[0], dtype=jnp.int32)
-    ahead = (flat[None, :] < flat[:, None]) | (
-        (flat[None, :] == flat[:, None]) & (index[None, :] < index[:, None])
-    )  # [j, i]: pair i goes before pair j
-    inverse = jnp.sum(ahead, axis=1, dtype=jnp.int32)
-    order = jnp.sum(
-        jnp.where(inverse[None, :] == index[:, None], index[None, :], 0), axis=1, dtype=jnp.int32
-    )
-    ids = jnp.arange(experts, dtype=flat.dtype)
-    group_sizes = jnp.sum(flat[None, :] == ids[:, None], axis=1, dtype=jnp.int32)
-    return order, inverse, group_sizes
-
-
-def _order_by_sort(flat, experts: int):
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
-    group_sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
-    return order, inverse, group_sizes
-
-
-def expert_order(flat, experts: int):
-    """(order, inverse, group_sizes) of the (token, slot) pairs whose experts are flat [P] (int32,
-    each in [0, experts)): order [P] the pairs stably sorted by expert, inverse [P] its inverse
-    (the row of pair j), group_sizes [experts] the pairs of each expert; all int32."""
-    if flat.shape[0] <= COMPARE_PAIRS_MAX:
-        return _order_by_comparison(flat, experts)
-    return _order_by_sort(flat, experts)
-
-
 def mixture_of_experts(cfg: Config, x, router, experts: dict):
     """The MoE block on normed tokens x [T, H]: float32 [T, H], the sum over each token's top-k
     experts of its router weight times the expert's down(silu(gate(x)) * up(x))."""
     t, k = x.shape[0], cfg.experts_per_token
-    weights, chosen = route(cfg, linear(x, router))  # the router's logits in x's dtype, as HF's
-    # The (token, slot) pairs grouped by expert.
-    order, inverse, group_sizes = expert_order(chosen.reshape(-1), cfg.experts)
-    rows = x[order // k]
+    # The router's logits in x's dtype, as HF's; their float32 softmax, top k (renormalised where
+    # norm_topk_prob) and the (token, slot) pairs grouped by expert: one kernel on a GPU.
+    r = jax_fp4.route_top_k(linear(x, router), k, renormalize=cfg.norm_topk_prob)
+    group_sizes = r.group_sizes
+    rows = x[r.order // k]
     if "gate_up_proj" in experts:
         hidden = experts_matmul(rows, experts["gate_up_proj"], group_sizes, "silu_mul")
     else:
@@ -929,8 +883,8 @@ def mixture_of_experts(cfg: Config, x, router, experts: dict):
     # Back to (token, slot) order through the inverse permutation, then each token's k outputs
     # summed in slot order: a gather and a fixed-order sum, where a scatter-add of the pairs onto
     # their tokens would add in the order the GPU's atomics happen to land (not bit-reproducible).
-    out = out[inverse].astype(jnp.float32).reshape(t, k, -1)
-    return jnp.sum(out * weights[..., None], axis=1)
+    out = out[r.inverse].astype(jnp.float32).reshape(t, k, -1)
+    return jnp.sum(out * r.weights[..., None], axis=1)
 
 
 def _moe(cfg: Config, h, layer):

@@ -7,6 +7,7 @@ y = jax_fp4.matmul(a, w, bias)          # a [..., K] fp16/bf16 -> y [..., N]
 Mixture-of-experts layers: a stack of expert weights and the rows of each expert, sorted by expert:
 experts = jax_fp4.quantize(weights)     # float [G, N, K] -> NVFP4Weight stack
 y = jax_fp4.ragged_matmul(x, experts, group_sizes)  # x [M, K], group_sizes int32 [G] -> [M, N]
+r = jax_fp4.route_top_k(logits, k)      # router logits [T, G] -> weights, experts, order, ...
 """
 
 from jax_fp4 import ffi as _ffi  # noqa: F401  (importing it registers the FFI targets)
@@ -19,6 +20,7 @@ from jax_fp4.native import PrepackedNVFP4Weight
 from jax_fp4.ops import dispatch_path, matmul, nvfp4_matmul_p
 from jax_fp4.prepacking import prepack, unprepack
 from jax_fp4.quantization import quantize
+from jax_fp4.routing import TopKRouting, route_top_k, top_k_routing_p
 
 __version__ = "0.1.0"
 
@@ -52,6 +54,9 @@ __all__ = [
     "quantize",
     "ragged_dispatch_path",
     "ragged_matmul",
+    "route_top_k",
+    "top_k_routing_p",
+    "TopKRouting",
     "unpack_codes",
     "unprepack",
 ]

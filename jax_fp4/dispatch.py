@@ -550,3 +550,24 @@ def grouped_paths(
         else:
             ranges.append((m, m, path))
     return ranges
+
+
+# ---- top-k routing (jax_fp4.route_top_k) ---------------------------------------------------------
+# Paths:
+#   kernel  CUDA, one block (ffi/cuda/routing.cu): softmax, top k, renormalisation and the stable
+#           grouping of the (token, slot) pairs by expert in one launch. One block holds at most
+#           ROUTING_KERNEL_MAX_PAIRS pairs (T k) and ROUTING_KERNEL_MAX_EXPERTS experts (the
+#           handler's kRoutingMaxPairs / kRoutingMaxExperts).
+#   xla     the same results composed of XLA's softmax, top_k and a pair comparison or a sort
+#           (any platform, any size): six kernels at decode sizes on a GPU.
+ROUTING_PATHS = ("kernel", "xla")
+ROUTING_KERNEL_MAX_PAIRS = 1024
+ROUTING_KERNEL_MAX_EXPERTS = 4096
+
+
+def routing_path(tokens: int, experts: int, k: int, target: Target, *, has_kernel: bool) -> str:
+    """The path of a top-k routing of `tokens` x `experts` logits on `target`; `has_kernel`: the
+    routing kernel is registered and may run (one device's program)."""
+    fits = tokens * k <= ROUTING_KERNEL_MAX_PAIRS and experts <= ROUTING_KERNEL_MAX_EXPERTS
+    on_gpu = target.platform == "cuda" and target.has_cuda_kernels and has_kernel
+    return "kernel" if on_gpu and fits else "xla"

@@ -75,6 +75,7 @@ FFI_TARGETS = {
         "jax_fp4_fused_cuda",
         "jax_fp4_grouped_gemv_cuda",
         "jax_fp4_grouped_gemm_cuda",
+        "jax_fp4_top_k_routing_cuda",
     ),
 }
 
@@ -120,6 +121,8 @@ COMMAND_BUFFER_TARGETS = (
     # tensor map.
     "jax_fp4_grouped_gemv_cuda",
     "jax_fp4_grouped_gemm_cuda",
+    # Operand checks and one single-block launch.
+    "jax_fp4_top_k_routing_cuda",
 )
 
 

@@ -320,50 +320,6 @@ def test_mixture_of_experts_matches_a_loop_over_tokens(example, device):
         )
 
 
-@pytest.mark.parametrize("pairs", [1, 7, 64, "max", "max+1"])
-def test_expert_order_matches_a_stable_sort(example, device, pairs):
-    """Both ways of grouping the (token, slot) pairs by expert (every pair compared with every
-    other; a sort and scatters) give NumPy's stable argsort, its inverse and the bincount, with
-    ties, experts that get nothing and, past COMPARE_PAIRS_MAX, the sorting way."""
-    rng = np.random.default_rng()
-    limit = example.COMPARE_PAIRS_MAX
-    p = {"max": limit, "max+1": limit + 1}.get(pairs, pairs)
-    for experts in (3, 128):
-        flat = rng.integers(0, experts, p).astype(np.int32)
-        if p > 2:
-            flat[: p // 2] = experts - 1  # one expert holds half the pairs
-        want_order = np.argsort(flat, kind="stable")
-        want = (want_order, np.argsort(want_order), np.bincount(flat, minlength=experts))
-        ways = [example.expert_order]
-        if p <= 64:
-            ways += [example._order_by_comparison, example._order_by_sort]
-        for way in ways:
-            got = jax.jit(way, static_argnums=1)(jnp.asarray(flat), experts)
-            for name, g, w in zip(("order", "inverse", "group_sizes"), got, want):
-                assert g.dtype == jnp.int32, name
-                np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{way.__name__} {name}")
-
-
-def test_route_takes_the_top_k_of_a_float32_softmax(example):
-    rng = np.random.default_rng()
-    logits = rng.standard_normal((9, 6)).astype(np.float32) * 3
-    for norm in (True, False):
-        cfg = example.Config.from_json(
-            dict(ODD, num_experts=6, num_experts_per_tok=4, norm_topk_prob=norm)
-        )
-        weights, experts = example.route(cfg, jnp.asarray(logits, jnp.bfloat16))
-        assert weights.dtype == jnp.float32 and experts.dtype == jnp.int32
-        rounded = np.asarray(jnp.asarray(logits, jnp.bfloat16), np.float64)
-        probs = np.exp(rounded - rounded.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        top = np.argsort(-rounded, axis=-1, kind="stable")[:, :4]
-        want = np.take_along_axis(probs, top, -1)
-        if norm:
-            want /= want.sum(-1, keepdims=True)
-        np.testing.assert_array_equal(np.asarray(experts), top)
-        np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
-
-
 def test_random_presets_and_the_cli(example, tmp_path, capsys):
     """qwen3-30b-a3b's config as HF Qwen3MoeConfig spells it (random weights drawn by name, here
     only checked for their shapes); the tiny preset's random model unrolled and stacked, its bf16

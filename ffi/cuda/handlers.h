@@ -1,6 +1,7 @@
 // XLA FFI handlers of the CUDA module. Plain declarations: module.cc (C++, nanobind) includes this
-// header and never sees CUDA; the handlers are defined in gemv/handler.cu, dequant.cu and
-// grouped/ (the fused GEMM's in fused/fused.h, the native SM120 path's in native_sm120/handlers.h).
+// header and never sees CUDA; the handlers are defined in gemv/handler.cu, dequant.cu, routing.cu
+// and grouped/ (the fused GEMM's in fused/fused.h, the native SM120 path's in
+// native_sm120/handlers.h).
 #ifndef JAX_FP4_CUDA_HANDLERS_H_
 #define JAX_FP4_CUDA_HANDLERS_H_
 
@@ -23,5 +24,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GroupedGemvCuda);
 // Grouped fused GEMM (sm_90a): the same operands with a in the fused GEMM's fragment K order ->
 // (y [M,N], workspace u8 [W]); attrs block_size (== 16), tiled (ffi/cuda/grouped/gemm_handler.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GroupedGemmCuda);
+
+// Top-k routing of a mixture-of-experts layer: (logits [T,E] f32/f16/bf16) -> (weights [T,k] f32,
+// experts [T,k] s32, order [T k] s32, inverse [T k] s32, group_sizes [E] s32); attrs k,
+// renormalize. One block: T k <= 1024, E <= 4096 (ffi/cuda/routing.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4TopKRoutingCuda);
 
 #endif  // JAX_FP4_CUDA_HANDLERS_H_
