@@ -24,8 +24,8 @@ the same ops around its dot.
 
 Qwen3-MoE (config.json with "num_experts"; every layer an MoE layer): a bf16 router (mlp.gate),
 softmax in float32, top-k renormalised where norm_topk_prob, no shared expert. jax_fp4.route_top_k
-takes the top k and sorts the (token, expert) pairs by expert (one kernel on a GPU), which run
-through jax_fp4.ragged_matmul on the layer's stacked experts
+takes the top k and sorts the (token, expert) pairs by expert (one GPU kernel when decoding);
+they run through jax_fp4.ragged_matmul on the layer's stacked experts
 (gate/up [E, 2I, H], down [E, H, I]), which reads only the experts that have tokens; the outputs,
 weighted by the router, are summed back per token. jax_fp4.checkpoint.load_experts reads the
 per-expert tensors (model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj).
@@ -870,7 +870,7 @@ def mixture_of_experts(cfg: Config, x, router, experts: dict):
     experts of its router weight times the expert's down(silu(gate(x)) * up(x))."""
     t, k = x.shape[0], cfg.experts_per_token
     # The router's logits in x's dtype, as HF's; their float32 softmax, top k (renormalised where
-    # norm_topk_prob) and the (token, slot) pairs grouped by expert: one kernel on a GPU.
+    # norm_topk_prob) and the (token, slot) pairs grouped by expert: one GPU kernel when decoding.
     r = jax_fp4.route_top_k(linear(x, router), k, renormalize=cfg.norm_topk_prob)
     group_sizes = r.group_sizes
     rows = x[r.order // k]

@@ -555,19 +555,24 @@ def grouped_paths(
 # ---- top-k routing (jax_fp4.route_top_k) ---------------------------------------------------------
 # Paths:
 #   kernel  CUDA, one block (ffi/cuda/routing.cu): softmax, top k, renormalisation and the stable
-#           grouping of the (token, slot) pairs by expert in one launch. One block holds at most
-#           ROUTING_KERNEL_MAX_PAIRS pairs (T k) and ROUTING_KERNEL_MAX_EXPERTS experts (the
+#           grouping of the (token, slot) pairs by expert in one launch. The block holds at most
+#           ROUTING_BLOCK_MAX_PAIRS pairs (T k) and ROUTING_BLOCK_MAX_EXPERTS experts (the
 #           handler's kRoutingMaxPairs / kRoutingMaxExperts).
 #   xla     the same results composed of XLA's softmax, top_k and a pair comparison or a sort
 #           (any platform, any size): six kernels at decode sizes on a GPU.
+# "auto" takes the kernel up to ROUTING_KERNEL_MAX_PAIRS pairs: its warps take a token each, so its
+# time grows with the tokens per warp while XLA's stays flat. 128 experts, top 8, us a call in a
+# chain of calls (H100): 1 token 9.3-11.1 against 13.1-14.6, 8 tokens 11.4-12.1 against
+# 13.5-14.8, 32 tokens 20.5-21.1 against 13.9-14.0, 64 tokens 36.3-36.8 against 14.2-15.2.
 ROUTING_PATHS = ("kernel", "xla")
-ROUTING_KERNEL_MAX_PAIRS = 1024
-ROUTING_KERNEL_MAX_EXPERTS = 4096
+ROUTING_BLOCK_MAX_PAIRS = 1024
+ROUTING_BLOCK_MAX_EXPERTS = 4096
+ROUTING_KERNEL_MAX_PAIRS = 64
 
 
 def routing_path(tokens: int, experts: int, k: int, target: Target, *, has_kernel: bool) -> str:
     """The path of a top-k routing of `tokens` x `experts` logits on `target`; `has_kernel`: the
     routing kernel is registered and may run (one device's program)."""
-    fits = tokens * k <= ROUTING_KERNEL_MAX_PAIRS and experts <= ROUTING_KERNEL_MAX_EXPERTS
+    fits = tokens * k <= ROUTING_KERNEL_MAX_PAIRS and experts <= ROUTING_BLOCK_MAX_EXPERTS
     on_gpu = target.platform == "cuda" and target.has_cuda_kernels and has_kernel
     return "kernel" if on_gpu and fits else "xla"

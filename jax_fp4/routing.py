@@ -13,10 +13,10 @@ to run the chosen experts and what combines their outputs:
   inverse      [T k] int32     the inverse permutation: pair p is row inverse[p]
   group_sizes  [E] int32       the pairs of each expert
 
-On a GPU one kernel computes all five (ffi/cuda/routing.cu) where one block holds the call
-(jax_fp4.dispatch.routing_path); elsewhere, and in multi-device programs, which XLA partitions
-itself, they are composed of XLA's softmax, top_k and a pair comparison (a sort past
-COMPARE_PAIRS_MAX pairs). Both give the same experts and grouping; the weights
+On a GPU one kernel computes all five at decode sizes (ffi/cuda/routing.cu; up to
+dispatch.ROUTING_KERNEL_MAX_PAIRS pairs, jax_fp4.dispatch.routing_path); elsewhere, past them and
+in multi-device programs, which XLA partitions itself, they are composed of XLA's softmax, top_k
+and a pair comparison (a sort past COMPARE_PAIRS_MAX pairs). Both give the same experts and grouping; the weights
 agree to float32 rounding. NaN logits route to distinct valid experts (which ones is
 unspecified) with NaN weights.
 

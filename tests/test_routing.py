@@ -1,5 +1,5 @@
 """jax_fp4.route_top_k against a float64 NumPy reference, on the CPU (the XLA composition) and the
-GPU (the routing kernel where one block holds the call, the composition past it): the experts
+GPU (the routing kernel at decode sizes, the composition past them): the experts
 exactly (ties to the lower expert), the grouping exactly (NumPy's stable argsort, its inverse and
 the bincount), the weights to float32 rounding; its dispatch, batching, derivatives and errors."""
 
@@ -46,9 +46,9 @@ def kernel_serves(device, tokens, experts, k) -> bool:
     return device.is_gpu and routing.routing_path(tokens, experts, k, "cuda") == "kernel"
 
 
-# (tokens, experts, k): decode (1 and 8 tokens, Qwen3-30B-A3B's 128 experts, top 8), odd sizes,
-# one expert, k = E, more experts than a warp's lanes times four, the kernel's last pair count
-# and the first past it.
+# (tokens, experts, k): decode (1 and 8 tokens, Qwen3-30B-A3B's 128 experts, top 8: auto's last
+# pair count for the kernel), odd sizes, one expert, k = E, more experts than a warp's lanes times
+# four, and the pair comparison's last pair count and the first past it.
 SHAPES = [
     (1, 128, 8),
     (8, 128, 8),
@@ -111,19 +111,27 @@ def test_nan_logits_give_valid_distinct_experts_and_nan_weights(device):
 
 
 @pytest.mark.gpu
-def test_the_gpu_kernel_and_the_composition_agree():
-    """On a GPU: the kernel (auto at these sizes) and the XLA composition give the same experts
-    and grouping, and weights within float32 rounding of each other."""
+@pytest.mark.parametrize(
+    "tokens,experts,k", [(8, 128, 8), (33, 300, 2), (128, 128, 8), (2, 4096, 8)]
+)
+def test_the_kernel_matches_the_reference_up_to_its_block_s_capacity(tokens, experts, k):
+    """The routing kernel called directly, past the sizes auto gives it (up to the pairs and
+    experts one block holds), and against the XLA composition."""
     from tests._helpers import gpus
 
     if not gpus() or not routing.has_routing_kernel():
         pytest.skip("needs a CUDA device and the routing kernel")
+    assert tokens * k <= dispatch.ROUTING_BLOCK_MAX_PAIRS
+    assert experts <= dispatch.ROUTING_BLOCK_MAX_EXPERTS
     rng = np.random.default_rng()
-    logits = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((tokens, experts)), jnp.bfloat16)
     with jax.default_device(gpus()[0]):
-        assert routing.routing_path(64, 128, 8, "cuda") == "kernel"
-        kernel = jax.jit(lambda x: jax_fp4.route_top_k(x, 8, renormalize=True))(logits)
-        composed = jax.jit(lambda x: routing._composed(x, k=8, renormalize=True))(logits)
+        for renormalize in (True, False):
+            kernel = jax.jit(lambda x: routing._kernel(x, k=k, renormalize=renormalize))(logits)
+            check(kernel, logits, k, renormalize)
+        composed = jax.jit(lambda x: routing._composed(x, k=k, renormalize=False))(logits)
+        auto = "kernel" if tokens * k <= dispatch.ROUTING_KERNEL_MAX_PAIRS else "xla"
+        assert routing.routing_path(tokens, experts, k, "cuda") == auto
     for name, a, b in zip(routing.TopKRouting._fields, kernel, composed):
         if name == "weights":
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6)
@@ -155,12 +163,13 @@ def test_expert_order_matches_a_stable_sort(device, pairs):
                 np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{way.__name__} {name}")
 
 
-def test_dispatch_keeps_the_kernel_to_one_block():
+def test_dispatch_keeps_the_kernel_to_decode_sizes():
     gpu = dispatch.Target("cuda", capability=(9, 0), has_cuda_kernels=True)
     limit = dispatch.ROUTING_KERNEL_MAX_PAIRS
+    assert limit <= dispatch.ROUTING_BLOCK_MAX_PAIRS
     assert dispatch.routing_path(limit // 8, 128, 8, gpu, has_kernel=True) == "kernel"
     assert dispatch.routing_path(limit // 8 + 1, 128, 8, gpu, has_kernel=True) == "xla"
-    big = dispatch.ROUTING_KERNEL_MAX_EXPERTS
+    big = dispatch.ROUTING_BLOCK_MAX_EXPERTS
     assert dispatch.routing_path(1, big, 8, gpu, has_kernel=True) == "kernel"
     assert dispatch.routing_path(1, big + 1, 8, gpu, has_kernel=True) == "xla"
     assert dispatch.routing_path(1, 128, 8, gpu, has_kernel=False) == "xla"

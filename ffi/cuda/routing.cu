@@ -12,11 +12,11 @@
 // softmax, top_k and a sort takes six kernels at decode sizes).
 //
 // One block of kThreads threads does it all, so it serves up to kRoutingMaxPairs pairs and
-// kRoutingMaxExperts experts (jax_fp4.dispatch.ROUTING_KERNEL_MAX_PAIRS / _EXPERTS, which keep
-// larger calls on the XLA composition): a warp per token picks the top k in k rounds of a warp
-// arg-max over (logit, expert) keys, counting the pairs of each expert in shared memory; one
-// warp then scans the counts and places the pairs 32 at a time in pair order (__match_any_sync
-// ranks the lanes that share an expert), which keeps the sort stable.
+// kRoutingMaxExperts experts (jax_fp4.dispatch.ROUTING_BLOCK_MAX_PAIRS / _EXPERTS; "auto" takes
+// it only at decode sizes, dispatch.ROUTING_KERNEL_MAX_PAIRS): a warp per token picks the top k in
+// k rounds of a warp arg-max over (logit, expert) keys, counting the pairs of each expert in shared
+// memory; one warp then scans the counts and places the pairs 32 at a time in pair order
+// (__match_any_sync ranks the lanes that share an expert), which keeps the sort stable.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
