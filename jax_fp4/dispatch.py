@@ -564,7 +564,6 @@ def grouped_paths(
 # time grows with the tokens per warp while XLA's stays flat. 128 experts, top 8, us a call in a
 # chain of calls (H100): 1 token 9.3-11.1 against 13.1-14.6, 8 tokens 11.4-12.1 against
 # 13.5-14.8, 32 tokens 20.5-21.1 against 13.9-14.0, 64 tokens 36.3-36.8 against 14.2-15.2.
-ROUTING_PATHS = ("kernel", "xla")
 ROUTING_BLOCK_MAX_PAIRS = 1024
 ROUTING_BLOCK_MAX_EXPERTS = 4096
 ROUTING_KERNEL_MAX_PAIRS = 64

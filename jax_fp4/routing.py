@@ -16,9 +16,9 @@ to run the chosen experts and what combines their outputs:
 On a GPU one kernel computes all five at decode sizes (ffi/cuda/routing.cu; up to
 dispatch.ROUTING_KERNEL_MAX_PAIRS pairs, jax_fp4.dispatch.routing_path); elsewhere, past them and
 in multi-device programs, which XLA partitions itself, they are composed of XLA's softmax, top_k
-and a pair comparison (a sort past COMPARE_PAIRS_MAX pairs). Both give the same experts and grouping; the weights
-agree to float32 rounding. NaN logits route to distinct valid experts (which ones is
-unspecified) with NaN weights.
+and a pair comparison (a sort past COMPARE_PAIRS_MAX pairs). Both give the same experts and
+grouping; the weights agree to float32 rounding. NaN logits route to distinct valid experts (which
+ones is unspecified) with NaN weights.
 
 Derivatives: the weights are differentiable in the logits (the chosen experts held fixed, as
 for jax.lax.top_k's values); the integer results have none.
