@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build jax_fp4 for this machine's GPU, run the GPU tests, then the benchmarks: the default sweep,
-# the decode step and its GEMVs (decode.py), mixture-of-experts (moe.py, and decode.py on the MoE
-# preset).
+# the decode step and its GEMVs (decode.py), mixture-of-experts (moe.py, routing.py, and decode.py
+# on the MoE preset).
 #
 #   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe] [OUTDIR]
 #
@@ -60,6 +60,8 @@ fi
 if [[ -z "$only" || "$only" == moe ]]; then
   echo "== mixture-of-experts"
   python benchmarks/moe.py --json "$out/moe.json" 2>&1 | tee "$out/moe.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  python benchmarks/routing.py --json "$out/routing.json" 2>&1 | tee "$out/routing.log"
   ((PIPESTATUS[0] == 0)) || status=1
   # The MoE model's decode step against its bf16 twin: all 48 layers of both need an H200's
   # memory; a smaller GPU (an H100's 80 GB) runs 24.
