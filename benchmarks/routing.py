@@ -18,6 +18,7 @@ calls run in order); per-call time = (t(L2) - t(L1)) / (L2 - L1). Without a CUDA
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,8 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.markdown_from:
-        import json
-
         print(markdown(json.loads(Path(args.markdown_from).read_text())))
         return 0
     if args.quick:
