@@ -133,14 +133,8 @@ def _composed(logits, *, k, renormalize):
 
 
 def _kernel(logits, *, k, renormalize):
-    tokens, experts = logits.shape
-    outs = (
-        jax.ShapeDtypeStruct((tokens, k), jnp.float32),
-        jax.ShapeDtypeStruct((tokens, k), jnp.int32),
-        jax.ShapeDtypeStruct((tokens * k,), jnp.int32),
-        jax.ShapeDtypeStruct((tokens * k,), jnp.int32),
-        jax.ShapeDtypeStruct((experts,), jnp.int32),
-    )
+    avals = _abstract_eval(logits, k=k, renormalize=renormalize)
+    outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in avals)
     return jax.ffi.ffi_call(KERNEL_TARGET, outs)(logits, k=np.int64(k), renormalize=renormalize)
 
 

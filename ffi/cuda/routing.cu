@@ -28,6 +28,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/handlers.h"
+#include "jax_fp4/validate.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -201,11 +202,11 @@ ffi::Error TopKRoutingCudaImpl(cudaStream_t stream, ffi::AnyBuffer logits,
   auto invalid = [&](const std::string& what) { return ffi::Error::InvalidArgument(name + what); };
   const auto dims = logits.dimensions();
   if (dims.size() != 2) {
-    return invalid("logits must be 2-D [T, E], got rank " + std::to_string(dims.size()));
+    return invalid("logits must be 2-D [T, E], got " + DimsToString(dims));
   }
   const int64_t tokens = dims[0], experts = dims[1], pairs = tokens * k;
   const ffi::DataType dtype = logits.element_type();
-  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
+  if (!IsActivationType(dtype, /*allow_f32=*/true)) {
     return invalid("logits must be float32, float16 or bfloat16");
   }
   if (k < 1 || k > experts) {
