@@ -112,11 +112,14 @@ def test_nan_logits_give_valid_distinct_experts_and_nan_weights(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tokens,experts,k", [(8, 128, 8), (33, 300, 2), (128, 128, 8), (2, 4096, 8)]
+    "tokens,experts,k",
+    [(8, 128, 8), (33, 300, 2), (128, 128, 8), (2, 4096, 8), (3, 100, 40), (1, 64, 64)],
 )
-def test_the_kernel_matches_the_reference_up_to_its_block_s_capacity(tokens, experts, k):
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_kernel_matches_the_reference_up_to_its_block_s_capacity(tokens, experts, k, ties):
     """The routing kernel called directly, past the sizes auto gives it (up to the pairs and
-    experts one block holds), and against the XLA composition."""
+    experts one block holds, and k past a warp's 32 lanes), on random logits and on small
+    integers (many ties), and against the XLA composition."""
     from tests._helpers import gpus
 
     if not gpus() or not routing.has_routing_kernel():
@@ -124,7 +127,10 @@ def test_the_kernel_matches_the_reference_up_to_its_block_s_capacity(tokens, exp
     assert tokens * k <= dispatch.ROUTING_BLOCK_MAX_PAIRS
     assert experts <= dispatch.ROUTING_BLOCK_MAX_EXPERTS
     rng = np.random.default_rng()
-    logits = jnp.asarray(rng.standard_normal((tokens, experts)), jnp.bfloat16)
+    values = (
+        rng.integers(-2, 3, (tokens, experts)) if ties else rng.standard_normal((tokens, experts))
+    )
+    logits = jnp.asarray(values, jnp.bfloat16)
     with jax.default_device(gpus()[0]):
         for renormalize in (True, False):
             kernel = jax.jit(lambda x: routing._kernel(x, k=k, renormalize=renormalize))(logits)

@@ -13,10 +13,11 @@
 //
 // One block of kThreads threads does it all, so it serves up to kRoutingMaxPairs pairs and
 // kRoutingMaxExperts experts (jax_fp4.dispatch.ROUTING_BLOCK_MAX_PAIRS / _EXPERTS; "auto" takes
-// it only at decode sizes, dispatch.ROUTING_KERNEL_MAX_PAIRS): a warp per token picks the top k in
-// k rounds of a warp arg-max over (logit, expert) keys, counting the pairs of each expert in shared
-// memory; one warp then scans the counts and places the pairs 32 at a time in pair order
-// (__match_any_sync ranks the lanes that share an expert), which keeps the sort stable.
+// it up to dispatch.ROUTING_KERNEL_MAX_PAIRS): a warp per token picks the top k in k rounds of a
+// warp arg-max over (logit, expert) keys, two redux.sync a round with each lane holding its best
+// key not yet taken, and counts the pairs of each expert in shared memory; one warp then scans
+// the counts and places the pairs 32 at a time in pair order (__match_any_sync ranks the lanes
+// that share an expert), which keeps the sort stable.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -55,10 +56,6 @@ __device__ __forceinline__ uint64_t RoutingKey(float logit, int expert) {
   return (static_cast<uint64_t>(ordered) << 32) | (0xffffffffu - static_cast<uint32_t>(expert));
 }
 
-__device__ __forceinline__ int KeyExpert(uint64_t key) {
-  return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
-}
-
 __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
@@ -71,21 +68,28 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-__device__ __forceinline__ uint64_t WarpMaxKey(uint64_t v) {
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) {
-    const uint64_t other = __shfl_xor_sync(0xffffffffu, v, d);
-    v = other > v ? other : v;
+// The largest of this lane's keys (experts lane, lane + 32, ...) below `below`; 0 when none is.
+template <typename T>
+__device__ __forceinline__ uint64_t LaneBestBelow(const T* __restrict__ row, int experts,
+                                                  uint64_t below) {
+  uint64_t best = 0;
+  for (int e = threadIdx.x & 31; e < experts; e += 32) {
+    const uint64_t key = RoutingKey(ToFloat(row[e]), e);
+    if (key < below && key > best) best = key;
   }
-  return v;
+  return best;
 }
 
-// Token t's top k: experts and weights written, each chosen expert's count in `counts` raised and
-// the pair's expert kept in pair_expert. Called by the 32 lanes of one warp.
+// Token t's top k: chosen experts and weights written, each pair's expert kept in pair_expert and
+// counted in `counts`, the unnormalised weights staged in pair_weight. Called by the 32 lanes of
+// one warp. Each lane keeps its best key not yet taken; a round takes the warp's largest with two
+// redux.sync (the logit half, then the lowest expert among the lanes holding it), and only the
+// lane that won reads its logits again. The winning logit comes back from its key, so every lane
+// knows the round's weight with no shuffle, and lane j % 32 keeps round j's.
 template <typename T>
 __device__ void RouteToken(const T* __restrict__ row, int experts, int k, bool renormalize,
                            float* __restrict__ weights, int32_t* __restrict__ chosen,
-                           int32_t* pair_expert, int32_t* counts) {
+                           int32_t* pair_expert, float* pair_weight, int32_t* counts) {
   const int lane = threadIdx.x & 31;
   float row_max = -INFINITY;
   for (int e = lane; e < experts; e += 32) row_max = fmaxf(row_max, ToFloat(row[e]));
@@ -94,29 +98,31 @@ __device__ void RouteToken(const T* __restrict__ row, int experts, int k, bool r
   for (int e = lane; e < experts; e += 32) row_sum += expf(ToFloat(row[e]) - row_max);
   row_sum = WarpSum(row_sum);
 
-  uint64_t previous = ~0ull;  // round j takes the largest key below round j - 1's
+  uint64_t best = LaneBestBelow(row, experts, ~0ull);
   float chosen_sum = 0.0f;
   for (int j = 0; j < k; ++j) {
-    uint64_t best = 0;
-    for (int e = lane; e < experts; e += 32) {
-      const uint64_t key = RoutingKey(ToFloat(row[e]), e);
-      if (key < previous && key > best) best = key;
-    }
-    best = WarpMaxKey(best);
-    previous = best;
-    const int expert = KeyExpert(best);
-    const float p = expf(ToFloat(row[expert]) - row_max);
+    const uint32_t ordered = static_cast<uint32_t>(best >> 32);
+    const uint32_t top = __reduce_max_sync(0xffffffffu, ordered);
+    const uint32_t expert = __reduce_min_sync(
+        0xffffffffu, ordered == top ? 0xffffffffu - static_cast<uint32_t>(best) : 0xffffffffu);
+    const uint32_t bits = (top & 0x80000000u) ? (top & 0x7fffffffu) : ~top;  // RoutingKey undone
+    const float p = expf(__uint_as_float(bits) - row_max);
     chosen_sum += p;
-    if (lane == 0) {
-      chosen[j] = expert;
-      weights[j] = p;
-      pair_expert[j] = expert;
-      atomicAdd(counts + expert, 1);
+    if (lane == (j & 31)) {
+      pair_expert[j] = static_cast<int32_t>(expert);
+      pair_weight[j] = p;
+    }
+    if (0xffffffffu - static_cast<uint32_t>(best) == expert) {
+      best = LaneBestBelow(row, experts, best);
     }
   }
+  __syncwarp();
   const float denominator = renormalize ? chosen_sum : row_sum;
-  if (lane == 0) {
-    for (int j = 0; j < k; ++j) weights[j] /= denominator;  // lane 0's own writes
+  for (int j = lane; j < k; j += 32) {
+    const int32_t expert = pair_expert[j];
+    chosen[j] = expert;
+    weights[j] = pair_weight[j] / denominator;
+    atomicAdd(counts + expert, 1);
   }
 }
 
@@ -128,14 +134,15 @@ __global__ void __launch_bounds__(kThreads)
                       int32_t* __restrict__ group_sizes) {
   extern __shared__ int32_t shared[];
   const int64_t pairs = tokens * k;
-  int32_t* pair_expert = shared;     // [pairs]
-  int32_t* cursor = shared + pairs;  // [experts]: counts, then each expert's next row
+  int32_t* pair_expert = shared;                                  // [pairs]
+  float* pair_weight = reinterpret_cast<float*>(shared + pairs);  // [pairs]
+  int32_t* cursor = shared + 2 * pairs;  // [experts]: counts, then each expert's next row
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) cursor[e] = 0;
   __syncthreads();
   for (int64_t t = warp; t < tokens; t += blockDim.x >> 5) {
     RouteToken(logits + t * experts, experts, k, renormalize, weights + t * k, chosen + t * k,
-               pair_expert + t * k, cursor);
+               pair_expert + t * k, pair_weight + t * k, cursor);
   }
   __syncthreads();
   if (warp != 0) return;
@@ -184,7 +191,7 @@ cudaError_t LaunchTopKRouting(cudaStream_t stream, const void* logits, int64_t t
                               int64_t experts, int64_t k, bool renormalize, float* weights,
                               int32_t* chosen, int32_t* order, int32_t* inverse,
                               int32_t* group_sizes) {
-  const size_t smem = static_cast<size_t>(tokens * k + experts) * sizeof(int32_t);
+  const size_t smem = static_cast<size_t>(2 * tokens * k + experts) * sizeof(int32_t);
   TopKRoutingKernel<T><<<1, kThreads, smem, stream>>>(
       static_cast<const T*>(logits), tokens, static_cast<int>(experts), static_cast<int>(k),
       renormalize, weights, chosen, order, inverse, group_sizes);
