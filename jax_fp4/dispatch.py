@@ -560,13 +560,13 @@ def grouped_paths(
 #           handler's kRoutingMaxPairs / kRoutingMaxExperts).
 #   xla     the same results composed of XLA's softmax, top_k and a pair comparison or a sort
 #           (any platform, any size): six kernels at decode sizes on a GPU.
-# "auto" takes the kernel up to ROUTING_KERNEL_MAX_PAIRS pairs: its warps take a token each, so its
-# time grows with the tokens per warp while XLA's stays flat. 128 experts, top 8, us a call in a
-# chain of calls (H100): 1 token 9.3-11.1 against 13.1-14.6, 8 tokens 11.4-12.1 against
-# 13.5-14.8, 32 tokens 20.5-21.1 against 13.9-14.0, 64 tokens 36.3-36.8 against 14.2-15.2.
+# "auto" takes the kernel up to ROUTING_KERNEL_MAX_PAIRS pairs: its warps take a token each and one
+# warp places the pairs 32 at a time, so its time grows with the tokens while XLA's stays flat.
+# 128 experts, top 8, us a call in a chain of calls (benchmarks/routing.py, H100): 1 token 5.9
+# against 10.4, 8 tokens 6.7 against 13.9, 16 tokens 8.6 against 13.3, 32 tokens 17.1 against 10.1.
 ROUTING_BLOCK_MAX_PAIRS = 1024
 ROUTING_BLOCK_MAX_EXPERTS = 4096
-ROUTING_KERNEL_MAX_PAIRS = 64
+ROUTING_KERNEL_MAX_PAIRS = 128
 
 
 def routing_path(tokens: int, experts: int, k: int, target: Target, *, has_kernel: bool) -> str:

@@ -46,12 +46,15 @@ def kernel_serves(device, tokens, experts, k) -> bool:
     return device.is_gpu and routing.routing_path(tokens, experts, k, "cuda") == "kernel"
 
 
-# (tokens, experts, k): decode (1 and 8 tokens, Qwen3-30B-A3B's 128 experts, top 8: auto's last
-# pair count for the kernel), odd sizes, one expert, k = E, more experts than a warp's lanes times
-# four, and the pair comparison's last pair count and the first past it.
+# (tokens, experts, k): decode (1, 8 and 16 tokens, Qwen3-30B-A3B's 128 experts, top 8; 16 is
+# auto's last token count for the kernel, 17 the first past it), odd sizes, one expert, k = E, more
+# experts than a warp's lanes times four, and the pair comparison's last pair count and the first
+# past it.
 SHAPES = [
     (1, 128, 8),
     (8, 128, 8),
+    (16, 128, 8),
+    (17, 128, 8),
     (5, 37, 3),
     (3, 1, 1),
     (4, 6, 6),
