@@ -36,6 +36,13 @@ import numpy as np  # noqa: E402
 import jax_fp4  # noqa: E402
 from jax_fp4 import dispatch, routing  # noqa: E402
 
+TABLE_HEADER = (
+    "| tokens | experts | k | kernel us | xla us | kernel / xla | auto |\n"
+    "|---:|---:|---:|---:|---:|---:|---|"
+)
+# What "auto" picks on a GPU with the routing kernel, whatever this machine has.
+_KERNEL_GPU = dispatch.Target("cuda", has_cuda_kernels=True)
+
 
 def chain(way: str, calls: int, k: int):
     """A function of logits [T, E] running `calls` routings in a row, in `way`'s lowering."""
@@ -64,7 +71,11 @@ def measure(tokens: Sequence[int], experts: int, k: int, args) -> list[dict]:
         logits = jnp.asarray(rng.standard_normal((t, experts)) * 2, jnp.bfloat16)
         row = {"tokens": t, "experts": experts, "k": k, "pairs": t * k}
         for way in ways():
-            if way == "kernel" and t * k > dispatch.ROUTING_BLOCK_MAX_PAIRS:
+            too_big = (
+                t * k > dispatch.ROUTING_BLOCK_MAX_PAIRS
+                or experts > dispatch.ROUTING_BLOCK_MAX_EXPERTS
+            )
+            if way == "kernel" and too_big:
                 continue
             timing = bench.time_chain(
                 lambda calls, way=way: chain(way, calls, k),
@@ -78,7 +89,7 @@ def measure(tokens: Sequence[int], experts: int, k: int, args) -> list[dict]:
             row[f"{way}_noisy"] = timing.noisy
         if "kernel_us" in row:
             row["kernel_over_xla"] = row["kernel_us"] / row["xla_us"]
-        row["auto"] = "kernel" if t * k <= dispatch.ROUTING_KERNEL_MAX_PAIRS else "xla"
+        row["auto"] = dispatch.routing_path(t, experts, k, _KERNEL_GPU, has_kernel=True)
         rows.append(row)
         print(format_row(row), flush=True)
     return rows
@@ -99,8 +110,7 @@ def markdown(results: dict) -> str:
     lines = [
         f"route_top_k on {results['device']} (us a call in a chain of calls)",
         "",
-        "| tokens | experts | k | kernel us | xla us | kernel / xla | auto |",
-        "|---:|---:|---:|---:|---:|---:|---|",
+        TABLE_HEADER,
     ]
     return "\n".join(lines + [format_row(r) for r in results["rows"]])
 
@@ -132,8 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.tokens, args.l1, args.l2, args.repeats = "1,4", 1, 3, 2
     tokens = [int(t) for t in args.tokens.split(",")]
-    print("| tokens | experts | k | kernel us | xla us | kernel / xla | auto |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print(TABLE_HEADER)
     rows = measure(tokens, args.experts, args.top_k, args)
     results = {
         "command": " ".join(["python benchmarks/routing.py", *(argv or sys.argv[1:])]),
