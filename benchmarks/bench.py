@@ -312,7 +312,8 @@ def fp4_layer(backend: str | None, tuning: jax_fp4.KernelTuning | None = None) -
 def parse_tuning(text: str | None) -> jax_fp4.KernelTuning | None:
     """'fused_tile_m=64,programmatic_launch=1' -> KernelTuning(fused_tile_m=64,
     programmatic_launch=True): the kernel choices a measurement fixes (None for an empty text).
-    Booleans take 0/1/true/false; fused_warp_specialized and fused_stream_k also 'auto' (None)."""
+    Booleans take 0/1/true/false; fused_warp_specialized, fused_stream_k and gemv_batched also 'auto'
+    (None)."""
     if not text:
         return None
     fields = {f.name: f for f in dataclasses.fields(jax_fp4.KernelTuning)}
@@ -324,7 +325,12 @@ def parse_tuning(text: str | None) -> jax_fp4.KernelTuning | None:
                 f"tuning: expected NAME=VALUE with NAME one of {sorted(fields)}, got {item!r}"
             )
         raw = raw.strip().lower()
-        if name in ("fused_warp_specialized", "fused_stream_k", "programmatic_launch"):
+        if name in (
+            "fused_warp_specialized",
+            "fused_stream_k",
+            "gemv_batched",
+            "programmatic_launch",
+        ):
             booleans = {"1": True, "true": True, "0": False, "false": False}
             if name != "programmatic_launch":
                 booleans["auto"] = None
@@ -341,6 +347,19 @@ def parse_tuning(text: str | None) -> jax_fp4.KernelTuning | None:
 
 def dense_layer(a, w):
     return a @ w.T
+
+
+def bf16_peak_tflops(size: int = 8192, repeats: int = 20) -> float:
+    """The bf16 jnp.dot rate on a large square GEMM (size^3, random inputs), the median of
+    `repeats` timed calls: the compute ceiling a matmul's compute floor is measured against."""
+    a, b = (
+        jax.random.normal(key, (size, size), jnp.float32).astype(jnp.bfloat16)
+        for key in jax.random.split(jax.random.key(0), 2)
+    )
+    dot = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(dot(a, b))
+    times = sorted(_time_once(dot, (a, b)) for _ in range(repeats))
+    return tflops(2 * size**3, times[len(times) // 2] * 1e6)
 
 
 def naive_layer(a, w):

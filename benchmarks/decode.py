@@ -188,15 +188,38 @@ def decode_runs(
 # ---- gemv: matmuls in a dependent chain ---------------------------------------------------------
 
 
+def with_floors(row: dict, flops: int, peak_tflops: float | None) -> dict:
+    """`row` with its compute floor (the flops at the same run's bf16 peak, `peak_tflops`) and
+    "over_floor", its time over the larger of the byte and the compute floor."""
+    compute_us = flops / (peak_tflops * 1e6) if peak_tflops else 0.0
+    return {
+        **row,
+        "compute_floor_us": compute_us,
+        "over_floor": row["us"] / max(row["floor_us"], compute_us),
+    }
+
+
+def with_m1_ratio(rows: list[dict], key: Sequence[str] = ("n", "k")) -> list[dict]:
+    """Each row with "over_m1", its time over the M = 1 row of the same weights (`key`) in `rows`
+    (None where `rows` has none): how far a batch is from costing what one sequence costs."""
+    m1 = {tuple(r[f] for f in key): r["us"] for r in rows if r["m"] == 1}
+    return [
+        {**r, "over_m1": r["us"] / m1[ident] if (ident := tuple(r[f] for f in key)) in m1 else None}
+        for r in rows
+    ]
+
+
 def gemv_rows(
     shapes: Sequence[tuple[int, int]],
     ms: Sequence[int],
     settings: bench.Settings,
     seed: int,
     log: Callable[[str], None] = _log,
+    peak_tflops: float | None = None,
 ) -> list[dict]:
     """One row per (shape, M): jax_fp4.matmul and bf16 jnp.dot per matmul in a dependent chain,
-    the chain's joint subtracted, against the same-run streaming read of the weight's bytes."""
+    the chain's joint subtracted, against the same-run streaming read of the weight's bytes and
+    the compute floor at `peak_tflops` (the same run's bf16 rate on a large GEMM)."""
     runner = bench.Bench(settings, jax.random.key(seed), log=log)
     itemsize = np.dtype(settings.dtype).itemsize
     rows = []
@@ -218,15 +241,33 @@ def gemv_rows(
                 if n != k
                 else bench.ChainTiming(0.0, l1, l2, 0.0, 0.0)
             )
-            row = gemv_row(n, k, m, itemsize, fp4, dense, glue, read)
+            row = with_floors(
+                gemv_row(n, k, m, itemsize, fp4, dense, glue, read), 2 * m * n * k, peak_tflops
+            )
             row.update(
                 path=jax_fp4.dispatch_path(x, fp4_ws[0], backend=settings.backend),
                 layout=fp4_ws[0].layout,
                 dtype=settings.dtype_name,
+                **variant_fields(settings),
             )
             log(f"{format_gemv_row(row)}   [{time.perf_counter() - started:.1f} s]")
             rows.append(row)
-    return rows
+    return with_m1_ratio(rows)
+
+
+def variant_fields(settings: bench.Settings) -> dict:
+    """What a row records of a forced backend or tuning (None: the defaults)."""
+    tuning = settings.tuning
+    return {
+        "backend": settings.backend,
+        "tuning": None
+        if tuning is None
+        else {
+            f.name: getattr(tuning, f.name)
+            for f in dataclasses.fields(tuning)
+            if getattr(tuning, f.name) != f.default
+        },
+    }
 
 
 def mlp_rows(
@@ -236,6 +277,7 @@ def mlp_rows(
     settings: bench.Settings,
     seed: int,
     log: Callable[[str], None] = _log,
+    peak_tflops: float | None = None,
 ) -> list[dict]:
     """The MLP's two GEMVs as a decoder layer runs them, in a dependent chain with no joint to
     subtract: x [M, hidden] -> gate_up [2I, hidden] with SiLU(gate) * up in the epilogue -> down
@@ -289,7 +331,9 @@ def mlp_rows(
             "layers": [fp4.l1, fp4.l2],
             "path": jax_fp4.dispatch_path(x, fp4_pairs[0][0], backend=settings.backend),
             "noisy": fp4.noisy or dense.noisy or read.noisy,
+            **variant_fields(settings),
         }
+        row = with_floors(row, 2 * m * 3 * intermediate * hidden, peak_tflops)
         log(
             f"MLP {hidden}->{2 * intermediate}->{hidden} M={m}: {fp4.us:.2f} us, {tbps:.2f} TB/s, "
             f"{100 * row['fraction_of_read_bw']:.0f}% of read; bf16 {dense.us:.2f} us "
@@ -298,7 +342,7 @@ def mlp_rows(
             + f"   [{time.perf_counter() - started:.1f} s]"
         )
         rows.append(row)
-    return rows
+    return with_m1_ratio(rows, ("hidden", "intermediate"))
 
 
 def gemv_row(n, k, m, itemsize, fp4, dense, glue, read) -> dict:
@@ -367,15 +411,18 @@ _TIMING_COLUMNS = (  # the gemv and mlp rows' own columns, after what they name
     ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
     ("bf16 us", lambda r: _num(r["bf16_us"])),
     ("x bf16", lambda r: _num(r["x_bf16"])),
+    ("/ floor", lambda r: _num(r.get("over_floor"))),
 )
 _GEMV_COLUMNS = (
     ("N x K", lambda r: f"{r['n']}x{r['k']}"),
     *_TIMING_COLUMNS,
+    ("/ M=1", lambda r: _num(r.get("over_m1"))),
     ("joint us", lambda r: _num(r["glue_us"])),
 )
 _MLP_COLUMNS = (
     ("hidden -> 2I -> hidden", lambda r: f"{r['hidden']}->{2 * r['intermediate']}->{r['hidden']}"),
     *_TIMING_COLUMNS,
+    ("/ M=1", lambda r: _num(r.get("over_m1"))),
 )
 _TEXT_COLUMNS = {"model", "N x K", "hidden -> 2I -> hidden"}
 
@@ -408,15 +455,19 @@ def earlier_results(path: Path, current: dict) -> dict:
 
 
 RUN_KEY = ("model", "layers", "batch", "context")
-GEMV_KEY = ("n", "k", "m", "layout")
-MLP_KEY = ("hidden", "intermediate", "m")
+GEMV_KEY = ("n", "k", "m", "layout", "backend", "tuning")
+MLP_KEY = ("hidden", "intermediate", "m", "backend", "tuning")
 
 
 def merged(earlier: Sequence[dict], new: Sequence[dict], key: Sequence[str]) -> list[dict]:
     """The earlier records with the ones `new` measures again (equal `key` fields) replaced in
     place, then the rest of `new`."""
-    again = {tuple(r.get(f) for f in key): r for r in new}
-    out = [again.pop(tuple(r.get(f) for f in key), r) for r in earlier]
+
+    def ident(r):
+        return tuple(json.dumps(r.get(f), sort_keys=True) for f in key)
+
+    again = {ident(r): r for r in new}
+    out = [again.pop(ident(r), r) for r in earlier]
     return out + list(again.values())
 
 
@@ -428,6 +479,13 @@ def _ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive ints, e.g. '1,8,64'; got {text!r}")
     return values
+
+
+def _tuning(text: str) -> jax_fp4.KernelTuning | None:
+    try:
+        return bench.parse_tuning(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -511,6 +569,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of timed calls per chain pair at least (default 0.2, quick 0)",
     )
     gemv.add_argument("--no-gemv", action="store_true", help="skip the gemv rows")
+    gemv.add_argument(
+        "--backend",
+        default=None,
+        help="force a jax_fp4 backend in the gemv and mlp rows (default auto)",
+    )
+    gemv.add_argument(
+        "--tuning",
+        type=_tuning,
+        default=None,
+        help="KernelTuning fields for the gemv and mlp rows, e.g. gemv_batched=0 (bench.py's "
+        "--tuning)",
+    )
     p.add_argument(
         "--layout",
         choices=("spec", "tiled"),
@@ -621,6 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.quick:
             bench.warm_up_device(1.0)
         settings = bench.Settings(
+            backend=args.backend,
+            tuning=args.tuning,
             layout=args.layout,
             repeats=args.repeats or (1 if args.quick else 10),
             warmup=1 if args.quick else 2,
@@ -632,12 +704,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.quick
             else bench.Budget(),
         )
-        rows = gemv_rows(gemv_shapes, gemv_m, settings, seed)
+        # The compute ceiling of the compute floors: the bf16 rate on a large GEMM, this run.
+        peak = bench.bf16_peak_tflops(512 if args.quick else 8192)
+        _log(f"bf16 jnp.dot on a large GEMM: {peak:.0f} TFLOP/s")
+        rows = gemv_rows(gemv_shapes, gemv_m, settings, seed, peak_tflops=peak)
         for row in rows:
             row["command"] = command
         results["gemv"] = merged(results["gemv"], rows, GEMV_KEY)
         config = model_config(load_example(), model)
-        mlp = mlp_rows(config["hidden_size"], config["intermediate_size"], gemv_m, settings, seed)
+        mlp = mlp_rows(
+            config["hidden_size"],
+            config["intermediate_size"],
+            gemv_m,
+            settings,
+            seed,
+            peak_tflops=peak,
+        )
         for row in mlp:
             row["command"] = command
         results["mlp"] = merged(results["mlp"], mlp, MLP_KEY)
@@ -648,6 +730,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": settings.repeats,
             "min_time_s": settings.min_time_s,
             "seed": seed,
+            "bf16_peak_tflops": peak,
+            **variant_fields(settings),
         }
         write()
     _log(f"wrote {out}")

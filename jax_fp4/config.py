@@ -100,6 +100,9 @@ def cuda_capability_override() -> tuple[int, int] | None:
 _ALLOWED = {
     "gemv_col_tiles": (0, 1, 2),
     "gemv_rows_per_block": (0, 1, 2, 4),
+    "gemv_batched": (None, False, True),
+    "gemv_col_warps": (0, 2, 4),
+    "gemv_cluster": tuple(range(9)),
     "fused_split": tuple(range(9)),
     "fused_tile_m": (0, 16, 32, 64, 128, 256),
     "fused_tile_n": (0, 128, 256),
@@ -107,6 +110,10 @@ _ALLOWED = {
     "fused_stream_k": (None, False, True),
     "programmatic_launch": (False, True),
 }
+
+
+# A tri-state tuning choice as the kernels' attribute: -1 the heuristic, 0 off, 1 on.
+_TRI_STATE = {None: -1, False: 0, True: 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +124,12 @@ class KernelTuning:
 
       gemv_col_tiles       the GEMV's column tiles per warp: 1 or 2
       gemv_k_split         warps splitting K in the GEMV's block: >= 1 (clamped to the block's
-                           warp budget by the kernel)
+                           warp budget by the kernel); the batched kernel's K warps
       gemv_rows_per_block  the scalar GEMV's rows per block: 1, 2 or 4
+      gemv_batched         the GEMV's batched kernel (True; sm_90+, prepacked weights) or the
+                           plain one (False)
+      gemv_col_warps       the batched kernel's column warps per block: 2 or 4
+      gemv_cluster         the batched kernel's blocks per cluster splitting K: 1..8
       fused_split          the fused GEMM's split-K: 1..8
       fused_tile_m         the fused GEMM's activation tile: 16, 32, 64, 128 or 256 rows
       fused_tile_n         the fused GEMM's weight rows per CTA: 128 or 256
@@ -130,6 +141,9 @@ class KernelTuning:
     gemv_col_tiles: int = 0
     gemv_k_split: int = 0
     gemv_rows_per_block: int = 0
+    gemv_batched: bool | None = None
+    gemv_col_warps: int = 0
+    gemv_cluster: int = 0
     fused_split: int = 0
     fused_tile_m: int = 0
     fused_tile_n: int = 0
@@ -160,23 +174,25 @@ class KernelTuning:
 
     def gemv_attributes(self) -> dict:
         """The GEMV target's tuning attributes (INTERFACE: col_tiles, k_split, rows_per_block,
-        programmatic)."""
+        programmatic, batched (-1: the heuristic), col_warps, cluster)."""
         return dict(
             col_tiles=self.gemv_col_tiles,
             k_split=self.gemv_k_split,
             rows_per_block=self.gemv_rows_per_block,
             programmatic=self.programmatic_launch,
+            batched=_TRI_STATE[self.gemv_batched],
+            col_warps=self.gemv_col_warps,
+            cluster=self.gemv_cluster,
         )
 
     def fused_attributes(self) -> dict:
         """The fused GEMM target's tuning attributes (-1: the heuristic, for the tri-state ones)."""
-        tri = {None: -1, False: 0, True: 1}
         return dict(
             split=self.fused_split,
             tile_m=self.fused_tile_m,
             tile_n=self.fused_tile_n,
-            warp_specialized=tri[self.fused_warp_specialized],
-            stream_k=tri[self.fused_stream_k],
+            warp_specialized=_TRI_STATE[self.fused_warp_specialized],
+            stream_k=_TRI_STATE[self.fused_stream_k],
             programmatic=self.programmatic_launch,
         )
 

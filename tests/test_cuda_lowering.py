@@ -218,12 +218,18 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "k_split": "0",
         "rows_per_block": "0",
         "programmatic": "false",
+        "batched": "-1",
+        "col_warps": "0",
+        "cluster": "0",
     }
     assert _attributes(matmul, *_case(4, k=160))["jax_fp4_gemv_cuda"]["tensor_cores"] == "false"
     tuning = jax_fp4.KernelTuning(
         gemv_col_tiles=2,
         gemv_k_split=4,
         gemv_rows_per_block=1,
+        gemv_batched=True,
+        gemv_col_warps=2,
+        gemv_cluster=5,
         fused_split=3,
         fused_tile_m=64,
         fused_tile_n=128,
@@ -241,6 +247,9 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "k_split": "4",
         "rows_per_block": "1",
         "programmatic": "true",
+        "batched": "1",
+        "col_warps": "2",
+        "cluster": "5",
     }
     assert _attributes(matmul, *_case(64))["jax_fp4_fused_cuda"] == {
         "block_size": "16",

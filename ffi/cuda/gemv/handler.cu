@@ -55,9 +55,9 @@ ffi::Error Invalid(const std::string& what) {
 // The attributes: the plain call's eight, and the one a fused call adds. Read from the
 // dictionary of all attributes (so that the fusion one can be absent); any other name is an
 // error, so that a misspelt attribute is not silently ignored.
-constexpr std::string_view kPlainAttributes[] = {"block_size",     "tiled",       "tensor_cores",
-                                                 "row_tiling",     "col_tiles",   "k_split",
-                                                 "rows_per_block", "programmatic"};
+constexpr std::string_view kPlainAttributes[] = {
+    "block_size",     "tiled",        "tensor_cores", "row_tiling", "col_tiles", "k_split",
+    "rows_per_block", "programmatic", "batched",      "col_warps",  "cluster"};
 constexpr std::string_view kFusionAttributes[] = {"activation"};
 
 template <typename V>
@@ -77,6 +77,7 @@ struct GemvAttributes {
   bool tiled = false, tensor_cores = false, row_tiling = false;
   int64_t col_tiles = 0, k_split = 0, rows_per_block = 0;
   bool programmatic = false;
+  int64_t batched = -1, col_warps = 0, cluster = 0;  // the batched kernel's (-1 / 0: heuristic)
   bool fused = false;  // the fusion attribute is present
   int64_t activation = 0;
 };
@@ -98,6 +99,9 @@ ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
   if ((err = ReadAttribute(attrs, "k_split", &out->k_split)).failure()) return err;
   if ((err = ReadAttribute(attrs, "rows_per_block", &out->rows_per_block)).failure()) return err;
   if ((err = ReadAttribute(attrs, "programmatic", &out->programmatic)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "batched", &out->batched)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "col_warps", &out->col_warps)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "cluster", &out->cluster)).failure()) return err;
   out->fused = attrs.contains("activation");
   if (out->fused && (err = ReadAttribute(attrs, "activation", &out->activation)).failure()) {
     return err;
@@ -192,6 +196,17 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         "jax_fp4_gemv_cuda: rows_per_block must be 0 (the heuristic), 1, 2 or 4, got " +
         std::to_string(rows_per_block));
   }
+  if (!(at.batched >= -1 && at.batched <= 1)) {
+    return Invalid("batched must be -1 (the heuristic), 0 or 1, got " + std::to_string(at.batched));
+  }
+  if (!(at.col_warps == 0 || at.col_warps == 2 || at.col_warps == 4)) {
+    return Invalid("col_warps must be 0 (the heuristic), 2 or 4, got " +
+                   std::to_string(at.col_warps));
+  }
+  if (at.cluster < 0 || at.cluster > kGemvBatchedMaxCluster) {
+    return Invalid("cluster must be 0 (the heuristic) or 1.." +
+                   std::to_string(kGemvBatchedMaxCluster) + ", got " + std::to_string(at.cluster));
+  }
   if (silu && tiled && (shape.n / 2) % kGemvTileCols != 0) {
     return Invalid("activation silu_mul on the tiled layout needs N / 2 % 16 == 0, got N = " +
                    std::to_string(shape.n));
@@ -243,6 +258,35 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   if (rows_per_block != 0) cfg.rows_per_block = static_cast<int>(rows_per_block);
   // Programmatic dependent launch: the tensor-core kernel on sm_90+ (elsewhere a plain launch).
   const bool pdl = programmatic && info.sm >= 90;
+  // The batched kernel: where the heuristic takes it, or forced (it needs clusters and reads the
+  // tiled layout only).
+  const bool batched_runs = tensor_cores && tiled && info.sm >= 90;
+  if (at.batched == 1 && !batched_runs) {
+    return Invalid("batched=1 needs the tensor-core kernel, the tiled layout and an sm_90+ device");
+  }
+  const bool batched = at.batched == 1 || (at.batched == -1 && batched_runs &&
+                                           gemv_batched_default(shape.m, shape.n, shape.k));
+  if (batched) {
+    GemvBatchedConfig bcfg = gemv_batched_config(shape.m, shape.n, shape.k, info.num_sms);
+    if (at.col_warps != 0) bcfg.col_warps = static_cast<int>(at.col_warps);
+    if (k_split != 0) {
+      bcfg.k_warps = static_cast<int>(
+          std::min<int64_t>(k_split, kGemvMaxWarpsPerBlock / bcfg.col_warps));
+    }
+    if (at.cluster != 0) bcfg.cluster = static_cast<int>(at.cluster);
+    auto launch_batched = [&](auto type_tag) {
+      using T = decltype(type_tag);
+      GemvFusion<T> fusion;
+      fusion.residual = static_cast<const T*>(residual_data);
+      fusion.silu_mul = silu;
+      return LaunchGemvBatched<T>(stream, a.untyped_data(), packed.typed_data(),
+                                  scale.typed_data(), global_scale.typed_data(), bias_data,
+                                  y->untyped_data(), shape.m, shape.n, shape.k, bcfg, pdl, fusion);
+    };
+    err = f16 ? launch_batched(__half{}) : launch_batched(__nv_bfloat16{});
+    if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: batched kernel launch", err);
+    return ffi::Error::Success();
+  }
 
   auto launch = [&](auto type_tag) {
     using T = decltype(type_tag);

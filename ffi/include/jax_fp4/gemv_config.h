@@ -197,6 +197,78 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   return GemvLaunchConfig{col_tiles, row_tiles, k_split, rows_per_block};
 }
 
+
+// ---- The batched GEMV (GemvBatchedKernel, ffi/cuda/gemv/batched.cuh; sm_90+, tiled layout) ------
+//
+// M = 9-64 rows of a serving batch: a block of col_warps x k_warps warps, each warp two column
+// tiles (32 outputs) and row_tiles 8-row activation tiles; the col_warps warps of one K lane share
+// each activation window (L1), the k_warps warps split the block's K windows, and a cluster of
+// `cluster` blocks (1, 1, cluster) splits K further, reduced through distributed shared memory.
+struct GemvBatchedConfig {
+  int row_tiles;  // 8-row activation tiles per warp: 2, 3 or 4 (M chunks of 8 * row_tiles)
+  int col_warps;  // column warps per block: 2 or 4
+  int k_warps;    // K warps per block: col_warps * k_warps <= kGemvMaxWarpsPerBlock
+  int cluster;    // blocks of one cluster splitting K: 1..kGemvBatchedMaxCluster
+};
+
+constexpr int kGemvBatchedMaxCluster = 8;  // the portable cluster size
+// Warps of the batched kernel resident per SM: its launch bounds (512 threads, 1 block) hold it to
+// 128 registers, so 16 warps in blocks of 4, 8 or 16.
+constexpr int kGemvBatchedResidentWarps = 16;
+// In half windows of one warp's work: a block's fixed cost (first loads' latency, the reduction
+// through shared memory, the stores), and what each further rank of a cluster adds (its partials
+// read through distributed shared memory).
+constexpr int64_t kGemvBatchedBlockOverheadHalfWindows = 10;
+constexpr int64_t kGemvBatchedRankOverheadHalfWindows = 1;
+// The K warps per block the heuristic tries, largest first.
+constexpr int kGemvBatchedKWarps[] = {4, 2, 1};
+
+// The 8-row activation tiles of one M chunk: all of M <= 32 in one pass over the weight, larger M
+// in chunks of 32 rows.
+constexpr int GemvBatchedRowTiles(int64_t m) {
+  const int64_t tiles = GemvCeilDiv(m > 0 ? m : 1, 8);
+  return tiles <= 2 ? 2 : (tiles >= 4 ? 4 : 3);
+}
+
+// The launch of the batched kernel for an [m, k] x [n, k] call on `num_sms` SMs: four column warps
+// (a block shares each activation window over 128 outputs), and the (k_warps, cluster) of least
+// modelled time rounds x (windows per warp + overhead), rounds = waves of resident blocks; ties go
+// to the smaller cluster, then to more k_warps (fewer blocks).
+constexpr GemvBatchedConfig gemv_batched_config(int64_t m, int64_t n, int64_t k, int64_t num_sms) {
+  const int64_t sms = num_sms > 0 ? num_sms : 1;
+  const int row_tiles = GemvBatchedRowTiles(m);
+  const int col_warps = 4;
+  const int64_t units = GemvCeilDiv(GemvCeilDiv(n > 0 ? n : 1, 2 * kGemvTileCols), col_warps);
+  const int64_t m_chunks = GemvCeilDiv(m > 0 ? m : 1, 8 * row_tiles);
+  const int64_t windows = k > 0 ? k / kGemvWindow : 0;
+  GemvBatchedConfig best{row_tiles, col_warps, 1, 1};
+  int64_t best_cost = -1;
+  for (const int k_warps : kGemvBatchedKWarps) {
+    const int64_t blocks_per_sm = kGemvBatchedResidentWarps / (col_warps * k_warps);
+    for (int cluster = 1; cluster <= kGemvBatchedMaxCluster; ++cluster) {
+      if (cluster > 1 && cluster * k_warps > windows) break;  // a window for every K warp
+      const int64_t blocks = units * m_chunks * cluster;
+      const int64_t rounds = GemvCeilDiv(blocks, sms * blocks_per_sm);
+      const int64_t cost =
+          rounds * (2 * GemvCeilDiv(windows, static_cast<int64_t>(cluster) * k_warps) +
+                    kGemvBatchedBlockOverheadHalfWindows +
+                    kGemvBatchedRankOverheadHalfWindows * (cluster - 1));
+      if (best_cost < 0 || cost < best_cost) {
+        best = GemvBatchedConfig{row_tiles, col_warps, k_warps, cluster};
+        best_cost = cost;
+      }
+    }
+  }
+  return best;
+}
+
+
+// Whether the tensor-core GEMV on the tiled layout (sm_90+) runs the batched kernel: M = 9-32.
+constexpr int64_t kGemvBatchedMaxM = 32;
+constexpr bool gemv_batched_default(int64_t m, int64_t /*n*/, int64_t /*k*/) {
+  return m > 8 && m <= kGemvBatchedMaxM;
+}
+
 }  // namespace jax_fp4
 
 #endif  // JAX_FP4_GEMV_CONFIG_H_
