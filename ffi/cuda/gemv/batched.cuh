@@ -69,43 +69,47 @@ __device__ __forceinline__ void BatchedWord(float (&acc)[RT][kBatchedColTiles][4
                                             const MmaFragments<kBatchedColTiles, 1>& f,
                                             const uint32_t (&lo)[kBatchedColTiles][2],
                                             const uint32_t (&hi)[kBatchedColTiles][2],
-                                            const T* const (&ap)[RT]) {
+                                            const T* ap, const int32_t (&row_off)[RT]) {
   uint4 x[RT];
 #pragma unroll
-  for (int r = 0; r < RT; ++r) x[r] = ld_u4(ap[r] + 8 * W);
+  for (int r = 0; r < RT; ++r) x[r] = ld_u4(ap + row_off[r] + 8 * W);
   BatchedStep<T, 2 * W, RT>(acc, f, lo, hi, x);
   BatchedStep<T, 2 * W + 1, RT>(acc, f, lo, hi, x);
 }
 
-// One 128-wide window: the scales, then the four words of 2 k-steps each. ap[r]: this lane's
-// activations of the window (row m0 + 8 r + g, elements 32 t ..).
+// One 128-wide window: the scales, then the four words of 2 k-steps each. ap + row_off[r]: this
+// lane's activations of the window in row tile r (row m0 + 8 r + g, elements 32 t ..); 32-bit
+// offsets from one pointer keep RT 64-bit pointers out of the register budget.
 template <typename T, int RT>
 __device__ __forceinline__ void BatchedWindow(float (&acc)[RT][kBatchedColTiles][4],
                                               const MmaFragments<kBatchedColTiles, 1>& f,
-                                              const T* const (&ap)[RT]) {
+                                              const T* ap, const int32_t (&row_off)[RT]) {
   uint32_t lo[kBatchedColTiles][2], hi[kBatchedColTiles][2];
   ScalePairs<T, kBatchedColTiles, 1>(f, lo, hi);
-  BatchedWord<T, 0, RT>(acc, f, lo, hi, ap);
-  BatchedWord<T, 1, RT>(acc, f, lo, hi, ap);
-  BatchedWord<T, 2, RT>(acc, f, lo, hi, ap);
-  BatchedWord<T, 3, RT>(acc, f, lo, hi, ap);
+  BatchedWord<T, 0, RT>(acc, f, lo, hi, ap, row_off);
+  BatchedWord<T, 1, RT>(acc, f, lo, hi, ap, row_off);
+  BatchedWord<T, 2, RT>(acc, f, lo, hi, ap, row_off);
+  BatchedWord<T, 3, RT>(acc, f, lo, hi, ap, row_off);
 }
 
 // The weight words and scales of one window of both column tiles (tiled layout: a 1 KB run and a
-// 128-byte run per tile), then the pointers advance by `step` windows.
+// 128-byte run per tile; tile 1's runs `tile_bytes` weight bytes past tile 0's, its scales an
+// eighth of that), then the pointers advance by `step` windows.
 __device__ __forceinline__ void BatchedLoad(MmaFragments<kBatchedColTiles, 1>& f,
-                                            const uint8_t* (&wp)[kBatchedColTiles],
-                                            const uint8_t* (&sp)[kBatchedColTiles], int step) {
+                                            const uint8_t*& wp, const uint8_t*& sp,
+                                            int64_t tile_bytes, int step) {
 #pragma unroll
   for (int ct = 0; ct < kBatchedColTiles; ++ct) {
-    f.w[ct][0] = ld_stream_u4<256>(wp[ct]);
-    f.w[ct][1] = ld_stream_u4<256>(wp[ct] + 512);
-    const uint32_t both = *reinterpret_cast<const uint32_t*>(sp[ct]);
+    const uint8_t* w = wp + ct * tile_bytes;
+    const uint8_t* sc = sp + ct * (tile_bytes >> 3);
+    f.w[ct][0] = ld_stream_u4<256>(w);
+    f.w[ct][1] = ld_stream_u4<256>(w + 512);
+    const uint32_t both = *reinterpret_cast<const uint32_t*>(sc);
     f.s[ct][0] = both;
     f.s[ct][1] = both >> 16;
-    wp[ct] += static_cast<int64_t>(step) * 1024;
-    sp[ct] += static_cast<int64_t>(step) * 128;
   }
+  wp += static_cast<int64_t>(step) * 1024;
+  sp += static_cast<int64_t>(step) * 128;
 }
 
 // y = a @ dequant(w)^T for M rows in chunks of 8 RT (grid.y), the weight prepacked (N % 16 == 0,
@@ -156,9 +160,6 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock, 1)
     tile[0] = Min64(2 * unit, tiles - 1);
     tile[1] = Min64(2 * unit + 1, tiles - 1);
   }
-  // Output column of accumulator (ct, e) of this lane: plain, tile 2 unit + ct; silu_mul, the
-  // gate tile's column (tile 1 is its up partner).
-  const int64_t col_base = silu ? unit * kGemvTileCols : 2 * unit * kGemvTileCols;
 
   const int64_t m_chunks = CeilDiv(m, 8 * RT);
   for (int64_t chunk = blockIdx.y; chunk < m_chunks; chunk += gridDim.y) {
@@ -174,36 +175,33 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock, 1)
     }
     const int64_t w0 = w_begin + kw;
     if (w0 < w_end) {
-      // A lane whose row lies past M reads row m0: its B column feeds only outputs never stored.
-      const T* ap[RT];
+      // Row tile r's rows sit row_off[r] elements past row m0 + g's (a lane whose row lies past M
+      // reads row m0: its B column feeds only outputs never stored).
+      const int64_t row0 = Min64(m0 + g, m - 1);
+      const T* ap = a + row0 * k + w0 * kGemvWindow + 32 * t;
+      int32_t row_off[RT];
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
         const int64_t row = m0 + 8 * r + g;
-        ap[r] = a + (row < m ? row : m0) * k + w0 * kGemvWindow + 32 * t;
+        row_off[r] = static_cast<int32_t>(((row < m ? row : m0) - row0) * k);
       }
-      const uint8_t* wp[kBatchedColTiles];
-      const uint8_t* sp[kBatchedColTiles];
-#pragma unroll
-      for (int ct = 0; ct < kBatchedColTiles; ++ct) {
-        const int64_t tile_window = tile[ct] * windows + w0;
-        wp[ct] = packed + tile_window * 1024 + 16 * lane;
-        sp[ct] = scale + tile_window * 128 + 4 * lane;
-      }
+      const int64_t tile_window = tile[0] * windows + w0;
+      const uint8_t* wp = packed + tile_window * 1024 + 16 * lane;
+      const uint8_t* sp = scale + tile_window * 128 + 4 * lane;
+      const int64_t tile_bytes = (tile[1] - tile[0]) * windows * 1024;
       // Two register buffers of weight: the next window's loads fly during this one's math.
       MmaFragments<kBatchedColTiles, 1> f0, f1;
-      BatchedLoad(f0, wp, sp, kw_count);
+      BatchedLoad(f0, wp, sp, tile_bytes, kw_count);
       const int64_t a_step = static_cast<int64_t>(kw_count) * kGemvWindow;
       for (int64_t w = w0; w < w_end;) {
-        if (w + kw_count < w_end) BatchedLoad(f1, wp, sp, kw_count);
-        BatchedWindow<T, RT>(acc, f0, ap);
-#pragma unroll
-        for (int r = 0; r < RT; ++r) ap[r] += a_step;
+        if (w + kw_count < w_end) BatchedLoad(f1, wp, sp, tile_bytes, kw_count);
+        BatchedWindow<T, RT>(acc, f0, ap, row_off);
+        ap += a_step;
         w += kw_count;
         if (w >= w_end) break;
-        if (w + kw_count < w_end) BatchedLoad(f0, wp, sp, kw_count);
-        BatchedWindow<T, RT>(acc, f1, ap);
-#pragma unroll
-        for (int r = 0; r < RT; ++r) ap[r] += a_step;
+        if (w + kw_count < w_end) BatchedLoad(f0, wp, sp, tile_bytes, kw_count);
+        BatchedWindow<T, RT>(acc, f1, ap, row_off);
+        ap += a_step;
         w += kw_count;
       }
     }
@@ -256,7 +254,6 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock, 1)
     }
     cluster.sync();  // every rank has read this block's partials before they are overwritten
   }
-  (void)col_base;
 #else
   __trap();  // the launcher selects this kernel on sm_90+ only
 #endif
