@@ -16,8 +16,8 @@ per row and variant: minutes each on an H200); --fresh starts the file over.
 
 runs: examples/llm_generate.py's model of --model's shapes with random weights (built once, in
 NVFP4 and dequantized to bf16), its own generate loop per batch (--batches, after a --prompt-len
-prompt) and once at batch 1 after a --long-prompt prompt, --new-tokens each. Per run the example's
-record (its --json "runs" entries): "nvfp4_ms" and "bf16_ms" (the loop's time per decode step),
+prompt) and after a --long-prompt prompt at --long-prompt-batches (default 1), --new-tokens each.
+Per run the example's record (its --json "runs" entries): "nvfp4_ms" and "bf16_ms" (the loop's time per decode step),
 "ratio" (bf16_ms / nvfp4_ms), "gpu_busy_ms" (the GPU's busy time per step from a jax.profiler trace
 of --gpu-busy-steps more steps; null on a CPU), "floor_ms" (the bytes a step reads, weights and KV
 cache, at the streaming-read bandwidth measured at the start), "nvfp4_over_floor" and
@@ -531,6 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     runs.add_argument("--no-long-prompt", action="store_true", help="skip the long-prompt run")
     runs.add_argument(
+        "--long-prompt-batches",
+        type=_ints,
+        default=[1],
+        help="the batches run after the long prompt (default 1)",
+    )
+    runs.add_argument(
         "--new-tokens",
         type=int,
         default=None,
@@ -670,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_runs:
         cases = [(b, prompt_len) for b in batches]
         if not args.no_long_prompt:
-            cases.append((1, long_prompt))
+            cases += [(batch, long_prompt) for batch in args.long_prompt_batches]
         runs, setup = decode_runs(
             model,
             cases,

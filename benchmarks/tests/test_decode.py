@@ -132,7 +132,35 @@ def test_markdown_from_an_earlier_result(tmp_path, capsys):
     assert decode.main(["--markdown-from", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "| llama3-8b | 32 | 1 | 72 | 1.50 | 4.50 | 3.00 | - | - | 1.20 | 1.25 |" in lines
-    assert "| 4096x4096 | 1 | 5.00? | 1.70 | 90% | 11.00 | 2.20 | 0.00 |" in lines
+    # a record from before the floors and the M = 1 ratio: "-" in their columns
+    assert "| 4096x4096 | 1 | 5.00? | 1.70 | 90% | 11.00 | 2.20 | - | - | 0.00 |" in lines
+
+
+def test_floors_and_the_m1_ratio():
+    """A row's time over the larger of its byte and compute floors, and over its weight's M = 1
+    time in the same call (None where the call measured no M = 1)."""
+    row = {"n": 64, "k": 32, "m": 8, "us": 6.0, "floor_us": 2.0}
+    # 2 * 8 * 64 * 32 flops at 1 TFLOP/s: 0.032768 us, under the byte floor
+    assert decode.with_floors(row, 2 * 8 * 64 * 32, 1.0)["over_floor"] == pytest.approx(3.0)
+    slow = decode.with_floors(row, 2 * 8 * 64 * 32, 1e-5)  # 3276.8 us of compute
+    assert slow["compute_floor_us"] == pytest.approx(3276.8)
+    assert slow["over_floor"] == pytest.approx(6.0 / 3276.8)
+    assert decode.with_floors(row, 1, None)["over_floor"] == pytest.approx(3.0)
+    rows = [
+        {"n": 64, "k": 32, "m": 1, "us": 4.0},
+        {"n": 64, "k": 32, "m": 16, "us": 5.0},
+        {"n": 32, "k": 64, "m": 16, "us": 7.0},
+    ]
+    assert [r["over_m1"] for r in decode.with_m1_ratio(rows)] == [1.0, 1.25, None]
+
+
+def test_forced_variants_are_records_of_their_own():
+    """Rows of a forced backend or tuning do not replace the default's (and vice versa)."""
+    plain = [{"n": 8, "k": 8, "m": 16, "layout": "tiled", "backend": None, "tuning": None}]
+    forced = [{**plain[0], "tuning": {"gemv_batched": False}}]
+    assert decode.merged(plain, forced, decode.GEMV_KEY) == plain + forced
+    again = [{**forced[0], "us": 1.0}]
+    assert decode.merged(plain + forced, again, decode.GEMV_KEY) == plain + again
 
 
 def test_gpu_tags_and_default_path():
