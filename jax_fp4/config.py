@@ -174,13 +174,13 @@ class KernelTuning:
 
     def gemv_attributes(self) -> dict:
         """The GEMV target's tuning attributes (INTERFACE: col_tiles, k_split, rows_per_block,
-        programmatic, batched (-1: the heuristic), col_warps, cluster)."""
+        programmatic, col_warps, cluster; gemv_batched overrides the plan's kernel choice in the
+        lowering)."""
         return dict(
             col_tiles=self.gemv_col_tiles,
             k_split=self.gemv_k_split,
             rows_per_block=self.gemv_rows_per_block,
             programmatic=self.programmatic_launch,
-            batched=_TRI_STATE[self.gemv_batched],
             col_warps=self.gemv_col_warps,
             cluster=self.gemv_cluster,
         )

@@ -368,13 +368,13 @@ def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
         )
 
     [(operands, attributes)] = _gemv_calls(fused, a, w, nw, res)
-    assert operands == 6 and attributes["activation"] == "1" and len(attributes) == 9
+    assert operands == 6 and attributes["activation"] == "1" and len(attributes) == 12
     for plain in (
         jax_fp4.matmul,
         lambda a, w: jax_fp4.matmul(a, w, norm_weight=jnp.ones((512,), jnp.bfloat16)),
     ):
         [(operands, attributes)] = _gemv_calls(plain, a, w)
-        assert operands == 5 and "activation" not in attributes and len(attributes) == 8
+        assert operands == 5 and "activation" not in attributes and len(attributes) == 11
     # the residual only: activation 0
     [(operands, attributes)] = _gemv_calls(
         lambda a, w, r: jax_fp4.matmul(a, w, residual=r), a, w, jnp.ones((4, 256), jnp.bfloat16)

@@ -341,7 +341,6 @@ BAD_ATTRIBUTES = (
     [("col_tiles", 2, v) for v in (3, 4, -1)]
     + [("k_split", 4, v) for v in (-1,)]
     + [("rows_per_block", 4, v) for v in (3, 8, -1)]
-    + [("batched", 0, v) for v in (2, -2)]
     + [("col_warps", 2, v) for v in (1, 3, 8, -1)]
     + [("cluster", 8, v) for v in (9, -1)]
 )
@@ -795,17 +794,21 @@ def test_gemv_batched_reruns_are_bit_identical(dtype):
 
 
 @needs_batched
-def test_gemv_batched_is_the_default_at_serving_batches():
-    """The handler's heuristic takes the batched kernel at M = 9-32 on the tiled layout: the
-    heuristic's result equals the forced batched kernel's bits, and differs from the forced plain
-    kernel's in the last place somewhere (another summation order) on random inputs."""
+def test_gemv_batched_runs_where_dispatch_plans_it():
+    """On a Hopper GPU, "auto" at M = 24 on a prepacked weight runs the batched kernel (the
+    dispatch table's range): the same bits as the batched kernel forced, and other bits than the
+    plain kernel forced somewhere (another summation order) on random inputs."""
     rng = np.random.default_rng()
-    a, packed, scale, gs, bias = random_problem(rng, 24, 1008, 4096, "bfloat16", with_bias=False)
-    auto = gemv(a, packed, scale, gs, bias, tiled=True)
-    forced = gemv(a, packed, scale, gs, bias, tiled=True, tuning=KernelTuning(gemv_batched=True))
-    plain = gemv(a, packed, scale, gs, bias, tiled=True, tuning=KernelTuning(gemv_batched=False))
-    np.testing.assert_array_equal(auto.view(np.uint16), forced.view(np.uint16))
-    assert not np.array_equal(auto.view(np.uint16), plain.view(np.uint16))
+    a, packed, scale, gs, _ = random_problem(rng, 24, 1008, 4096, "bfloat16", with_bias=False)
+    w = jax_fp4.prepack(jax_fp4.NVFP4Weight(packed, scale, gs))
+
+    def run(tuning=None):
+        f = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="gemv", tuning=tuning))
+        return np.asarray(f(a, w)).view(np.uint16)
+
+    auto = run()
+    np.testing.assert_array_equal(auto, run(KernelTuning(gemv_batched=True)))
+    assert not np.array_equal(auto, run(KernelTuning(gemv_batched=False)))
 
 
 @needs_batched
@@ -813,5 +816,5 @@ def test_gemv_batched_rejects_what_it_cannot_run():
     """Forcing the batched kernel on the spec layout is an error, not another kernel."""
     rng = np.random.default_rng()
     a, packed, scale, gs, bias = random_problem(rng, 16, 64, 256, "bfloat16", with_bias=False)
-    with pytest.raises(Exception, match="batched=1 needs"):
+    with pytest.raises(Exception, match="batched=true needs"):
         gemv(a, packed, scale, gs, bias, tiled=False, tuning=KernelTuning(gemv_batched=True))

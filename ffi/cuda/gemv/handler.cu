@@ -77,7 +77,8 @@ struct GemvAttributes {
   bool tiled = false, tensor_cores = false, row_tiling = false;
   int64_t col_tiles = 0, k_split = 0, rows_per_block = 0;
   bool programmatic = false;
-  int64_t batched = -1, col_warps = 0, cluster = 0;  // the batched kernel's (-1 / 0: heuristic)
+  bool batched = false;                 // the batched kernel (dispatch.gemv_batched decides)
+  int64_t col_warps = 0, cluster = 0;  // its launch (0: the heuristic)
   bool fused = false;  // the fusion attribute is present
   int64_t activation = 0;
 };
@@ -196,9 +197,6 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         "jax_fp4_gemv_cuda: rows_per_block must be 0 (the heuristic), 1, 2 or 4, got " +
         std::to_string(rows_per_block));
   }
-  if (!(at.batched >= -1 && at.batched <= 1)) {
-    return Invalid("batched must be -1 (the heuristic), 0 or 1, got " + std::to_string(at.batched));
-  }
   if (!(at.col_warps == 0 || at.col_warps == 2 || at.col_warps == 4)) {
     return Invalid("col_warps must be 0 (the heuristic), 2 or 4, got " +
                    std::to_string(at.col_warps));
@@ -258,15 +256,15 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   if (rows_per_block != 0) cfg.rows_per_block = static_cast<int>(rows_per_block);
   // Programmatic dependent launch: the tensor-core kernel on sm_90+ (elsewhere a plain launch).
   const bool pdl = programmatic && info.sm >= 90;
-  // The batched kernel: where the heuristic takes it, or forced (it needs clusters and reads the
-  // tiled layout only).
-  const bool batched_runs = tensor_cores && tiled && info.sm >= 90;
-  if (at.batched == 1 && !batched_runs) {
-    return Invalid("batched=1 needs the tensor-core kernel, the tiled layout and an sm_90+ device");
+  // The batched kernel needs clusters and reads the tiled layout only.
+  if (at.batched && !(tensor_cores && tiled && info.sm >= 90)) {
+    return Invalid(
+        "batched=true needs tensor_cores=true, the tiled layout and an sm_90+ device, got "
+        "tensor_cores=" +
+        std::string(tensor_cores ? "true" : "false") + ", tiled=" + (tiled ? "true" : "false") +
+        " on sm_" + std::to_string(info.sm));
   }
-  const bool batched = at.batched == 1 || (at.batched == -1 && batched_runs &&
-                                           gemv_batched_default(shape.m, shape.n, shape.k));
-  if (batched) {
+  if (at.batched) {
     GemvBatchedConfig bcfg = gemv_batched_config(shape.m, shape.n, shape.k, info.num_sms);
     if (at.col_warps != 0) bcfg.col_warps = static_cast<int>(at.col_warps);
     if (k_split != 0) {

@@ -263,12 +263,6 @@ constexpr GemvBatchedConfig gemv_batched_config(int64_t m, int64_t n, int64_t k,
 }
 
 
-// Whether the tensor-core GEMV on the tiled layout (sm_90+) runs the batched kernel: M = 9-32.
-constexpr int64_t kGemvBatchedMaxM = 32;
-constexpr bool gemv_batched_default(int64_t m, int64_t /*n*/, int64_t /*k*/) {
-  return m > 8 && m <= kGemvBatchedMaxM;
-}
-
 }  // namespace jax_fp4
 
 #endif  // JAX_FP4_GEMV_CONFIG_H_
