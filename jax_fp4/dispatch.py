@@ -122,8 +122,8 @@ HOPPER_TILED = dataclasses.replace(
     gemv_max_m_narrow_long=32,
     # prepacked, the fused GEMM 6-19% faster than the GEMV at M = 9-16 on 28672x8192 (H200).
     fused_min_m_wide_long=DECODE_MAX_M + 1,
-    # PENDING MEASUREMENT: the batched kernel at M = 9-32.
-    gemv_batched_max_m=32,
+    # the batched kernel has not been timed against the GEMV here: only when forced (tuning).
+    gemv_batched_max_m=None,
 )
 HOPPER = Entry(spec=HOPPER_SPEC, tiled=HOPPER_TILED)
 

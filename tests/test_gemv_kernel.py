@@ -47,6 +47,7 @@ DEQUANT = "jax_fp4_dequant_cuda"
 # Importing jax_fp4 registers its FFI targets (the package's CUDA module).
 import jax_fp4  # noqa: E402,F401
 from jax_fp4 import KernelTuning  # noqa: E402
+from jax_fp4 import dispatch as _dispatch  # noqa: E402
 from jax_fp4 import layout as _layout  # noqa: E402
 
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -795,20 +796,24 @@ def test_gemv_batched_reruns_are_bit_identical(dtype):
 
 @needs_batched
 def test_gemv_batched_runs_where_dispatch_plans_it():
-    """On a Hopper GPU, "auto" at M = 24 on a prepacked weight runs the batched kernel (the
-    dispatch table's range): the same bits as the batched kernel forced, and other bits than the
-    plain kernel forced somewhere (another summation order) on random inputs."""
+    """On a Hopper GPU, backend="gemv" at M = 24 on a prepacked weight runs the kernel the dispatch
+    plans for this GPU (batched where its table's range holds 24): the same bits as that kernel
+    forced, other bits than the other kernel forced somewhere (another summation order)."""
     rng = np.random.default_rng()
     a, packed, scale, gs, _ = random_problem(rng, 24, 1008, 4096, "bfloat16", with_bias=False)
     w = jax_fp4.prepack(jax_fp4.NVFP4Weight(packed, scale, gs))
+    device = gpus()[0]
+    problem = _dispatch.Problem(m=24, n=1008, k=4096, block_size=16, dtype=a.dtype, tiled=True)
+    target = _dispatch.cuda_target(capability(device), device_kind=device.device_kind)
+    planned = _dispatch.plan(problem, target, "gemv").gemv_batched
 
     def run(tuning=None):
         f = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="gemv", tuning=tuning))
         return np.asarray(f(a, w)).view(np.uint16)
 
     auto = run()
-    np.testing.assert_array_equal(auto, run(KernelTuning(gemv_batched=True)))
-    assert not np.array_equal(auto, run(KernelTuning(gemv_batched=False)))
+    np.testing.assert_array_equal(auto, run(KernelTuning(gemv_batched=planned)))
+    assert not np.array_equal(auto, run(KernelTuning(gemv_batched=not planned)))
 
 
 @needs_batched
