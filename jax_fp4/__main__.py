@@ -50,7 +50,7 @@ def paths(
     from jax_fp4 import dispatch as _dispatch
     from jax_fp4 import ffi as _ffi
 
-    architectures = _ffi.cuda_architectures() or _ffi.DEFAULT_CUDA_ARCHITECTURES
+    architectures = _ffi.cuda_architectures() or _ffi.ALL_CUDA_ARCHITECTURES
     target = _dispatch.cuda_target(
         capability,
         device_kind=device_kind,

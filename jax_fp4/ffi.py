@@ -146,8 +146,9 @@ def has_cuda_kernels() -> bool:
     return _jax_fp4_cuda is not None
 
 
-# CMakeLists.txt's default JAX_FP4_CUDA_ARCHITECTURES (tests/test_info.py keeps the two equal).
-DEFAULT_CUDA_ARCHITECTURES = "80-real;90a-real;120a-real;80-virtual"
+# Every architecture a kernel is written for: CMakeLists.txt's JAX_FP4_ALL_CUDA_ARCHITECTURES, what
+# JAX_FP4_CUDA_ARCHITECTURES=all builds (tests/test_info.py keeps the two equal).
+ALL_CUDA_ARCHITECTURES = "80-real;90a-real;120a-real;80-virtual"
 
 
 def cpu_kernel_builds() -> str:

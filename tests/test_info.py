@@ -154,15 +154,15 @@ def test_paths_reads_the_capability_override(monkeypatch, capsys):
     ]
 
 
-def test_default_cuda_architectures_are_the_builds():
-    """_ffi.DEFAULT_CUDA_ARCHITECTURES (what `paths` assumes on a build without CUDA kernels) is
-    CMakeLists.txt's default."""
+def test_all_cuda_architectures_are_the_builds():
+    """_ffi.ALL_CUDA_ARCHITECTURES (what `paths` assumes on a build without CUDA kernels) is
+    CMakeLists.txt's list for JAX_FP4_CUDA_ARCHITECTURES=all."""
     import pathlib
     import re
 
     cmake = (pathlib.Path(__file__).resolve().parents[1] / "CMakeLists.txt").read_text()
-    default = re.search(r'set\(JAX_FP4_CUDA_ARCHITECTURES "([^"]+)"', cmake)[1]
-    assert _ffi.DEFAULT_CUDA_ARCHITECTURES == default
+    every = re.search(r'set\(JAX_FP4_ALL_CUDA_ARCHITECTURES "([^"]+)"', cmake)[1]
+    assert _ffi.ALL_CUDA_ARCHITECTURES == every == "80-real;90a-real;120a-real;80-virtual"
 
 
 def test_the_compiled_architectures_are_read_by_the_dispatch():
@@ -178,7 +178,7 @@ def test_the_compiled_architectures_are_read_by_the_dispatch():
     for entry in built.split(","):
         assert re.fullmatch(r"\d+[af]?(-real|-virtual)?", entry), built
     assert not _dispatch.cuda_kernels_run_on(built, (7, 0))  # no entry reaches below 7.5
-    if built == _ffi.DEFAULT_CUDA_ARCHITECTURES.replace(";", ","):
+    if built == _ffi.ALL_CUDA_ARCHITECTURES.replace(";", ","):
         assert _dispatch.cuda_kernels_run_on(built, (9, 0))
         assert not _dispatch.cuda_kernels_run_on(built, (7, 5))
 
