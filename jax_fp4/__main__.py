@@ -112,25 +112,15 @@ def _problem(m, n, k, dtype, layout):
     )
 
 
-def never_taken(
-    n: int,
-    k: int,
-    *,
-    layout: str,
-    capability: tuple[int, int],
-    dtype: str = "bfloat16",
-    native: bool = False,
-    device_kind: str | None = None,
-    taken=(),
-) -> dict[str, str]:
+def never_taken(n: int, k: int, *, taken=(), **where) -> dict[str, str]:
     """{path: why} for the CUDA kernel paths `auto` takes at no M (those not in `taken`): the
     reason a forced path gives at M = 1 (alignment, dtype, GPU), or that it loses on the
-    crossovers. The xla fallback is explained only where it is the path taken."""
+    crossovers. `where`: the keywords of `paths` but max_m (layout and capability required)."""
     from jax_fp4 import explain as _explain
 
     reasons = _explain.not_taken(
-        _problem(1, n, k, dtype, layout),
-        _target(capability, device_kind, native),
+        _problem(1, n, k, where.get("dtype", "bfloat16"), where["layout"]),
+        _target(where["capability"], where.get("device_kind"), where.get("native", False)),
         paths=("gemv", "fused", "native", "dequant"),
     )
     return {path: why for path, why in reasons.items() if path not in taken}
@@ -164,16 +154,14 @@ def paths_report(args) -> str:
                 "(9.0: H100 / H200, 8.0: A100, 12.0: RTX 50xx)"
             )
     n, k = args.shape
-    ranges = paths(
-        n,
-        k,
+    where = dict(
         layout=args.layout,
         capability=capability,
         dtype=args.dtype,
         native=args.native,
-        max_m=args.max_m,
         device_kind=device_kind,
     )
+    ranges = paths(n, k, max_m=args.max_m, **where)
     lines = [
         f"auto for N x K = {n}x{k}, {args.layout} layout, {args.dtype}, compute capability "
         f"{capability[0]}.{capability[1]} ({source}):"
@@ -182,18 +170,10 @@ def paths_report(args) -> str:
         f"  M = {first}" + (f"-{last}" if last > first else "") + f": {path}"
         for first, last, path in ranges
     ]
+    taken = {path for _, _, path in ranges}
     lines += [
         f"{path} is not taken: {reason}"
-        for path, reason in never_taken(
-            n,
-            k,
-            layout=args.layout,
-            capability=capability,
-            dtype=args.dtype,
-            native=args.native,
-            device_kind=device_kind,
-            taken={path for _, _, path in ranges},
-        ).items()
+        for path, reason in never_taken(n, k, taken=taken, **where).items()
     ]
     return "\n".join(lines)
 
