@@ -172,8 +172,9 @@ def write_json(path, dev, dtype, records):
 
 def plot(json_path, png_path):
     """TFLOP/s and speedup over bf16 jnp.dot against M, one column per shape."""
-    import matplotlib
+    from jax_fp4.extras import import_extra
 
+    matplotlib = import_extra("matplotlib", "plot", "benchmarks/fused_timing.py --plot-from")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -112,8 +112,9 @@ def plot_decode(plt, decode: dict, title: str, path: str) -> None:
 
 def plot_results(results: dict, out_dir: str, max_m_bw: int = 64) -> list[str]:
     """Write the PNGs; returns their paths."""
-    import matplotlib
+    from jax_fp4.extras import import_extra
 
+    matplotlib = import_extra("matplotlib", "plot", "benchmarks/plot.py")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

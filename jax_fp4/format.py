@@ -224,6 +224,19 @@ jax.tree_util.register_dataclass(
 )
 
 
+def not_a_weight_error(where: str, w, name: str = "w") -> TypeError:
+    """The TypeError for a `w` that is not an NVFP4Weight; a plain (float) array gets the call
+    that makes one."""
+    message = f"{where}: {name} must be an NVFP4Weight, got {type(w).__name__}"
+    if hasattr(w, "shape") and hasattr(w, "dtype"):
+        message += (
+            f" of shape {tuple(w.shape)}; quantize a float [N, K] weight first: "
+            "jax_fp4.quantize(w) (or jax_fp4.NVFP4Weight(packed, scale, global_scale) from a "
+            "checkpoint's tensors)"
+        )
+    return TypeError(message)
+
+
 def spec_arrays(w: NVFP4Weight):
     """(packed, scale) of `w` in the spec layout (undoing the tiled layout if `w` has it)."""
     if w.layout == "tiled":

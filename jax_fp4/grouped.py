@@ -58,7 +58,7 @@ from jax_fp4.explicit_axes import (
     typed_like,
     typed_mesh,
 )
-from jax_fp4.format import NVFP4Weight, host_values, scale_as_bytes
+from jax_fp4.format import NVFP4Weight, host_values, not_a_weight_error, scale_as_bytes
 from jax_fp4.ops import (
     bind_per_batch_element,
     check_activation_name,
@@ -789,7 +789,7 @@ _INT32 = np.iinfo(np.int32)
 
 def _check_weight(w) -> None:
     if not isinstance(w, NVFP4Weight):
-        raise TypeError(f"ragged_matmul: w must be an NVFP4Weight, got {type(w).__name__}")
+        raise not_a_weight_error("ragged_matmul", w)
     if w.packed.ndim != 3:
         raise ValueError(
             "ragged_matmul: w must be a stack of G weights, logical shape [G, N, K], got shape "

@@ -25,10 +25,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
-from flax.core import meta
-from flax.core.frozen_dict import FrozenDict
 
+from jax_fp4.extras import missing_extra
 from jax_fp4.flax_common import (
     check_calibration_method,
     compute_dtype,
@@ -36,6 +34,16 @@ from jax_fp4.flax_common import (
     layer_importance,
     quantize_kernel,
 )
+
+try:
+    from flax import linen as nn
+    from flax.core import meta
+    from flax.core.frozen_dict import FrozenDict
+except ModuleNotFoundError as err:
+    if err.name != "flax":
+        raise
+    raise missing_extra("flax", "flax", "jax_fp4.linen") from err
+
 from jax_fp4.format import NVFP4Weight
 from jax_fp4.ops import matmul
 from jax_fp4.prepacking import prepack

@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from jax_fp4.extras import missing_extra
 from jax_fp4.flax_common import (
     check_calibration_method,
     compute_dtype,
@@ -43,6 +43,14 @@ from jax_fp4.flax_common import (
     layer_importance,
     quantize_kernel,
 )
+
+try:
+    from flax import nnx
+except ModuleNotFoundError as err:
+    if err.name != "flax":
+        raise
+    raise missing_extra("flax", "flax", "jax_fp4.nnx") from err
+
 from jax_fp4.format import NVFP4Weight
 from jax_fp4.layout import tiled_layout_unsupported
 from jax_fp4.ops import matmul

@@ -30,7 +30,7 @@ from jax_fp4 import lowering as _lowering
 from jax_fp4 import sharding as _sharding
 from jax_fp4.config import KernelTuning
 from jax_fp4.explicit_axes import axes_size, spec_axes, spec_entry
-from jax_fp4.format import NVFP4Weight, scale_as_bytes
+from jax_fp4.format import NVFP4Weight, not_a_weight_error, scale_as_bytes
 
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
 
@@ -367,7 +367,7 @@ _ACTIVATION_DTYPES = (np.dtype("float16"), np.dtype("bfloat16"), np.dtype("float
 
 def _check_weight(w) -> None:
     if not isinstance(w, NVFP4Weight):
-        raise TypeError(f"matmul: w must be an NVFP4Weight, got {type(w).__name__}")
+        raise not_a_weight_error("matmul", w)
     if w.packed.ndim != 2:
         raise ValueError(
             f"matmul: w must be a single [N, K] weight, got stacked shape {w.shape}; "
@@ -563,17 +563,34 @@ def default_device():
     return jax.devices(device)[0] if isinstance(device, str) else device
 
 
+def _platform_name(platform: str | None) -> str:
+    if platform is None:
+        platform = default_device().platform
+    return {"gpu": "cuda"}.get(platform, platform)
+
+
+def dispatch_reasons(a, w: NVFP4Weight, *, platform: str | None = None) -> dict[str, str]:
+    """Why `matmul(a, w)` (backend "auto") does not take each other path of `platform` (as in
+    `dispatch_path`): {path: reason}, e.g. {'gemv': 'K must be a multiple of 32, got 11000'} for
+    a weight whose K the GEMV's 32-wide loads cannot cover, or that the path could serve and loses
+    on the measured crossovers."""
+    from jax_fp4 import explain as _explain
+
+    _check_weight(w)
+    a = _check_activation(a, w)
+    problem = _lowering.problem_of(a.shape, a.dtype, w.packed.shape, w.block_size, w.layout)
+    return _explain.not_taken(problem, _lowering.target_for(_platform_name(platform)))
+
+
 def dispatch_path(
     a, w: NVFP4Weight, *, backend: str | None = None, platform: str | None = None
 ) -> str:
     """The path `matmul(a, w, backend=backend)` takes when lowered for `platform` (default: the
     default device's platform, `jax.default_device` honoured). `a` may be an array or a
-    jax.ShapeDtypeStruct."""
+    jax.ShapeDtypeStruct. `dispatch_reasons(a, w)` says why the other paths were not taken."""
     _check_weight(w)
     a = _check_activation(a, w)
-    if platform is None:
-        platform = default_device().platform
-    platform = {"gpu": "cuda"}.get(platform, platform)
+    platform = _platform_name(platform)
     return _lowering.path_for(
         platform,
         a.shape,

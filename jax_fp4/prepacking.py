@@ -15,7 +15,7 @@ import jax
 
 from jax_fp4 import layout as _layout
 from jax_fp4 import native as _native
-from jax_fp4.format import NVFP4Weight, spec_arrays
+from jax_fp4.format import NVFP4Weight, not_a_weight_error, spec_arrays
 
 TARGETS = ("tiled", "sm120")
 
@@ -24,7 +24,7 @@ def prepack(w: NVFP4Weight, target: str = "tiled") -> NVFP4Weight:
     """A copy of `w` laid out for `target`'s kernels ("tiled" or "sm120"); pure jnp, jit-able, keeps
     stacked leading axes. Computes the same matmul as `w` on every path."""
     if not isinstance(w, NVFP4Weight):
-        raise TypeError(f"prepack: w must be an NVFP4Weight, got {type(w).__name__}")
+        raise not_a_weight_error("prepack", w)
     if target not in TARGETS:
         raise ValueError(f"prepack: target must be one of {TARGETS}, got {target!r}")
     if target == "sm120":
@@ -39,7 +39,7 @@ def prepack(w: NVFP4Weight, target: str = "tiled") -> NVFP4Weight:
 def unprepack(w: NVFP4Weight) -> NVFP4Weight:
     """`w` as a plain NVFP4Weight in the spec layout (what checkpoints store)."""
     if not isinstance(w, NVFP4Weight):
-        raise TypeError(f"unprepack: w must be an NVFP4Weight, got {type(w).__name__}")
+        raise not_a_weight_error("unprepack", w)
     if w.layout == "spec" and type(w) is NVFP4Weight:
         return w
     return _untile(w)

@@ -33,7 +33,7 @@ def cuda_device(monkeypatch):
     """Pretend to lower for a CUDA device of a chosen compute capability."""
     monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)
 
-    def set_capability(capability, architectures=_ffi.DEFAULT_CUDA_ARCHITECTURES, kind=None):
+    def set_capability(capability, architectures=_ffi.ALL_CUDA_ARCHITECTURES, kind=None):
         monkeypatch.setattr(_native, "device_capability", lambda device=None: capability)
         monkeypatch.setattr(_native, "device_kind", lambda device=None: kind)
         monkeypatch.setattr(_ffi, "cuda_architectures", lambda: architectures)

@@ -123,7 +123,7 @@ def test_one_artifact_for_this_cpu_and_an_h200(monkeypatch):
 
     monkeypatch.setattr(_native, "device_capability", lambda device=None: None)
     monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)  # a CUDA build (CI's is)
-    monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.DEFAULT_CUDA_ARCHITECTURES)
+    monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.ALL_CUDA_ARCHITECTURES)
     monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "9.0")
     rng = np.random.default_rng()
     # N = 1088: past the small-N rule of the H200 entry (dispatch.TABLES: N <= small_n takes the

@@ -330,7 +330,7 @@ def cuda_device(monkeypatch):
     monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)
     monkeypatch.setattr(_native, "device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(_native, "device_kind", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.DEFAULT_CUDA_ARCHITECTURES)
+    monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.ALL_CUDA_ARCHITECTURES)
 
 
 def _gemv_calls(fn, *args):

@@ -111,7 +111,91 @@ def test_paths_reports_auto_as_ranges_of_m(capsys, monkeypatch):
         "auto for N x K = 4096x11008, tiled layout, bfloat16, compute capability 9.0 (given):",
         "  M = 1-32: gemv",
         "  M = 33-64: fused",
+        "native is not taken: it needs a Blackwell SM120 GPU (compute capability 12.x), and this "
+        "device has compute capability 9.0",
+        "dequant is not taken: could serve it; auto prefers 'gemv' for these shapes on this "
+        "platform (the rules and measured crossovers of jax_fp4/dispatch.py)",
     ]
+
+
+def test_paths_says_why_a_path_is_never_taken(capsys, monkeypatch):
+    """K = 11000 is no multiple of 32: dequant at every M, and the report says why not the GEMV
+    or the fused GEMM."""
+    from jax_fp4 import __main__ as cli
+    from jax_fp4 import ffi as _ffi
+
+    monkeypatch.setattr(_ffi, "cuda_architectures", lambda: "")
+    assert cli.main(["paths", "4096x11000", "--capability", "9.0", "--max-m", "64"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "auto for N x K = 4096x11000, spec layout, bfloat16, compute capability 9.0 (given):",
+        "  M = 1-64: dequant",
+        "gemv is not taken: K must be a multiple of 32, got 11000",
+        "fused is not taken: K must be a positive multiple of 128, got 11000",
+        "native is not taken: it needs a Blackwell SM120 GPU (compute capability 12.x), and this "
+        "device has compute capability 9.0",
+    ]
+    # Opted out of on an SM120 GPU; float32 activations on a GPU: the reference path.
+    assert cli.never_taken(4096, 4096, layout="spec", capability=(12, 0))["native"] == (
+        "opt-in: JAX_FP4_NATIVE_SM120=1 (or backend='native')"
+    )
+    assert cli.paths(4096, 4096, layout="spec", capability=(9, 0), dtype="float32", max_m=64) == [
+        (1, 64, "reference")
+    ]
+
+
+@pytest.mark.parametrize(
+    "has_kernels, plugin, gpus, expected",
+    [
+        (
+            True,
+            None,
+            False,
+            "JAX's CUDA support: none, jaxlib runs on the CPU only; the CUDA kernels (built with "
+            "CUDA 13.0.88) cannot run: install JAX for the GPU with `pip install "
+            "'jax_fp4[cuda]'` (jax[cuda13]; 'jax_fp4[cuda12]' for CUDA 12)",
+        ),
+        (False, None, False, "JAX's CUDA support: none, jaxlib runs on the CPU only"),
+        (True, "jax-cuda13-plugin 0.10.2", True, "JAX's CUDA support: jax-cuda13-plugin 0.10.2"),
+        (
+            True,
+            "jax-cuda13-plugin 0.10.2",
+            False,
+            "JAX's CUDA support: jax-cuda13-plugin 0.10.2; no CUDA device visible to JAX "
+            "(driver, CUDA_VISIBLE_DEVICES?)",
+        ),
+        (
+            False,
+            "jax-cuda12-plugin 0.10.2",
+            True,
+            "JAX's CUDA support: jax-cuda12-plugin 0.10.2; this jax_fp4 has no CUDA kernels "
+            "(built without nvcc): GPUs take the xla path; reinstall with nvcc on PATH "
+            "(JAX_FP4_CUDA=ON makes its absence an error)",
+        ),
+    ],
+)
+def test_info_says_whether_jax_can_run_the_cuda_kernels(has_kernels, plugin, gpus, expected):
+    from jax_fp4 import __main__ as cli
+
+    version = "13.0.88" if has_kernels else ""
+    assert cli.cuda_support(has_kernels, version, plugin, gpus) == expected
+
+
+def test_info_reports_this_installs_cuda_support():
+    from jax_fp4 import __main__ as cli
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jax_fp4", "info"], check=True, capture_output=True, text=True
+    ).stdout
+    import jax
+
+    line = cli.cuda_support(
+        _ffi.has_cuda_kernels(),
+        _ffi.cuda_version(),
+        _ffi.jax_cuda_plugin(),
+        any(d.platform == "gpu" for d in jax.devices()),
+    )
+    assert line in out.splitlines()
+    assert (_ffi.jax_cuda_plugin() is None) == ("CUDA support: none" in line)
 
 
 @pytest.mark.parametrize(
@@ -146,7 +230,7 @@ def test_paths_reads_the_capability_override(monkeypatch, capsys):
 
     monkeypatch.setenv("JAX_FP4_CUDA_CAPABILITY", "9.0")
     assert cli.main(["paths", "4096x11008", "--max-m", "20"]) == 0
-    assert capsys.readouterr().out.splitlines() == [
+    assert capsys.readouterr().out.splitlines()[:3] == [
         "auto for N x K = 4096x11008, spec layout, bfloat16, compute capability 9.0 "
         "(JAX_FP4_CUDA_CAPABILITY):",
         "  M = 1-16: gemv",
@@ -154,15 +238,15 @@ def test_paths_reads_the_capability_override(monkeypatch, capsys):
     ]
 
 
-def test_default_cuda_architectures_are_the_builds():
-    """_ffi.DEFAULT_CUDA_ARCHITECTURES (what `paths` assumes on a build without CUDA kernels) is
-    CMakeLists.txt's default."""
+def test_all_cuda_architectures_are_the_builds():
+    """_ffi.ALL_CUDA_ARCHITECTURES (what `paths` assumes on a build without CUDA kernels) is
+    CMakeLists.txt's list for JAX_FP4_CUDA_ARCHITECTURES=all."""
     import pathlib
     import re
 
     cmake = (pathlib.Path(__file__).resolve().parents[1] / "CMakeLists.txt").read_text()
-    default = re.search(r'set\(JAX_FP4_CUDA_ARCHITECTURES "([^"]+)"', cmake)[1]
-    assert _ffi.DEFAULT_CUDA_ARCHITECTURES == default
+    every = re.search(r'set\(JAX_FP4_ALL_CUDA_ARCHITECTURES "([^"]+)"', cmake)[1]
+    assert _ffi.ALL_CUDA_ARCHITECTURES == every == "80-real;90a-real;120a-real;80-virtual"
 
 
 def test_the_compiled_architectures_are_read_by_the_dispatch():
@@ -178,7 +262,7 @@ def test_the_compiled_architectures_are_read_by_the_dispatch():
     for entry in built.split(","):
         assert re.fullmatch(r"\d+[af]?(-real|-virtual)?", entry), built
     assert not _dispatch.cuda_kernels_run_on(built, (7, 0))  # no entry reaches below 7.5
-    if built == _ffi.DEFAULT_CUDA_ARCHITECTURES.replace(";", ","):
+    if built == _ffi.ALL_CUDA_ARCHITECTURES.replace(";", ","):
         assert _dispatch.cuda_kernels_run_on(built, (9, 0))
         assert not _dispatch.cuda_kernels_run_on(built, (7, 5))
 

@@ -28,4 +28,5 @@ NB_MODULE(_jax_fp4_cuda, m) {
     return targets;
   });
   m.def("architectures", []() { return std::string(JAX_FP4_CUDA_ARCHITECTURES); });
+  m.def("cuda_version", []() { return std::string(JAX_FP4_CUDA_VERSION); });
 }

@@ -409,7 +409,9 @@ ffi::Error NativeSm120Impl(cudaStream_t stream, ffi::Buffer<ffi::U8> a_packed,
   (void)stream;
   return ffi::Error(
       ffi::ErrorCode::kUnimplemented,
-      name + "this jax_fp4 build has no CUTLASS (install nvidia-cutlass and rebuild)");
+      name +
+          "this jax_fp4 build has no SM120 GEMM (it needs 120a-real in JAX_FP4_CUDA_ARCHITECTURES "
+          "and nvidia-cutlass's headers: rebuild with both)");
 #else
   if (m == 0) return ffi::Error::Success();
   sm120::AlphaKernel<<<1, 1, 0, stream>>>(a_global_scale.typed_data(), b_global_scale.typed_data(),
