@@ -22,7 +22,8 @@ the layer's RMSNorm as it reads the activations of qkv_proj and gate_up_proj, Si
 gate_up_proj's output and the residual add on o_proj's and down_proj's; on dense weights XLA runs
 the same ops around its dot.
 
-Qwen3-MoE (config.json with "num_experts"; every layer an MoE layer): a bf16 router (mlp.gate),
+Qwen3-MoE (config.json with "num_experts", or transformers 5's "num_local_experts" with model_type
+"qwen3_moe"; every layer an MoE layer): a bf16 router (mlp.gate),
 softmax in float32, top-k renormalised where norm_topk_prob, no shared expert. jax_fp4.route_top_k
 takes the top k and sorts the (token, expert) pairs by expert (one GPU kernel when decoding);
 they run through jax_fp4.ragged_matmul on the layer's stacked experts
@@ -43,6 +44,13 @@ lies; --scan-layers stacks them under lax.scan instead (one layer compiled), whe
 layer's dense weights out of the stack before their dot: on an H100 the bf16 step took 2.5x as
 long that way, the NVFP4 one 1.1x (benchmarks/RESULTS.md). Unrolled, each layer's KV cache is its
 own buffer, updated in place.
+
+Mixed-precision exports (ModelOpt quant_algo "MIXED_PRECISION", compressed-tensors format
+"mixed-precision") run their FP8 layers dense: each dequantized at load with its own scale
+(per tensor or per output channel) to the activation dtype, then through XLA's dot; q/k/v or
+gate/up parts in FP8 fuse after that dequantization, NVFP4 parts as above, mixed groups stay
+separate. Quantization the example does not run (AWQ, INT4 / INT8, a float8 weight without its
+scale) is refused at load, naming the layer and the tensor.
 
 Architectures: Llama (2, 3 and 3.1's "llama3" RoPE scaling), Mistral, Qwen2 (q/k/v biases),
 Qwen3 (q/k RMS norms) and Qwen3-MoE, told apart by the tensors present and "num_experts"
@@ -141,23 +149,34 @@ class Config:
 
 
 # Keys of other mixture-of-experts architectures (Mixtral / Llama 4, DeepSeek): their routing or
-# experts differ from Qwen3-MoE's, so they are refused rather than run as it.
+# experts differ from Qwen3-MoE's, so they are refused rather than run as it. transformers 5 writes
+# Qwen3-MoE's expert count as "num_local_experts" too (and no "num_experts").
 _OTHER_MOE_KEYS = ("num_local_experts", "n_routed_experts", "moe_num_experts")
+_QWEN3_MOE = "qwen3_moe"
 
 
 def moe_settings(config: dict) -> dict:
     """Config's mixture-of-experts fields from a config.json with HF Qwen3MoeConfig's keys
-    (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob); a dense model gives
-    experts = 0. What this example does not run raises ValueError: dense MLP layers among the MoE
-    ones (mlp_only_layers, decoder_sparse_step > 1), a shared expert (Qwen2-MoE) and other
+    (num_experts, or transformers 5's num_local_experts with model_type "qwen3_moe";
+    num_experts_per_tok, moe_intermediate_size, norm_topk_prob); a dense model gives experts = 0.
+    What this example does not run raises ValueError: dense MLP layers among the MoE ones
+    (mlp_only_layers, decoder_sparse_step > 1), a shared expert (Qwen2-MoE) and other
     architectures' experts."""
+    qwen3_moe = config.get("model_type") == _QWEN3_MOE
     for key in _OTHER_MOE_KEYS:
-        if config.get(key):
+        if config.get(key) and not (qwen3_moe and key == "num_local_experts"):
             raise ValueError(
                 f"config.json: {key} = {config[key]} belongs to a mixture-of-experts architecture "
-                "this example does not run; it runs Qwen3-MoE's experts (num_experts)"
+                "this example does not run; it runs Qwen3-MoE's experts (num_experts, or "
+                f"num_local_experts with model_type {_QWEN3_MOE!r})"
             )
     experts = int(config.get("num_experts") or 0)
+    local = int(config.get("num_local_experts") or 0) if qwen3_moe else 0
+    if experts and local and experts != local:
+        raise ValueError(
+            f"config.json: num_experts = {experts} and num_local_experts = {local} disagree"
+        )
+    experts = experts or local
     if experts == 0:
         return {}
     if config.get("shared_expert_intermediate_size"):
@@ -270,9 +289,31 @@ _MODULE.update({part: _MODULE[fused] for fused, parts in FUSED.items() for part 
 
 def _tensor(tensors: Mapping, name: str):
     """tensors[name] (an NVFP4 layer as the loader names it) or tensors[name + ".weight"] (a
-    dense one); None if neither is there."""
+    dense one; an FP8 one dequantized to float32 with its own scale, jax_fp4.checkpoint.from_fp8);
+    None if neither is there. A weight that is neither float nor NVFP4 (integer codes of another
+    quantization, a compressed-tensors layer that did not convert) raises CheckpointError: used
+    as is it would give wrong logits without a sign."""
     w = tensors.get(name)
-    return tensors.get(f"{name}.weight") if w is None else w
+    if w is not None:
+        return w
+    w = tensors.get(f"{name}.weight")
+    if w is None:
+        if f"{name}.weight_packed" in tensors:
+            raise ckpt.CheckpointError(
+                f"layer {name!r}: {name}.weight_packed is not an NVFP4 layer "
+                f"(dtype {np.dtype(tensors[f'{name}.weight_packed'].dtype)}, no "
+                "weight_global_scale); this example runs NVFP4, FP8 and float layers"
+            )
+        return None
+    dtype = np.dtype(w.dtype)
+    if ckpt.is_fp8(dtype):
+        return ckpt.from_fp8(tensors, name)
+    if not (np.issubdtype(dtype, np.floating) or dtype == jnp.bfloat16):
+        raise ckpt.CheckpointError(
+            f"layer {name!r}: {name}.weight has dtype {dtype}, neither a float weight nor an "
+            "NVFP4 or FP8 layer's; this example cannot run its quantization"
+        )
+    return w
 
 
 def _has(tensors: Mapping, name: str) -> bool:
@@ -561,7 +602,7 @@ def assemble(
         )
         for layer in layers
     ]
-    embed = jnp.asarray(tensors["model.embed_tokens.weight"], dtype)
+    embed = jnp.asarray(_tensor(tensors, "model.embed_tokens"), dtype)
     head = embed if cfg.tie_embeddings else _projection(tensors, "lm_head", dtype)
     return {
         "embed": embed,
@@ -585,8 +626,17 @@ def load_model(
     quantize: the decoder layers' dense (bf16 / fp16 / fp32) projections are quantized to NVFP4
     on load. fuse=False keeps q/k/v and gate/up as separate projections."""
     path = Path(path)
-    cfg = Config.from_json(json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    cfg = Config.from_json(config)
     raw = ckpt.read_safetensors(path)
+    quant_file = path / "hf_quant_config.json"
+    quant = json.loads(quant_file.read_text()) if quant_file.exists() else None
+    ckpt.check_quantization(quant or config.get("quantization_config"), raw)
+    awq = next((name for name in raw if name.endswith(".pre_quant_scale")), None)
+    if awq is not None:
+        raise ckpt.CheckpointError(
+            f"tensor {awq!r}: AWQ's activation pre-scaling is not applied by this example"
+        )
     # Experts stay as stored for load_experts, which stacks them (converting each one as a layer
     # of its own would hold every expert twice).
     experts = {name: value for name, value in raw.items() if ".mlp.experts." in name}

@@ -418,10 +418,23 @@ def test_random_presets_and_the_cli(example, tmp_path, capsys):
             r"num_experts_per_tok must be an int in \[1, num_experts = 8\]",
         ),
         (dict(moe_intermediate_size=None), "moe_intermediate_size is not"),
-        (dict(num_experts=0, num_local_experts=8), "num_local_experts = 8 belongs to a mixture"),
+        (
+            dict(model_type="mixtral", num_experts=0, num_local_experts=8),
+            "num_local_experts = 8 belongs to a mixture",
+        ),
+        (dict(num_local_experts=4), "num_experts = 8 and num_local_experts = 4 disagree"),
         (dict(n_routed_experts=64), "n_routed_experts = 64"),
     ],
 )
 def test_unsupported_moe_configs_are_refused(example, change, match):
     with pytest.raises(ValueError, match=match):
         example.Config.from_json(dict(TINY, **change))
+
+
+def test_transformers_5_names_qwen3_moe_experts_num_local_experts(example):
+    """transformers 5's Qwen3MoeConfig writes "num_local_experts" and no "num_experts": the same
+    model as the older key gives."""
+    expected = example.Config.from_json(TINY)
+    config = {key: value for key, value in TINY.items() if key != "num_experts"}
+    assert example.Config.from_json(dict(config, num_local_experts=8)) == expected
+    assert expected.experts == 8
