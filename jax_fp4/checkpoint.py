@@ -567,7 +567,10 @@ def check_quantization(quant_config: Mapping | None, tensors: Mapping) -> None:
     if not quant_config:
         return
     quant = quant_config.get("quantization", quant_config)
-    if quant.get("quant_method") == "compressed-tensors" or "config_groups" in quant:
+    # ModelOpt's config.json entry has config_groups too, beside its quant_algo.
+    if quant.get("quant_method") == "compressed-tensors" or (
+        "config_groups" in quant and "quant_algo" not in quant
+    ):
         fmt = quant.get("format")
         if fmt == "mixed-precision":
             for group, spec in (quant.get("config_groups") or {}).items():

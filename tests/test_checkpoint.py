@@ -628,3 +628,17 @@ def test_fp8_layers_dequantize_with_their_scale(scale_shape):
 def test_fp8_layers_that_cannot_run_are_refused_naming_the_tensor(tensors, match):
     with pytest.raises(ck.CheckpointError, match=f"FP8 layer 'p': .*{match}"):
         ck.from_fp8(tensors, "p")
+
+
+@pytest.mark.parametrize(
+    "quant_config",
+    [
+        {"quantization": {"quant_algo": "INT4_AWQ"}},  # hf_quant_config.json
+        {"quant_method": "modelopt", "quant_algo": "INT4_AWQ", "config_groups": {}},  # config.json
+    ],
+)
+def test_check_quantization_refuses_modelopt_algorithms_it_cannot_run(quant_config):
+    with pytest.raises(ck.CheckpointError, match="quant_algo 'INT4_AWQ' is not supported"):
+        ck.check_quantization(quant_config, {})
+    ok = {"quant_method": "modelopt", "quant_algo": "NVFP4", "config_groups": {}}
+    ck.check_quantization(ok, {})  # NVFP4: each layer's tensors say the rest
