@@ -1,9 +1,11 @@
-"""examples/llm_generate.py: a Llama / Qwen-style decoder from an NVFP4 checkpoint, against a float64
-NumPy forward pass (full causal attention recomputed at every length, no cache) on the
-checkpoint's dequantized weights."""
+"""examples/llm (the LLM example's package; examples/llm_generate.py its command line): a Llama /
+Qwen-style decoder from an NVFP4 checkpoint, against a float64 NumPy forward pass (full causal
+attention recomputed at every length, no cache) on the checkpoint's dequantized weights."""
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -13,7 +15,7 @@ import pytest
 
 import jax_fp4
 from tests import reference
-from tests._helpers import load_repo_script
+from tests._helpers import ROOT, load_repo_package, load_repo_script
 
 CONFIG = {
     "hidden_size": 128,
@@ -37,7 +39,7 @@ LLAMA3_SCALING = {
 
 @pytest.fixture(scope="module")
 def example():
-    return load_repo_script("examples/llm_generate.py")
+    return load_repo_package("examples/llm")
 
 
 def _as_float(tensors: dict, name: str) -> np.ndarray:
@@ -351,7 +353,7 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
     tokens, timings = example.generate(cfg, params, prompt, 6)
     assert tokens.shape == (2, 6) and timings["decode_steps"] == 3 and timings["decode_s"] > 0
     # The timed steps (3..7 of 8) in windows of 2, 2 and 1 step, which add up to the whole.
-    monkeypatch.setattr(example, "TIMING_WINDOW", 2)
+    monkeypatch.setattr(example.generation, "TIMING_WINDOW", 2)
     tokens8, timings8 = example.generate(cfg, params, prompt, 8, gpu_busy_steps=3)
     np.testing.assert_array_equal(tokens8[:, :6], tokens)
     windows = timings8["window_s_per_step"]
@@ -832,6 +834,27 @@ def test_help_describes_the_example_and_runs_nothing(example, capsys):
         '"nvfp4_ms"',
     ):
         assert text in out
+
+
+def test_the_entry_point_gives_the_package_and_parses_before_importing_jax(example):
+    """examples/llm_generate.py, imported by its path, gives the package's functions under their
+    names (scripts outside the repository import them from there); run, it answers --help
+    without importing jax."""
+    script = load_repo_script("examples/llm_generate.py")
+    for name in ("load_model", "empty_cache", "forward", "generate", "Config", "main"):
+        assert getattr(script, name) is getattr(example, name)
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['llm_generate.py', '--help']\n"
+        "try:\n"
+        f"    runpy.run_path({str(ROOT / 'examples' / 'llm_generate.py')!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print('jax imported:', 'jax' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "Greedy text generation from an NVFP4 checkpoint" in done.stdout
+    assert done.stdout.rstrip().endswith("jax imported: False")
 
 
 def test_the_decode_step_probe_counts_the_kernels_it_launches(tmp_path, capsys):

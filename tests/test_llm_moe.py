@@ -1,4 +1,4 @@
-"""examples/llm_generate.py's Qwen3-MoE architecture: a tiny MoE model's forward pass against an
+"""examples/llm's Qwen3-MoE architecture: a tiny MoE model's forward pass against an
 independent float64 NumPy one (loops over tokens and their top-k experts on the checkpoint's
 dequantized weights), greedy tokens, checkpoints of both conventions read back, random weights of
 the presets, and the configs it refuses."""
@@ -12,7 +12,7 @@ import pytest
 
 import jax_fp4
 from tests import reference
-from tests._helpers import load_repo_script
+from tests._helpers import load_repo_package
 from tests.test_llm_generate import cached_logits, reference_logits
 
 TINY = {
@@ -47,7 +47,7 @@ ODD = dict(
 
 @pytest.fixture(scope="module")
 def example():
-    return load_repo_script("examples/llm_generate.py")
+    return load_repo_package("examples/llm")
 
 
 def _tokens_clear_of_routing_ties(
