@@ -628,7 +628,7 @@ def _fp8_per_tensor(w: np.ndarray):
     """ModelOpt's FP8 quantization of a float matrix: float8_e4m3fn codes and the float32 scale
     amax / 448 (multiplied)."""
     scale = np.float32(np.abs(w).max() / 448.0)
-    return (w / scale).astype(np.float32).astype(jax_fp4.checkpoint._F8), scale
+    return (w / scale).astype(np.float32).astype(jnp.float8_e4m3fn), scale
 
 
 # Layers held in FP8 by the mixed-precision checkpoint below: all of layer 0's attention (q, k, v

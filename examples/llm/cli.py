@@ -76,6 +76,7 @@ and floor, the bytes and the per-window times beside them; and the setup around 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -178,8 +179,13 @@ def main(argv=None) -> int:
         "bf16_ms, ratio, gpu_busy_ms, floor_ms, ...) and the setup to this JSON file",
     )
     args = parser.parse_args(argv)
-    import dataclasses
-
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
+    if args.prompt_len is not None and (args.prompt_len < 1 or args.prompt_ids):
+        parser.error("--prompt-len must be at least 1, and not given with --prompt-ids")
+    if args.num_layers is not None and (args.num_layers < 1 or not args.random):
+        parser.error("--num-layers takes a count of at least 1, with --random")
+    # jax only now: --help and a wrong argument answer without loading it.
     import jax
     import numpy as np
 
@@ -193,12 +199,6 @@ def main(argv=None) -> int:
     # The loader says where it dropped a K padding (ModelOpt's, for a K not a multiple of 16).
     logging.basicConfig(format="%(message)s")
     logging.getLogger("jax_fp4.checkpoint").setLevel(logging.INFO)
-    if args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be at least 1")
-    if args.prompt_len is not None and (args.prompt_len < 1 or args.prompt_ids):
-        parser.error("--prompt-len must be at least 1, and not given with --prompt-ids")
-    if args.num_layers is not None and (args.num_layers < 1 or not args.random):
-        parser.error("--num-layers takes a count of at least 1, with --random")
 
     # Measured before the weights take the device's memory.
     read_bps = read_bandwidth()

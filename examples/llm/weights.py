@@ -344,7 +344,7 @@ def assemble(
         )
         for layer in layers
     ]
-    embed = jnp.asarray(_tensor(tensors, "model.embed_tokens"), dtype)
+    embed = _projection(tensors, "model.embed_tokens", dtype)
     head = embed if cfg.tie_embeddings else _projection(tensors, "lm_head", dtype)
     return {
         "embed": embed,
