@@ -63,7 +63,7 @@ for _path in (_BENCHMARKS, _ROOT):
 import bench  # noqa: E402
 
 import jax_fp4  # noqa: E402
-from tests._helpers import load_repo_script  # noqa: E402
+from tests._helpers import load_repo_package  # noqa: E402
 
 RESULTS = _BENCHMARKS / "results"
 
@@ -122,7 +122,7 @@ def results_path(device_kind: str, platform: str) -> Path:
 
 
 def load_example():
-    return load_repo_script("examples/llm_generate.py")
+    return load_repo_package("examples/llm")
 
 
 def model_config(llm, model: str) -> dict:

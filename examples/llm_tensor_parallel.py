@@ -1,14 +1,14 @@
-"""Tensor-parallel greedy decoding of the LLM example (examples/llm_generate.py) with NVFP4 weights:
+"""Tensor-parallel greedy decoding of the LLM example (examples/llm) with NVFP4 weights:
 attention heads and MLP features split over the devices of one mesh axis, Megatron style.
 
     python examples/llm_tensor_parallel.py --random llama3-8b --tp 2,4,8 --batch 1,8 --json tp.json
     python examples/llm_tensor_parallel.py --random tp-tiny        # 8 host devices on a CPU
 
 What it does: draws a model of a preset's (or a config.json's) shapes with random NVFP4 weights
-(llm_generate.random_model), decodes a random prompt greedily on one device, then places the same
+(llm.random_model), decodes a random prompt greedily on one device, then places the same
 weights tensor-parallel over `--tp` devices (`shard_params`) and decodes again, once with the NVFP4
-weights and once with them dequantized to bf16 (llm_generate.dense_twin, XLA's dot), all through
-llm_generate's own decode loop and timer (`generate`). It is one jit program per step over the
+weights and once with them dequantized to bf16 (llm.dense_twin, XLA's dot), all through
+the package's own decode loop and timer (`generate`). It is one jit program per step over the
 mesh: the weights carry NamedShardings and jax_fp4's partitioning rules keep each shard where it
 lies, so a step has one all-reduce per row-parallel projection (o_proj and down_proj) and nothing
 else moves a weight.
@@ -17,7 +17,7 @@ The layout (`shard_params`):
   - qkv_proj and gate_up_proj (and lm_head) are column parallel: split along N. A fused weight's
     rows are reordered once, at placement, so that device d's contiguous slice holds its own q
     heads, then its k and v heads (and its gate features, then the same up features); the forward
-    pass pairs them within each slice (Config.shards, llm_generate.split_fused). A plain split of
+    pass pairs them within each slice (Config.shards, llm.split_fused). A plain split of
     [q; k; v] or [gate; up] would give one device all of q or all of gate.
   - o_proj and down_proj are row parallel: split along K (the heads and features each device
     computed), partial products summed in float32 by one all-reduce, then the residual added. The
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -61,20 +60,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_fp4  # noqa: E402
 from jax_fp4 import sharding as _sharding  # noqa: E402
 
-
-def _load_llm_generate():
-    """examples/llm_generate.py as a module (this file's neighbour; examples are not a package)."""
-    name = "llm_generate"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("llm_generate.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-llm = _load_llm_generate()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples/llm package beside it
+import llm  # noqa: E402
 
 AXIS = "model"
 PRESETS = {
@@ -191,7 +178,7 @@ def _gemv_k_check(block_size: int):
 def shard_params(cfg, params: dict, mesh, axis: str = AXIS, *, layout: str | None = None):
     """(cfg, params) of llm_generate placed tensor-parallel over mesh axis `axis`: the returned
     config has `shards` = the axis' width, which the forward pass needs to read the fused
-    projections' reordered rows (module docstring: the layout). params: llm_generate's (NVFP4 or
+    projections' reordered rows (module docstring: the layout). params: the example's (NVFP4 or
     dense, e.g. dense_twin's; unrolled or stacked layers). layout: the column parallel NVFP4
     weights' layout, "tiled" where their shards keep whole 16-row tiles (None: each weight's own);
     row parallel ones are spec (the tiled layout cannot split K)."""
@@ -263,7 +250,7 @@ def cache_sharding(cfg, mesh, axis: str = AXIS, *, stacked: bool = False) -> Nam
 
 
 def empty_cache(cfg, params: dict, batch: int, max_len: int, mesh, axis: str = AXIS):
-    """llm_generate.empty_cache, each array split over kv heads on `mesh`."""
+    """llm.empty_cache, each array split over kv heads on `mesh`."""
     stacked = isinstance(params["layers"], dict)
     return llm.empty_cache(
         cfg, params, batch, max_len, cache_sharding(cfg, mesh, axis, stacked=stacked)
@@ -271,7 +258,7 @@ def empty_cache(cfg, params: dict, batch: int, max_len: int, mesh, axis: str = A
 
 
 def compiled_step(cfg, params: dict, batch: int, max_len: int, sharding=None) -> str:
-    """The compiled (partitioned) HLO text of one decode step (llm_generate.decode_step) at batch
+    """The compiled (partitioned) HLO text of one decode step (llm.decode_step) at batch
     `batch` on caches of `max_len` positions placed by `sharding`."""
     caches = llm.empty_cache(cfg, params, batch, max_len, sharding)
     history, start = jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32)
@@ -311,7 +298,7 @@ def _ms(timings: dict):
 
 
 def one_device_run(cfg, params: dict, prompt, max_new_tokens: int) -> dict:
-    """Greedy decoding of prompt [B, P] on the device holding `params` (llm_generate.generate):
+    """Greedy decoding of prompt [B, P] on the device holding `params` (llm.generate):
     {"tokens", "timings", "logits" (the first step's, [B, vocab])}."""
     tokens, timings = llm.generate(cfg, params, prompt, max_new_tokens)
     return {"tokens": tokens, "timings": timings, "logits": first_step_logits(cfg, params, prompt)}

@@ -35,6 +35,18 @@ stored as 24 bytes a row, K = 48). The files do not record the true K; pass it w
 hidden_size, intermediate_size and head counts) and the loader drops the padding, after checking
 that its codes are zero, and logs what it dropped (logger ``jax_fp4.checkpoint``, level INFO).
 
+FP8 layers (mixed-precision exports, which quantize some layers to FP8 and the others to NVFP4)
+pass through `from_tensors` as stored; `from_fp8` gives such a layer's dequantized float weight:
+
+  ModelOpt            ``L.weight`` float8_e4m3fn [N, K], ``L.weight_scale`` float32 [] (per tensor,
+                      multiplied), ``L.input_scale`` (the activations' scale) ignored.
+  compressed-tensors  ``L.weight`` float8_e4m3fn [N, K], ``L.weight_scale`` [N, 1] (per output
+                      channel, multiplied; bf16 or float32), or [N, K/G] (per group of G along K).
+
+`check_quantization` compares a checkpoint's quantization config (ModelOpt's hf_quant_config.json
+or config.json's ``quantization_config``) with its tensors and refuses algorithms and formats that
+are neither NVFP4 nor FP8.
+
 Arrays come back as host NumPy arrays (memory-mapped from the file where possible); put them on
 devices with ``jax.device_put`` (with a sharding if you like) or let the first jit do it.
 
@@ -64,10 +76,13 @@ from jax_fp4.prepacking import in_layout, unprepack
 
 __all__ = [
     "CheckpointError",
+    "check_quantization",
+    "from_fp8",
     "from_compressed_tensors",
     "from_modelopt",
     "from_tensors",
     "fuse",
+    "is_fp8",
     "load_experts",
     "load_safetensors",
     "read_safetensors",
@@ -84,6 +99,7 @@ _log = logging.getLogger(__name__)
 _F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 _U8 = np.dtype(np.uint8)
 _F32 = np.dtype(np.float32)
+_FP8 = (_F8, np.dtype(ml_dtypes.float8_e5m2))
 
 # safetensors dtype names <-> NumPy / ml_dtypes dtypes.
 _ST_DTYPES = {
@@ -456,6 +472,143 @@ def _in_features_of(in_features: InFeatures, name: str) -> int | None:
     )
 
 
+def is_fp8(dtype) -> bool:
+    """Whether `dtype` is a float8 dtype (float8_e4m3fn or float8_e5m2): an FP8 layer's weight,
+    which means nothing without its scale."""
+    return np.dtype(dtype) in _FP8
+
+
+def from_fp8(tensors: Mapping, name: str, *, dtype=np.float32) -> np.ndarray:
+    """The dequantized weight [N, K] of FP8 layer `name`: ``name.weight`` (float8_e4m3fn [N, K])
+    times ``name.weight_scale``, in `dtype` (float32 by default: the product of an FP8 value and
+    a bf16 scale is exact there, with a float32 scale rounded once).
+
+    The scale is per tensor (shape () or (1,), ModelOpt), per output channel ([N, 1] or [N],
+    compressed-tensors' "channel" strategy) or per group along K ([N, K/G], "group"). The
+    activations' ``name.input_scale`` is not applied (weight-only). Raises CheckpointError naming
+    the layer and the tensor for a missing or non-float scale, a scale of another shape (e.g.
+    2-D block scales), a non-finite scale, or a nonzero zero point."""
+    where = f"FP8 layer {name!r}"
+    key = f"{name}.weight"
+    if key not in tensors:
+        raise CheckpointError(f"{where}: tensor {key!r} is missing")
+    weight = np.asarray(tensors[key])
+    if not is_fp8(weight.dtype):
+        raise CheckpointError(f"{where}: {key!r} must be float8_e4m3fn, got dtype {weight.dtype}")
+    if weight.ndim != 2:
+        raise CheckpointError(f"{where}: {key!r} must be [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    scale_key = f"{name}.weight_scale"
+    if scale_key not in tensors:
+        present = sorted(t for t in tensors if isinstance(t, str) and t.startswith(f"{name}."))
+        raise CheckpointError(
+            f"{where}: {key!r} is float8 ({weight.dtype}) but {scale_key!r} is missing (found "
+            f"{present}); the raw FP8 values are not the weight, so the layer cannot run"
+        )
+    scale = np.asarray(tensors[scale_key])
+    if is_fp8(scale.dtype) or not _is_float(scale.dtype):
+        raise CheckpointError(
+            f"{where}: {scale_key!r} must be a float32 / bf16 / fp16 scale, got dtype {scale.dtype}"
+        )
+    scale = scale.astype(np.float32)
+    if scale.shape in ((), (1,)):
+        scale = scale.reshape(1, 1)
+    elif scale.shape in ((n,), (n, 1)):
+        scale = scale.reshape(n, 1)
+    elif scale.ndim == 2 and scale.shape[0] == n and 1 < scale.shape[1] and k % scale.shape[1] == 0:
+        scale = np.repeat(scale, k // scale.shape[1], axis=1)
+    else:
+        raise CheckpointError(
+            f"{where}: {scale_key!r} has shape {tuple(scale.shape)}; for {key!r} of shape "
+            f"{(n, k)} it must be per tensor (), per output channel ({n}, 1) or per group along "
+            f"K ({n}, K/G)"
+        )
+    if not np.all(np.isfinite(scale)):
+        raise CheckpointError(f"{where}: {scale_key!r} holds non-finite values")
+    zero_key = f"{name}.weight_zero_point"
+    if zero_key in tensors and np.any(np.asarray(tensors[zero_key]) != 0):
+        raise CheckpointError(f"{where}: {zero_key!r} is nonzero (asymmetric FP8 is not supported)")
+    return (weight.astype(np.float32) * scale).astype(dtype)
+
+
+# ModelOpt's quant_algo names and compressed-tensors' formats -> the format of their layers.
+_MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8"}
+_CT_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "float-quantized": "fp8", "dense": None}
+
+
+def _stored_format(tensors: Mapping, layer: str) -> str | None:
+    """'nvfp4', 'fp8', 'float', another dtype's name, or None (no such layer): how `layer`'s
+    tensors hold it."""
+    value = tensors.get(layer)
+    if isinstance(value, NVFP4Weight) or f"{layer}.weight_packed" in tensors:
+        return "nvfp4"
+    dtype = _dtype_of(tensors, f"{layer}.weight")
+    if dtype is None:
+        return None
+    if dtype == _U8 and f"{layer}.weight_scale" in tensors:
+        return "nvfp4"
+    if is_fp8(dtype):
+        return "fp8"
+    return "float" if _is_float(dtype) else dtype.name
+
+
+def check_quantization(quant_config: Mapping | None, tensors: Mapping) -> None:
+    """Refuse a checkpoint whose quantization this module cannot run: `quant_config` is
+    ModelOpt's hf_quant_config.json (or its "quantization" object) or config.json's
+    ``quantization_config`` (ModelOpt or compressed-tensors); `tensors` its tensors, raw or
+    converted (`from_tensors`).
+
+    ModelOpt: quant_algo NVFP4, W4A16_NVFP4, FP8 or MIXED_PRECISION, whose ``quantized_layers``
+    ({layer: {"quant_algo": ...}}) each name one of the others and must match how the layer is
+    stored. compressed-tensors: format nvfp4-pack-quantized, float-quantized (FP8) or
+    mixed-precision, each config group of a mixed one with one of those formats. Anything else
+    (AWQ, INT4 / INT8, W4A8, ...) raises CheckpointError naming the algorithm and the layer or
+    group, as does a layer stored unlike its declared format. None: nothing to check."""
+    if not quant_config:
+        return
+    quant = quant_config.get("quantization", quant_config)
+    # ModelOpt's config.json entry has config_groups too, beside its quant_algo.
+    if quant.get("quant_method") == "compressed-tensors" or (
+        "config_groups" in quant and "quant_algo" not in quant
+    ):
+        fmt = quant.get("format")
+        if fmt == "mixed-precision":
+            for group, spec in (quant.get("config_groups") or {}).items():
+                if spec.get("format") not in _CT_FORMATS:
+                    raise CheckpointError(
+                        f"compressed-tensors config group {group!r} (targets "
+                        f"{spec.get('targets')}) has format {spec.get('format')!r}; supported: "
+                        f"{', '.join(_CT_FORMATS)}"
+                    )
+        elif fmt is not None and fmt not in _CT_FORMATS:
+            raise CheckpointError(
+                f"compressed-tensors format {fmt!r} is not supported (supported: "
+                f"{', '.join(_CT_FORMATS)}, mixed-precision)"
+            )
+        return
+    algo = quant.get("quant_algo")
+    if algo is None or algo in _MODELOPT_ALGOS:
+        return
+    if algo != "MIXED_PRECISION":
+        raise CheckpointError(
+            f"ModelOpt quant_algo {algo!r} is not supported (supported: "
+            f"{', '.join(_MODELOPT_ALGOS)}, MIXED_PRECISION)"
+        )
+    for layer, spec in (quant.get("quantized_layers") or {}).items():
+        layer_algo = spec.get("quant_algo") if isinstance(spec, Mapping) else spec
+        if layer_algo not in _MODELOPT_ALGOS:
+            raise CheckpointError(
+                f"ModelOpt MIXED_PRECISION layer {layer!r} has quant_algo {layer_algo!r}; "
+                f"supported: {', '.join(_MODELOPT_ALGOS)}"
+            )
+        stored = _stored_format(tensors, layer)
+        if stored is not None and stored != _MODELOPT_ALGOS[layer_algo]:
+            raise CheckpointError(
+                f"ModelOpt MIXED_PRECISION layer {layer!r} is declared {layer_algo} but "
+                f"{layer}.weight is stored as {stored} ({_dtype_of(tensors, f'{layer}.weight')})"
+            )
+
+
 def from_tensors(
     tensors: Mapping,
     *,
@@ -467,7 +620,8 @@ def from_tensors(
 
     Returns a dict from layer name to NVFP4Weight for ModelOpt layers (recognised by
     ``L.weight_scale_2``) and compressed-tensors layers (``L.weight_global_scale``), with every
-    other tensor (biases, norms, embeddings, float, FP8 or int4 layers) passed through unchanged.
+    other tensor (biases, norms, embeddings, float, FP8 or int4 layers) passed through unchanged
+    (an FP8 layer's weight is not usable without its scale: `from_fp8` dequantizes it).
     uint8 codes with float8_e4m3fn block scales but no global scale are an NVFP4 layer missing a
     tensor: CheckpointError. The activation scales
     ``L.input_scale`` / ``L.input_global_scale`` of converted layers are dropped.

@@ -5,6 +5,7 @@ repository's scripts."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import pathlib
 import shutil
@@ -246,6 +247,18 @@ def load_repo_script(relative_path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
+    return module
+
+
+def load_repo_package(relative_path: str) -> ModuleType:
+    """The package at ROOT / relative_path (e.g. "examples/llm"), imported under its own name with
+    its parent directory on sys.path, as a script beside it imports it (one copy per process)."""
+    path = ROOT / relative_path
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    module = importlib.import_module(path.name)
+    if pathlib.Path(module.__file__).parent != path:
+        raise ImportError(f"{path.name!r} imports {module.__file__}, not the package at {path}")
     return module
 
 

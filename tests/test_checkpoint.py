@@ -576,3 +576,69 @@ def test_real_exports_load_bit_exact_and_where_the_tools_differ():
         assert step.max() == 1
         differ, blocks = differ + int((step > 0).sum()), blocks + step.size
     assert (differ, blocks) == (2439, 73728)
+
+
+# ---- FP8 layers (mixed-precision exports) --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scale_shape", [(), (1,), (24, 1), (24,), (24, 4)], ids=str
+)  # per tensor (ModelOpt), per channel (compressed-tensors), per group of 16 along K
+def test_fp8_layers_dequantize_with_their_scale(scale_shape):
+    rng = np.random.default_rng(len(scale_shape) + sum(scale_shape))
+    codes = (rng.standard_normal((24, 64)) * 50).astype(np.float32).astype(F8)
+    scale = rng.uniform(0.001, 0.01, scale_shape).astype(ml_dtypes.bfloat16)
+    got = ck.from_fp8({"p.weight": codes, "p.weight_scale": scale}, "p")
+    s = np.asarray(scale, np.float64)
+    if s.ndim == 2 and s.shape[1] > 1:
+        s = np.repeat(s, 16, axis=1)
+    elif s.ndim == 1 and s.size > 1:
+        s = s[:, None]
+    expected = codes.astype(np.float64) * s
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)  # an FP8 value times a bf16 scale is exact
+
+
+@pytest.mark.parametrize(
+    "tensors, match",
+    [
+        ({"p.weight": np.ones((4, 32), F8)}, r"'p.weight_scale' is missing"),
+        (
+            {"p.weight": np.ones((4, 32), F8), "p.weight_scale": np.ones((4, 3), np.float32)},
+            r"'p.weight_scale' has shape \(4, 3\)",
+        ),
+        (
+            {"p.weight": np.ones((4, 32), F8), "p.weight_scale": np.ones((), F8)},
+            "'p.weight_scale' must be a float32 / bf16 / fp16 scale",
+        ),
+        (
+            {"p.weight": np.ones((4, 32), np.float32), "p.weight_scale": np.ones(())},
+            "'p.weight' must be float8_e4m3fn",
+        ),
+        (
+            {
+                "p.weight": np.ones((4, 32), F8),
+                "p.weight_scale": np.ones((4, 1), np.float32),
+                "p.weight_zero_point": np.ones((4, 1), np.int8),
+            },
+            "'p.weight_zero_point' is nonzero",
+        ),
+    ],
+)
+def test_fp8_layers_that_cannot_run_are_refused_naming_the_tensor(tensors, match):
+    with pytest.raises(ck.CheckpointError, match=f"FP8 layer 'p': .*{match}"):
+        ck.from_fp8(tensors, "p")
+
+
+@pytest.mark.parametrize(
+    "quant_config",
+    [
+        {"quantization": {"quant_algo": "INT4_AWQ"}},  # hf_quant_config.json
+        {"quant_method": "modelopt", "quant_algo": "INT4_AWQ", "config_groups": {}},  # config.json
+    ],
+)
+def test_check_quantization_refuses_modelopt_algorithms_it_cannot_run(quant_config):
+    with pytest.raises(ck.CheckpointError, match="quant_algo 'INT4_AWQ' is not supported"):
+        ck.check_quantization(quant_config, {})
+    ok = {"quant_method": "modelopt", "quant_algo": "NVFP4", "config_groups": {}}
+    ck.check_quantization(ok, {})  # NVFP4: each layer's tensors say the rest

@@ -1,9 +1,11 @@
-"""examples/llm_generate.py: a Llama / Qwen-style decoder from an NVFP4 checkpoint, against a float64
-NumPy forward pass (full causal attention recomputed at every length, no cache) on the
-checkpoint's dequantized weights."""
+"""examples/llm (the LLM example's package; examples/llm_generate.py its command line): a Llama /
+Qwen-style decoder from an NVFP4 checkpoint, against a float64 NumPy forward pass (full causal
+attention recomputed at every length, no cache) on the checkpoint's dequantized weights."""
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -13,7 +15,7 @@ import pytest
 
 import jax_fp4
 from tests import reference
-from tests._helpers import load_repo_script
+from tests._helpers import ROOT, load_repo_package, load_repo_script
 
 CONFIG = {
     "hidden_size": 128,
@@ -37,7 +39,7 @@ LLAMA3_SCALING = {
 
 @pytest.fixture(scope="module")
 def example():
-    return load_repo_script("examples/llm_generate.py")
+    return load_repo_package("examples/llm")
 
 
 def _as_float(tensors: dict, name: str) -> np.ndarray:
@@ -351,7 +353,7 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
     tokens, timings = example.generate(cfg, params, prompt, 6)
     assert tokens.shape == (2, 6) and timings["decode_steps"] == 3 and timings["decode_s"] > 0
     # The timed steps (3..7 of 8) in windows of 2, 2 and 1 step, which add up to the whole.
-    monkeypatch.setattr(example, "TIMING_WINDOW", 2)
+    monkeypatch.setattr(example.generation, "TIMING_WINDOW", 2)
     tokens8, timings8 = example.generate(cfg, params, prompt, 8, gpu_busy_steps=3)
     np.testing.assert_array_equal(tokens8[:, :6], tokens)
     windows = timings8["window_s_per_step"]
@@ -591,14 +593,23 @@ REAL_TOOLS = Path(__file__).parent / "data" / "real_tools"
 
 
 @pytest.mark.parametrize(
-    "checkpoint", ["modelopt_llama_nvfp4", "llmc_llama_nvfp4a16", "modelopt_qwen3_nvfp4"]
+    "checkpoint",
+    [
+        "modelopt_llama_nvfp4",
+        "llmc_llama_nvfp4a16",
+        "modelopt_qwen3_nvfp4",
+        "modelopt_qwen3moe_nvfp4",
+        "llmc_llama_mixed",
+    ],
 )
 def test_real_tool_checkpoints_match_transformers(example, checkpoint):
     """Checkpoints exported by ModelOpt 0.47 and llm-compressor 0.14 (tests/data/real_tools, whose
     README.md says how they were made), run by the example with float32 activations on the CPU:
     the prefill logits within 1e-4 of the largest logit of those transformers + torch compute from
-    the tool's own dequantized weights, and the same 8 greedy tokens. The Qwen3 export keeps
-    rope_theta 1e6 under "rope_parameters"."""
+    the tool's own dequantized weights, and the same 8 greedy tokens. The Qwen3 exports keep
+    rope_theta 1e6 under "rope_parameters"; the Qwen3-MoE one names its expert count
+    "num_local_experts" (transformers 5); the mixed one holds FP8 attention projections with
+    per-channel bf16 scales beside NVFP4 MLPs."""
     path = REAL_TOOLS / checkpoint
     oracle = np.load(path / "oracle.npz")
     cfg, params = example.load_model(path, dtype=jnp.float32)
@@ -611,6 +622,198 @@ def test_real_tool_checkpoints_match_transformers(example, checkpoint):
     assert error <= 1e-4 * max(1.0, np.abs(expected).max()), error
     tokens, _ = example.generate(cfg, params, prompt, len(oracle["greedy_ids"]))
     np.testing.assert_array_equal(tokens[0], oracle["greedy_ids"])
+
+
+def _fp8_per_tensor(w: np.ndarray):
+    """ModelOpt's FP8 quantization of a float matrix: float8_e4m3fn codes and the float32 scale
+    amax / 448 (multiplied)."""
+    scale = np.float32(np.abs(w).max() / 448.0)
+    return (w / scale).astype(np.float32).astype(jnp.float8_e4m3fn), scale
+
+
+# Layers held in FP8 by the mixed-precision checkpoint below: all of layer 0's attention (q, k, v
+# with three different scales), and in layer 1 k_proj alone (q/k/v then neither all FP8 nor all
+# NVFP4) and down_proj.
+FP8_LAYERS = [
+    *(f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "model.layers.1.self_attn.k_proj",
+    "model.layers.1.mlp.down_proj",
+]
+
+
+def _write_modelopt_mixed(example, path, rng) -> dict:
+    """A ModelOpt MIXED_PRECISION checkpoint at `path`: the FP8_LAYERS as ModelOpt writes FP8
+    layers (weight float8_e4m3fn [N, K], weight_scale float32 [] per tensor, input_scale float32
+    []), every other projection NVFP4 (W4A16_NVFP4), hf_quant_config.json listing each layer's
+    algorithm. Returns the float64 values the model means: {layer: dequantized weight, other:
+    tensor}."""
+    tensors = example.write_demo_checkpoint(path, CONFIG, seed=int(rng.integers(2**31)))
+    stored = dict(tensors)
+    for i, name in enumerate(FP8_LAYERS):
+        n, k = tensors[name].shape
+        w = rng.standard_normal((n, k)) / math.sqrt(k) * (1 + i)  # a scale of its own each
+        codes, scale = _fp8_per_tensor(w)
+        del stored[name]
+        stored[f"{name}.weight"] = codes
+        stored[f"{name}.weight_scale"] = np.array(scale, np.float32)
+        stored[f"{name}.input_scale"] = np.array(0.01, np.float32)  # activations: not applied
+        tensors[name] = codes.astype(np.float64) * np.float64(scale)
+    jax_fp4.checkpoint.save_safetensors(stored, path / "model.safetensors")
+    layers = {
+        name: {"quant_algo": "FP8"} if name in FP8_LAYERS else {"quant_algo": "W4A16_NVFP4"}
+        for name, w in tensors.items()
+        if name in FP8_LAYERS or isinstance(w, jax_fp4.NVFP4Weight)
+    }
+    quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None}
+    (path / "hf_quant_config.json").write_text(
+        json.dumps(
+            {"producer": {"name": "modelopt"}, "quantization": quant | {"quantized_layers": layers}}
+        )
+    )
+    return tensors
+
+
+def test_a_modelopt_mixed_precision_checkpoint_matches_the_float64_reference(example, tmp_path):
+    """FP8 layers run with their own per-tensor scales (dequantized at load; q/k/v fused only
+    where all three are FP8, each part with its own scale), NVFP4 layers through jax_fp4: the
+    prefill and the cached decode of float32 activations within 1e-4 of the largest float64
+    logit."""
+    rng = np.random.default_rng()
+    tensors = _write_modelopt_mixed(example, tmp_path, rng)
+    scales = [
+        float(example.ckpt.read_safetensors(tmp_path)[f"{name}.weight_scale"])
+        for name in FP8_LAYERS[:3]
+    ]
+    assert len(set(scales)) == 3  # q, k and v scaled differently: one scale for all is wrong
+    cfg, params = example.load_model(tmp_path, dtype=jnp.float32)
+    first, second = params["layers"]
+    assert not isinstance(first["qkv_proj"], jax_fp4.NVFP4Weight)
+    assert isinstance(first["gate_up_proj"], jax_fp4.NVFP4Weight)
+    assert {"q_proj", "k_proj", "v_proj"} <= set(second) and "qkv_proj" not in second
+    assert isinstance(second["q_proj"], jax_fp4.NVFP4Weight)
+    assert not isinstance(second["k_proj"], jax_fp4.NVFP4Weight)
+    assert not isinstance(second["down_proj"], jax_fp4.NVFP4Weight)
+
+    tokens = rng.integers(0, cfg.vocab, size=12)
+    expected = reference_logits(CONFIG, tensors, tokens)
+    got = cached_logits(example, cfg, params, tokens, 7)
+    assert np.abs(got - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+
+
+BF16 = jnp.bfloat16
+
+
+def _replace(raw: dict, layer: str, weight: np.ndarray) -> None:
+    """Layer `layer` of raw tensors stored as `weight` alone (its other tensors removed)."""
+    for name in [name for name in raw if name.startswith(f"{layer}.")]:
+        del raw[name]
+    raw[f"{layer}.weight"] = weight
+
+
+def _edit_checkpoint(example, path, change):
+    """Rewrite path/model.safetensors with `change` applied to its raw tensors."""
+    raw = dict(example.ckpt.read_safetensors(path))
+    change(raw)
+    raw = {name: np.array(value) for name, value in raw.items()}
+    example.ckpt.save_safetensors(raw, path / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            lambda raw: raw.pop("model.layers.0.self_attn.k_proj.weight_scale"),
+            "'model.layers.0.self_attn.k_proj.weight_scale' is missing",
+        ),
+        (
+            lambda raw: raw.update(
+                {"model.layers.1.mlp.down_proj.weight_scale": np.ones((3, 2), np.float32)}
+            ),
+            r"'model.layers.1.mlp.down_proj.weight_scale' has shape \(3, 2\)",
+        ),
+        (
+            lambda raw: _replace(raw, "model.layers.1.self_attn.o_proj", np.ones((128, 128), BF16)),
+            "declared W4A16_NVFP4 but model.layers.1.self_attn.o_proj.weight is stored as float",
+        ),
+        (
+            lambda raw: _replace(
+                raw, "model.layers.1.self_attn.o_proj", np.ones((128, 128), np.int8)
+            ),
+            "declared W4A16_NVFP4 but model.layers.1.self_attn.o_proj.weight is stored as int8",
+        ),
+        (
+            lambda raw: raw.update(
+                {"model.layers.0.self_attn.o_proj.pre_quant_scale": np.ones(128, np.float32)}
+            ),
+            "'model.layers.0.self_attn.o_proj.pre_quant_scale': AWQ",
+        ),
+    ],
+)
+def test_what_the_loader_cannot_run_is_refused_naming_the_tensor(example, tmp_path, change, match):
+    _write_modelopt_mixed(example, tmp_path, np.random.default_rng(0))
+    _edit_checkpoint(example, tmp_path, change)
+    with pytest.raises(jax_fp4.checkpoint.CheckpointError, match=match):
+        example.load_model(tmp_path, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "quant, match",
+    [
+        ({"quantization": {"quant_algo": "W4A8_AWQ"}}, "quant_algo 'W4A8_AWQ' is not supported"),
+        (
+            {
+                "quantization": {
+                    "quant_algo": "MIXED_PRECISION",
+                    "quantized_layers": {"model.layers.0.mlp.down_proj": {"quant_algo": "INT8"}},
+                }
+            },
+            "layer 'model.layers.0.mlp.down_proj' has quant_algo 'INT8'",
+        ),
+        (
+            {
+                "quantization": {
+                    "quant_algo": "MIXED_PRECISION",
+                    "quantized_layers": {"model.layers.0.mlp.down_proj": {"quant_algo": "FP8"}},
+                }
+            },
+            "'model.layers.0.mlp.down_proj' is declared FP8 but .* stored as nvfp4",
+        ),
+    ],
+)
+def test_quantization_configs_the_loader_cannot_run_are_refused(example, tmp_path, quant, match):
+    example.write_demo_checkpoint(tmp_path, CONFIG)
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(quant))
+    with pytest.raises(jax_fp4.checkpoint.CheckpointError, match=match):
+        example.load_model(tmp_path)
+
+
+def test_integer_codes_of_another_quantization_are_refused_not_cast(example, tmp_path):
+    """Without a quantization config to say so, an integer weight (another tool's codes) is
+    refused naming the tensor: cast to floats it would run and give wrong logits."""
+    example.write_demo_checkpoint(tmp_path, CONFIG)
+    layer = "model.layers.0.mlp.down_proj"
+    _edit_checkpoint(
+        example, tmp_path, lambda raw: _replace(raw, layer, np.ones((128, 128), np.int8))
+    )
+    with pytest.raises(jax_fp4.checkpoint.CheckpointError, match=f"{layer}.weight has dtype int8"):
+        example.load_model(tmp_path)
+
+
+def test_a_compressed_tensors_format_the_loader_cannot_run_is_refused(example, tmp_path):
+    example.write_demo_checkpoint(tmp_path, CONFIG, convention="compressed-tensors")
+    groups = {"group_0": {"format": "pack-quantized", "targets": ["Linear"]}}
+    quantization = {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision",
+        "config_groups": groups,
+    }
+    (tmp_path / "config.json").write_text(
+        json.dumps(dict(CONFIG, quantization_config=quantization))
+    )
+    with pytest.raises(
+        jax_fp4.checkpoint.CheckpointError, match="group 'group_0' .* format 'pack-quantized'"
+    ):
+        example.load_model(tmp_path)
 
 
 def test_help_describes_the_example_and_runs_nothing(example, capsys):
@@ -631,6 +834,27 @@ def test_help_describes_the_example_and_runs_nothing(example, capsys):
         '"nvfp4_ms"',
     ):
         assert text in out
+
+
+def test_the_entry_point_gives_the_package_and_parses_before_importing_jax(example):
+    """examples/llm_generate.py, imported by its path, gives the package's functions under their
+    names (scripts outside the repository import them from there); run, it answers --help
+    without importing jax."""
+    script = load_repo_script("examples/llm_generate.py")
+    for name in ("load_model", "empty_cache", "forward", "generate", "Config", "main"):
+        assert getattr(script, name) is getattr(example, name)
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['llm_generate.py', '--help']\n"
+        "try:\n"
+        f"    runpy.run_path({str(ROOT / 'examples' / 'llm_generate.py')!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print('jax imported:', 'jax' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "Greedy text generation from an NVFP4 checkpoint" in done.stdout
+    assert done.stdout.rstrip().endswith("jax imported: False")
 
 
 def test_the_decode_step_probe_counts_the_kernels_it_launches(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""examples/llm_generate.py's Qwen3-MoE architecture: a tiny MoE model's forward pass against an
+"""examples/llm's Qwen3-MoE architecture: a tiny MoE model's forward pass against an
 independent float64 NumPy one (loops over tokens and their top-k experts on the checkpoint's
 dequantized weights), greedy tokens, checkpoints of both conventions read back, random weights of
 the presets, and the configs it refuses."""
@@ -12,7 +12,7 @@ import pytest
 
 import jax_fp4
 from tests import reference
-from tests._helpers import load_repo_script
+from tests._helpers import load_repo_package
 from tests.test_llm_generate import cached_logits, reference_logits
 
 TINY = {
@@ -47,7 +47,7 @@ ODD = dict(
 
 @pytest.fixture(scope="module")
 def example():
-    return load_repo_script("examples/llm_generate.py")
+    return load_repo_package("examples/llm")
 
 
 def _tokens_clear_of_routing_ties(
@@ -418,10 +418,23 @@ def test_random_presets_and_the_cli(example, tmp_path, capsys):
             r"num_experts_per_tok must be an int in \[1, num_experts = 8\]",
         ),
         (dict(moe_intermediate_size=None), "moe_intermediate_size is not"),
-        (dict(num_experts=0, num_local_experts=8), "num_local_experts = 8 belongs to a mixture"),
+        (
+            dict(model_type="mixtral", num_experts=0, num_local_experts=8),
+            "num_local_experts = 8 belongs to a mixture",
+        ),
+        (dict(num_local_experts=4), "num_experts = 8 and num_local_experts = 4 disagree"),
         (dict(n_routed_experts=64), "n_routed_experts = 64"),
     ],
 )
 def test_unsupported_moe_configs_are_refused(example, change, match):
     with pytest.raises(ValueError, match=match):
         example.Config.from_json(dict(TINY, **change))
+
+
+def test_transformers_5_names_qwen3_moe_experts_num_local_experts(example):
+    """transformers 5's Qwen3MoeConfig writes "num_local_experts" and no "num_experts": the same
+    model as the older key gives."""
+    expected = example.Config.from_json(TINY)
+    config = {key: value for key, value in TINY.items() if key != "num_experts"}
+    assert example.Config.from_json(dict(config, num_local_experts=8)) == expected
+    assert expected.experts == 8

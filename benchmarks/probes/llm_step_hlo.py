@@ -1,4 +1,4 @@
-"""What the compiled decode step of examples/llm_generate.py does with its KV caches, on whatever
+"""What the compiled decode step of the LLM example (examples/llm) does with its KV caches, on whatever
 device jax has (a CPU here): the ops of the optimized HLO whose result is as large as a layer's
 cache (copies, transposes, converts), and XLA's estimate of the bytes the step accesses.
 
@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests._helpers import load_repo_script  # noqa: E402
+from tests._helpers import load_repo_package  # noqa: E402
 
-llm = load_repo_script("examples/llm_generate.py")
+llm = load_repo_package("examples/llm")
 
 
 def cache_sized_ops(hlo: str, cache_elements: int) -> list[str]:

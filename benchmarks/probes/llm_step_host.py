@@ -1,6 +1,6 @@
 """Is the LLM example's decode step bound by the host?
 
-Builds examples/llm_generate.py's model of a preset's shapes with random weights (layers
+Builds the LLM example's (examples/llm) model of a preset's shapes with random weights (layers
 unrolled), compiles its decode step (forward + argmax, caches donated), and prints per run
 (NVFP4 through jax_fp4, then the same weights dequantized to bf16):
 - the compiled program's kernel launches by kind: jax_fp4 custom calls, other custom calls and
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests._helpers import load_repo_script  # noqa: E402
+from tests._helpers import load_repo_package  # noqa: E402
 
-llm = load_repo_script("examples/llm_generate.py")
+llm = load_repo_package("examples/llm")
 
 
 def thunk_counts(hlo_text: str) -> dict:
@@ -77,7 +77,7 @@ def time_steps(cfg, params, batch: int, steps: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--random", default="llama3-8b", help="a preset of examples/llm_generate.py"
+        "--random", default="llama3-8b", help="a preset of the LLM example (examples/llm/config.py)"
     )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)

@@ -10,7 +10,7 @@ import moe
 import numpy as np
 import pytest
 
-from tests._helpers import load_repo_script
+from tests._helpers import load_repo_package
 
 
 def _positive_finite(x) -> bool:
@@ -46,7 +46,7 @@ def test_zipf_routing_is_skewed_and_the_expected_active_count():
     assert np.count_nonzero(sizes["zipf"]) < np.count_nonzero(sizes["uniform"])
     # The example's expected active experts (the MoE model's byte floor in benchmarks/decode.py)
     # against uniform routing's draws (8 x top-8 of 128).
-    llm = load_repo_script("examples/llm_generate.py")
+    llm = load_repo_package("examples/llm")
     cfg = llm.Config.from_json(llm.PRESETS["qwen3-30b-a3b"])
     active = [
         np.count_nonzero(moe.group_sizes(moe.route(rng, "uniform", 8, 128, 8, 1.2), 128))

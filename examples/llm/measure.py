@@ -1,0 +1,142 @@
+"""What a decode step costs and what it could cost: the time the GPU is busy (from a jax.profiler
+trace), the device's streaming-read bandwidth, and the bytes a step reads (its weights, the experts
+its tokens visit, the KV cache)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from .config import Config
+
+
+def gpu_busy_ms(run: Callable[[], object], steps: int) -> float | None:
+    """Calls run() (which launches `steps` steps, e.g. of a jitted decode step, and returns what
+    they compute) under a jax.profiler trace and waits for its result: the time per step, in ms,
+    that the GPU's streams were busy (the union of their kernels' intervals, from
+    `profile_summary`). None where the trace holds no GPU (a CPU run). Close to the wall time of
+    the same steps run back to back, the GPU never waited for the host."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            jax.block_until_ready(run())
+        finally:
+            jax.profiler.stop_trace()
+        xplane = next(Path(trace_dir).rglob("*.xplane.pb"), None)
+        if xplane is None:
+            return None
+        summary = profile_summary(xplane, steps)
+    return summary["gpu_busy_ms_per_step"] if summary["gpu_events_per_step"] else None
+
+
+def _union_ns(intervals) -> int:
+    busy, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    return busy
+
+
+def profile_summary(xplane, steps: int) -> dict:
+    """What a jax.profiler trace (its .xplane.pb file) of `steps` steps says per step: the time
+    the GPU's streams are busy (the union of the events on the "Stream" lines of the /device:GPU
+    planes) and their event count, the span from the first to the last GPU event, the events per
+    GPU line, the GPU's longest kinds of kernels and the host's longest kinds of events."""
+    data = jax.profiler.ProfileData.from_file(str(xplane))
+    gpu, gpu_lines, host, kernels = [], {}, collections.Counter(), collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if plane.name.startswith("/device:GPU"):
+                events = [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+                gpu_lines[f"{plane.name} {line.name}"] = len(events)
+                if line.name.startswith("Stream"):
+                    gpu += events
+                    for e in line.events:  # per kernel: "loop_fusion_12" -> "loop_fusion"
+                        kernels[re.sub(r"[._]\d+$", "", e.name.split("<")[0])[:60]] += e.duration_ns
+            elif plane.name.startswith("/host:CPU") and line.name != "python":
+                for e in line.events:  # per kind of op: "ffi_call.25" -> "ffi_call"
+                    host[re.sub(r"\.\d+$", "", e.name)[:60]] += e.duration_ns
+    window = (max(b for _, b in gpu) - min(a for a, _ in gpu)) if gpu else 0
+    return {
+        "gpu_busy_ms_per_step": _union_ns(gpu) / steps / 1e6,
+        "gpu_events_per_step": len(gpu) / steps,
+        "gpu_window_ms_per_step": window / steps / 1e6,
+        "gpu_lines": gpu_lines,
+        "gpu_top_ms_per_step": {name: ns / steps / 1e6 for name, ns in kernels.most_common(16)},
+        "host_top_ms_per_step": {name: ns / steps / 1e6 for name, ns in host.most_common(12)},
+    }
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _read(buffer, reads: int):
+    # Each pass XORs the words with the sum so far (free inside the reduction): the passes depend
+    # on each other, so XLA can neither merge them into one read nor run them side by side.
+    def body(_, total):
+        return total + jnp.sum(buffer ^ total, dtype=jnp.uint32)
+
+    return jax.lax.fori_loop(0, reads, body, jnp.uint32(0))
+
+
+def read_bandwidth(nbytes: int | None = None, *, reads: int = 8, repeats: int = 3) -> float:
+    """The streaming-read bandwidth of jax's default device, in bytes/s: `reads` passes of a
+    jitted uint32 sum over a buffer of `nbytes` (default 1 GiB on a GPU, several times its L2, or
+    64 MiB elsewhere) in one call, the fastest of `repeats` calls. The yardstick of a decode
+    step's byte floor: what an XLA kernel streaming that much memory reaches."""
+    if nbytes is None:
+        nbytes = 2**30 if jax.default_backend() == "gpu" else 2**26
+    words = max(nbytes // 4, 1)
+    buffer = jax.random.bits(jax.random.key(0), (words,), jnp.uint32)
+    _read(buffer, reads).block_until_ready()  # compiles
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _read(buffer, reads).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return reads * 4 * words / best
+
+
+def expected_active_experts(cfg: Config, tokens: int) -> float:
+    """Experts per MoE layer that `tokens` tokens visit, expected under uniform random top-k
+    routing: E (1 - (1 - k / E)^tokens)."""
+    if not cfg.experts:
+        return 0.0
+    return cfg.experts * (1 - (1 - cfg.experts_per_token / cfg.experts) ** tokens)
+
+
+def step_bytes(params: dict, *, active_experts: float | None = None) -> int:
+    """Bytes of weight a decode step reads: every array but the embedding table, of which a step
+    gathers only its tokens' rows (a tied lm_head still reads it whole). MoE experts: all of them,
+    or with active_experts (e.g. `expected_active_experts`) that many of each layer's E."""
+
+    def nbytes(tree) -> int:
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+
+    total = nbytes({name: value for name, value in params.items() if name != "embed"})
+    if active_experts is None:
+        return total
+    layers = params["layers"]
+    stacks = (
+        [layer["experts"] for layer in layers if "experts" in layer]
+        if isinstance(layers, list)
+        else [layers["experts"]] * ("experts" in layers)
+    )
+    for experts in stacks:
+        count = jax.tree.leaves(experts)[0].shape[-3]  # [..., E, N, K] stacks
+        total -= round(nbytes(experts) * (1 - min(active_experts, count) / count))
+    return total
+
+
+def cache_bytes(cfg: Config, batch: int, length: int, dtype=jnp.bfloat16) -> int:
+    """Bytes of the KV caches a decode step reads whole (keys and values of every layer)."""
+    return 2 * cfg.layers * batch * cfg.kv_heads * length * cfg.head_dim * jnp.dtype(dtype).itemsize
