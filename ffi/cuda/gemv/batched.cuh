@@ -68,8 +68,8 @@ template <typename T, int W, int RT>
 __device__ __forceinline__ void BatchedWord(float (&acc)[RT][kBatchedColTiles][4],
                                             const MmaFragments<kBatchedColTiles, 1>& f,
                                             const uint32_t (&lo)[kBatchedColTiles][2],
-                                            const uint32_t (&hi)[kBatchedColTiles][2],
-                                            const T* ap, const int32_t (&row_off)[RT]) {
+                                            const uint32_t (&hi)[kBatchedColTiles][2], const T* ap,
+                                            const int32_t (&row_off)[RT]) {
   uint4 x[RT];
 #pragma unroll
   for (int r = 0; r < RT; ++r) x[r] = ld_u4(ap + row_off[r] + 8 * W);
@@ -213,7 +213,8 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock, 1)
 #pragma unroll
       for (int ct = 0; ct < kBatchedColTiles; ++ct) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mine[((r * kBatchedColTiles + ct) * 4 + e) * 32 + lane] = acc[r][ct][e];
+        for (int e = 0; e < 4; ++e)
+          mine[((r * kBatchedColTiles + ct) * 4 + e) * 32 + lane] = acc[r][ct][e];
       }
     }
     __syncthreads();

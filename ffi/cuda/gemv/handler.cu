@@ -1,6 +1,6 @@
 // CUDA decode GEMV: y[m, n] = round((sum_k a[m,k] * e2m1(code) * e4m3(scale[n, k/16])) * gs
 //                                   + bias[n]),
-// fp32 accumulation, NVFP4 weights decoded in registers (no dequantized copy of W). Two kernels:
+// fp32 accumulation, NVFP4 weights decoded in registers (no dequantized copy of W). Three kernels:
 //
 // * GemvMmaKernel (attribute tensor_cores; sm_80+, K % 128 == 0 or the tiled layout): mma.sync
 // m16n8k16 with the WEIGHT in the A slot
@@ -16,7 +16,12 @@
 //   of packed weight, two scale blocks) per lane per step, per-block fp32 partial sums, a warp
 //   shuffle reduction, and row tiling (RowsPerBlock rows of M share each decoded weight).
 //
-// Both are deterministic (fixed work split and reduction order) and never touch memory outside
+// * GemvBatchedKernel (attribute batched; sm_90+, the tiled layout; ffi/cuda/gemv/batched.cuh):
+//   the tensor-core kernel's mma for serving batches, a block's column warps sharing each
+//   activation window and K split over a thread-block cluster reduced through distributed shared
+//   memory; launch from gemv_batched_config, or the attributes col_warps / k_split / cluster.
+//
+// All are deterministic (fixed work split and reduction order) and never touch memory outside
 // their operands: ragged N is clamped on loads and masked on stores, rows past M are never read.
 //
 // Epilogue fusions (GemvFusion in ffi/cuda/gemv/common.cuh), optional: a call with the operand
@@ -52,7 +57,7 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + what);
 }
 
-// The attributes: the plain call's eight, and the one a fused call adds. Read from the
+// The attributes: the plain call's eleven, and the one a fused call adds. Read from the
 // dictionary of all attributes (so that the fusion one can be absent); any other name is an
 // error, so that a misspelt attribute is not silently ignored.
 constexpr std::string_view kPlainAttributes[] = {
@@ -72,14 +77,23 @@ ffi::Error ReadAttribute(const ffi::Dictionary& attrs, std::string_view name, V*
   return ffi::Error::Success();
 }
 
+// The epilogue fusions of a call: the residual operand's data (or nullptr) and silu_mul.
+template <typename T>
+GemvFusion<T> Fusion(const void* residual, bool silu_mul) {
+  GemvFusion<T> fusion;
+  fusion.residual = static_cast<const T*>(residual);
+  fusion.silu_mul = silu_mul;
+  return fusion;
+}
+
 struct GemvAttributes {
   int64_t block_size = 0;
   bool tiled = false, tensor_cores = false, row_tiling = false;
   int64_t col_tiles = 0, k_split = 0, rows_per_block = 0;
   bool programmatic = false;
-  bool batched = false;                 // the batched kernel (dispatch.gemv_batched decides)
+  bool batched = false;                // the batched kernel (dispatch.gemv_batched decides)
   int64_t col_warps = 0, cluster = 0;  // its launch (0: the heuristic)
-  bool fused = false;  // the fusion attribute is present
+  bool fused = false;                  // the fusion attribute is present
   int64_t activation = 0;
 };
 
@@ -233,6 +247,35 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         std::to_string(info.sm));
   }
   const bool f16 = a.element_type() == ffi::DataType::F16;
+  // Programmatic dependent launch: the tensor-core kernels on sm_90+ (elsewhere a plain launch).
+  const bool pdl = programmatic && info.sm >= 90;
+  // The batched kernel needs clusters and reads the tiled layout only.
+  if (at.batched && !(tensor_cores && tiled && info.sm >= 90)) {
+    return Invalid(
+        "batched=true needs tensor_cores=true, the tiled layout and an sm_90+ device, got "
+        "tensor_cores=" +
+        std::string(tensor_cores ? "true" : "false") + ", tiled=" + (tiled ? "true" : "false") +
+        " on sm_" + std::to_string(info.sm));
+  }
+  if (at.batched) {
+    GemvBatchedConfig bcfg = gemv_batched_config(shape.m, shape.n, shape.k, info.num_sms);
+    if (at.col_warps != 0) bcfg.col_warps = static_cast<int>(at.col_warps);
+    if (k_split != 0) {
+      bcfg.k_warps =
+          static_cast<int>(std::min<int64_t>(k_split, kGemvMaxWarpsPerBlock / bcfg.col_warps));
+    }
+    if (at.cluster != 0) bcfg.cluster = static_cast<int>(at.cluster);
+    auto launch_batched = [&](auto type_tag) {
+      using T = decltype(type_tag);
+      return LaunchGemvBatched<T>(stream, a.untyped_data(), packed.typed_data(), scale.typed_data(),
+                                  global_scale.typed_data(), bias_data, y->untyped_data(), shape.m,
+                                  shape.n, shape.k, bcfg, pdl, Fusion<T>(residual_data, silu));
+    };
+    err = f16 ? launch_batched(__half{}) : launch_batched(__nv_bfloat16{});
+    if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: batched kernel launch", err);
+    return ffi::Error::Success();
+  }
+
   GemvResidentWarps warps{};
   if (tensor_cores) {
     err = f16 ? (tiled ? GetGemvResidentWarps<__half, true>(&warps)
@@ -254,46 +297,12 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         std::min<int64_t>(k_split, GemvMmaShape{cfg.col_tiles, cfg.row_tiles, tiled}.max_split()));
   }
   if (rows_per_block != 0) cfg.rows_per_block = static_cast<int>(rows_per_block);
-  // Programmatic dependent launch: the tensor-core kernel on sm_90+ (elsewhere a plain launch).
-  const bool pdl = programmatic && info.sm >= 90;
-  // The batched kernel needs clusters and reads the tiled layout only.
-  if (at.batched && !(tensor_cores && tiled && info.sm >= 90)) {
-    return Invalid(
-        "batched=true needs tensor_cores=true, the tiled layout and an sm_90+ device, got "
-        "tensor_cores=" +
-        std::string(tensor_cores ? "true" : "false") + ", tiled=" + (tiled ? "true" : "false") +
-        " on sm_" + std::to_string(info.sm));
-  }
-  if (at.batched) {
-    GemvBatchedConfig bcfg = gemv_batched_config(shape.m, shape.n, shape.k, info.num_sms);
-    if (at.col_warps != 0) bcfg.col_warps = static_cast<int>(at.col_warps);
-    if (k_split != 0) {
-      bcfg.k_warps = static_cast<int>(
-          std::min<int64_t>(k_split, kGemvMaxWarpsPerBlock / bcfg.col_warps));
-    }
-    if (at.cluster != 0) bcfg.cluster = static_cast<int>(at.cluster);
-    auto launch_batched = [&](auto type_tag) {
-      using T = decltype(type_tag);
-      GemvFusion<T> fusion;
-      fusion.residual = static_cast<const T*>(residual_data);
-      fusion.silu_mul = silu;
-      return LaunchGemvBatched<T>(stream, a.untyped_data(), packed.typed_data(),
-                                  scale.typed_data(), global_scale.typed_data(), bias_data,
-                                  y->untyped_data(), shape.m, shape.n, shape.k, bcfg, pdl, fusion);
-    };
-    err = f16 ? launch_batched(__half{}) : launch_batched(__nv_bfloat16{});
-    if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: batched kernel launch", err);
-    return ffi::Error::Success();
-  }
-
   auto launch = [&](auto type_tag) {
     using T = decltype(type_tag);
-    GemvFusion<T> fusion;
-    fusion.residual = static_cast<const T*>(residual_data);
-    fusion.silu_mul = silu;
     return LaunchGemv<T>(stream, a.untyped_data(), packed.typed_data(), scale.typed_data(),
                          global_scale.typed_data(), bias_data, y->untyped_data(), shape.m, shape.n,
-                         shape.k, tensor_cores, tiled, row_tiling, cfg, pdl, fusion);
+                         shape.k, tensor_cores, tiled, row_tiling, cfg, pdl,
+                         Fusion<T>(residual_data, silu));
   };
   err = f16 ? launch(__half{}) : launch(__nv_bfloat16{});
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: kernel launch", err);

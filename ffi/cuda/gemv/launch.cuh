@@ -222,7 +222,6 @@ cudaError_t LaunchGemv(cudaStream_t stream, const void* a, const uint8_t* packed
   }
 }
 
-
 // The batched kernel (GemvBatchedKernel, sm_90+, tiled layout) with the launch `cfg`: grid
 // (column blocks of 32 col_warps outputs, M chunks, cluster), clusters (1, 1, cluster).
 template <typename T, int RT, int CW, bool Fused>
@@ -257,9 +256,9 @@ cudaError_t LaunchBatchedInstance(cudaStream_t stream, const T* a, const uint8_t
 
 template <typename T, int RT, bool Fused>
 cudaError_t LaunchBatchedRows(cudaStream_t stream, const T* a, const uint8_t* packed,
-                              const uint8_t* scale, const float* gs, const T* bias, T* y,
-                              int64_t m, int64_t n, int64_t k, const GemvBatchedConfig& cfg,
-                              bool programmatic, const GemvFusion<T>& fusion) {
+                              const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
+                              int64_t n, int64_t k, const GemvBatchedConfig& cfg, bool programmatic,
+                              const GemvFusion<T>& fusion) {
   return cfg.col_warps == 2
              ? LaunchBatchedInstance<T, RT, 2, Fused>(stream, a, packed, scale, gs, bias, y, m, n,
                                                       k, cfg, programmatic, fusion)

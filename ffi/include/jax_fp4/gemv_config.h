@@ -197,7 +197,6 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
   return GemvLaunchConfig{col_tiles, row_tiles, k_split, rows_per_block};
 }
 
-
 // ---- The batched GEMV (GemvBatchedKernel, ffi/cuda/gemv/batched.cuh; sm_90+, tiled layout) ------
 //
 // M = 9-64 rows of a serving batch: a block of col_warps x k_warps warps, each warp two column
@@ -261,7 +260,6 @@ constexpr GemvBatchedConfig gemv_batched_config(int64_t m, int64_t n, int64_t k,
   }
   return best;
 }
-
 
 }  // namespace jax_fp4
 
