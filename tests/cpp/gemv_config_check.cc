@@ -330,7 +330,7 @@ void TestResidentWarpsInput() {
 
 // The batched kernel's launch (gemv_batched_config): a block within the launch bounds, a cluster
 // within the portable size, every K warp of a split cluster with a window, one pass over the
-// weight for M <= 32, and the picks the design notes quote.
+// weight for M <= 32, and two of its picks on 132 SMs.
 void TestBatchedConfig() {
   using jax_fp4::GemvBatchedConfig;
   for (const int64_t sms : {1, 78, 132}) {
@@ -352,7 +352,7 @@ void TestBatchedConfig() {
       }
     }
   }
-  // The H200 picks the benchmarks start from (132 SMs, M = 32).
+  // Two picks on 132 SMs at M = 32: a narrow weight split over clusters, a wide one not.
   const GemvBatchedConfig small = jax_fp4::gemv_batched_config(32, 4096, 4096, 132);
   Check(small.k_warps == 4 && small.cluster == 4, "batched 4096x4096: 128 blocks of 16 warps");
   const GemvBatchedConfig wide = jax_fp4::gemv_batched_config(32, 28672, 8192, 132);
