@@ -210,6 +210,12 @@ def _gemv(
     kernel. With `activation` or `residual` its fused instances, the epilogue fusions in the
     kernel: the target's extra operand residual ([M, N_out], or [0] when absent) and its
     attribute activation (0 none, 1 silu_mul)."""
+    if tuning.gemv_batched and not (tiled and tensor_cores):
+        raise ValueError(
+            "KernelTuning(gemv_batched=True): the batched GEMV reads prepacked weights "
+            "(jax_fp4.prepack) with its tensor-core kernel, got "
+            f"layout={'tiled' if tiled else 'spec'}, tensor cores {tensor_cores}"
+        )
     fused = activation is not None or residual is not None
     n_out = packed.shape[0] // 2 if activation == "silu_mul" else packed.shape[0]
     attributes = dict(

@@ -362,5 +362,7 @@ def test_the_batched_gemv_is_the_plans_choice(cuda_device):
     assert batched(64, tuning=jax_fp4.KernelTuning(gemv_batched=True)) == "true"
     if top is not None and TILED.gemv_max_m >= 16:
         assert batched(16, backend=None) == "true"  # auto takes the GEMV, batched, there
+    with pytest.raises(ValueError, match="gemv_batched=True.*layout=spec"):
+        batched(16, layout="spec", tuning=jax_fp4.KernelTuning(gemv_batched=True))
     cuda_device((8, 0), kind=None)  # no clusters before sm_90
     assert batched(16) == "false"
