@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Build jax_fp4 for this machine's GPU, run the GPU tests, then the benchmarks: the default sweep,
 # the decode step and its GEMVs (decode.py), mixture-of-experts (moe.py, routing.py, and decode.py
-# on the MoE preset).
+# on the MoE preset). The serving part (only when asked for) checks and times the GEMV's batched
+# kernel: its GPU tests, once under compute-sanitizer memcheck, and decode.py's chains at serving
+# batch sizes with the kernel forced and with the default dispatch.
 #
-#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe] [OUTDIR]
+#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe|serving] [OUTDIR]
 #
 # Run from the repository root, in the Python environment to test (jax with CUDA installed).
 # OUTDIR (default ./gpu_suite_out) receives build.log and a .log (and .json) per part.
@@ -13,13 +15,13 @@ build=1 only="" out=""
 while (($#)); do
   case "$1" in
     --skip-build) build=0 ;;
-    --only) only="${2:?--only takes tests, bench, decode or moe}"; shift ;;
+    --only) only="${2:?--only takes tests, bench, decode, moe or serving}"; shift ;;
     -h|--help) sed -n 2,8p "$0"; exit 0 ;;
     *) out="$1" ;;
   esac
   shift
 done
-case "$only" in ""|tests|bench|decode|moe) ;; *) echo "--only takes tests, bench, decode or moe, got '$only'" >&2; exit 2 ;; esac
+case "$only" in ""|tests|bench|decode|moe|serving) ;; *) echo "--only takes tests, bench, decode, moe or serving, got '$only'" >&2; exit 2 ;; esac
 out="${out:-./gpu_suite_out}"
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -70,6 +72,25 @@ if [[ -z "$only" || "$only" == moe ]]; then
   ((${memory_mib:-0} >= 120000)) || layers=(--layers 24)
   python benchmarks/decode.py --model qwen3-30b-a3b "${layers[@]}" --batches 1,8 --no-gemv \
     --no-long-prompt --json "$out/moe_step.json" 2>&1 | tee "$out/moe_step.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+fi
+
+if [[ "$only" == serving ]]; then
+  echo "== serving batches: the batched GEMV"
+  python -m pytest -q tests/test_gemv_kernel.py tests/test_fusions.py tests/test_cuda_lowering.py \
+    -k batched 2>&1 | tee "$out/serving_tests.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  JAX_FP4_GPU_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python -m pytest -q -x tests/test_gemv_kernel.py -k batched 2>&1 | tail -20 \
+    | tee "$out/serving_memcheck.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  shapes=6144x4096,4096x4096,4096x14336,17408x5120,28672x8192
+  ms=1,2,4,8,12,16,24,32,48,64
+  python benchmarks/decode.py --no-runs --gemv-m "$ms" --gemv-shapes "$shapes" --backend gemv \
+    --tuning gemv_batched=1 --json "$out/serving_batched.json" 2>&1 | tee "$out/serving_batched.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  python benchmarks/decode.py --no-runs --gemv-m "$ms" --gemv-shapes "$shapes" \
+    --json "$out/serving_auto.json" 2>&1 | tee "$out/serving_auto.log"
   ((PIPESTATUS[0] == 0)) || status=1
 fi
 
