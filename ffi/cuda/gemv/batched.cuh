@@ -1,17 +1,18 @@
-// Device code of the batched decode GEMV (GemvBatchedKernel, sm_90+, the tiled layout): M = 9-32
-// rows of a serving batch against a prepacked NVFP4 weight, each weight byte read once.
+// Device code of the batched decode GEMV (GemvBatchedKernel, sm_90+, the tiled layout): the rows
+// of a serving batch against a prepacked NVFP4 weight, up to 32 of them in one pass over the
+// weight (more in chunks of 32).
 //
 // It is the tensor-core GEMV's mma (ffi/cuda/gemv/mma.cuh: the weight in mma.sync's A slot, its
 // decode and fragment order) with the block turned around. The plain GEMV's block is k_split warps
 // on the same columns, each on other K windows, so every warp loads its own activations: at
-// M = 16 4 KB of activations per 2.25 KB of weight, from L2, which is what holds M = 9-16 to
-// 57-72% of the streaming read. Here a block is CW column warps x KW K warps: the CW warps of one
-// K lane read the same activation window at the same time (L1 hits of one L2 read), so the L2
-// serves about one activation byte per weight byte at M = 32. Each warp takes two column tiles
-// (a gate and its up tile under silu_mul) and RT 8-row activation tiles: all of M <= 32 in one
-// pass over the weight. Small weights (a few hundred column tiles) cannot fill the GPU with column
-// blocks alone, so the K windows are also split over a cluster of KS blocks (1, 1, KS), which
-// reduce through distributed shared memory in rank order: deterministic, no workspace, one
+// M = 16 4 KB of activations per 2.25 KB of weight, from L2 (the likely reason M = 9-16 reach
+// only 57-72% of the streaming read, docs/design.md). Here a block is CW column warps x KW K warps:
+// the CW warps of one K lane read the same activation window at the same time (L1 hits of one L2
+// read), so the L2 serves about one activation byte per weight byte at M = 32. Each warp takes two
+// column tiles (a gate and its up tile under silu_mul) and RT 8-row activation tiles: all of M <=
+// 32 in one pass over the weight. Small weights (a few hundred column tiles) cannot fill the GPU
+// with column blocks alone, so the K windows are also split over a cluster of KS blocks (1, 1, KS),
+// which reduce through distributed shared memory in rank order: deterministic, no workspace, one
 // kernel.
 #ifndef JAX_FP4_CUDA_GEMV_BATCHED_CUH_
 #define JAX_FP4_CUDA_GEMV_BATCHED_CUH_
