@@ -227,7 +227,6 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         gemv_col_tiles=2,
         gemv_k_split=4,
         gemv_rows_per_block=1,
-        gemv_batched=True,
         gemv_col_warps=2,
         gemv_cluster=5,
         fused_split=3,
@@ -247,7 +246,7 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "k_split": "4",
         "rows_per_block": "1",
         "programmatic": "true",
-        "batched": "true",
+        "batched": "false",
         "col_warps": "2",
         "cluster": "5",
     }
