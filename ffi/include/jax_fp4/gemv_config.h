@@ -232,7 +232,7 @@ constexpr int GemvBatchedRowTiles(int64_t m) {
 // The launch of the batched kernel for an [m, k] x [n, k] call on `num_sms` SMs: four column warps
 // (a block shares each activation window over 128 outputs), and the (k_warps, cluster) of least
 // modelled time rounds x (windows per warp + overhead), rounds = waves of resident blocks; ties go
-// to the smaller cluster, then to more k_warps (fewer blocks).
+// to more k_warps (fewer blocks), then to the smaller cluster.
 constexpr GemvBatchedConfig gemv_batched_config(int64_t m, int64_t n, int64_t k, int64_t num_sms) {
   const int64_t sms = num_sms > 0 ? num_sms : 1;
   const int row_tiles = GemvBatchedRowTiles(m);
