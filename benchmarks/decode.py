@@ -17,11 +17,12 @@ per row and variant: minutes each on an H200); --fresh starts the file over.
 runs: examples/llm_generate.py's model of --model's shapes with random weights (built once, in
 NVFP4 and dequantized to bf16), its own generate loop per batch (--batches, after a --prompt-len
 prompt) and after a --long-prompt prompt at --long-prompt-batches (default 1), --new-tokens each.
-Per run the example's record (its --json "runs" entries): "nvfp4_ms" and "bf16_ms" (the loop's time per decode step),
-"ratio" (bf16_ms / nvfp4_ms), "gpu_busy_ms" (the GPU's busy time per step from a jax.profiler trace
-of --gpu-busy-steps more steps; null on a CPU), "floor_ms" (the bytes a step reads, weights and KV
-cache, at the streaming-read bandwidth measured at the start), "nvfp4_over_floor" and
-"loop_over_gpu_busy". Each batch compiles its prefill and decode step once per model.
+Per run the example's record (its --json "runs" entries): "nvfp4_ms" and "bf16_ms" (the loop's time
+per decode step), "ratio" (bf16_ms / nvfp4_ms), "gpu_busy_ms" (the GPU's busy time per step from a
+jax.profiler trace of --gpu-busy-steps more steps; null on a CPU), "floor_ms" (the bytes a step
+reads, weights and KV cache, at the streaming-read bandwidth measured at the start),
+"nvfp4_over_floor" and "loop_over_gpu_busy". Each batch compiles its prefill and decode step once
+per model.
 
 gemv: jax_fp4.matmul at M = --gemv-m on --gemv-shapes (default the model's fused q/k/v, o, fused
 gate/up and down projections, tiled layout) in a chain whose every matmul takes the previous one's
@@ -481,13 +482,6 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _tuning(text: str) -> jax_fp4.KernelTuning | None:
-    try:
-        return bench.parse_tuning(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def _shapes(text: str) -> list[tuple[int, int]]:
     return [(s.n, s.k) for s in (bench.parse_shape(x) for x in text.replace(",", " ").split())]
 
@@ -582,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gemv.add_argument(
         "--tuning",
-        type=_tuning,
+        type=bench._tuning,
         default=None,
         help="KernelTuning fields for the gemv and mlp rows, e.g. gemv_batched=0 (bench.py's "
         "--tuning)",
