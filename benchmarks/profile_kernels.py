@@ -9,13 +9,15 @@ discusses), or "grouped:TOKENS:NxK" for jax_fp4.ragged_matmul over --experts sta
 with TOKENS tokens routed uniformly at random to --top-k distinct experts each (M = TOKENS x top-k
 rows; the grouped GEMV or GEMM, whichever the dispatch picks). Every case runs twice (compile +
 warm) before the profiled third call. `--layout tiled` prepacks the weights (jax_fp4.prepack), as
-the default bench sweep times them.
+the default bench sweep times them; `--tuning` fixes the matmul cases' kernel choices (e.g.
+`gemv_batched=1` for the batched GEMV).
 """
 
 from __future__ import annotations
 
 import argparse
 
+import bench  # --tuning's parser
 import jax
 import jax.numpy as jnp
 import moe  # the grouped cases' routing (benchmarks/ is this script's directory)
@@ -26,13 +28,13 @@ import jax_fp4
 DEFAULT_CASES = "gemv:1:11008x4096,gemv:4:248320x2048,fused:16:11008x4096,fused:128:11008x4096"
 
 
-def run_case(backend: str, m: int, n: int, k: int, tiled: bool = False) -> None:
+def run_case(backend: str, m: int, n: int, k: int, tiled: bool = False, tuning=None) -> None:
     rng = np.random.default_rng(0)
     w = jax_fp4.quantize(jnp.asarray(rng.standard_normal((n, k), np.float32)))
     if tiled:
         w = jax_fp4.prepack(w)
     a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-    f = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend=backend))
+    f = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend=backend, tuning=tuning))
     for _ in range(3):
         jax.block_until_ready(f(a, w))
 
@@ -61,6 +63,12 @@ def main() -> None:
     )
     ap.add_argument("--experts", type=int, default=128, help="grouped cases: stacked experts")
     ap.add_argument("--top-k", type=int, default=8, help="grouped cases: experts per token")
+    ap.add_argument(
+        "--tuning",
+        type=bench._tuning,
+        default=None,
+        help="kernel choices for the matmul cases, as bench.py's --tuning (e.g. gemv_batched=1)",
+    )
     args = ap.parse_args()
     tiled = args.layout == "tiled"
     for case in args.cases.split(","):
@@ -75,7 +83,7 @@ def main() -> None:
             run_grouped_case(int(m), n, k, args.experts, args.top_k, tiled)
         else:
             print(f"case {backend} M={m} N={n} K={k} layout {args.layout}", flush=True)
-            run_case(backend, int(m), n, k, tiled=tiled)
+            run_case(backend, int(m), n, k, tiled=tiled, tuning=args.tuning)
 
 
 if __name__ == "__main__":
