@@ -103,6 +103,7 @@ _ALLOWED = {
     "gemv_batched": (None, False, True),
     "gemv_col_warps": (0, 2, 4),
     "gemv_cluster": tuple(range(9)),
+    "gemv_staged": (None, False, True),
     "fused_split": tuple(range(9)),
     "fused_tile_m": (0, 16, 32, 64, 128, 256),
     "fused_tile_n": (0, 128, 256),
@@ -130,6 +131,8 @@ class KernelTuning:
                            plain one (False)
       gemv_col_warps       the batched kernel's column warps per block: 2 or 4
       gemv_cluster         the batched kernel's blocks per cluster splitting K: 1..8
+      gemv_staged          the batched kernel's activations through shared memory (True) or
+                           per-warp loads served by L1 (False)
       fused_split          the fused GEMM's split-K: 1..8
       fused_tile_m         the fused GEMM's activation tile: 16, 32, 64, 128 or 256 rows
       fused_tile_n         the fused GEMM's weight rows per CTA: 128 or 256
@@ -144,6 +147,7 @@ class KernelTuning:
     gemv_batched: bool | None = None
     gemv_col_warps: int = 0
     gemv_cluster: int = 0
+    gemv_staged: bool | None = None
     fused_split: int = 0
     fused_tile_m: int = 0
     fused_tile_n: int = 0
@@ -174,8 +178,8 @@ class KernelTuning:
 
     def gemv_attributes(self) -> dict:
         """The GEMV target's tuning attributes (INTERFACE: col_tiles, k_split, rows_per_block,
-        programmatic, col_warps, cluster; gemv_batched overrides the plan's kernel choice in the
-        lowering)."""
+        programmatic, col_warps, cluster, staged (-1: the heuristic); gemv_batched overrides the
+        plan's kernel choice in the lowering)."""
         return dict(
             col_tiles=self.gemv_col_tiles,
             k_split=self.gemv_k_split,
@@ -183,6 +187,7 @@ class KernelTuning:
             programmatic=self.programmatic_launch,
             col_warps=self.gemv_col_warps,
             cluster=self.gemv_cluster,
+            staged=_TRI_STATE[self.gemv_staged],
         )
 
     def fused_attributes(self) -> dict:

@@ -213,6 +213,7 @@ def gemv_attributes(
         batched=bool(t.gemv_batched),
         col_warps=np.int64(t.gemv_col_warps),
         cluster=np.int64(t.gemv_cluster),
+        staged=np.int64(t.gemv_attributes()["staged"]),
     )
 
 

@@ -221,6 +221,7 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "batched": "false",
         "col_warps": "0",
         "cluster": "0",
+        "staged": "-1",
     }
     assert _attributes(matmul, *_case(4, k=160))["jax_fp4_gemv_cuda"]["tensor_cores"] == "false"
     tuning = jax_fp4.KernelTuning(
@@ -229,6 +230,7 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         gemv_rows_per_block=1,
         gemv_col_warps=2,
         gemv_cluster=5,
+        gemv_staged=True,
         fused_split=3,
         fused_tile_m=64,
         fused_tile_n=128,
@@ -249,6 +251,7 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "batched": "false",
         "col_warps": "2",
         "cluster": "5",
+        "staged": "1",
     }
     assert _attributes(matmul, *_case(64))["jax_fp4_fused_cuda"] == {
         "block_size": "16",

@@ -344,6 +344,7 @@ BAD_ATTRIBUTES = (
     + [("rows_per_block", 4, v) for v in (3, 8, -1)]
     + [("col_warps", 2, v) for v in (1, 3, 8, -1)]
     + [("cluster", 8, v) for v in (9, -1)]
+    + [("staged", 1, v) for v in (2, -2)]
 )
 
 
@@ -731,23 +732,37 @@ BATCHED_M = [9, 12, 16, 17, 23, 24, 31, 32, 33, 48, 64, 65]
 # (N, K): one 16-row tile, tiles that leave a column warp or a whole block without columns, one
 # window, an odd window count, many windows.
 BATCHED_NK = [(16, 128), (48, 256), (112, 384), (1008, 4096), (272, 2816), (4096, 1024)]
-# (col_warps, k_warps, cluster): 0 = the heuristic.
-BATCHED_CONFIGS = [(0, 0, 0), (2, 1, 1), (4, 4, 1), (4, 1, 3), (2, 8, 2), (4, 2, 8), (4, 4, 5)]
+# (col_warps, k_warps, cluster, staged): 0 / None = the heuristic.
+BATCHED_CONFIGS = [
+    (0, 0, 0, None),
+    (2, 1, 1, True),
+    (4, 4, 1, False),
+    (4, 1, 3, True),
+    (2, 8, 2, True),
+    (2, 8, 2, False),
+    (4, 2, 8, False),
+    (4, 2, 8, True),
+    (4, 4, 5, True),
+]
 if QUICK:
     BATCHED_M = [9, 17, 33]
     BATCHED_NK = [(16, 128), (272, 2816)]
-    BATCHED_CONFIGS = [(0, 0, 0), (2, 1, 1), (4, 2, 8)]
+    BATCHED_CONFIGS = [(0, 0, 0, None), (2, 1, 1, True), (4, 2, 8, False), (4, 2, 8, True)]
 
 
-def batched_tuning(col_warps, k_warps, cluster) -> KernelTuning:
+def batched_tuning(col_warps, k_warps, cluster, staged) -> KernelTuning:
     return KernelTuning(
-        gemv_batched=True, gemv_col_warps=col_warps, gemv_k_split=k_warps, gemv_cluster=cluster
+        gemv_batched=True,
+        gemv_col_warps=col_warps,
+        gemv_k_split=k_warps,
+        gemv_cluster=cluster,
+        gemv_staged=staged,
     )
 
 
 @needs_batched
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", BATCHED_CONFIGS, ids=lambda c: "cw{}-kw{}-cl{}".format(*c))
+@pytest.mark.parametrize("config", BATCHED_CONFIGS, ids=lambda c: "cw{}-kw{}-cl{}-st{}".format(*c))
 def test_gemv_batched_every_launch_config(config, dtype):
     """Exact inputs (any summation order gives the same fp32 sums): every (M, N, K) must match the
     reference bit for bit, with and without bias, in every launch configuration."""
@@ -770,12 +785,12 @@ def test_gemv_batched_every_launch_config(config, dtype):
 @pytest.mark.parametrize("m", BATCHED_M)
 def test_gemv_batched_random(m, dtype):
     """Random inputs (special scales included) against the float64 reference, on every shape, with
-    the heuristic's launch and with a forced cluster."""
+    the heuristic's launch and with a forced cluster, the activations through L1 and staged."""
     rng = np.random.default_rng()
     for j, (n, k) in enumerate(BATCHED_NK):
         a, packed, scale, gs, bias = random_problem(rng, m, n, k, dtype, with_bias=j % 2 == 1)
         ref = reference_gemv(a, packed, scale, gs, bias)
-        for config in ((0, 0, 0), (4, 2, 3)):
+        for config in ((0, 0, 0, None), (4, 2, 3, False), (4, 2, 3, True)):
             y = gemv(a, packed, scale, gs, bias, tiled=True, tuning=batched_tuning(*config))
             check_close(y, ref, dtype, f"batched {config} M={m} N={n} K={k}")
 
@@ -787,7 +802,7 @@ def test_gemv_batched_reruns_are_bit_identical(dtype):
     run, with random inputs whose sums round differently in another order."""
     rng = np.random.default_rng()
     a, packed, scale, gs, bias = random_problem(rng, 29, 1008, 4096, dtype, with_bias=True)
-    tuning = batched_tuning(4, 2, 8)
+    tuning = batched_tuning(4, 2, 8, True)
     first = gemv(a, packed, scale, gs, bias, tiled=True, tuning=tuning)
     for _ in range(3):
         again = gemv(a, packed, scale, gs, bias, tiled=True, tuning=tuning)

@@ -35,9 +35,26 @@ namespace cuda {
 
 constexpr int kBatchedColTiles = 2;  // column tiles per warp (gate + up under silu_mul)
 
-// Dynamic shared memory of GemvBatchedKernel: one fp32 partial per accumulator of every warp.
-constexpr size_t GemvBatchedSmemBytes(int row_tiles, int warps) {
-  return sizeof(float) * warps * row_tiles * kBatchedColTiles * 4 * 32;
+// Bytes of one staged activation window of a K lane: 8 RT rows x 128 bf16/fp16.
+constexpr size_t BatchedStageBytes(int row_tiles) { return size_t{256} * 8 * row_tiles; }
+constexpr int kBatchedStageSlots = 3;  // the windows a K lane holds: reading, landing, in flight
+
+// Dynamic shared memory of GemvBatchedKernel: one fp32 partial per accumulator of every warp, and
+// (Staged) three activation windows per K lane, in the same bytes (the partials are written after
+// the last window is read).
+constexpr size_t GemvBatchedSmemBytes(int row_tiles, int warps, int col_warps, bool staged) {
+  const size_t partials = sizeof(float) * warps * row_tiles * kBatchedColTiles * 4 * 32;
+  const size_t stages =
+      staged ? kBatchedStageSlots * BatchedStageBytes(row_tiles) * (warps / col_warps) : 0;
+  return partials > stages ? partials : stages;
+}
+
+// The 16-byte chunk (0..15) of a staged activation row that holds chunk c of row `row`. A lane
+// (g, t) reads chunk 4 t + W of row 8 r + g; XOR-ing bit 1 with t's high bit and bit 0 with the
+// row's parity gives the 8 lanes of each quarter warp 8 distinct 16-byte bank groups, so every
+// 16-byte shared load is conflict-free.
+__device__ __forceinline__ int BatchedStageChunk(int c, int row) {
+  return c ^ ((c >> 3) << 1) ^ (row & 1);
 }
 
 // One k-step S of a window: the A fragments of both column tiles from the decoded weight, the B
@@ -76,6 +93,50 @@ __device__ __forceinline__ void BatchedWord(float (&acc)[RT][kBatchedColTiles][4
   for (int r = 0; r < RT; ++r) x[r] = ld_u4(ap + row_off[r] + 8 * W);
   BatchedStep<T, 2 * W, RT>(acc, f, lo, hi, x);
   BatchedStep<T, 2 * W + 1, RT>(acc, f, lo, hi, x);
+}
+
+// BatchedWord with the activations from the K lane's staged window `stage` (shared address):
+// the lane's word W of row tile r at stage + 2048 r + word_off[W].
+template <typename T, int W, int RT>
+__device__ __forceinline__ void BatchedStagedWord(float (&acc)[RT][kBatchedColTiles][4],
+                                                  const MmaFragments<kBatchedColTiles, 1>& f,
+                                                  const uint32_t (&lo)[kBatchedColTiles][2],
+                                                  const uint32_t (&hi)[kBatchedColTiles][2],
+                                                  uint32_t stage, const uint32_t (&word_off)[4]) {
+  uint4 x[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) x[r] = LdShared128(stage + 2048 * r + word_off[W]);
+  BatchedStep<T, 2 * W, RT>(acc, f, lo, hi, x);
+  BatchedStep<T, 2 * W + 1, RT>(acc, f, lo, hi, x);
+}
+
+template <typename T, int RT>
+__device__ __forceinline__ void BatchedStagedWindow(float (&acc)[RT][kBatchedColTiles][4],
+                                                    const MmaFragments<kBatchedColTiles, 1>& f,
+                                                    uint32_t stage, const uint32_t (&word_off)[4]) {
+  uint32_t lo[kBatchedColTiles][2], hi[kBatchedColTiles][2];
+  ScalePairs<T, kBatchedColTiles, 1>(f, lo, hi);
+  BatchedStagedWord<T, 0, RT>(acc, f, lo, hi, stage, word_off);
+  BatchedStagedWord<T, 1, RT>(acc, f, lo, hi, stage, word_off);
+  BatchedStagedWord<T, 2, RT>(acc, f, lo, hi, stage, word_off);
+  BatchedStagedWord<T, 3, RT>(acc, f, lo, hi, stage, word_off);
+}
+
+// The K lane's copy of one activation window into shared memory: its CW x 32 threads take 16-byte
+// chunk c = tid % 16 of rows tid / 16 + 2 CW q (rows past M zero-filled), so each copy
+// instruction reads 2 CW whole 256-byte rows.
+template <int RT, int CW>
+__device__ __forceinline__ void BatchedStageCopy(uint32_t dst, const void* src, int64_t row_bytes,
+                                                 int valid_rows, const void* any_valid) {
+  constexpr int kRowsPerPass = 2 * CW;
+  static_assert(8 * RT % kRowsPerPass == 0, "whole passes of rows");
+#pragma unroll
+  for (int q = 0; q < 8 * RT / kRowsPerPass; ++q) {
+    const bool valid = q * kRowsPerPass < valid_rows;
+    CpAsync16(dst + 256 * kRowsPerPass * q,
+              valid ? static_cast<const char*>(src) + q * kRowsPerPass * row_bytes : any_valid,
+              valid ? 16 : 0);
+  }
 }
 
 // One 128-wide window: the scales, then the four words of 2 k-steps each. ap + row_off[r]: this
@@ -119,8 +180,10 @@ __device__ __forceinline__ void BatchedLoad(MmaFragments<kBatchedColTiles, 1>& f
 // it), K warp kw the windows kw, kw + KW, ... of the block's share of K; block z of a cluster of
 // KS (grid.z = KS) the z-th of KS even shares of the windows. Reduction: each warp's accumulators
 // to shared memory, the K warps summed in kw order, then the cluster's blocks in rank order, each
-// rank storing its share of the outputs (fused: GemvFusion's epilogue).
-template <typename T, int RT, int CW, bool Fused>
+// rank storing its share of the outputs (fused: GemvFusion's epilogue). Staged: each K lane's
+// activation windows come through shared memory (cp.async, three slots, one named barrier of the
+// lane's CW warps per window) instead of per-warp 16-byte loads served by L1.
+template <typename T, int RT, int CW, bool Fused, bool Staged>
 __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock, 1)
     GemvBatchedKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                       const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
@@ -176,16 +239,6 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock, 1)
     }
     const int64_t w0 = w_begin + kw;
     if (w0 < w_end) {
-      // Row tile r's rows sit row_off[r] elements past row m0 + g's (a lane whose row lies past M
-      // reads row m0: its B column feeds only outputs never stored).
-      const int64_t row0 = Min64(m0 + g, m - 1);
-      const T* ap = a + row0 * k + w0 * kGemvWindow + 32 * t;
-      int32_t row_off[RT];
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        const int64_t row = m0 + 8 * r + g;
-        row_off[r] = static_cast<int32_t>(((row < m ? row : m0) - row0) * k);
-      }
       const int64_t tile_window = tile[0] * windows + w0;
       const uint8_t* wp = packed + tile_window * 1024 + 16 * lane;
       const uint8_t* sp = scale + tile_window * 128 + 4 * lane;
@@ -193,19 +246,70 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock, 1)
       // Two register buffers of weight: the next window's loads fly during this one's math.
       MmaFragments<kBatchedColTiles, 1> f0, f1;
       BatchedLoad(f0, wp, sp, tile_bytes, kw_count);
-      const int64_t a_step = static_cast<int64_t>(kw_count) * kGemvWindow;
-      for (int64_t w = w0; w < w_end;) {
-        if (w + kw_count < w_end) BatchedLoad(f1, wp, sp, tile_bytes, kw_count);
-        BatchedWindow<T, RT>(acc, f0, ap, row_off);
-        ap += a_step;
-        w += kw_count;
-        if (w >= w_end) break;
-        if (w + kw_count < w_end) BatchedLoad(f0, wp, sp, tile_bytes, kw_count);
-        BatchedWindow<T, RT>(acc, f1, ap, row_off);
-        ap += a_step;
-        w += kw_count;
+      auto for_each_window = [&](auto&& window) {
+        for (int64_t w = w0; w < w_end;) {
+          if (w + kw_count < w_end) BatchedLoad(f1, wp, sp, tile_bytes, kw_count);
+          window(f0, w);
+          w += kw_count;
+          if (w >= w_end) break;
+          if (w + kw_count < w_end) BatchedLoad(f0, wp, sp, tile_bytes, kw_count);
+          window(f1, w);
+          w += kw_count;
+        }
+      };
+      if constexpr (Staged) {
+        constexpr uint32_t kStage = static_cast<uint32_t>(BatchedStageBytes(RT));
+        const int tl = cw * 32 + lane;  // the thread's place in its K lane
+        const int chunk = tl & 15, srow = tl >> 4;
+        const uint32_t stages = SmemAddr(partial) + kw * kBatchedStageSlots * kStage;
+        const uint32_t dst = stages + 256 * srow + 16 * BatchedStageChunk(chunk, srow);
+        const T* src = a + Min64(m0 + srow, m - 1) * k + 8 * chunk;
+        const int valid_rows = static_cast<int>(Min64(m - m0 - srow, 8 * RT));
+        auto stage = [&](int64_t w, int slot) {
+          BatchedStageCopy<RT, CW>(dst + slot * kStage, src + w * kGemvWindow, k * sizeof(T),
+                                   valid_rows, a);
+        };
+        // Lane (g, t) reads word W of row 8 r + g at 2048 r + word_off[W] (BatchedStageChunk).
+        const uint32_t swizzle = ((t >> 1) << 1) | (g & 1);
+        uint32_t word_off[4];
+#pragma unroll
+        for (int W = 0; W < 4; ++W) word_off[W] = 256 * g + 64 * t + 16 * (W ^ swizzle);
+        stage(w0, 0);
+        CpAsyncCommit();
+        if (w0 + kw_count < w_end) stage(w0 + kw_count, 1);
+        CpAsyncCommit();
+        int slot = 0;
+        for_each_window([&](const MmaFragments<kBatchedColTiles, 1>& f, int64_t w) {
+          CpAsyncWait<1>();  // this thread's copies of window w have landed
+          // ... and every thread's: the lane has also finished the window before w, whose slot
+          // the copy of w + 2 KW now takes.
+          NamedBarrierSync(1 + kw, 32 * CW);
+          if (w + 2 * kw_count < w_end) stage(w + 2 * kw_count, slot == 0 ? 2 : slot - 1);
+          CpAsyncCommit();
+          BatchedStagedWindow<T, RT>(acc, f, stages + slot * kStage, word_off);
+          slot = slot == 2 ? 0 : slot + 1;
+        });
+        CpAsyncWait<0>();
+      } else {
+        // Row tile r's rows sit row_off[r] elements past row m0 + g's (a lane whose row lies past
+        // M reads row m0: its B column feeds only outputs never stored).
+        const int64_t row0 = Min64(m0 + g, m - 1);
+        const T* ap = a + row0 * k + w0 * kGemvWindow + 32 * t;
+        int32_t row_off[RT];
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const int64_t row = m0 + 8 * r + g;
+          row_off[r] = static_cast<int32_t>(((row < m ? row : m0) - row0) * k);
+        }
+        const int64_t a_step = static_cast<int64_t>(kw_count) * kGemvWindow;
+        for_each_window([&](const MmaFragments<kBatchedColTiles, 1>& f, int64_t) {
+          BatchedWindow<T, RT>(acc, f, ap, row_off);
+          ap += a_step;
+        });
       }
     }
+    // Staged: the partials take the bytes of the K lanes' activation windows.
+    if constexpr (Staged) __syncthreads();
 
     // The block's sum over its K warps, in kw order, into the slot of K warp 0.
     float* mine = partial + warp * kPerWarp;

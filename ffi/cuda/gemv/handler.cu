@@ -19,14 +19,15 @@
 // * GemvBatchedKernel (attribute batched; sm_90+, the tiled layout; ffi/cuda/gemv/batched.cuh):
 //   the tensor-core kernel's mma for serving batches, a block's column warps sharing each
 //   activation window and K split over a thread-block cluster reduced through distributed shared
-//   memory; launch from gemv_batched_config, or the attributes col_warps / k_split / cluster.
+//   memory; launch from gemv_batched_config, or the attributes col_warps / k_split / cluster /
+//   staged (the activation windows through shared memory instead of L1).
 //
 // All are deterministic (fixed work split and reduction order) and never touch memory outside
 // their operands: ragged N is clamped on loads and masked on stores, rows past M are never read.
 //
 // Epilogue fusions (GemvFusion in ffi/cuda/gemv/common.cuh), optional: a call with the operand
 // residual and the attribute activation runs the kernels' fused instances; a call without them
-// (5 operands, the 8 plain attributes) is the plain GEMV.
+// (5 operands, the plain attributes) is the plain GEMV.
 //   residual [M, N_out] (a's type), added in f32 before the rounding, or [0];
 //   activation (i64): 0 none, 1 silu_mul (rows [0, N/2) gate, [N/2, N) up; y [M, N/2]; N even;
 //     tiled: N/2 % 16 == 0; tensor cores: two column tiles, col_tiles 0 or 2).
@@ -57,12 +58,12 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + what);
 }
 
-// The attributes: the plain call's eleven, and the one a fused call adds. Read from the
+// The attributes: the plain call's twelve, and the one a fused call adds. Read from the
 // dictionary of all attributes (so that the fusion one can be absent); any other name is an
 // error, so that a misspelt attribute is not silently ignored.
 constexpr std::string_view kPlainAttributes[] = {
     "block_size",     "tiled",        "tensor_cores", "row_tiling", "col_tiles", "k_split",
-    "rows_per_block", "programmatic", "batched",      "col_warps",  "cluster"};
+    "rows_per_block", "programmatic", "batched",      "col_warps",  "cluster",   "staged"};
 constexpr std::string_view kFusionAttributes[] = {"activation"};
 
 template <typename V>
@@ -93,6 +94,7 @@ struct GemvAttributes {
   bool programmatic = false;
   bool batched = false;                // the batched kernel (dispatch.gemv_batched decides)
   int64_t col_warps = 0, cluster = 0;  // its launch (0: the heuristic)
+  int64_t staged = -1;                 // its activations through shared memory (-1: heuristic)
   bool fused = false;                  // the fusion attribute is present
   int64_t activation = 0;
 };
@@ -117,6 +119,7 @@ ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
   if ((err = ReadAttribute(attrs, "batched", &out->batched)).failure()) return err;
   if ((err = ReadAttribute(attrs, "col_warps", &out->col_warps)).failure()) return err;
   if ((err = ReadAttribute(attrs, "cluster", &out->cluster)).failure()) return err;
+  if ((err = ReadAttribute(attrs, "staged", &out->staged)).failure()) return err;
   out->fused = attrs.contains("activation");
   if (out->fused && (err = ReadAttribute(attrs, "activation", &out->activation)).failure()) {
     return err;
@@ -219,6 +222,9 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
     return Invalid("cluster must be 0 (the heuristic) or 1.." +
                    std::to_string(kGemvBatchedMaxCluster) + ", got " + std::to_string(at.cluster));
   }
+  if (at.staged < -1 || at.staged > 1) {
+    return Invalid("staged must be -1 (the heuristic), 0 or 1, got " + std::to_string(at.staged));
+  }
   if (silu && tiled && (shape.n / 2) % kGemvTileCols != 0) {
     return Invalid("activation silu_mul on the tiled layout needs N / 2 % 16 == 0, got N = " +
                    std::to_string(shape.n));
@@ -265,6 +271,7 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
           static_cast<int>(std::min<int64_t>(k_split, kGemvMaxWarpsPerBlock / bcfg.col_warps));
     }
     if (at.cluster != 0) bcfg.cluster = static_cast<int>(at.cluster);
+    if (at.staged >= 0) bcfg.staged = at.staged == 1;
     auto launch_batched = [&](auto type_tag) {
       using T = decltype(type_tag);
       return LaunchGemvBatched<T>(stream, a.untyped_data(), packed.typed_data(), scale.typed_data(),

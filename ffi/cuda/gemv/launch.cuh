@@ -224,14 +224,14 @@ cudaError_t LaunchGemv(cudaStream_t stream, const void* a, const uint8_t* packed
 
 // The batched kernel (GemvBatchedKernel, sm_90+, tiled layout) with the launch `cfg`: grid
 // (column blocks of 32 col_warps outputs, M chunks, cluster), clusters (1, 1, cluster).
-template <typename T, int RT, int CW, bool Fused>
+template <typename T, int RT, int CW, bool Fused, bool Staged>
 cudaError_t LaunchBatchedInstance(cudaStream_t stream, const T* a, const uint8_t* packed,
                                   const uint8_t* scale, const float* gs, const T* bias, T* y,
                                   int64_t m, int64_t n, int64_t k, const GemvBatchedConfig& cfg,
                                   bool programmatic, const GemvFusion<T>& fusion) {
-  constexpr auto* kKernel = GemvBatchedKernel<T, RT, CW, Fused>;
+  constexpr auto* kKernel = GemvBatchedKernel<T, RT, CW, Fused, Staged>;
   const int warps = CW * cfg.k_warps;
-  const size_t smem = GemvBatchedSmemBytes(RT, warps);
+  const size_t smem = GemvBatchedSmemBytes(RT, warps, CW, Staged);
   cudaError_t err = AllowDynamicSmem<kKernel>(static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attrs[2];
@@ -259,11 +259,16 @@ cudaError_t LaunchBatchedRows(cudaStream_t stream, const T* a, const uint8_t* pa
                               const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
                               int64_t n, int64_t k, const GemvBatchedConfig& cfg, bool programmatic,
                               const GemvFusion<T>& fusion) {
-  return cfg.col_warps == 2
-             ? LaunchBatchedInstance<T, RT, 2, Fused>(stream, a, packed, scale, gs, bias, y, m, n,
-                                                      k, cfg, programmatic, fusion)
-             : LaunchBatchedInstance<T, RT, 4, Fused>(stream, a, packed, scale, gs, bias, y, m, n,
-                                                      k, cfg, programmatic, fusion);
+  auto launch = [&](auto col_warps, auto staged) {
+    return LaunchBatchedInstance<T, RT, decltype(col_warps)::value, Fused, decltype(staged)::value>(
+        stream, a, packed, scale, gs, bias, y, m, n, k, cfg, programmatic, fusion);
+  };
+  using Two = std::integral_constant<int, 2>;
+  using Four = std::integral_constant<int, 4>;
+  if (cfg.staged) {
+    return cfg.col_warps == 2 ? launch(Two{}, std::true_type{}) : launch(Four{}, std::true_type{});
+  }
+  return cfg.col_warps == 2 ? launch(Two{}, std::false_type{}) : launch(Four{}, std::false_type{});
 }
 
 template <typename T, bool Fused>

@@ -204,10 +204,11 @@ constexpr GemvLaunchConfig gemv_launch_config(int64_t m, int64_t n, int64_t k, i
 // each activation window (L1), the k_warps warps split the block's K windows, and a cluster of
 // `cluster` blocks (1, 1, cluster) splits K further, reduced through distributed shared memory.
 struct GemvBatchedConfig {
-  int row_tiles;  // 8-row activation tiles per warp: 2, 3 or 4 (M chunks of 8 * row_tiles)
-  int col_warps;  // column warps per block: 2 or 4
-  int k_warps;    // K warps per block: col_warps * k_warps <= kGemvMaxWarpsPerBlock
-  int cluster;    // blocks of one cluster splitting K: 1..kGemvBatchedMaxCluster
+  int row_tiles;        // 8-row activation tiles per warp: 2, 3 or 4 (M chunks of 8 * row_tiles)
+  int col_warps;        // column warps per block: 2 or 4
+  int k_warps;          // K warps per block: col_warps * k_warps <= kGemvMaxWarpsPerBlock
+  int cluster;          // blocks of one cluster splitting K: 1..kGemvBatchedMaxCluster
+  bool staged = false;  // activation windows through shared memory (cp.async) instead of L1
 };
 
 constexpr int kGemvBatchedMaxCluster = 8;  // the portable cluster size
