@@ -85,7 +85,8 @@ def reference_logits(config: dict, t: dict, tokens, *, routing: dict | None = No
     """Logits [S, vocab] of one sequence, float64, no cache. A config with "num_experts" runs
     Qwen3-MoE layers (loops over tokens and their top-k experts); `routing`, a dict, then receives
     "margin" [S]: per position, the least gap over the layers between the k-th and (k+1)-th
-    router logit (a small one: the model's rounding may pick another expert)."""
+    router logit (a small one: the model's rounding may pick another expert), and "experts"
+    [layers, S, k]: each layer's chosen experts, largest logit first."""
     hd, heads, kvh = (
         config["head_dim"],
         config["num_attention_heads"],
@@ -107,7 +108,7 @@ def reference_logits(config: dict, t: dict, tokens, *, routing: dict | None = No
         return out
 
     s = len(tokens)
-    margins = np.full(s, np.inf)
+    margins, chosen = np.full(s, np.inf), []
     h = _as_float(t, "model.embed_tokens.weight")[np.asarray(tokens)]
     for layer in range(config["num_hidden_layers"]):
         pre = f"model.layers.{layer}"
@@ -134,15 +135,16 @@ def reference_logits(config: dict, t: dict, tokens, *, routing: dict | None = No
         h = h + proj(attn.reshape(s, heads * hd), "self_attn.o_proj")
         x = norm(h, _as_float(t, f"{pre}.post_attention_layernorm.weight"))
         if config.get("num_experts"):
-            y, margin = _reference_moe(config, t, f"{pre}.mlp", x)
+            y, margin, experts = _reference_moe(config, t, f"{pre}.mlp", x)
             margins = np.minimum(margins, margin)
+            chosen.append(experts)
             h = h + y
         else:
             gate, up = proj(x, "mlp.gate_proj"), proj(x, "mlp.up_proj")
             h = h + proj(gate / (1 + np.exp(-gate)) * up, "mlp.down_proj")
     head = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
     if routing is not None:
-        routing["margin"] = margins
+        routing.update(margin=margins, experts=np.asarray(chosen))
     return norm(h, _as_float(t, "model.norm.weight")) @ _as_float(t, head).T
 
 
@@ -150,10 +152,11 @@ def _reference_moe(config: dict, t: dict, prefix: str, x: np.ndarray):
     """Qwen3-MoE's block on normed tokens x [S, H], token by token: softmax of the router's
     logits, the top k experts (the lower index first on ties), their weights renormalised where
     norm_topk_prob, the weighted sum of down(silu(gate x) * up x). Also each token's gap between
-    the k-th and (k+1)-th logit (inf with k = E)."""
+    the k-th and (k+1)-th logit (inf with k = E), and its experts [S, k], largest logit first."""
     k, experts = config["num_experts_per_tok"], config["num_experts"]
     router = _as_float(t, f"{prefix}.gate.weight")
     y, margin = np.zeros_like(x), np.full(len(x), np.inf)
+    chosen = np.zeros((len(x), k), np.int64)
     for s, token in enumerate(x):
         logits = router @ token
         probs = np.exp(logits - logits.max())
@@ -161,7 +164,7 @@ def _reference_moe(config: dict, t: dict, prefix: str, x: np.ndarray):
         top = np.argsort(-logits, kind="stable")
         if k < experts:
             margin[s] = logits[top[k - 1]] - logits[top[k]]
-        weights = probs[top[:k]]
+        weights, chosen[s] = probs[top[:k]], top[:k]
         if config.get("norm_topk_prob"):
             weights = weights / weights.sum()
         for e, weight in zip(top[:k], weights):
@@ -169,7 +172,7 @@ def _reference_moe(config: dict, t: dict, prefix: str, x: np.ndarray):
             gate = _as_float(t, f"{pre}.gate_proj") @ token
             up = _as_float(t, f"{pre}.up_proj") @ token
             y[s] += weight * (_as_float(t, f"{pre}.down_proj") @ (gate / (1 + np.exp(-gate)) * up))
-    return y, margin
+    return y, margin, chosen
 
 
 def _config(variant: str) -> dict:

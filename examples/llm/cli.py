@@ -128,13 +128,14 @@ def main(argv=None) -> int:
         "--prompt-len",
         type=int,
         metavar="N",
-        help="a prompt of N random token ids (seeded) instead of --prompt",
+        help="N random token ids (seeded), each sequence of the batch its own, instead of --prompt",
     )
     parser.add_argument(
         "--batch",
         type=_positive_ints,
         default=[1],
-        help="sequences decoded together (the prompt repeated); a comma-separated list "
+        help="sequences decoded together (the prompt repeated, or --prompt-len's own each); a "
+        "comma-separated list "
         "(e.g. 1,8,16) runs each batch size in turn on the same weights",
     )
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated greedily")
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
 
     from .measure import read_bandwidth
     from .runs import _tokenizer, run_batch
-    from .synthetic import random_model, write_demo_checkpoint
+    from .synthetic import random_model, random_prompts, write_demo_checkpoint
     from .weights import dense_twin, load_model
 
     # The loader says where it dropped a K padding (ModelOpt's, for a K not a multiple of 16).
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
             )
     model_name = args.random or ("demo" if args.demo else str(args.checkpoint))
     if args.prompt_len:
-        ids = np.random.default_rng(0).integers(0, cfg.vocab, args.prompt_len).tolist()
+        ids = random_prompts(cfg.vocab, 1, args.prompt_len)[0].tolist()
     elif args.prompt_ids or tokenizer is None:
         ids = [int(t) for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
         if not all(0 <= t < cfg.vocab for t in ids):
@@ -253,7 +254,9 @@ def main(argv=None) -> int:
             cfg,
             params,
             dense,
-            np.asarray([ids] * batch),
+            random_prompts(cfg.vocab, batch, args.prompt_len)
+            if args.prompt_len
+            else np.asarray([ids] * batch),
             args.max_new_tokens,
             model=model_name,
             read_bps=read_bps,

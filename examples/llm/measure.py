@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import Config
 
@@ -114,10 +115,25 @@ def expected_active_experts(cfg: Config, tokens: int) -> float:
     return cfg.experts * (1 - (1 - cfg.experts_per_token / cfg.experts) ** tokens)
 
 
+def active_experts(routed, first: int) -> float:
+    """The distinct experts a MoE layer activates in one decode step, averaged over the layers and
+    the steps: routed [layers, B, S, k] the experts of each (layer, row, position)
+    (`routed_experts`), the steps those at positions first .. S - 1, each of which routes its B
+    rows' tokens together."""
+    routed = np.asarray(routed)[:, :, first:]
+    layers, batch, steps, k = routed.shape
+    if steps == 0:
+        raise ValueError(f"active_experts: no position from {first} on in {routed.shape}")
+    per_step = np.sort(routed.transpose(0, 2, 1, 3).reshape(layers * steps, batch * k), axis=1)
+    distinct = 1 + np.count_nonzero(np.diff(per_step, axis=1), axis=1)
+    return float(distinct.mean())
+
+
 def step_bytes(params: dict, *, active_experts: float | None = None) -> int:
     """Bytes of weight a decode step reads: every array but the embedding table, of which a step
     gathers only its tokens' rows (a tied lm_head still reads it whole). MoE experts: all of them,
-    or with active_experts (e.g. `expected_active_experts`) that many of each layer's E."""
+    or with active_experts (`active_experts`, `expected_active_experts`) that many of each
+    layer's E."""
 
     def nbytes(tree) -> int:
         return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))

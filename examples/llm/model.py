@@ -179,8 +179,9 @@ def _moe(cfg: Config, h, layer):
     return (h.astype(jnp.float32) + y).astype(h.dtype)
 
 
-def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
-    """One decoder layer on h [B, S, hidden] at positions [S]; caches [B, kv_heads, T, head_dim]."""
+def _attention(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
+    """h + the attention block of h [B, S, hidden] at positions [S] (o_proj adding the residual),
+    and the caches [B, kv_heads, T, head_dim] with these positions' keys and values written."""
     b, s, _ = h.shape
     q, k, v = _qkv(cfg, h, layer)
     if "q_norm" in layer:
@@ -208,7 +209,12 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
     probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v_cache.dtype)
     attn = jnp.einsum("bkgst,bktd->bskgd", probs, v_cache)
     attn = attn.reshape(b, s, cfg.heads * cfg.head_dim).astype(h.dtype)
-    h = linear(attn, layer["o_proj"], residual=h)
+    return linear(attn, layer["o_proj"], residual=h), k_cache, v_cache
+
+
+def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
+    """One decoder layer on h [B, S, hidden] at positions [S]; caches [B, kv_heads, T, head_dim]."""
+    h, k_cache, v_cache = _attention(cfg, inv_freq, positions, h, layer, k_cache, v_cache)
     h = _moe(cfg, h, layer) if "experts" in layer else _mlp(cfg, h, layer)
     return h, k_cache, v_cache
 
@@ -219,8 +225,21 @@ def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     params: a list of [B, kv_heads, T, head_dim] arrays per layer for unrolled layers, one
     [layers, B, kv_heads, T, head_dim] array for stacked ones."""
     positions = start + jnp.arange(tokens.shape[1])
-    h = params["embed"][tokens]
     layer_step = functools.partial(_layer, cfg, params["inv_freq"], positions)
+
+    def step(h, layer, k_layer, v_layer):
+        return (*layer_step(h, layer, k_layer, v_layer), None)
+
+    h, k_cache, v_cache, _ = _decoder(step, params, tokens, k_cache, v_cache)
+    logits = linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"])
+    return logits.astype(jnp.float32), k_cache, v_cache
+
+
+def _decoder(layer_step, params: dict, tokens, k_cache, v_cache):
+    """tokens [B, S] embedded and through every layer of params: layer_step(h, layer, k_layer,
+    v_layer) -> (h, k_layer, v_layer, aux) per layer; returns (h, k_cache, v_cache, the layers'
+    aux, stacked on a leading axis)."""
+    h = params["embed"][tokens]
     stacked = isinstance(params["layers"], dict)
     if stacked == isinstance(k_cache, (list, tuple)):
         expected = "one stacked array" if stacked else "a list of arrays, one per layer"
@@ -232,19 +251,42 @@ def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     if stacked:  # assemble's stack_layers: one layer compiled, under lax.scan
 
         def body(h, xs):
-            h, k_layer, v_layer = layer_step(h, *xs)
-            return h, (k_layer, v_layer)
+            h, k_layer, v_layer, aux = layer_step(h, *xs)
+            return h, (k_layer, v_layer, aux)
 
-        h, (k_cache, v_cache) = jax.lax.scan(body, h, (params["layers"], k_cache, v_cache))
-    else:  # unrolled: every weight passed to its kernel as the buffer it is, and each layer's
-        # cache its own buffer, which the step's keys and values update in place (a stacked cache
-        # was copied a layer at a time through .at[i].set: an H100 at batch 1 and 2048 new tokens
-        # took 3.98 ms a step that way, 3.30 this way).
-        k_cache, v_cache = list(k_cache), list(v_cache)
-        for i, layer in enumerate(params["layers"]):
-            h, k_cache[i], v_cache[i] = layer_step(h, layer, k_cache[i], v_cache[i])
-    logits = linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"])
-    return logits.astype(jnp.float32), k_cache, v_cache
+        h, (k_cache, v_cache, aux) = jax.lax.scan(body, h, (params["layers"], k_cache, v_cache))
+        return h, k_cache, v_cache, aux
+    # unrolled: every weight passed to its kernel as the buffer it is, and each layer's cache its
+    # own buffer, which the step's keys and values update in place (a stacked cache was copied a
+    # layer at a time through .at[i].set: an H100 at batch 1 and 2048 new tokens took 3.98 ms a
+    # step that way, 3.30 this way).
+    k_cache, v_cache, aux = list(k_cache), list(v_cache), []
+    for i, layer in enumerate(params["layers"]):
+        h, k_cache[i], v_cache[i], layer_aux = layer_step(h, layer, k_cache[i], v_cache[i])
+        aux.append(layer_aux)
+    return h, k_cache, v_cache, jax.tree.map(lambda *xs: jnp.stack(xs), *aux)
+
+
+def routed_experts(cfg: Config, params: dict, tokens):
+    """The experts each MoE layer routes each of tokens [B, S] (positions 0 .. S - 1) to: int32
+    [layers, B, S, experts_per_token]. A forward pass for measurement only (`forward` returns no
+    routing, so the timed step computes nothing more): the whole sequence at once, each layer's
+    router on its post-attention norm as the MoE block takes it."""
+    positions = jnp.arange(tokens.shape[1])
+    k_cache, v_cache = empty_cache(cfg, params, *tokens.shape)
+
+    def step(h, layer, k_layer, v_layer):
+        h, k_layer, v_layer = _attention(
+            cfg, params["inv_freq"], positions, h, layer, k_layer, v_layer
+        )
+        x = rms_norm(h, layer["post_attention_layernorm"], cfg.rms_eps).reshape(-1, h.shape[-1])
+        r = jax_fp4.route_top_k(
+            linear(x, layer["router"]), cfg.experts_per_token, renormalize=cfg.norm_topk_prob
+        )
+        experts = r.experts.reshape(*h.shape[:2], -1)
+        return _moe(cfg, h, layer), k_layer, v_layer, experts
+
+    return _decoder(step, params, tokens, k_cache, v_cache)[3]
 
 
 def empty_cache(cfg: Config, params: dict, batch: int, max_len: int, sharding=None):
