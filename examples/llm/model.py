@@ -224,6 +224,13 @@ def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     and the caches with their keys and values written. The caches are `empty_cache`'s for these
     params: a list of [B, kv_heads, T, head_dim] arrays per layer for unrolled layers, one
     [layers, B, kv_heads, T, head_dim] array for stacked ones."""
+    h, k_cache, v_cache = hidden_states(cfg, params, tokens, start, k_cache, v_cache)
+    return lm_logits(cfg, params, h), k_cache, v_cache
+
+
+def hidden_states(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
+    """`forward` up to the last layer's output [B, S, hidden] (before the final norm), and the
+    caches."""
     positions = start + jnp.arange(tokens.shape[1])
     layer_step = functools.partial(_layer, cfg, params["inv_freq"], positions)
 
@@ -231,8 +238,12 @@ def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
         return (*layer_step(h, layer, k_layer, v_layer), None)
 
     h, k_cache, v_cache, _ = _decoder(step, params, tokens, k_cache, v_cache)
-    logits = linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"])
-    return logits.astype(jnp.float32), k_cache, v_cache
+    return h, k_cache, v_cache
+
+
+def lm_logits(cfg: Config, params: dict, h):
+    """Logits [..., vocab] (float32) of hidden states h [..., hidden]: the final norm, lm_head."""
+    return linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"]).astype(jnp.float32)
 
 
 def _decoder(layer_step, params: dict, tokens, k_cache, v_cache):
