@@ -22,7 +22,10 @@ prompt) and after a --long-prompt prompt at --long-prompt-batches (default 1), -
 each row of a batch its own random prompt (the example's random_prompts, seed 0: row i the same at
 every batch size). Per run the example's record (its --json "runs" entries): "nvfp4_ms" and
 "bf16_ms" (the loop's time per decode step), "ratio" (bf16_ms / nvfp4_ms), "gpu_busy_ms" (the GPU's
-busy time per step from a jax.profiler trace of --gpu-busy-steps more steps; null on a CPU),
+busy time per step from a jax.profiler trace of --gpu-busy-steps more steps; null on a CPU) with,
+from the same trace, "non_matmul_ms" (the NVFP4 step's busy time outside jax_fp4's kernels and the
+lm_head GEMM: the attention, its dots included, the norms, RoPE, the cache writes, the converts;
+the example's kernel_breakdown) and "kernels_per_step" ("bf16_kernels_per_step" the twin's),
 "floor_ms" (the bytes a step reads, weights and KV cache, at the streaming-read bandwidth measured
 at the start), "nvfp4_over_floor" and "loop_over_gpu_busy"; a mixture-of-experts model's
 "active_experts" (the distinct experts a layer's decode step activated, averaged over the layers and
@@ -504,6 +507,8 @@ _RUN_COLUMNS = (
     ("bf16 ms", lambda r: _num(r.get("bf16_ms"))),
     ("x bf16", lambda r: _num(r.get("ratio"))),
     ("GPU busy ms", lambda r: _num(r.get("gpu_busy_ms"))),
+    ("non-matmul ms", lambda r: _num(r.get("non_matmul_ms"))),
+    ("kernels", lambda r: f"{r['kernels_per_step']:.0f}" if r.get("kernels_per_step") else "-"),
     ("loop / busy", lambda r: _num(r.get("loop_over_gpu_busy"))),
     ("floor ms", lambda r: _num(r.get("floor_ms"))),
     ("NVFP4 / floor", lambda r: _num(r.get("nvfp4_over_floor"))),

@@ -883,3 +883,30 @@ def test_the_decode_step_never_transposes_a_cache(capsys):
     assert probe.main(["--preset", "demo", "--batch", "2", "--max-len", "256"]) == 0
     out = capsys.readouterr().out
     assert "cache-sized copies / transposes / converts" in out and "transpose(" not in out
+
+
+def test_kernel_breakdown_splits_a_step_into_matmuls_and_the_rest(example):
+    """A trace's kernels of two NVFP4 decode steps by name: jax_fp4's (demangled or not), the
+    lm_head GEMM (each step's longest matmul-library kernel), and the rest, the attention's
+    library dots and cuBLAS's split-K reduce included."""
+    fp4 = [
+        ("void jax_fp4::cuda::GemvMmaKernel<4, 2, true>(jax_fp4::cuda::GemvArgs)", 10_000),
+        ("void jax_fp4::cuda::GemvMmaKernel<8, 1, true>(jax_fp4::cuda::GemvArgs)", 12_000),
+        ("_ZN7jax_fp44cuda17GemvBatchedKernelILi8EEEvNS0_8GemvArgsE", 5_000),
+    ]
+    step = fp4 + [
+        ("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNN", 240_000),  # lm_head
+        ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", 3_000),
+        ("void gemv2N_kernel<int, int, __nv_bfloat16, float, 128, 16, 4, 4>", 2_000),  # q.k
+        ("void gemv2N_kernel<int, int, __nv_bfloat16, float, 128, 16, 4, 4>", 2_500),  # p.v
+        ("loop_convert_fusion_3", 1_300),
+        ("input_reduce_fusion_1", 1_100),
+    ]
+    got = example.kernel_breakdown(step + step, 2)
+    assert got["jax_fp4_ms"] == pytest.approx(0.027)
+    assert got["lm_head_ms"] == pytest.approx(0.240)
+    assert got["other_ms"] == pytest.approx(0.0099)
+    assert got["other_kernels_per_step"] == 5 and got["kernels_per_step"] == 9
+    assert example.kernel_breakdown([], 4) == dict.fromkeys(
+        ("jax_fp4_ms", "lm_head_ms", "other_ms", "other_kernels_per_step", "kernels_per_step"), 0.0
+    )

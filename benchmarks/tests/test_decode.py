@@ -51,6 +51,7 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
         assert _positive(r["nvfp4_ms"]) and _positive(r["bf16_ms"]) and _positive(r["floor_ms"])
         assert r["ratio"] == pytest.approx(r["bf16_ms"] / r["nvfp4_ms"])
         assert r["gpu_busy_ms"] is None  # no GPU in the trace
+        assert r["non_matmul_ms"] is None and r["kernels_per_step"] is None
 
     rows = results["gemv"]
     assert [(r["n"], r["k"], r["m"]) for r in rows] == [
@@ -187,7 +188,10 @@ def test_markdown_from_an_earlier_result(tmp_path, capsys):
     path.write_text(json.dumps({"runs": [run], "gemv": [row]}))
     assert decode.main(["--markdown-from", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "| llama3-8b | 32 | 1 | 72 | 1.50 | 4.50 | 3.00 | - | - | 1.20 | 1.25 | - | - |" in lines
+    assert (
+        "| llama3-8b | 32 | 1 | 72 | 1.50 | 4.50 | 3.00 | - | - | - | - | 1.20 | 1.25 | - | - |"
+        in lines
+    )
     # a record from before the floors and the M = 1 ratio: "-" in their columns
     assert "| 4096x4096 | 1 | 5.00? | 1.70 | 90% | 11.00 | 2.20 | - | - | 0.00 |" in lines
 

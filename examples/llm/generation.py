@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Config
-from .measure import gpu_busy_ms
+from .measure import gpu_step_profile
 from .model import empty_cache, hidden_states, lm_logits
 
 
@@ -106,7 +106,9 @@ def generate(
     gpu_busy_steps > 0: afterwards, that many more decode steps (at most max_new_tokens, over the
     last positions again: a step's work does not depend on its position, attention reading the
     whole cache) run under a jax.profiler trace; timings["gpu_busy_ms"] is the GPU's busy time per
-    step (`gpu_busy_ms`; None without a GPU). cache_sharding: where each cache array lives
+    step, timings["non_matmul_ms"] the part of it outside the matmuls and
+    timings["kernels_per_step"] the kernels a step runs (`gpu_step_profile`; None without a GPU).
+    cache_sharding: where each cache array lives
     (`empty_cache`), e.g. split over kv heads for a tensor-parallel model."""
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -155,5 +157,8 @@ def generate(
                 state = step(params, *state)
             return state[0]
 
-        timings["gpu_busy_ms"] = gpu_busy_ms(run, n)
+        profile = gpu_step_profile(run, n)
+        timings.update(
+            profile or dict.fromkeys(("gpu_busy_ms", "non_matmul_ms", "kernels_per_step"))
+        )
     return tokens, timings

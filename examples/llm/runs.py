@@ -36,6 +36,7 @@ def _report(name: str, batch: int, timings: dict, weight_bytes: int, floor_bytes
         "floor_bytes_per_step": floor_bytes,
         "floor_ms": floor_bytes / read_bps * 1e3 if read_bps else None,
         "gpu_busy_ms": timings.get("gpu_busy_ms"),
+        "kernels_per_step": timings.get("kernels_per_step"),
     }
     if steps:
         step_s = timings["decode_s"] / steps
@@ -54,7 +55,10 @@ def _report(name: str, batch: int, timings: dict, weight_bytes: int, floor_bytes
     )
     extra = []
     if record["gpu_busy_ms"] is not None:
-        extra.append(f"GPU busy {record['gpu_busy_ms']:.2f} ms a step")
+        extra.append(
+            f"GPU busy {record['gpu_busy_ms']:.2f} ms a step, {record['kernels_per_step']:.0f} "
+            "kernels"
+        )
     if record["floor_ms"] is not None:
         extra.append(
             f"byte floor {record['floor_ms']:.2f} ms ({floor_bytes / 1e9:.3g} GB at "
@@ -115,9 +119,11 @@ def run_batch(
     """One batch of the command line: greedy generation from prompt [B, P] with params, and with
     `dense` (its bf16 twin, or None), printed; returns the run's --json record ("model", "batch",
     "context" = P + max_new_tokens, "nvfp4_ms" = "loop_ms", "bf16_ms", "ratio" = bf16_ms /
-    nvfp4_ms, "gpu_busy_ms", "floor_ms", ... and each side's details). read_bps: the
-    streaming-read bandwidth (`read_bandwidth`) of the floors; quantized: the bf16 side holds the
-    checkpoint's own weights (--quantize), not the NVFP4 ones dequantized.
+    nvfp4_ms, "gpu_busy_ms", "non_matmul_ms" (the NVFP4 step's busy time outside jax_fp4's
+    kernels and the lm_head GEMM: `kernel_breakdown`), "kernels_per_step", "floor_ms", ... and
+    each side's details). read_bps: the streaming-read bandwidth (`read_bandwidth`) of the
+    floors; quantized: the bf16 side holds the checkpoint's own weights (--quantize), not the
+    NVFP4 ones dequantized.
 
     A mixture-of-experts model's floor reads the experts its decode steps activated: each side's
     "active_experts" as measured (`measured_active_experts`; the expected count where no step
@@ -165,6 +171,8 @@ def run_batch(
         "bf16_ms": None,
         "ratio": None,
         "gpu_busy_ms": record["gpu_busy_ms"],
+        "non_matmul_ms": timings.get("non_matmul_ms"),
+        "kernels_per_step": record["kernels_per_step"],
         "floor_ms": record["floor_ms"],
         "nvfp4_over_floor": _ratio(record.get("ms_per_step"), record["floor_ms"]),
         "loop_over_gpu_busy": _ratio(record.get("ms_per_step"), record["gpu_busy_ms"]),
@@ -186,6 +194,7 @@ def run_batch(
         bf16_ms=bf16.get("ms_per_step"),
         ratio=_ratio(bf16.get("ms_per_step"), run["nvfp4_ms"]),
         bf16_gpu_busy_ms=bf16["gpu_busy_ms"],
+        bf16_kernels_per_step=bf16["kernels_per_step"],
         bf16_floor_ms=bf16["floor_ms"],
         bf16=bf16,
         same_leading_tokens=same,
