@@ -173,9 +173,17 @@ class Model:
     dense: dict
 
 
-def build_model(model: str, *, layout: str = "tiled", layers: int | None = None, log=_log) -> Model:
+def build_model(
+    model: str,
+    *,
+    layout: str = "tiled",
+    layers: int | None = None,
+    attention: str = "xla",
+    log=_log,
+) -> Model:
     """`model`'s (a preset or a config.json) model, `layers` decoder layers deep (default the
-    config's), built once for the runs and the prefill rows."""
+    config's), its decode steps' attention run by `attention` (the example's Config.attention),
+    built once for the runs and the prefill rows."""
     llm = load_example()
     started = time.perf_counter()
     config = dict(model_config(llm, model))
@@ -183,6 +191,7 @@ def build_model(model: str, *, layout: str = "tiled", layers: int | None = None,
         config["num_hidden_layers"] = layers
     cfg, params = llm.random_model(config, layout=layout)
     log(f"model {model}: built in {time.perf_counter() - started:.1f} s")
+    cfg = dataclasses.replace(cfg, attention=attention)
     return Model(model, cfg, params, llm.dense_twin(params))
 
 
@@ -212,7 +221,7 @@ def decode_runs(
             read_bps=read_bps,
             gpu_busy_steps=gpu_busy_steps,
         )
-        runs.append({**run, "layers": model.cfg.layers})
+        runs.append({**run, "layers": model.cfg.layers, "attention": model.cfg.attention})
         log(f"batch {batch}, prompt {prompt_len}: {time.perf_counter() - started:.1f} s")
     return runs
 
@@ -503,6 +512,7 @@ _RUN_COLUMNS = (
     ("layers", lambda r: str(r["layers"]) if r.get("layers") else "-"),
     ("batch", lambda r: str(r["batch"])),
     ("context", lambda r: str(r["context"])),
+    ("attention", lambda r: r.get("attention") or "-"),
     ("NVFP4 ms", lambda r: _num(r.get("nvfp4_ms"))),
     ("bf16 ms", lambda r: _num(r.get("bf16_ms"))),
     ("x bf16", lambda r: _num(r.get("ratio"))),
@@ -579,7 +589,7 @@ def earlier_results(path: Path, current: dict) -> dict:
     return earlier
 
 
-RUN_KEY = ("model", "layers", "batch", "context")
+RUN_KEY = ("model", "layers", "batch", "context", "attention")
 PREFILL_KEY = ("model", "layers", "batch", "prompt_len")
 GEMV_KEY = ("n", "k", "m", "layout", "backend", "tuning")
 MLP_KEY = ("hidden", "intermediate", "m", "backend", "tuning")
@@ -667,6 +677,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"decode steps profiled for the GPU-busy time (default {DEFAULT_GPU_BUSY_STEPS}; "
         "0: none)",
+    )
+    runs.add_argument(
+        "--attention",
+        choices=("xla", "cudnn"),
+        default="xla",
+        help="what runs the decode steps' attention: XLA's batched dots and softmax (default) or "
+        "cuDNN's fused attention (a CUDA GPU; a prefill's is XLA's either way)",
     )
     runs.add_argument("--no-runs", action="store_true", help="skip the runs")
     prefill = p.add_argument_group("prefill (the example's prefill, compiled once, timed warm)")
@@ -833,12 +850,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_runs:  # before the weights take the device's memory
             read_bps = llm.read_bandwidth(QUICK_READ_BYTES if args.quick else None)
             _log(f"streaming read: {read_bps / 1e9:.0f} GB/s")
-        built = build_model(model, layout=args.layout, layers=args.layers)
+        built = build_model(model, layout=args.layout, layers=args.layers, attention=args.attention)
         setup = {
             "command": command,
             "model": model,
             "new_tokens": new_tokens,
             "layout": args.layout,
+            "attention": args.attention,
             "config": dataclasses.asdict(built.cfg),
         }
         if not args.no_runs:

@@ -2,6 +2,7 @@
 Qwen-style decoder from an NVFP4 checkpoint, against a float64 NumPy forward pass (full causal
 attention recomputed at every length, no cache) on the checkpoint's dequantized weights."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -910,3 +911,40 @@ def test_kernel_breakdown_splits_a_step_into_matmuls_and_the_rest(example):
     assert example.kernel_breakdown([], 4) == dict.fromkeys(
         ("jax_fp4_ms", "lm_head_ms", "other_ms", "other_kernels_per_step", "kernels_per_step"), 0.0
     )
+
+
+def test_the_attention_choice_and_what_cudnn_refuses(example):
+    """Config.attention: "xla" or "cudnn", nothing else; "cudnn" takes a decode step's attention
+    only (a prefill's stays XLA's, the same program on any device) and refuses float32 caches at
+    trace time."""
+    cfg, params = example.random_model(example.DEMO_CONFIG, dtype=jnp.float32)
+    assert cfg.attention == "xla"
+    with pytest.raises(ValueError, match="attention must be one of .'xla', 'cudnn'., got 'flash'"):
+        dataclasses.replace(cfg, attention="flash")
+    cudnn = dataclasses.replace(cfg, attention="cudnn")
+    tokens = jnp.asarray(example.random_prompts(cfg.vocab, 2, 5), jnp.int32)
+    caches = example.empty_cache(cfg, params, 2, 8)
+    prefill = [example.forward(c, params, tokens, 0, *caches)[0] for c in (cfg, cudnn)]
+    np.testing.assert_array_equal(np.asarray(prefill[0]), np.asarray(prefill[1]))
+    with pytest.raises(ValueError, match="attention 'cudnn' runs bfloat16 or float16 caches"):
+        jax.eval_shape(lambda: example.forward(cudnn, params, tokens[:, :1], 5, *caches))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["gpu"], indirect=True)
+def test_cudnn_decode_attention_matches_xla(example, device):
+    """A decode step's logits with cuDNN's fused attention as with XLA's, after a prefill, at
+    batch 3 (each row its own prompt, so each attends to its own cache)."""
+    cfg, params = example.random_model(example.DEMO_CONFIG)
+    cudnn = dataclasses.replace(cfg, attention="cudnn")
+    forward = jax.jit(example.forward, static_argnums=0)
+    prompt = jnp.asarray(example.random_prompts(cfg.vocab, 3, 9), jnp.int32)
+    _, k_cache, v_cache = forward(cfg, params, prompt, 0, *example.empty_cache(cfg, params, 3, 16))
+    token = prompt[:, -1:]
+    for position in (9, 10):
+        xla, k_next, v_next = forward(cfg, params, token, jnp.int32(position), k_cache, v_cache)
+        got, k_got, v_got = forward(cudnn, params, token, jnp.int32(position), k_cache, v_cache)
+        for b in range(3):
+            assert reference.relative_error(np.asarray(got[b]), np.asarray(xla[b])) < 0.02
+        np.testing.assert_array_equal(np.asarray(k_got[0]), np.asarray(k_next[0]))
+        token, k_cache, v_cache = jnp.argmax(xla[:, -1:], axis=-1).astype(jnp.int32), k_next, v_next

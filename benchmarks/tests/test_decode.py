@@ -48,6 +48,7 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     for r in runs:
         assert all(field in r for field in RUN_FIELDS), sorted(r)
         assert r["model"] == "quick" and r["layers"] == 2 and r["command"] == command
+        assert r["attention"] == "xla"
         assert _positive(r["nvfp4_ms"]) and _positive(r["bf16_ms"]) and _positive(r["floor_ms"])
         assert r["ratio"] == pytest.approx(r["bf16_ms"] / r["nvfp4_ms"])
         assert r["gpu_busy_ms"] is None  # no GPU in the trace
@@ -96,7 +97,7 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
 
     printed = capsys.readouterr().out
     assert "| model | layers | batch | prompt | NVFP4 ms | bf16 ms | x bf16 |" in printed
-    assert "| model | layers | batch | context | NVFP4 ms | bf16 ms |" in printed
+    assert "| model | layers | batch | context | attention | NVFP4 ms | bf16 ms |" in printed
     assert f"| {hidden}->{2 * inter}->{hidden} | 1 |" in printed
     assert "| N x K | M | us | TB/s | % of read BW |" in printed
     assert f"| {rows[0]['n']}x{rows[0]['k']} | 1 |" in printed
@@ -169,6 +170,7 @@ def test_help_documents_the_command_line(capsys):
         "--prefill-lens",
         "--prefill-batches",
         "--no-prefill",
+        "--attention",
         "--gemv-m",
         "--gemv-shapes",
         "--json",
@@ -189,7 +191,7 @@ def test_markdown_from_an_earlier_result(tmp_path, capsys):
     assert decode.main(["--markdown-from", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert (
-        "| llama3-8b | 32 | 1 | 72 | 1.50 | 4.50 | 3.00 | - | - | - | - | 1.20 | 1.25 | - | - |"
+        "| llama3-8b | 32 | 1 | 72 | - | 1.50 | 4.50 | 3.00 | - | - | - | - | 1.20 | 1.25 | - | - |"
         in lines
     )
     # a record from before the floors and the M = 1 ratio: "-" in their columns

@@ -83,7 +83,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .config import PRESETS  # NumPy only: --help answers before jax is imported
+from .config import ATTENTION, PRESETS  # NumPy only: --help answers before jax is imported
 
 GPU_BUSY_STEPS = 8  # decode steps in --gpu-busy's profile
 
@@ -168,6 +168,13 @@ def main(argv=None) -> int:
         "time the GPU is busy per step",
     )
     parser.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="xla",
+        help="what runs a decode step's attention: XLA's batched dots and softmax (default), or "
+        "cuDNN's fused attention (a CUDA GPU, bf16 caches)",
+    )
+    parser.add_argument(
         "--scan-layers",
         action="store_true",
         help="stack the layers under lax.scan (compiles one layer; XLA copies each "
@@ -226,6 +233,7 @@ def main(argv=None) -> int:
                 if args.quantize
                 else params
             )
+    cfg = dataclasses.replace(cfg, attention=args.attention)
     model_name = args.random or ("demo" if args.demo else str(args.checkpoint))
     if args.prompt_len:
         ids = random_prompts(cfg.vocab, 1, args.prompt_len)[0].tolist()

@@ -197,19 +197,58 @@ def _attention(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
         v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), positions[0], axis=2
     )
 
-    # Grouped-query attention on the caches' own dtype, accumulated in float32 (the product with
-    # the values rounds to that dtype, as the next projection takes it): no float32 copy of the
-    # caches to read (an H100 at 1024-2048 new tokens: 3-4% off the step; benchmarks/RESULTS.md).
-    group = cfg.heads // cfg.kv_heads
-    qg = q.reshape(b, s, cfg.kv_heads, group, cfg.head_dim).astype(k_cache.dtype)
-    scores = jnp.einsum(
-        "bskgd,bktd->bkgst", qg, k_cache, preferred_element_type=jnp.float32
-    ) / math.sqrt(cfg.head_dim)
-    visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]  # [S, T], causal
-    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v_cache.dtype)
-    attn = jnp.einsum("bkgst,bktd->bskgd", probs, v_cache)
+    attn = attend(cfg, q, k_cache, v_cache, positions)
     attn = attn.reshape(b, s, cfg.heads * cfg.head_dim).astype(h.dtype)
     return linear(attn, layer["o_proj"], residual=h), k_cache, v_cache
+
+
+def attend(cfg: Config, q, k_cache, v_cache, positions):
+    """Grouped-query attention of q [B, S, heads, head_dim] at positions [S] over the caches
+    [B, kv_heads, T, head_dim] holding them, each query seeing the positions up to its own:
+    [B, S, heads, head_dim] in the caches' dtype. Config.attention "cudnn" runs a decode step's
+    (S = 1) as cuDNN's fused attention (`_cudnn_decode_attention`); "xla", and every prefill, as
+    XLA's batched dots around a float32 softmax."""
+    if cfg.attention == "cudnn" and q.shape[1] == 1:
+        return _cudnn_decode_attention(q, k_cache, v_cache, positions[0])
+    # On the caches' own dtype, accumulated in float32 (the product with the values rounds to that
+    # dtype, as the next projection takes it): no float32 copy of the caches to read (an H100 at
+    # 1024-2048 new tokens: 3-4% off the step; benchmarks/RESULTS.md).
+    b, s, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    qg = q.reshape(b, s, kv_heads, heads // kv_heads, head_dim).astype(k_cache.dtype)
+    scores = jnp.einsum(
+        "bskgd,bktd->bkgst", qg, k_cache, preferred_element_type=jnp.float32
+    ) / math.sqrt(head_dim)
+    visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]  # [S, T], causal
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v_cache.dtype)
+    return jnp.einsum("bkgst,bktd->bskgd", probs, v_cache).reshape(b, s, heads, head_dim)
+
+
+def _cudnn_decode_attention(q, k_cache, v_cache, position):
+    """`attend` for one query position a sequence (q [B, 1, heads, head_dim]) at `position`: one
+    cuDNN fused-attention kernel (scores, softmax and the product with the values) that reads the
+    cached positions 0 .. position only (a padding mask of position + 1 keys), where XLA's dots
+    read the whole cache and the softmax takes kernels of its own. jax.nn.dot_product_attention's
+    cuDNN path takes [B, T, heads, head_dim] operands only, into which the caches would be copied
+    every layer of every step; the function under it takes their own layout ("BNTH")."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    if k_cache.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"attention 'cudnn' runs bfloat16 or float16 caches, got {k_cache.dtype}: use 'xla'"
+        )
+    b = q.shape[0]
+    out = dot_product_attention(
+        q.swapaxes(1, 2).astype(k_cache.dtype),  # [B, heads, 1, head_dim]
+        k_cache,
+        v_cache,
+        q_seqlen=jnp.ones((b,), jnp.int32),
+        kv_seqlen=jnp.full((b,), position + 1, jnp.int32),
+        scale=1 / math.sqrt(q.shape[-1]),
+        mask_type=MaskType.PADDING,
+        qkv_layout="BNTH",
+    )
+    return out.swapaxes(1, 2)
 
 
 def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
