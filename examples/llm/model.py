@@ -61,17 +61,24 @@ def _epilogue(y, activation, residual):
 
 
 def rms_norm(x, weight, eps):
+    return _normalized(x.astype(jnp.float32), weight, eps).astype(x.dtype)
+
+
+def _normalized(x32, weight, eps):
+    """The RMSNorm of float32 x32's last axis, in float32."""
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight
+
+
+def apply_rope(x, positions, inv_freq, *, norm=None, norm_eps=1e-6):
+    """x [B, S, heads, head_dim] rotated by positions [S] (Hugging Face's rotate-half pairing),
+    in float32 and rounded once to x's dtype; `norm` an RMSNorm weight [head_dim] applied first
+    (Qwen3's q/k norms), its output rotated unrounded: one pass over x, one rounding."""
     x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight).astype(
-        x.dtype
-    )
-
-
-def apply_rope(x, positions, inv_freq):
-    """x [B, S, heads, head_dim] rotated by positions [S] (Hugging Face's rotate-half pairing)."""
+    if norm is not None:
+        x32 = _normalized(x32, norm, norm_eps)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [S, hd / 2]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
@@ -184,9 +191,8 @@ def _attention(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
     and the caches [B, kv_heads, T, head_dim] with these positions' keys and values written."""
     b, s, _ = h.shape
     q, k, v = _qkv(cfg, h, layer)
-    if "q_norm" in layer:
-        q, k = rms_norm(q, layer["q_norm"], cfg.rms_eps), rms_norm(k, layer["k_norm"], cfg.rms_eps)
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, norm=layer.get("q_norm"), norm_eps=cfg.rms_eps)
+    k = apply_rope(k, positions, inv_freq, norm=layer.get("k_norm"), norm_eps=cfg.rms_eps)
     # The caches hold each head's positions together ([B, kv_heads, T, head_dim]): the layout of
     # the attention's batched matmuls, read where it lies. Caches of [B, T, kv_heads, head_dim]
     # were transposed whole, every layer of every step (XLA's CPU program; docs/design.md).
