@@ -30,8 +30,9 @@ the example's kernel_breakdown) and "kernels_per_step" ("bf16_kernels_per_step" 
 at the start), "nvfp4_over_floor" and "loop_over_gpu_busy"; a mixture-of-experts model's
 "active_experts" (the distinct experts a layer's decode step activated, averaged over the layers and
 steps, measured on the generated tokens: the experts its floor reads) beside
-"expected_active_experts" (uniform random routing's). Each batch compiles its prefill and decode
-step once per model.
+"expected_active_experts" (uniform random routing's). --attention xla,cudnn runs each case with
+each way of running the decode steps' attention in turn (the example's --attention; each record's
+"attention"). Each batch compiles its prefill and decode step once per model and attention.
 
 prefill: the example's prefill of the same model (the prompt's forward pass writing the caches and
 choosing the first token, as a run starts) at each --prefill-lens prompt length and
@@ -173,17 +174,9 @@ class Model:
     dense: dict
 
 
-def build_model(
-    model: str,
-    *,
-    layout: str = "tiled",
-    layers: int | None = None,
-    attention: str = "xla",
-    log=_log,
-) -> Model:
+def build_model(model: str, *, layout: str = "tiled", layers: int | None = None, log=_log) -> Model:
     """`model`'s (a preset or a config.json) model, `layers` decoder layers deep (default the
-    config's), its decode steps' attention run by `attention` (the example's Config.attention),
-    built once for the runs and the prefill rows."""
+    config's), built once for the runs and the prefill rows."""
     llm = load_example()
     started = time.perf_counter()
     config = dict(model_config(llm, model))
@@ -191,7 +184,6 @@ def build_model(
         config["num_hidden_layers"] = layers
     cfg, params = llm.random_model(config, layout=layout)
     log(f"model {model}: built in {time.perf_counter() - started:.1f} s")
-    cfg = dataclasses.replace(cfg, attention=attention)
     return Model(model, cfg, params, llm.dense_twin(params))
 
 
@@ -202,27 +194,34 @@ def decode_runs(
     *,
     gpu_busy_steps: int,
     read_bps: float,
+    attention: Sequence[str] = ("xla",),
     log: Callable[[str], None] = _log,
 ) -> list[dict]:
-    """The example's run record for each (batch, prompt length) of `cases`, NVFP4 and bf16, each
-    with the model's "layers"; `read_bps` the streaming-read bandwidth of the floors."""
+    """The example's run record for each (batch, prompt length) of `cases` and each way of
+    running the decode steps' attention (the example's Config.attention) in `attention`, in
+    turn for each case, NVFP4 and bf16, each with the model's "layers" and its "attention";
+    `read_bps` the streaming-read bandwidth of the floors."""
     llm = load_example()
     runs = []
     for batch, prompt_len in cases:
         prompt = llm.random_prompts(model.cfg.vocab, batch, prompt_len)
-        started = time.perf_counter()
-        run = llm.run_batch(
-            model.cfg,
-            model.params,
-            model.dense,
-            prompt,
-            new_tokens,
-            model=model.name,
-            read_bps=read_bps,
-            gpu_busy_steps=gpu_busy_steps,
-        )
-        runs.append({**run, "layers": model.cfg.layers, "attention": model.cfg.attention})
-        log(f"batch {batch}, prompt {prompt_len}: {time.perf_counter() - started:.1f} s")
+        for kind in attention:
+            started = time.perf_counter()
+            run = llm.run_batch(
+                dataclasses.replace(model.cfg, attention=kind),
+                model.params,
+                model.dense,
+                prompt,
+                new_tokens,
+                model=model.name,
+                read_bps=read_bps,
+                gpu_busy_steps=gpu_busy_steps,
+            )
+            runs.append({**run, "layers": model.cfg.layers, "attention": kind})
+            log(
+                f"batch {batch}, prompt {prompt_len}, attention {kind}: "
+                f"{time.perf_counter() - started:.1f} s"
+            )
     return runs
 
 
@@ -617,6 +616,13 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _attention_kinds(text: str) -> list[str]:
+    kinds = text.replace(",", " ").split()
+    if not kinds or any(k not in ("xla", "cudnn") for k in kinds) or len(set(kinds)) < len(kinds):
+        raise argparse.ArgumentTypeError(f"expected xla, cudnn or xla,cudnn; got {text!r}")
+    return kinds
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
     return [(s.n, s.k) for s in (bench.parse_shape(x) for x in text.replace(",", " ").split())]
 
@@ -680,10 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     runs.add_argument(
         "--attention",
-        choices=("xla", "cudnn"),
-        default="xla",
-        help="what runs the decode steps' attention: XLA's batched dots and softmax (default) or "
-        "cuDNN's fused attention (a CUDA GPU; a prefill's is XLA's either way)",
+        type=_attention_kinds,
+        default=["xla"],
+        help="what runs the decode steps' attention, one or both in turn per run: xla (XLA's "
+        "batched dots and softmax; the default) and cudnn (cuDNN's fused attention: a CUDA GPU), "
+        "e.g. xla,cudnn",
     )
     runs.add_argument("--no-runs", action="store_true", help="skip the runs")
     prefill = p.add_argument_group("prefill (the example's prefill, compiled once, timed warm)")
@@ -850,13 +857,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_runs:  # before the weights take the device's memory
             read_bps = llm.read_bandwidth(QUICK_READ_BYTES if args.quick else None)
             _log(f"streaming read: {read_bps / 1e9:.0f} GB/s")
-        built = build_model(model, layout=args.layout, layers=args.layers, attention=args.attention)
+        built = build_model(model, layout=args.layout, layers=args.layers)
         setup = {
             "command": command,
             "model": model,
             "new_tokens": new_tokens,
             "layout": args.layout,
-            "attention": args.attention,
             "config": dataclasses.asdict(built.cfg),
         }
         if not args.no_runs:
@@ -864,12 +870,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.no_long_prompt:
                 cases += [(batch, long_prompt) for batch in args.long_prompt_batches]
             runs = decode_runs(
-                built, cases, new_tokens, gpu_busy_steps=busy_steps, read_bps=read_bps
+                built,
+                cases,
+                new_tokens,
+                gpu_busy_steps=busy_steps,
+                read_bps=read_bps,
+                attention=args.attention,
             )
             for run in runs:
                 run["command"] = command
             results["runs"] = merged(results["runs"], runs, RUN_KEY)
-            results["runs_setup"] = {**setup, "read_gb_per_s": read_bps / 1e9}
+            results["runs_setup"] = {
+                **setup,
+                "attention": args.attention,
+                "read_gb_per_s": read_bps / 1e9,
+            }
             write()
         if not args.no_prefill:
             cases = [(batch, length) for length in prefill_lens for batch in prefill_batches]

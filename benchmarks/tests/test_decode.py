@@ -40,6 +40,7 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     assert results["runs_setup"]["command"] == results["gemv_setup"]["command"] == command
     assert results["runs_setup"]["model"] == "quick" and results["gemv_setup"]["seed"] == 3
     assert results["runs_setup"]["config"]["layers"] == 2  # --layers over the config's 1
+    assert results["runs_setup"]["attention"] == ["xla"]
 
     quick = decode.QUICK
     expected = [(b, quick["prompt_len"]) for b in quick["batches"]] + [(1, quick["long_prompt"])]
@@ -246,6 +247,10 @@ def test_bad_arguments_are_refused():
         decode.main(["--quick", "--prefill-repeats", "0"])
     with pytest.raises(SystemExit):
         decode.main(["--prefill-lens", "512,0"])
+    for attention in ("flash", "xla,xla", ""):
+        with pytest.raises(SystemExit):
+            decode.main(["--attention", attention])
+    assert decode._attention_kinds("xla,cudnn") == ["xla", "cudnn"]
 
 
 def test_fit_width_slices_or_repeats_columns():

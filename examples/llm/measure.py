@@ -55,10 +55,10 @@ def kernel_breakdown(kernels, steps: int) -> dict:
     """The NVFP4 decode step's GPU time by kind, per step, from the (name, duration in ns) of each
     kernel a trace of `steps` steps ran: "jax_fp4_ms" (jax_fp4's kernels: every name in its
     jax_fp4:: namespace), "lm_head_ms" (the dense lm_head's GEMM: the longest matmul-library
-    kernel of each step, `steps` of them; the attention's dots, a few percent of lm_head's bytes
-    at the contexts measured, are the shorter ones), "other_ms" (everything else: the XLA kernels
-    around the matmuls, the attention's dots whatever runs them) with "other_kernels_per_step",
-    and "kernels_per_step"."""
+    kernel of each step, `steps` of them; the attention's dots and a MoE router's, a few percent
+    of lm_head's bytes at the contexts measured, are the shorter ones), "other_ms" (everything
+    else: the XLA kernels around the matmuls, the attention's dots whatever runs them) with
+    "other_kernels_per_step", and "kernels_per_step"."""
     fp4, library, other = [], [], []
     for name, duration in kernels:
         kind = fp4 if "jax_fp4" in name else library if _LIBRARY_MATMUL.search(name) else other
