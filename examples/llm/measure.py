@@ -58,12 +58,11 @@ def kernel_breakdown(kernels, steps: int) -> dict:
     kernel of each step, `steps` of them; the attention's dots and a MoE router's, a few percent
     of lm_head's bytes at the contexts measured, are the shorter ones), "other_ms" (everything
     else: the XLA kernels around the matmuls, the attention's dots whatever runs them) with
-    "other_kernels_per_step", and "kernels_per_step"."""
+    "other_kernels_per_step"."""
     fp4, library, other = [], [], []
     for name, duration in kernels:
         kind = fp4 if "jax_fp4" in name else library if _LIBRARY_MATMUL.search(name) else other
         kind.append(duration)
-    count = len(fp4) + len(library) + len(other)
     library.sort(reverse=True)
     lm_head, other = library[:steps], other + library[steps:]
     return {
@@ -71,7 +70,6 @@ def kernel_breakdown(kernels, steps: int) -> dict:
         "lm_head_ms": sum(lm_head) / steps / 1e6,
         "other_ms": sum(other) / steps / 1e6,
         "other_kernels_per_step": len(other) / steps,
-        "kernels_per_step": count / steps,
     }
 
 
