@@ -1,7 +1,8 @@
 """The forward pass of a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE decoder with a KV cache
 (`forward`, `empty_cache`): NVFP4 projections through jax_fp4.matmul with the norms, SiLU(gate) *
 up and the residual adds folded in, dense ones through XLA's dot, Qwen3-MoE's experts through
-jax_fp4.ragged_matmul."""
+jax_fp4.ragged_matmul, a decode step's attention through XLA or cuDNN (`attend`); and, for
+measurement, the experts a sequence's tokens route to (`routed_experts`)."""
 
 from __future__ import annotations
 
