@@ -1,28 +1,45 @@
 """The decode benchmark: a model's decode step end to end, and its GEMVs in a dependent chain.
 
-    python benchmarks/decode.py                       # both parts on llama3-8b shapes
-    python benchmarks/decode.py --batches 1,8 --no-long-prompt --no-gemv
-    python benchmarks/decode.py --no-runs --gemv-m 1,8
+    python benchmarks/decode.py                       # every part on llama3-8b shapes
+    python benchmarks/decode.py --batches 1,8 --no-long-prompt --no-prefill --no-gemv
+    python benchmarks/decode.py --no-runs --no-gemv --prefill-lens 512,2048 --prefill-batches 1,4
+    python benchmarks/decode.py --no-runs --no-prefill --gemv-m 1,8
     python benchmarks/decode.py --quick               # a tiny model and shapes: a CPU smoke run
     python benchmarks/decode.py --markdown-from benchmarks/results/decode_h200.json
 
-Writes {"runs": [...], "gemv": [...], "mlp": [...]} to --json (default benchmarks/results/decode_<gpu>.json,
-e.g. decode_h200.json; written after each part), each record with the "command" that measured it
-and each part's setup in "runs_setup" / "gemv_setup", and prints both as Markdown tables. The
-records of earlier calls on the same device stay in the file unless this call measures them again
-(the same model, batch and context; the same N, K, M and layout), so a benchmark too long for one
-call runs in several (the runs compile the model's steps at every batch, the gemv rows two chains
-per row and variant: minutes each on an H200); --fresh starts the file over.
+Writes {"runs": [...], "prefill": [...], "gemv": [...], "mlp": [...]} to --json (default
+benchmarks/results/decode_<gpu>.json, e.g. decode_h200.json; written after each part), each record
+with the "command" that measured it and each part's setup in "runs_setup" / "prefill_setup" /
+"gemv_setup", and prints them as Markdown tables. The records of earlier calls on the same device
+stay in the file unless this call measures them again (the same model, layers, batch and context
+or prompt; the same N, K, M and layout), so a benchmark too long for one call runs in several (the
+runs compile the model's steps at every batch, the gemv rows two chains per row and variant:
+minutes each on an H200); --fresh starts the file over.
 
 runs: examples/llm_generate.py's model of --model's shapes with random weights (built once, in
 NVFP4 and dequantized to bf16), its own generate loop per batch (--batches, after a --prompt-len
-prompt) and after a --long-prompt prompt at --long-prompt-batches (default 1), --new-tokens each.
-Per run the example's record (its --json "runs" entries): "nvfp4_ms" and "bf16_ms" (the loop's time
-per decode step), "ratio" (bf16_ms / nvfp4_ms), "gpu_busy_ms" (the GPU's busy time per step from a
-jax.profiler trace of --gpu-busy-steps more steps; null on a CPU), "floor_ms" (the bytes a step
-reads, weights and KV cache, at the streaming-read bandwidth measured at the start),
-"nvfp4_over_floor" and "loop_over_gpu_busy". Each batch compiles its prefill and decode step once
-per model.
+prompt) and after a --long-prompt prompt at --long-prompt-batches (default 1), --new-tokens each;
+each row of a batch its own random prompt (the example's random_prompts, seed 0: row i the same at
+every batch size). Per run the example's record (its --json "runs" entries): "nvfp4_ms" and
+"bf16_ms" (the loop's time per decode step), "ratio" (bf16_ms / nvfp4_ms), "gpu_busy_ms" (the GPU's
+busy time per step from a jax.profiler trace of --gpu-busy-steps more steps; null on a CPU) with,
+from the same trace, "non_matmul_ms" (the NVFP4 step's busy time outside jax_fp4's kernels and the
+lm_head GEMM: the attention, its dots included, the norms, RoPE, the cache writes, the converts;
+the example's kernel_breakdown) and "kernels_per_step" ("bf16_kernels_per_step" the twin's),
+"floor_ms" (the bytes a step reads, weights and KV cache, at the streaming-read bandwidth measured
+at the start), "nvfp4_over_floor" and "loop_over_gpu_busy"; a mixture-of-experts model's
+"active_experts" (the distinct experts a layer's decode step activated, averaged over the layers and
+steps, measured on the generated tokens: the experts its floor reads) beside
+"expected_active_experts" (uniform random routing's). --attention xla,cudnn runs each case with
+each way of running the decode steps' attention in turn (the example's --attention; each record's
+"attention"). Each batch compiles its prefill and decode step once per model and attention.
+
+prefill: the example's prefill of the same model (the prompt's forward pass writing the caches and
+choosing the first token, as a run starts) at each --prefill-lens prompt length and
+--prefill-batches batch, each row its own random prompt, NVFP4 and bf16: compiled once, then timed
+warm (a run's "prefill_ms" includes the compilation), --prefill-repeats calls of each alternating.
+Per row "nvfp4_ms" and "bf16_ms" (the median call), "ratio" (bf16_ms / nvfp4_ms), "tokens_per_s",
+"compile_s" and the jax_fp4 "path" of the prompt's batch x length rows.
 
 gemv: jax_fp4.matmul at M = --gemv-m on --gemv-shapes (default the model's fused q/k/v, o, fused
 gate/up and down projections, tiled layout) in a chain whose every matmul takes the previous one's
@@ -89,6 +106,9 @@ QUICK_MODEL = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
 }
+DEFAULT_PREFILL_LENS = (512, 2048)
+DEFAULT_PREFILL_BATCHES = (1, 4)
+DEFAULT_PREFILL_REPEATS = 10
 QUICK = {
     "model": "quick",
     "batches": (2,),
@@ -96,6 +116,9 @@ QUICK = {
     "long_prompt": 12,
     "new_tokens": 6,
     "gpu_busy_steps": 2,
+    "prefill_lens": (8,),
+    "prefill_batches": (1, 2),
+    "prefill_repeats": 2,
     "gemv_m": (1,),
     "gemv_shapes": ((384, 256), (256, 512)),
 }
@@ -140,50 +163,141 @@ def model_config(llm, model: str) -> dict:
     return json.loads(path.read_text())
 
 
-def decode_runs(
-    model: str,
-    cases: Sequence[tuple[int, int]],
-    new_tokens: int,
-    *,
-    gpu_busy_steps: int,
-    layout: str = "tiled",
-    layers: int | None = None,
-    read_bytes: int | None = None,
-    log: Callable[[str], None] = _log,
-) -> tuple[list[dict], dict]:
-    """The example's run record for each (batch, prompt length) of `cases`, NVFP4 and bf16, on one
-    model built once (`layers` decoder layers, default the config's), each record with its
-    "layers"; and the setup (config, read bandwidth). `read_bytes`: the streaming read's buffer
-    (default the example's: 1 GiB on a GPU)."""
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The example's model of a config's shapes with random weights (NVFP4), and its bf16 twin
+    (the same weights dequantized)."""
+
+    name: str
+    cfg: object  # the example's Config
+    params: dict
+    dense: dict
+
+
+def build_model(model: str, *, layout: str = "tiled", layers: int | None = None, log=_log) -> Model:
+    """`model`'s (a preset or a config.json) model, `layers` decoder layers deep (default the
+    config's), built once for the runs and the prefill rows."""
     llm = load_example()
-    read_bps = llm.read_bandwidth(read_bytes)  # before the weights take the device's memory
-    log(f"streaming read: {read_bps / 1e9:.0f} GB/s")
     started = time.perf_counter()
     config = dict(model_config(llm, model))
     if layers is not None:
         config["num_hidden_layers"] = layers
     cfg, params = llm.random_model(config, layout=layout)
-    dense = llm.dense_twin(params)
     log(f"model {model}: built in {time.perf_counter() - started:.1f} s")
+    return Model(model, cfg, params, llm.dense_twin(params))
+
+
+def decode_runs(
+    model: Model,
+    cases: Sequence[tuple[int, int]],
+    new_tokens: int,
+    *,
+    gpu_busy_steps: int,
+    read_bps: float,
+    attention: Sequence[str] = ("xla",),
+    log: Callable[[str], None] = _log,
+) -> list[dict]:
+    """The example's run record for each (batch, prompt length) of `cases` and each way of
+    running the decode steps' attention (the example's Config.attention) in `attention`, in
+    turn for each case, NVFP4 and bf16, each with the model's "layers" and its "attention";
+    `read_bps` the streaming-read bandwidth of the floors."""
+    llm = load_example()
     runs = []
     for batch, prompt_len in cases:
-        ids = np.random.default_rng(0).integers(0, cfg.vocab, prompt_len)
-        prompt = np.broadcast_to(ids, (batch, prompt_len))
+        prompt = llm.random_prompts(model.cfg.vocab, batch, prompt_len)
+        for kind in attention:
+            started = time.perf_counter()
+            run = llm.run_batch(
+                dataclasses.replace(model.cfg, attention=kind),
+                model.params,
+                model.dense,
+                prompt,
+                new_tokens,
+                model=model.name,
+                read_bps=read_bps,
+                gpu_busy_steps=gpu_busy_steps,
+            )
+            runs.append({**run, "layers": model.cfg.layers, "attention": kind})
+            log(
+                f"batch {batch}, prompt {prompt_len}, attention {kind}: "
+                f"{time.perf_counter() - started:.1f} s"
+            )
+    return runs
+
+
+# ---- prefill: the prompt's forward pass, warm ---------------------------------------------------
+
+
+def prefill_rows(
+    model: Model,
+    cases: Sequence[tuple[int, int]],
+    new_tokens: int,
+    *,
+    repeats: int,
+    warmup: int = 2,
+    log: Callable[[str], None] = _log,
+) -> list[dict]:
+    """The example's prefill (its generation.prefill_step: the prompt's forward pass writing the
+    caches, and the first token) of each (batch, prompt length) of `cases`, into caches of the
+    prompt + `new_tokens` positions as a run's, NVFP4 and bf16: each compiled once ("compile_s"),
+    `warmup` calls, then `repeats` calls of each alternating (every call waited for; the caches
+    each returns, donated on GPUs, are the next one's). Per row the median "nvfp4_ms" and
+    "bf16_ms", their fastest calls, "ratio" = bf16_ms / nvfp4_ms (>= 1: NVFP4 as fast as bf16),
+    "tokens_per_s" (NVFP4's) and the jax_fp4 path of the prompt's M = batch x length rows."""
+    llm = load_example()
+    cfg = model.cfg
+    weight = llm.first_nvfp4_weight(model.params["layers"])
+    rows = []
+    for batch, length in cases:
         started = time.perf_counter()
-        run = llm.run_batch(
-            cfg,
-            params,
-            dense,
-            prompt,
-            new_tokens,
-            model=model,
-            read_bps=read_bps,
-            gpu_busy_steps=gpu_busy_steps,
+        prompt = jnp.asarray(llm.random_prompts(cfg.vocab, batch, length), jnp.int32)
+        context = length + new_tokens
+        sides = {}
+        for side, params in (("nvfp4", model.params), ("bf16", model.dense)):
+            caches = llm.empty_cache(cfg, params, batch, context)
+            compile_started = time.perf_counter()
+            step = llm.prefill_step(cfg).lower(params, prompt, *caches, context).compile()
+            compile_s = time.perf_counter() - compile_started
+            sides[side] = dict(step=step, params=params, caches=caches, compile_s=compile_s, ms=[])
+
+        def call(side: dict) -> float:
+            t0 = time.perf_counter()
+            state = jax.block_until_ready(side["step"](side["params"], prompt, *side["caches"]))
+            side["caches"] = state[2:]  # donated to the next call on GPUs
+            return (time.perf_counter() - t0) * 1e3
+
+        for _ in range(warmup):
+            for side in sides.values():
+                call(side)
+        for _ in range(repeats):
+            for side in sides.values():
+                side["ms"].append(call(side))
+        ms = {name: float(np.median(side["ms"])) for name, side in sides.items()}
+        row = {
+            "model": model.name,
+            "layers": cfg.layers,
+            "batch": batch,
+            "prompt_len": length,
+            "context": context,
+            "nvfp4_ms": ms["nvfp4"],
+            "bf16_ms": ms["bf16"],
+            "ratio": ms["bf16"] / ms["nvfp4"],
+            "nvfp4_min_ms": min(sides["nvfp4"]["ms"]),
+            "bf16_min_ms": min(sides["bf16"]["ms"]),
+            "tokens_per_s": batch * length / (ms["nvfp4"] * 1e-3),
+            "compile_s": {name: side["compile_s"] for name, side in sides.items()},
+            "repeats": repeats,
+            "path": jax_fp4.dispatch_path(
+                jnp.zeros((batch * length, weight.k), model.params["embed"].dtype), weight
+            ),
+        }
+        log(
+            f"prefill batch {batch} x {length} tokens: NVFP4 {row['nvfp4_ms']:.2f} ms, bf16 "
+            f"{row['bf16_ms']:.2f} ms (x{row['ratio']:.2f}); path {row['path']}   "
+            f"[{time.perf_counter() - started:.1f} s]"
         )
-        runs.append({**run, "layers": cfg.layers})
-        log(f"batch {batch}, prompt {prompt_len}: {time.perf_counter() - started:.1f} s")
-    setup = {"config": dataclasses.asdict(cfg), "read_gb_per_s": read_bps / 1e9}
-    return runs, setup
+        rows.append(row)
+    return rows
 
 
 # ---- gemv: matmuls in a dependent chain ---------------------------------------------------------
@@ -397,13 +511,29 @@ _RUN_COLUMNS = (
     ("layers", lambda r: str(r["layers"]) if r.get("layers") else "-"),
     ("batch", lambda r: str(r["batch"])),
     ("context", lambda r: str(r["context"])),
+    ("attention", lambda r: r.get("attention") or "-"),
     ("NVFP4 ms", lambda r: _num(r.get("nvfp4_ms"))),
     ("bf16 ms", lambda r: _num(r.get("bf16_ms"))),
     ("x bf16", lambda r: _num(r.get("ratio"))),
     ("GPU busy ms", lambda r: _num(r.get("gpu_busy_ms"))),
+    ("non-matmul ms", lambda r: _num(r.get("non_matmul_ms"))),
+    ("kernels", lambda r: f"{r['kernels_per_step']:.0f}" if r.get("kernels_per_step") else "-"),
     ("loop / busy", lambda r: _num(r.get("loop_over_gpu_busy"))),
     ("floor ms", lambda r: _num(r.get("floor_ms"))),
     ("NVFP4 / floor", lambda r: _num(r.get("nvfp4_over_floor"))),
+    ("active experts", lambda r: _num(r.get("active_experts"))),
+    ("expected", lambda r: _num(r.get("expected_active_experts"))),
+)
+_PREFILL_COLUMNS = (
+    ("model", lambda r: str(r["model"])),
+    ("layers", lambda r: str(r["layers"])),
+    ("batch", lambda r: str(r["batch"])),
+    ("prompt", lambda r: str(r["prompt_len"])),
+    ("NVFP4 ms", lambda r: _num(r["nvfp4_ms"])),
+    ("bf16 ms", lambda r: _num(r["bf16_ms"])),
+    ("x bf16", lambda r: _num(r["ratio"])),
+    ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+    ("path", lambda r: str(r["path"])),
 )
 _TIMING_COLUMNS = (  # the gemv and mlp rows' own columns, after what they name
     ("M", lambda r: str(r["m"])),
@@ -425,14 +555,17 @@ _MLP_COLUMNS = (
     *_TIMING_COLUMNS,
     ("/ M=1", lambda r: _num(r.get("over_m1"))),
 )
-_TEXT_COLUMNS = {"model", "N x K", "hidden -> 2I -> hidden"}
+_TEXT_COLUMNS = {"model", "N x K", "hidden -> 2I -> hidden", "path"}
 
 
 def markdown(results: dict) -> str:
-    """The runs, gemv and mlp rows of a results dict as Markdown tables ('?': a noisy row)."""
+    """The runs, prefill, gemv and mlp rows of a results dict as Markdown tables ('?': a noisy
+    row)."""
     parts = []
     if results.get("runs"):
         parts.append(bench.markdown_table(_RUN_COLUMNS, results["runs"], _TEXT_COLUMNS))
+    if results.get("prefill"):
+        parts.append(bench.markdown_table(_PREFILL_COLUMNS, results["prefill"], _TEXT_COLUMNS))
     if results.get("gemv"):
         parts.append(bench.markdown_table(_GEMV_COLUMNS, results["gemv"], _TEXT_COLUMNS))
     if results.get("mlp"):
@@ -455,7 +588,8 @@ def earlier_results(path: Path, current: dict) -> dict:
     return earlier
 
 
-RUN_KEY = ("model", "layers", "batch", "context")
+RUN_KEY = ("model", "layers", "batch", "context", "attention")
+PREFILL_KEY = ("model", "layers", "batch", "prompt_len")
 GEMV_KEY = ("n", "k", "m", "layout", "backend", "tuning")
 MLP_KEY = ("hidden", "intermediate", "m", "backend", "tuning")
 
@@ -480,6 +614,13 @@ def _ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive ints, e.g. '1,8,64'; got {text!r}")
     return values
+
+
+def _attention_kinds(text: str) -> list[str]:
+    kinds = text.replace(",", " ").split()
+    if not kinds or any(k not in ("xla", "cudnn") for k in kinds) or len(set(kinds)) < len(kinds):
+        raise argparse.ArgumentTypeError(f"expected xla, cudnn or xla,cudnn; got {text!r}")
+    return kinds
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -543,7 +684,35 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"decode steps profiled for the GPU-busy time (default {DEFAULT_GPU_BUSY_STEPS}; "
         "0: none)",
     )
+    runs.add_argument(
+        "--attention",
+        type=_attention_kinds,
+        default=["xla"],
+        help="what runs the decode steps' attention, one or both in turn per run: xla (XLA's "
+        "batched dots and softmax; the default) and cudnn (cuDNN's fused attention: a CUDA GPU), "
+        "e.g. xla,cudnn",
+    )
     runs.add_argument("--no-runs", action="store_true", help="skip the runs")
+    prefill = p.add_argument_group("prefill (the example's prefill, compiled once, timed warm)")
+    prefill.add_argument(
+        "--prefill-lens",
+        type=_ints,
+        default=None,
+        help="prompt lengths, in tokens (default " + ",".join(map(str, DEFAULT_PREFILL_LENS)) + ")",
+    )
+    prefill.add_argument(
+        "--prefill-batches",
+        type=_ints,
+        default=None,
+        help="batch sizes (default " + ",".join(map(str, DEFAULT_PREFILL_BATCHES)) + ")",
+    )
+    prefill.add_argument(
+        "--prefill-repeats",
+        type=int,
+        default=None,
+        help=f"timed calls per row and side (default {DEFAULT_PREFILL_REPEATS})",
+    )
+    prefill.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
     gemv = p.add_argument_group("gemv (matmuls in a dependent chain)")
     gemv.add_argument(
         "--gemv-m",
@@ -625,6 +794,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     busy_steps = pick(args.gpu_busy_steps, "gpu_busy_steps", DEFAULT_GPU_BUSY_STEPS)
     gemv_m = pick(args.gemv_m, "gemv_m", DEFAULT_GEMV_M)
     gemv_shapes = pick(args.gemv_shapes, "gemv_shapes", DEFAULT_GEMV_SHAPES)
+    prefill_lens = pick(args.prefill_lens, "prefill_lens", DEFAULT_PREFILL_LENS)
+    prefill_batches = pick(args.prefill_batches, "prefill_batches", DEFAULT_PREFILL_BATCHES)
+    prefill_repeats = pick(args.prefill_repeats, "prefill_repeats", DEFAULT_PREFILL_REPEATS)
     if min(prompt_len, long_prompt, new_tokens) < 1:
         raise SystemExit(
             f"--prompt-len, --long-prompt and --new-tokens must be >= 1, got {prompt_len}, "
@@ -636,6 +808,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--gpu-busy-steps must be >= 0, got {busy_steps}")
     if args.repeats is not None and args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if prefill_repeats < 1:
+        raise SystemExit(f"--prefill-repeats must be >= 1, got {prefill_repeats}")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
 
     device = bench.default_device()
@@ -648,6 +822,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "jax_fp4": jax_fp4.__version__,
         "runs": [],
         "runs_setup": None,
+        "prefill": [],
+        "prefill_setup": None,
         "gemv": [],
         "gemv_setup": None,
         "mlp": [],
@@ -657,7 +833,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.update(
             {
                 key: earlier[key]
-                for key in ("runs", "runs_setup", "gemv", "gemv_setup", "mlp")
+                for key in (
+                    "runs",
+                    "runs_setup",
+                    "prefill",
+                    "prefill_setup",
+                    "gemv",
+                    "gemv_setup",
+                    "mlp",
+                )
                 if earlier.get(key) is not None
             }
         )
@@ -667,26 +851,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         bench.write_json_file(str(out), results)
 
-    if not args.no_runs:
-        cases = [(b, prompt_len) for b in batches]
-        if not args.no_long_prompt:
-            cases += [(batch, long_prompt) for batch in args.long_prompt_batches]
-        runs, setup = decode_runs(
-            model,
-            cases,
-            new_tokens,
-            gpu_busy_steps=busy_steps,
-            layout=args.layout,
-            layers=args.layers,
-            read_bytes=QUICK_READ_BYTES if args.quick else None,
-        )
-        for run in runs:
-            run["command"] = command
-        results["runs"] = merged(results["runs"], runs, RUN_KEY)
-        results["runs_setup"] = dict(
-            command=command, model=model, new_tokens=new_tokens, layout=args.layout, **setup
-        )
-        write()
+    if not (args.no_runs and args.no_prefill):
+        llm = load_example()
+        read_bps = None
+        if not args.no_runs:  # before the weights take the device's memory
+            read_bps = llm.read_bandwidth(QUICK_READ_BYTES if args.quick else None)
+            _log(f"streaming read: {read_bps / 1e9:.0f} GB/s")
+        built = build_model(model, layout=args.layout, layers=args.layers)
+        setup = {
+            "command": command,
+            "model": model,
+            "new_tokens": new_tokens,
+            "layout": args.layout,
+            "config": dataclasses.asdict(built.cfg),
+        }
+        if not args.no_runs:
+            cases = [(b, prompt_len) for b in batches]
+            if not args.no_long_prompt:
+                cases += [(batch, long_prompt) for batch in args.long_prompt_batches]
+            runs = decode_runs(
+                built,
+                cases,
+                new_tokens,
+                gpu_busy_steps=busy_steps,
+                read_bps=read_bps,
+                attention=args.attention,
+            )
+            for run in runs:
+                run["command"] = command
+            results["runs"] = merged(results["runs"], runs, RUN_KEY)
+            results["runs_setup"] = {
+                **setup,
+                "attention": args.attention,
+                "read_gb_per_s": read_bps / 1e9,
+            }
+            write()
+        if not args.no_prefill:
+            cases = [(batch, length) for length in prefill_lens for batch in prefill_batches]
+            rows = prefill_rows(
+                built, cases, new_tokens, repeats=prefill_repeats, warmup=1 if args.quick else 2
+            )
+            for row in rows:
+                row["command"] = command
+            results["prefill"] = merged(results["prefill"], rows, PREFILL_KEY)
+            results["prefill_setup"] = {**setup, "repeats": prefill_repeats}
+            write()
+        del built  # the gemv part's weights take the memory next
     if not args.no_gemv:
         if not args.quick:
             bench.warm_up_device(1.0)

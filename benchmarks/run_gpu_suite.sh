@@ -71,7 +71,7 @@ if [[ -z "$only" || "$only" == moe ]]; then
   layers=()
   ((${memory_mib:-0} >= 120000)) || layers=(--layers 24)
   python benchmarks/decode.py --model qwen3-30b-a3b "${layers[@]}" --batches 1,8 --no-gemv \
-    --no-long-prompt --json "$out/moe_step.json" 2>&1 | tee "$out/moe_step.log"
+    --no-prefill --no-long-prompt --json "$out/moe_step.json" 2>&1 | tee "$out/moe_step.log"
   ((PIPESTATUS[0] == 0)) || status=1
 fi
 
@@ -86,10 +86,10 @@ if [[ "$only" == serving ]]; then
   ((PIPESTATUS[0] == 0)) || status=1
   shapes=6144x4096,4096x4096,4096x14336,17408x5120,28672x8192
   ms=1,2,4,8,12,16,24,32,48,64
-  python benchmarks/decode.py --no-runs --gemv-m "$ms" --gemv-shapes "$shapes" --backend gemv \
-    --tuning gemv_batched=1 --json "$out/serving_batched.json" 2>&1 | tee "$out/serving_batched.log"
+  python benchmarks/decode.py --no-runs --no-prefill --gemv-m "$ms" --gemv-shapes "$shapes" \
+    --backend gemv --tuning gemv_batched=1 --json "$out/serving_batched.json" 2>&1 | tee "$out/serving_batched.log"
   ((PIPESTATUS[0] == 0)) || status=1
-  python benchmarks/decode.py --no-runs --gemv-m "$ms" --gemv-shapes "$shapes" \
+  python benchmarks/decode.py --no-runs --no-prefill --gemv-m "$ms" --gemv-shapes "$shapes" \
     --json "$out/serving_auto.json" 2>&1 | tee "$out/serving_auto.log"
   ((PIPESTATUS[0] == 0)) || status=1
 fi

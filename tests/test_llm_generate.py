@@ -2,6 +2,7 @@
 Qwen-style decoder from an NVFP4 checkpoint, against a float64 NumPy forward pass (full causal
 attention recomputed at every length, no cache) on the checkpoint's dequantized weights."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -85,7 +86,8 @@ def reference_logits(config: dict, t: dict, tokens, *, routing: dict | None = No
     """Logits [S, vocab] of one sequence, float64, no cache. A config with "num_experts" runs
     Qwen3-MoE layers (loops over tokens and their top-k experts); `routing`, a dict, then receives
     "margin" [S]: per position, the least gap over the layers between the k-th and (k+1)-th
-    router logit (a small one: the model's rounding may pick another expert)."""
+    router logit (a small one: the model's rounding may pick another expert), and "experts"
+    [layers, S, k]: each layer's chosen experts, largest logit first."""
     hd, heads, kvh = (
         config["head_dim"],
         config["num_attention_heads"],
@@ -107,7 +109,7 @@ def reference_logits(config: dict, t: dict, tokens, *, routing: dict | None = No
         return out
 
     s = len(tokens)
-    margins = np.full(s, np.inf)
+    margins, chosen = np.full(s, np.inf), []
     h = _as_float(t, "model.embed_tokens.weight")[np.asarray(tokens)]
     for layer in range(config["num_hidden_layers"]):
         pre = f"model.layers.{layer}"
@@ -134,15 +136,16 @@ def reference_logits(config: dict, t: dict, tokens, *, routing: dict | None = No
         h = h + proj(attn.reshape(s, heads * hd), "self_attn.o_proj")
         x = norm(h, _as_float(t, f"{pre}.post_attention_layernorm.weight"))
         if config.get("num_experts"):
-            y, margin = _reference_moe(config, t, f"{pre}.mlp", x)
+            y, margin, experts = _reference_moe(config, t, f"{pre}.mlp", x)
             margins = np.minimum(margins, margin)
+            chosen.append(experts)
             h = h + y
         else:
             gate, up = proj(x, "mlp.gate_proj"), proj(x, "mlp.up_proj")
             h = h + proj(gate / (1 + np.exp(-gate)) * up, "mlp.down_proj")
     head = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
     if routing is not None:
-        routing["margin"] = margins
+        routing.update(margin=margins, experts=np.asarray(chosen))
     return norm(h, _as_float(t, "model.norm.weight")) @ _as_float(t, head).T
 
 
@@ -150,10 +153,11 @@ def _reference_moe(config: dict, t: dict, prefix: str, x: np.ndarray):
     """Qwen3-MoE's block on normed tokens x [S, H], token by token: softmax of the router's
     logits, the top k experts (the lower index first on ties), their weights renormalised where
     norm_topk_prob, the weighted sum of down(silu(gate x) * up x). Also each token's gap between
-    the k-th and (k+1)-th logit (inf with k = E)."""
+    the k-th and (k+1)-th logit (inf with k = E), and its experts [S, k], largest logit first."""
     k, experts = config["num_experts_per_tok"], config["num_experts"]
     router = _as_float(t, f"{prefix}.gate.weight")
     y, margin = np.zeros_like(x), np.full(len(x), np.inf)
+    chosen = np.zeros((len(x), k), np.int64)
     for s, token in enumerate(x):
         logits = router @ token
         probs = np.exp(logits - logits.max())
@@ -161,7 +165,7 @@ def _reference_moe(config: dict, t: dict, prefix: str, x: np.ndarray):
         top = np.argsort(-logits, kind="stable")
         if k < experts:
             margin[s] = logits[top[k - 1]] - logits[top[k]]
-        weights = probs[top[:k]]
+        weights, chosen[s] = probs[top[:k]], top[:k]
         if config.get("norm_topk_prob"):
             weights = weights / weights.sum()
         for e, weight in zip(top[:k], weights):
@@ -169,7 +173,7 @@ def _reference_moe(config: dict, t: dict, prefix: str, x: np.ndarray):
             gate = _as_float(t, f"{pre}.gate_proj") @ token
             up = _as_float(t, f"{pre}.up_proj") @ token
             y[s] += weight * (_as_float(t, f"{pre}.down_proj") @ (gate / (1 + np.exp(-gate)) * up))
-    return y, margin
+    return y, margin, chosen
 
 
 def _config(variant: str) -> dict:
@@ -880,3 +884,67 @@ def test_the_decode_step_never_transposes_a_cache(capsys):
     assert probe.main(["--preset", "demo", "--batch", "2", "--max-len", "256"]) == 0
     out = capsys.readouterr().out
     assert "cache-sized copies / transposes / converts" in out and "transpose(" not in out
+
+
+def test_kernel_breakdown_splits_a_step_into_matmuls_and_the_rest(example):
+    """A trace's kernels of two NVFP4 decode steps by name: jax_fp4's (demangled or not), the
+    lm_head GEMM (each step's longest matmul-library kernel), and the rest, the attention's
+    library dots and cuBLAS's split-K reduce included."""
+    fp4 = [
+        ("void jax_fp4::cuda::GemvMmaKernel<4, 2, true>(jax_fp4::cuda::GemvArgs)", 10_000),
+        ("void jax_fp4::cuda::GemvMmaKernel<8, 1, true>(jax_fp4::cuda::GemvArgs)", 12_000),
+        ("_ZN7jax_fp44cuda17GemvBatchedKernelILi8EEEvNS0_8GemvArgsE", 5_000),
+    ]
+    step = fp4 + [
+        ("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNN", 240_000),  # lm_head
+        ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", 3_000),
+        ("void gemv2N_kernel<int, int, __nv_bfloat16, float, 128, 16, 4, 4>", 2_000),  # q.k
+        ("void gemv2N_kernel<int, int, __nv_bfloat16, float, 128, 16, 4, 4>", 2_500),  # p.v
+        ("loop_convert_fusion_3", 1_300),
+        ("input_reduce_fusion_1", 1_100),
+    ]
+    got = example.kernel_breakdown(step + step, 2)
+    assert got["jax_fp4_ms"] == pytest.approx(0.027)
+    assert got["lm_head_ms"] == pytest.approx(0.240)
+    assert got["other_ms"] == pytest.approx(0.0099)
+    assert got["other_kernels_per_step"] == 5
+    assert example.kernel_breakdown([], 4) == dict.fromkeys(
+        ("jax_fp4_ms", "lm_head_ms", "other_ms", "other_kernels_per_step"), 0.0
+    )
+
+
+def test_the_attention_choice_and_what_cudnn_refuses(example):
+    """Config.attention: "xla" or "cudnn", nothing else; "cudnn" takes a decode step's attention
+    only (a prefill's stays XLA's, the same program on any device) and refuses float32 caches at
+    trace time."""
+    cfg, params = example.random_model(example.DEMO_CONFIG, dtype=jnp.float32)
+    assert cfg.attention == "xla"
+    with pytest.raises(ValueError, match="attention must be one of .'xla', 'cudnn'., got 'flash'"):
+        dataclasses.replace(cfg, attention="flash")
+    cudnn = dataclasses.replace(cfg, attention="cudnn")
+    tokens = jnp.asarray(example.random_prompts(cfg.vocab, 2, 5), jnp.int32)
+    caches = example.empty_cache(cfg, params, 2, 8)
+    prefill = [example.forward(c, params, tokens, 0, *caches)[0] for c in (cfg, cudnn)]
+    np.testing.assert_array_equal(np.asarray(prefill[0]), np.asarray(prefill[1]))
+    with pytest.raises(ValueError, match="attention 'cudnn' runs bfloat16 or float16 caches"):
+        jax.eval_shape(lambda: example.forward(cudnn, params, tokens[:, :1], 5, *caches))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["gpu"], indirect=True)
+def test_cudnn_decode_attention_matches_xla(example, device):
+    """A decode step's logits with cuDNN's fused attention as with XLA's, after a prefill, at
+    batch 3 (each row its own prompt, so each attends to its own cache)."""
+    cfg, params = example.random_model(example.DEMO_CONFIG)
+    cudnn = dataclasses.replace(cfg, attention="cudnn")
+    forward = jax.jit(example.forward, static_argnums=0)
+    prompt = jnp.asarray(example.random_prompts(cfg.vocab, 3, 9), jnp.int32)
+    _, k_cache, v_cache = forward(cfg, params, prompt, 0, *example.empty_cache(cfg, params, 3, 16))
+    token = prompt[:, -1:]
+    for position in (9, 10):
+        xla, k_next, v_next = forward(cfg, params, token, jnp.int32(position), k_cache, v_cache)
+        got, k_got, v_got = forward(cudnn, params, token, jnp.int32(position), k_cache, v_cache)
+        for b in range(3):
+            assert reference.relative_error(np.asarray(got[b]), np.asarray(xla[b])) < 0.02
+        np.testing.assert_array_equal(np.asarray(k_got[0]), np.asarray(k_next[0]))
+        token, k_cache, v_cache = jnp.argmax(xla[:, -1:], axis=-1).astype(jnp.int32), k_next, v_next

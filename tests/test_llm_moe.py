@@ -56,14 +56,14 @@ def _tokens_clear_of_routing_ties(
     """Random tokens [total] whose float64 routing has every k-th/(k+1)-th router logit gap of the
     first `clear_until` positions (all by default) above `threshold`, where a model's rounding
     cannot pick another expert, and whose reference logits `accept` takes; and the reference
-    logits and gaps of those tokens."""
+    logits and routing (reference_logits': "margin", "experts") of those tokens."""
     clear_until = total if clear_until is None else clear_until
     for _ in range(100):
         tokens = rng.integers(0, config["vocab_size"], size=total)
         routing = {}
         expected = reference_logits(config, tensors, tokens, routing=routing)
         if (routing["margin"][:clear_until] > threshold).all() and accept(expected):
-            return tokens, expected, routing["margin"]
+            return tokens, expected, routing
     raise AssertionError(f"no tokens clear of routing ties above {threshold} in 100 draws")
 
 
@@ -112,11 +112,15 @@ def test_float32_forward_matches_the_float64_reference(
     tiled = cfg.hidden % 128 == 0 and cfg.moe_intermediate % 128 == 0
     assert down.layout == ("tiled" if layout == "tiled" and tiled else "spec")
 
-    tokens, expected, _ = _tokens_clear_of_routing_ties(rng, config, tensors, 20, 1e-3)
+    tokens, expected, routing = _tokens_clear_of_routing_ties(rng, config, tensors, 20, 1e-3)
     got = cached_logits(example, cfg, params, tokens, 7)
     assert got.shape == expected.shape
     scale = max(1.0, np.abs(expected).max())
     assert np.abs(got - expected).max() <= 1e-4 * scale
+    # The measurement forward (what a run's active_experts counts) routes as the reference does.
+    routed = np.asarray(example.routed_experts(cfg, params, jnp.asarray(tokens[None])))
+    assert routed.shape == (cfg.layers, 1, len(tokens), cfg.experts_per_token)
+    np.testing.assert_array_equal(routed[:, 0], routing["experts"])
 
 
 def test_bf16_forward_and_greedy_tokens_match_the_float64_reference(example, tmp_path, device):
@@ -129,7 +133,7 @@ def test_bf16_forward_and_greedy_tokens_match_the_float64_reference(example, tmp
     )
     cfg, params = example.load_model(tmp_path)
     total, prompt_len = 16, 5
-    tokens, expected, margin = _tokens_clear_of_routing_ties(
+    tokens, expected, routing = _tokens_clear_of_routing_ties(
         rng,
         TINY,
         tensors,
@@ -139,6 +143,7 @@ def test_bf16_forward_and_greedy_tokens_match_the_float64_reference(example, tmp
         accept=lambda logits: _clear_argmax(logits[prompt_len - 1]),
     )
     got = cached_logits(example, cfg, params, tokens, prompt_len)
+    margin = routing["margin"]
     clear = int(np.argmin(margin > 0.05)) if (margin <= 0.05).any() else total
     for p in range(clear):
         assert reference.relative_error(got[p], expected[p]) < 0.05, f"position {p}"
@@ -391,20 +396,50 @@ def test_random_presets_and_the_cli(example, tmp_path, capsys):
     )
     assert full - one == pytest.approx(experts * 6 / 8, abs=2)
 
+    # The floors read the experts the steps activated: the prompt repeated, a batch's rows route
+    # as one row does (k experts a layer); each row its own random prompt, more.
     record_file = tmp_path / "moe.json"
     argv = ["--random", "qwen3-moe-tiny", "--batch", "1,4", "--max-new-tokens", "5"]
-    assert example.main(argv + ["--compare-bf16", "--json", str(record_file)]) == 0
-    text = capsys.readouterr().out
-    assert "8 experts (top 2)" in text and "NVFP4 against bf16" in text
-    record = json.loads(record_file.read_text())
-    assert record["config"]["experts"] == 8 and record["model"] == "qwen3-moe-tiny"
-    for run in record["runs"]:
-        active = example.expected_active_experts(cfg, run["batch"])
-        assert run["expected_active_experts"] == pytest.approx(active)
-        weights = example.step_bytes(params, active_experts=active)
-        assert run["nvfp4"]["floor_bytes_per_step"] == weights + run["cache_bytes"]
+    runs = {}
+    for prompt in (["--prompt-ids", "1,2,3"], ["--prompt-len", "3"]):
+        assert example.main(argv + prompt + ["--compare-bf16", "--json", str(record_file)]) == 0
+        text = capsys.readouterr().out
+        assert "8 experts (top 2)" in text and "NVFP4 against bf16" in text
+        record = json.loads(record_file.read_text())
+        assert record["config"]["experts"] == 8 and record["model"] == "qwen3-moe-tiny"
+        runs[prompt[0]] = record["runs"]
+    for run in runs["--prompt-ids"] + runs["--prompt-len"]:
+        expected = example.expected_active_experts(cfg, run["batch"])
+        assert run["expected_active_experts"] == pytest.approx(expected)
+        assert run["active_experts"] == run["nvfp4"]["active_experts"]
+        for side, weights in (("nvfp4", params), ("bf16", twin)):
+            floor = example.step_bytes(weights, active_experts=run[side]["active_experts"])
+            assert run[side]["floor_bytes_per_step"] == floor + run["cache_bytes"]
         assert run["nvfp4"]["weight_bytes_per_step"] == example.step_bytes(params)
         assert run["ratio"] == pytest.approx(run["bf16_ms"] / run["nvfp4_ms"])
+    repeated, distinct = runs["--prompt-ids"][1], runs["--prompt-len"][1]
+    assert [r["active_experts"] for r in runs["--prompt-ids"]] == [2.0, 2.0]
+    assert runs["--prompt-len"][0]["active_experts"] == 2.0
+    assert repeated["bf16"]["active_experts"] == 2.0
+    assert 2.0 < distinct["active_experts"] <= 8.0
+    assert distinct["floor_ms"] > repeated["floor_ms"]
+
+
+def test_active_experts_counts_each_steps_distinct_experts(example):
+    """A step's tokens (one per row) route together: the distinct experts of each (layer,
+    position) from `first` on, averaged."""
+    routed = np.array(
+        [
+            [[[0, 1], [2, 3], [4, 5]], [[1, 0], [3, 6], [6, 7]]],  # layer 0: rows 0 and 1
+            [[[0, 1], [0, 1], [0, 1]], [[0, 1], [0, 1], [2, 3]]],  # layer 1
+        ]
+    )
+    # positions 1 and 2: layer 0 {2, 3, 6} and {4, 5, 6, 7}, layer 1 {0, 1} and {0, 1, 2, 3}
+    assert example.active_experts(routed, 1) == pytest.approx((3 + 4 + 2 + 4) / 4)
+    assert example.active_experts(routed, 0) == pytest.approx((2 + 3 + 4 + 2 + 2 + 4) / 6)
+    assert example.active_experts(routed[:, :1], 0) == 2.0  # one row: its k experts
+    with pytest.raises(ValueError, match="no position from 3 on"):
+        example.active_experts(routed, 3)
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     assert results["runs_setup"]["command"] == results["gemv_setup"]["command"] == command
     assert results["runs_setup"]["model"] == "quick" and results["gemv_setup"]["seed"] == 3
     assert results["runs_setup"]["config"]["layers"] == 2  # --layers over the config's 1
+    assert results["runs_setup"]["attention"] == ["xla"]
 
     quick = decode.QUICK
     expected = [(b, quick["prompt_len"]) for b in quick["batches"]] + [(1, quick["long_prompt"])]
@@ -48,9 +49,11 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     for r in runs:
         assert all(field in r for field in RUN_FIELDS), sorted(r)
         assert r["model"] == "quick" and r["layers"] == 2 and r["command"] == command
+        assert r["attention"] == "xla"
         assert _positive(r["nvfp4_ms"]) and _positive(r["bf16_ms"]) and _positive(r["floor_ms"])
         assert r["ratio"] == pytest.approx(r["bf16_ms"] / r["nvfp4_ms"])
         assert r["gpu_busy_ms"] is None  # no GPU in the trace
+        assert r["non_matmul_ms"] is None and r["kernels_per_step"] is None
 
     rows = results["gemv"]
     assert [(r["n"], r["k"], r["m"]) for r in rows] == [
@@ -77,11 +80,57 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     assert pair["tbps"] == pytest.approx(pair["bytes"] / (pair["us"] * 1e-6) / 1e12)
     assert pair["fraction_of_read_bw"] == pytest.approx(pair["tbps"] / pair["read_bw_tbps"])
 
+    prefill = results["prefill"]
+    assert [(r["batch"], r["prompt_len"]) for r in prefill] == [
+        (b, n) for n in quick["prefill_lens"] for b in quick["prefill_batches"]
+    ]
+    assert results["prefill_setup"]["repeats"] == quick["prefill_repeats"]
+    for r in prefill:
+        assert r["model"] == "quick" and r["layers"] == 2 and r["command"] == command
+        assert r["context"] == r["prompt_len"] + quick["new_tokens"]
+        assert _positive(r["nvfp4_ms"]) and _positive(r["bf16_ms"]) and r["path"] == "cpu"
+        assert r["nvfp4_min_ms"] <= r["nvfp4_ms"] and r["bf16_min_ms"] <= r["bf16_ms"]
+        assert r["ratio"] == pytest.approx(r["bf16_ms"] / r["nvfp4_ms"])
+        assert r["tokens_per_s"] == pytest.approx(
+            r["batch"] * r["prompt_len"] / r["nvfp4_ms"] * 1e3
+        )
+        assert _positive(r["compile_s"]["nvfp4"]) and _positive(r["compile_s"]["bf16"])
+
     printed = capsys.readouterr().out
-    assert "| model | layers | batch | context | NVFP4 ms | bf16 ms |" in printed
+    assert "| model | layers | batch | prompt | NVFP4 ms | bf16 ms | x bf16 |" in printed
+    assert "| model | layers | batch | context | attention | NVFP4 ms | bf16 ms |" in printed
     assert f"| {hidden}->{2 * inter}->{hidden} | 1 |" in printed
     assert "| N x K | M | us | TB/s | % of read BW |" in printed
     assert f"| {rows[0]['n']}x{rows[0]['k']} | 1 |" in printed
+
+
+def test_moe_runs_give_each_row_its_own_prompt_and_count_the_active_experts(tmp_path, capsys):
+    """A batch of distinct prompts activates more than one row's k experts a layer, and its
+    floor reads what it activated; the expected count of random routing stays beside it."""
+    out = tmp_path / "decode.json"
+    argv = ["--quick", "--model", "qwen3-moe-tiny", "--batches", "1,4", "--no-long-prompt"]
+    argv += ["--no-prefill", "--no-gemv", "--new-tokens", "5", "--json", str(out)]
+    assert decode.main(argv) == 0
+    one, four = json.loads(out.read_text())["runs"]
+    assert one["active_experts"] == one["expected_active_experts"] == 2.0  # top 2 of 8
+    assert 2.0 < four["active_experts"] <= 8.0
+    assert four["expected_active_experts"] == pytest.approx(8 * (1 - (1 - 2 / 8) ** 4))
+    assert four["nvfp4"]["active_experts"] == four["active_experts"]
+    assert "| active experts | expected |" in capsys.readouterr().out
+    llm = decode.load_example()
+    prompts = llm.random_prompts(512, 4, 6)
+    assert len({tuple(row) for row in prompts}) == 4  # each row its own
+    np.testing.assert_array_equal(llm.random_prompts(512, 1, 6)[0], prompts[0])
+
+
+def test_prefill_alone_at_chosen_lengths_and_batches(tmp_path):
+    out = tmp_path / "decode.json"
+    argv = ["--quick", "--no-runs", "--no-gemv", "--prefill-lens", "5,3", "--prefill-batches", "3"]
+    assert decode.main(argv + ["--prefill-repeats", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["runs"] == [] and results["gemv"] == [] and results["runs_setup"] is None
+    assert [(r["batch"], r["prompt_len"]) for r in results["prefill"]] == [(3, 5), (3, 3)]
+    assert results["prefill_setup"]["repeats"] == 1
 
 
 def test_earlier_records_stay_unless_measured_again(tmp_path):
@@ -116,7 +165,18 @@ def test_help_documents_the_command_line(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert "python benchmarks/decode.py" in text
-    for flag in ("--batches", "--long-prompt", "--gemv-m", "--gemv-shapes", "--json", "--quick"):
+    for flag in (
+        "--batches",
+        "--long-prompt",
+        "--prefill-lens",
+        "--prefill-batches",
+        "--no-prefill",
+        "--attention",
+        "--gemv-m",
+        "--gemv-shapes",
+        "--json",
+        "--quick",
+    ):
         assert flag in text
 
 
@@ -131,7 +191,10 @@ def test_markdown_from_an_earlier_result(tmp_path, capsys):
     path.write_text(json.dumps({"runs": [run], "gemv": [row]}))
     assert decode.main(["--markdown-from", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "| llama3-8b | 32 | 1 | 72 | 1.50 | 4.50 | 3.00 | - | - | 1.20 | 1.25 |" in lines
+    assert (
+        "| llama3-8b | 32 | 1 | 72 | - | 1.50 | 4.50 | 3.00 | - | - | - | - | 1.20 | 1.25 | - | - |"
+        in lines
+    )
     # a record from before the floors and the M = 1 ratio: "-" in their columns
     assert "| 4096x4096 | 1 | 5.00? | 1.70 | 90% | 11.00 | 2.20 | - | - | 0.00 |" in lines
 
@@ -180,6 +243,14 @@ def test_bad_arguments_are_refused():
         decode.main(["--quick", "--new-tokens", "0"])
     with pytest.raises(SystemExit):
         decode.main(["--quick", "--layers", "0"])
+    with pytest.raises(SystemExit):
+        decode.main(["--quick", "--prefill-repeats", "0"])
+    with pytest.raises(SystemExit):
+        decode.main(["--prefill-lens", "512,0"])
+    for attention in ("flash", "xla,xla", ""):
+        with pytest.raises(SystemExit):
+            decode.main(["--attention", attention])
+    assert decode._attention_kinds("xla,cudnn") == ["xla", "cudnn"]
 
 
 def test_fit_width_slices_or_repeats_columns():

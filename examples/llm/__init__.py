@@ -4,7 +4,7 @@ of a Llama / Qwen-style decoder, dense or mixture-of-experts, in plain JAX with 
     config      config.json -> Config (shapes, RoPE, experts) and the presets of public models
     weights     a checkpoint's tensors -> params (fused q/k/v and gate/up, stacked experts);
                 `load_model`, `assemble`, `dense_twin`
-    synthetic   random models of a config's shapes, and the demo checkpoint writer
+    synthetic   random models of a config's shapes, random prompts, the demo checkpoint writer
     model       the forward pass with a KV cache: `forward`, `empty_cache`
     generation  prefill, the donated decode step and the timed loop: `generate`
     measure     GPU-busy time, streaming-read bandwidth, the bytes a step reads

@@ -43,7 +43,9 @@ The layers are unrolled by default, each weight its own buffer, which every kern
 lies; --scan-layers stacks them under lax.scan instead (one layer compiled), where XLA copies each
 layer's dense weights out of the stack before their dot: on an H100 the bf16 step took 2.5x as
 long that way, the NVFP4 one 1.1x (benchmarks/RESULTS.md). Unrolled, each layer's KV cache is its
-own buffer, updated in place.
+own buffer, updated in place. A decode step's attention runs as XLA's batched dots around a
+float32 softmax, or with --attention cudnn as cuDNN's fused attention kernel, which reads only the
+cached positions so far (a CUDA GPU and bf16 caches; the prefill's attention stays XLA's).
 
 Mixed-precision exports (ModelOpt quant_algo "MIXED_PRECISION", compressed-tensors format
 "mixed-precision") run their FP8 layers dense: each dequantized at load with its own scale
@@ -83,7 +85,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .config import PRESETS  # NumPy only: --help answers before jax is imported
+from .config import ATTENTION, PRESETS  # NumPy only: --help answers before jax is imported
 
 GPU_BUSY_STEPS = 8  # decode steps in --gpu-busy's profile
 
@@ -128,13 +130,14 @@ def main(argv=None) -> int:
         "--prompt-len",
         type=int,
         metavar="N",
-        help="a prompt of N random token ids (seeded) instead of --prompt",
+        help="N random token ids (seeded), each sequence of the batch its own, instead of --prompt",
     )
     parser.add_argument(
         "--batch",
         type=_positive_ints,
         default=[1],
-        help="sequences decoded together (the prompt repeated); a comma-separated list "
+        help="sequences decoded together (the prompt repeated, or --prompt-len's own each); a "
+        "comma-separated list "
         "(e.g. 1,8,16) runs each batch size in turn on the same weights",
     )
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated greedily")
@@ -167,6 +170,13 @@ def main(argv=None) -> int:
         "time the GPU is busy per step",
     )
     parser.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="xla",
+        help="what runs a decode step's attention: XLA's batched dots and softmax (default), or "
+        "cuDNN's fused attention (a CUDA GPU, bf16 caches)",
+    )
+    parser.add_argument(
         "--scan-layers",
         action="store_true",
         help="stack the layers under lax.scan (compiles one layer; XLA copies each "
@@ -193,7 +203,7 @@ def main(argv=None) -> int:
 
     from .measure import read_bandwidth
     from .runs import _tokenizer, run_batch
-    from .synthetic import random_model, write_demo_checkpoint
+    from .synthetic import random_model, random_prompts, write_demo_checkpoint
     from .weights import dense_twin, load_model
 
     # The loader says where it dropped a K padding (ModelOpt's, for a K not a multiple of 16).
@@ -225,9 +235,10 @@ def main(argv=None) -> int:
                 if args.quantize
                 else params
             )
+    cfg = dataclasses.replace(cfg, attention=args.attention)
     model_name = args.random or ("demo" if args.demo else str(args.checkpoint))
     if args.prompt_len:
-        ids = np.random.default_rng(0).integers(0, cfg.vocab, args.prompt_len).tolist()
+        ids = random_prompts(cfg.vocab, 1, args.prompt_len)[0].tolist()
     elif args.prompt_ids or tokenizer is None:
         ids = [int(t) for t in (args.prompt_ids or "1,2,3,4,5").split(",")]
         if not all(0 <= t < cfg.vocab for t in ids):
@@ -253,7 +264,9 @@ def main(argv=None) -> int:
             cfg,
             params,
             dense,
-            np.asarray([ids] * batch),
+            random_prompts(cfg.vocab, batch, args.prompt_len)
+            if args.prompt_len
+            else np.asarray([ids] * batch),
             args.max_new_tokens,
             model=model_name,
             read_bps=read_bps,

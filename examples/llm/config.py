@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+ATTENTION = ("xla", "cudnn")  # Config.attention's choices
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -40,6 +42,13 @@ class Config:
     # turn (q, k, v heads; gate, up features): a tensor-parallel placement, where each device's
     # contiguous rows are one group (examples/llm_tensor_parallel.py). 1: the parts in order.
     shards: int = 1
+    # What runs a decode step's attention (model.attend): "xla", XLA's batched dots and softmax
+    # (every device), or "cudnn", cuDNN's fused attention (a CUDA GPU, bf16 or fp16 caches).
+    attention: str = "xla"
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
 
     @classmethod
     def from_json(cls, config: dict) -> Config:

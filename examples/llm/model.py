@@ -1,7 +1,8 @@
 """The forward pass of a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE decoder with a KV cache
 (`forward`, `empty_cache`): NVFP4 projections through jax_fp4.matmul with the norms, SiLU(gate) *
 up and the residual adds folded in, dense ones through XLA's dot, Qwen3-MoE's experts through
-jax_fp4.ragged_matmul."""
+jax_fp4.ragged_matmul, a decode step's attention through XLA or cuDNN (`attend`); and, for
+measurement, the experts a sequence's tokens route to (`routed_experts`)."""
 
 from __future__ import annotations
 
@@ -61,17 +62,24 @@ def _epilogue(y, activation, residual):
 
 
 def rms_norm(x, weight, eps):
+    return _normalized(x.astype(jnp.float32), weight, eps).astype(x.dtype)
+
+
+def _normalized(x32, weight, eps):
+    """The RMSNorm of float32 x32's last axis, in float32."""
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight
+
+
+def apply_rope(x, positions, inv_freq, *, norm=None, norm_eps=1e-6):
+    """x [B, S, heads, head_dim] rotated by positions [S] (Hugging Face's rotate-half pairing),
+    in float32 and rounded once to x's dtype; `norm` an RMSNorm weight [head_dim] applied first
+    (Qwen3's q/k norms), its output rotated unrounded: one pass over x, one rounding."""
     x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight).astype(
-        x.dtype
-    )
-
-
-def apply_rope(x, positions, inv_freq):
-    """x [B, S, heads, head_dim] rotated by positions [S] (Hugging Face's rotate-half pairing)."""
+    if norm is not None:
+        x32 = _normalized(x32, norm, norm_eps)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [S, hd / 2]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
@@ -179,13 +187,13 @@ def _moe(cfg: Config, h, layer):
     return (h.astype(jnp.float32) + y).astype(h.dtype)
 
 
-def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
-    """One decoder layer on h [B, S, hidden] at positions [S]; caches [B, kv_heads, T, head_dim]."""
+def _attention(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
+    """h + the attention block of h [B, S, hidden] at positions [S] (o_proj adding the residual),
+    and the caches [B, kv_heads, T, head_dim] with these positions' keys and values written."""
     b, s, _ = h.shape
     q, k, v = _qkv(cfg, h, layer)
-    if "q_norm" in layer:
-        q, k = rms_norm(q, layer["q_norm"], cfg.rms_eps), rms_norm(k, layer["k_norm"], cfg.rms_eps)
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, norm=layer.get("q_norm"), norm_eps=cfg.rms_eps)
+    k = apply_rope(k, positions, inv_freq, norm=layer.get("k_norm"), norm_eps=cfg.rms_eps)
     # The caches hold each head's positions together ([B, kv_heads, T, head_dim]): the layout of
     # the attention's batched matmuls, read where it lies. Caches of [B, T, kv_heads, head_dim]
     # were transposed whole, every layer of every step (XLA's CPU program; docs/design.md).
@@ -196,19 +204,63 @@ def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
         v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), positions[0], axis=2
     )
 
-    # Grouped-query attention on the caches' own dtype, accumulated in float32 (the product with
-    # the values rounds to that dtype, as the next projection takes it): no float32 copy of the
-    # caches to read (an H100 at 1024-2048 new tokens: 3-4% off the step; benchmarks/RESULTS.md).
-    group = cfg.heads // cfg.kv_heads
-    qg = q.reshape(b, s, cfg.kv_heads, group, cfg.head_dim).astype(k_cache.dtype)
+    attn = attend(cfg, q, k_cache, v_cache, positions)
+    attn = attn.reshape(b, s, cfg.heads * cfg.head_dim).astype(h.dtype)
+    return linear(attn, layer["o_proj"], residual=h), k_cache, v_cache
+
+
+def attend(cfg: Config, q, k_cache, v_cache, positions):
+    """Grouped-query attention of q [B, S, heads, head_dim] at positions [S] over the caches
+    [B, kv_heads, T, head_dim] holding them, each query seeing the positions up to its own:
+    [B, S, heads, head_dim] in the caches' dtype. Config.attention "cudnn" runs a decode step's
+    (S = 1) as cuDNN's fused attention (`_cudnn_decode_attention`); "xla", and every prefill, as
+    XLA's batched dots around a float32 softmax."""
+    if cfg.attention == "cudnn" and q.shape[1] == 1:
+        return _cudnn_decode_attention(q, k_cache, v_cache, positions[0])
+    # On the caches' own dtype, accumulated in float32 (the product with the values rounds to that
+    # dtype, as the next projection takes it): no float32 copy of the caches to read (an H100 at
+    # 1024-2048 new tokens: 3-4% off the step; benchmarks/RESULTS.md).
+    b, s, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    qg = q.reshape(b, s, kv_heads, heads // kv_heads, head_dim).astype(k_cache.dtype)
     scores = jnp.einsum(
         "bskgd,bktd->bkgst", qg, k_cache, preferred_element_type=jnp.float32
-    ) / math.sqrt(cfg.head_dim)
+    ) / math.sqrt(head_dim)
     visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]  # [S, T], causal
     probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v_cache.dtype)
-    attn = jnp.einsum("bkgst,bktd->bskgd", probs, v_cache)
-    attn = attn.reshape(b, s, cfg.heads * cfg.head_dim).astype(h.dtype)
-    h = linear(attn, layer["o_proj"], residual=h)
+    return jnp.einsum("bkgst,bktd->bskgd", probs, v_cache).reshape(b, s, heads, head_dim)
+
+
+def _cudnn_decode_attention(q, k_cache, v_cache, position):
+    """`attend` for one query position a sequence (q [B, 1, heads, head_dim]) at `position`: one
+    cuDNN fused-attention kernel (scores, softmax and the product with the values) that reads the
+    cached positions 0 .. position only (a padding mask of position + 1 keys), where XLA's dots
+    read the whole cache and the softmax takes kernels of its own. jax.nn.dot_product_attention's
+    cuDNN path takes [B, T, heads, head_dim] operands only, into which the caches would be copied
+    every layer of every step; the function under it takes their own layout ("BNTH")."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    if k_cache.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"attention 'cudnn' runs bfloat16 or float16 caches, got {k_cache.dtype}: use 'xla'"
+        )
+    b = q.shape[0]
+    out = dot_product_attention(
+        q.swapaxes(1, 2).astype(k_cache.dtype),  # [B, heads, 1, head_dim]
+        k_cache,
+        v_cache,
+        q_seqlen=jnp.ones((b,), jnp.int32),
+        kv_seqlen=jnp.full((b,), position + 1, jnp.int32),
+        scale=1 / math.sqrt(q.shape[-1]),
+        mask_type=MaskType.PADDING,
+        qkv_layout="BNTH",
+    )
+    return out.swapaxes(1, 2)
+
+
+def _layer(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
+    """One decoder layer on h [B, S, hidden] at positions [S]; caches [B, kv_heads, T, head_dim]."""
+    h, k_cache, v_cache = _attention(cfg, inv_freq, positions, h, layer, k_cache, v_cache)
     h = _moe(cfg, h, layer) if "experts" in layer else _mlp(cfg, h, layer)
     return h, k_cache, v_cache
 
@@ -218,9 +270,33 @@ def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     and the caches with their keys and values written. The caches are `empty_cache`'s for these
     params: a list of [B, kv_heads, T, head_dim] arrays per layer for unrolled layers, one
     [layers, B, kv_heads, T, head_dim] array for stacked ones."""
+    h, k_cache, v_cache = hidden_states(cfg, params, tokens, start, k_cache, v_cache)
+    return lm_logits(cfg, params, h), k_cache, v_cache
+
+
+def hidden_states(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
+    """`forward` up to the last layer's output [B, S, hidden] (before the final norm), and the
+    caches."""
     positions = start + jnp.arange(tokens.shape[1])
-    h = params["embed"][tokens]
     layer_step = functools.partial(_layer, cfg, params["inv_freq"], positions)
+
+    def step(h, layer, k_layer, v_layer):
+        return (*layer_step(h, layer, k_layer, v_layer), None)
+
+    h, k_cache, v_cache, _ = _decoder(step, params, tokens, k_cache, v_cache)
+    return h, k_cache, v_cache
+
+
+def lm_logits(cfg: Config, params: dict, h):
+    """Logits [..., vocab] (float32) of hidden states h [..., hidden]: the final norm, lm_head."""
+    return linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"]).astype(jnp.float32)
+
+
+def _decoder(layer_step, params: dict, tokens, k_cache, v_cache):
+    """tokens [B, S] embedded and through every layer of params: layer_step(h, layer, k_layer,
+    v_layer) -> (h, k_layer, v_layer, aux) per layer; returns (h, k_cache, v_cache, the layers'
+    aux, stacked on a leading axis)."""
+    h = params["embed"][tokens]
     stacked = isinstance(params["layers"], dict)
     if stacked == isinstance(k_cache, (list, tuple)):
         expected = "one stacked array" if stacked else "a list of arrays, one per layer"
@@ -232,19 +308,42 @@ def forward(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
     if stacked:  # assemble's stack_layers: one layer compiled, under lax.scan
 
         def body(h, xs):
-            h, k_layer, v_layer = layer_step(h, *xs)
-            return h, (k_layer, v_layer)
+            h, k_layer, v_layer, aux = layer_step(h, *xs)
+            return h, (k_layer, v_layer, aux)
 
-        h, (k_cache, v_cache) = jax.lax.scan(body, h, (params["layers"], k_cache, v_cache))
-    else:  # unrolled: every weight passed to its kernel as the buffer it is, and each layer's
-        # cache its own buffer, which the step's keys and values update in place (a stacked cache
-        # was copied a layer at a time through .at[i].set: an H100 at batch 1 and 2048 new tokens
-        # took 3.98 ms a step that way, 3.30 this way).
-        k_cache, v_cache = list(k_cache), list(v_cache)
-        for i, layer in enumerate(params["layers"]):
-            h, k_cache[i], v_cache[i] = layer_step(h, layer, k_cache[i], v_cache[i])
-    logits = linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"])
-    return logits.astype(jnp.float32), k_cache, v_cache
+        h, (k_cache, v_cache, aux) = jax.lax.scan(body, h, (params["layers"], k_cache, v_cache))
+        return h, k_cache, v_cache, aux
+    # unrolled: every weight passed to its kernel as the buffer it is, and each layer's cache its
+    # own buffer, which the step's keys and values update in place (a stacked cache was copied a
+    # layer at a time through .at[i].set: an H100 at batch 1 and 2048 new tokens took 3.98 ms a
+    # step that way, 3.30 this way).
+    k_cache, v_cache, aux = list(k_cache), list(v_cache), []
+    for i, layer in enumerate(params["layers"]):
+        h, k_cache[i], v_cache[i], layer_aux = layer_step(h, layer, k_cache[i], v_cache[i])
+        aux.append(layer_aux)
+    return h, k_cache, v_cache, jax.tree.map(lambda *xs: jnp.stack(xs), *aux)
+
+
+def routed_experts(cfg: Config, params: dict, tokens):
+    """The experts each MoE layer routes each of tokens [B, S] (positions 0 .. S - 1) to: int32
+    [layers, B, S, experts_per_token]. A forward pass for measurement only (`forward` returns no
+    routing, so the timed step computes nothing more): the whole sequence at once, each layer's
+    router on its post-attention norm as the MoE block takes it."""
+    positions = jnp.arange(tokens.shape[1])
+    k_cache, v_cache = empty_cache(cfg, params, *tokens.shape)
+
+    def step(h, layer, k_layer, v_layer):
+        h, k_layer, v_layer = _attention(
+            cfg, params["inv_freq"], positions, h, layer, k_layer, v_layer
+        )
+        x = rms_norm(h, layer["post_attention_layernorm"], cfg.rms_eps).reshape(-1, h.shape[-1])
+        r = jax_fp4.route_top_k(
+            linear(x, layer["router"]), cfg.experts_per_token, renormalize=cfg.norm_topk_prob
+        )
+        experts = r.experts.reshape(*h.shape[:2], -1)
+        return _moe(cfg, h, layer), k_layer, v_layer, experts
+
+    return _decoder(step, params, tokens, k_cache, v_cache)[3]
 
 
 def empty_cache(cfg: Config, params: dict, batch: int, max_len: int, sharding=None):

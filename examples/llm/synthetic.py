@@ -120,6 +120,15 @@ def random_model(
     )
 
 
+def random_prompts(vocab: int, batch: int, length: int, *, seed: int = 0) -> np.ndarray:
+    """Token ids [batch, length] in [0, vocab), each row a prompt of its own (so a
+    mixture-of-experts model's rows route as distinct sequences do), row i drawn from (seed, i)
+    alone: the same at every batch size."""
+    return np.stack(
+        [np.random.default_rng([seed, row]).integers(0, vocab, length) for row in range(batch)]
+    )
+
+
 ROUTER_SCALE = 2.0  # the demo routers' logits have about this standard deviation
 
 
