@@ -138,19 +138,15 @@ def counter_tiles(hidden_size: int) -> int:
     return -(-hidden_size // 16)
 
 
-def kernels(x, gate_up, down, routing, residual, *, gate_up_meta, down_meta):
-    """The two launches (ffi/cuda/grouped/moe_handler.cu). The gate/up call also zeroes the
-    counters the down call counts each token's finished pairs in (aliased in and out of it); the
-    down call's float32 pair products go to a scratch result."""
+def gate_up_kernel(x, gate_up, routing, *, gate_up_meta):
+    """The gate/up launch: (hidden [T k, I] in row (expert) order, the down launch's counters,
+    zeroed)."""
     weights, order, _, group_sizes = routing
     tokens, hidden_size = x.shape
     k = weights.shape[1]
-    inter = gate_up[0].shape[1] // 2
-    pairs = tokens * k
     counters = jax.ShapeDtypeStruct((tokens, counter_tiles(hidden_size)), jnp.int32)
-    hidden, counts = jax.ffi.ffi_call(
-        GATE_UP_TARGET, (jax.ShapeDtypeStruct((pairs, inter), x.dtype), counters)
-    )(
+    hidden = jax.ShapeDtypeStruct((tokens * k, gate_up[0].shape[1] // 2), x.dtype)
+    return jax.ffi.ffi_call(GATE_UP_TARGET, (hidden, counters))(
         x,
         *gate_up,
         group_sizes,
@@ -159,13 +155,22 @@ def kernels(x, gate_up, down, routing, residual, *, gate_up_meta, down_meta):
         tiled=gate_up_meta[1] == "tiled",
         top_k=np.int64(k),
     )
-    res = jnp.zeros((0,), x.dtype) if residual is None else residual
+
+
+def down_kernel(hidden, counters, down, routing, residual, *, down_meta, dtype):
+    """The down launch: y [T, H] in `dtype`, each token's k weighted pair products summed in slot
+    order with the residual. The counters pass through it (aliased); its float32 pair products go
+    to a scratch result."""
+    weights, order, _, group_sizes = routing
+    tokens, k = weights.shape
+    hidden_size = down[0].shape[1]
+    res = jnp.zeros((0,), dtype) if residual is None else residual
     y, _, _ = jax.ffi.ffi_call(
         DOWN_TARGET,
         (
-            jax.ShapeDtypeStruct((tokens, hidden_size), x.dtype),
-            counters,
-            jax.ShapeDtypeStruct((pairs, hidden_size), jnp.float32),
+            jax.ShapeDtypeStruct((tokens, hidden_size), dtype),
+            jax.ShapeDtypeStruct(counters.shape, jnp.int32),
+            jax.ShapeDtypeStruct((tokens * k, hidden_size), jnp.float32),
         ),
         input_output_aliases={8: 1},
     )(
@@ -175,12 +180,21 @@ def kernels(x, gate_up, down, routing, residual, *, gate_up_meta, down_meta):
         order,
         weights,
         res,
-        counts,
+        counters,
         block_size=np.int64(down_meta[0]),
         tiled=down_meta[1] == "tiled",
         top_k=np.int64(k),
     )
     return y
+
+
+def kernels(x, gate_up, down, routing, residual, *, gate_up_meta, down_meta):
+    """The two launches (ffi/cuda/grouped/moe_handler.cu). The gate/up call also zeroes the
+    counters the down call counts each token's finished pairs in (aliased in and out of it)."""
+    hidden, counters = gate_up_kernel(x, gate_up, routing, gate_up_meta=gate_up_meta)
+    return down_kernel(
+        hidden, counters, down, routing, residual, down_meta=down_meta, dtype=x.dtype
+    )
 
 
 _PATHS = {"composed": composed, "kernels": kernels}
@@ -395,6 +409,11 @@ def _check_routing(routing, tokens: int, experts: int):
     )
 
 
+def stack_operands(w: NVFP4Weight):
+    """An expert stack as the primitive takes it: (packed, scale bytes, global_scale float32)."""
+    return (w.packed, scale_as_bytes(w.scale), jnp.asarray(w.global_scale, jnp.float32))
+
+
 def moe(x, routing, w_gate_up: NVFP4Weight, w_down: NVFP4Weight, *, residual=None, backend=None):
     """A mixture-of-experts MLP block on tokens x [T, H] (the module's docstring has the
     formula and the paths):
@@ -464,13 +483,10 @@ def moe(x, routing, w_gate_up: NVFP4Weight, w_down: NVFP4Weight, *, residual=Non
             if (reason := _dispatch.grouped_gemv_unsupported_reason(p)) is not None:
                 raise ValueError(f"moe: backend='kernels' cannot serve {name}: {reason}")
 
-    def stack(w):
-        return (w.packed, scale_as_bytes(w.scale), jnp.asarray(w.global_scale, jnp.float32))
-
     return bind(
         x,
-        stack(w_gate_up),
-        stack(w_down),
+        stack_operands(w_gate_up),
+        stack_operands(w_down),
         routing,
         residual,
         gate_up_meta=gate_up_meta,
