@@ -503,3 +503,52 @@ def test_jit_with_stacks_split_along_n_or_k(spec):
     hlo = f.lower(x, r, w_gu, w_d).compile().as_text()
     gathered = [line for line in hlo.splitlines() if "all-gather" in line and "u8[8," in line]
     assert not gathered, gathered
+
+
+# ---- the CUDA lowering (checked on any machine) -------------------------------------------------
+
+
+@pytest.fixture
+def cuda_build(monkeypatch):
+    """Lower as for an H100 with every CUDA target of this package registered."""
+    from jax_fp4 import ffi as _ffi  # noqa: PLC0415
+    from jax_fp4 import native as _native  # noqa: PLC0415
+
+    monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.ALL_CUDA_ARCHITECTURES)
+    monkeypatch.setattr(_native, "device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_native, "device_kind", lambda device=None: "NVIDIA H100 80GB HBM3")
+    registered = dict(_ffi.REGISTERED_TARGETS, CUDA=list(_ffi.FFI_TARGETS["CUDA"]))
+    monkeypatch.setattr(_ffi, "REGISTERED_TARGETS", registered)
+
+
+def _cuda_text(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_a_decode_block_is_the_routing_and_two_kernels(cuda_build):
+    """At decode sizes the block is three custom calls (routing, gate/up, down with the combine)
+    and no XLA gather or scatter of the routed rows; vmap over token sets keeps one block; past
+    the crossover it is ragged_matmul's composition."""
+    import re  # noqa: PLC0415
+
+    rng = np.random.default_rng()
+    w_gu, w_d, _, _ = make_stacks(rng, 16, 256, 128, "tiled")
+
+    def layer(x, logits):
+        r = jax_fp4.route_top_k(logits, 4, renormalize=True)
+        return jax_fp4.moe(x, r, w_gu, w_d, residual=x)
+
+    x = jnp.zeros((3, 256), jnp.bfloat16)
+    logits = jnp.zeros((3, 16), jnp.float32)
+    text = _cuda_text(layer, x, logits)
+    calls = re.findall(r"custom_call @(\w+)", text)
+    assert sorted(calls) == sorted(
+        ["jax_fp4_top_k_routing_cuda", moe_block.GATE_UP_TARGET, moe_block.DOWN_TARGET]
+    )
+    assert "gather" not in text and "scatter" not in text
+    batched = _cuda_text(jax.vmap(layer), x[None].repeat(2, 0), logits[None].repeat(2, 0))
+    assert len(re.findall(rf"custom_call @{moe_block.GATE_UP_TARGET}", batched)) == 1
+    many = jnp.zeros((64, 256), jnp.bfloat16)
+    prefill = _cuda_text(layer, many, jnp.zeros((64, 16), jnp.float32))
+    assert moe_block.GATE_UP_TARGET not in prefill and "jax_fp4_grouped_gemm_cuda" in prefill
