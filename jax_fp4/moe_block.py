@@ -57,6 +57,7 @@ from jax_fp4.ops import (
     def_compiled_impl,
     resolve_backend,
 )
+from jax_fp4.ops import matmul as _matmul
 from jax_fp4.routing import expert_order
 
 nvfp4_moe_p = Primitive("nvfp4_moe")
@@ -414,7 +415,64 @@ def stack_operands(w: NVFP4Weight):
     return (w.packed, scale_as_bytes(w.scale), jnp.asarray(w.global_scale, jnp.float32))
 
 
-def moe(x, routing, w_gate_up: NVFP4Weight, w_down: NVFP4Weight, *, residual=None, backend=None):
+def _check_shared(shared, shared_gate, hidden: int):
+    """(w_gate_up, w_down, gate weight [H] or None) of the shared expert, checked."""
+    if not isinstance(shared, (tuple, list)) or len(shared) != 2:
+        raise TypeError(
+            "moe: shared must be a pair (w_gate_up [2 I_s, H], w_down [H, I_s]) of NVFP4Weights, "
+            f"got {type(shared).__name__}"
+        )
+    gate_up, down = shared
+    for name, w in (("shared[0]", gate_up), ("shared[1]", down)):
+        if not isinstance(w, NVFP4Weight):
+            raise not_a_weight_error("moe", w, name)
+        if w.packed.ndim != 2:
+            raise ValueError(f"moe: {name} must be one weight [N, K], got shape {w.shape}")
+    if gate_up.k != hidden or gate_up.n % 2:
+        raise ValueError(
+            f"moe: shared[0] must be a fused gate/up weight [2 I_s, H] with H = {hidden}, got "
+            f"shape {gate_up.shape}"
+        )
+    if tuple(down.shape) != (hidden, gate_up.n // 2):
+        raise ValueError(
+            f"moe: shared[1] must be [H, I_s] = {(hidden, gate_up.n // 2)} to match shared[0] "
+            f"{gate_up.shape}, got {down.shape}"
+        )
+    if shared_gate is None:
+        return gate_up, down, None
+    shared_gate = shared_gate if hasattr(shared_gate, "dtype") else jnp.asarray(shared_gate)
+    if not jnp.issubdtype(shared_gate.dtype, jnp.floating) or shared_gate.size != hidden:
+        raise ValueError(
+            f"moe: shared_gate must be a float weight [H] (or [1, H]) with H = {hidden}, got "
+            f"{shared_gate.dtype} {tuple(shared_gate.shape)}"
+        )
+    return gate_up, down, shared_gate.reshape(hidden)
+
+
+def shared_expert(x, gate_up, down, gate, residual):
+    """residual + the shared expert's down(silu(gate(x)) * up(x)), times sigmoid(x . gate) when
+    `gate` is given, in x's dtype: jax_fp4.matmul's GEMV with silu_mul, then its residual
+    fusion (or, with the gate, the gate's product and the sum in float32, rounded once)."""
+    hidden = _matmul(x, gate_up, activation="silu_mul")
+    if gate is None:
+        return _matmul(hidden, down, residual=residual)
+    y = _matmul(hidden, down).astype(jnp.float32)
+    g = jnp.dot(x.astype(jnp.float32), gate.astype(jnp.float32), precision="highest")
+    y = jax.nn.sigmoid(g)[:, None] * y
+    return (y if residual is None else residual.astype(jnp.float32) + y).astype(x.dtype)
+
+
+def moe(
+    x,
+    routing,
+    w_gate_up: NVFP4Weight,
+    w_down: NVFP4Weight,
+    *,
+    residual=None,
+    shared=None,
+    shared_gate=None,
+    backend=None,
+):
     """A mixture-of-experts MLP block on tokens x [T, H] (the module's docstring has the
     formula and the paths):
 
@@ -429,6 +487,12 @@ def moe(x, routing, w_gate_up: NVFP4Weight, w_down: NVFP4Weight, *, residual=Non
       w_down: an NVFP4Weight stack [E, H, I].
       residual: optional [T, H], added in float32 before the one rounding (the layer's residual
         stream: the block then returns the stream's next value).
+      shared: optional shared expert, a dense NVFP4 MLP every token goes through (Qwen2-MoE,
+        DeepSeek-V3, Llama-4): (w_gate_up [2 I_s, H] fused gate/up, w_down [H, I_s]). It runs
+        first, through jax_fp4.matmul (two GEMVs at decode), and its output joins the residual,
+        rounded to x's dtype, before the routed sum.
+      shared_gate: optional float [H] (or [1, H]): the shared expert's output times
+        sigmoid(x . shared_gate) per token (Qwen2-MoE's shared_expert_gate).
       backend: None/"auto" (the kernels at decode sizes on a GPU that has them, else the
         composition), "composed", or "kernels" (raises ValueError where they cannot serve).
 
@@ -467,6 +531,10 @@ def moe(x, routing, w_gate_up: NVFP4Weight, w_down: NVFP4Weight, *, residual=Non
             )
         residual = residual.astype(x.dtype)
     backend = resolve_backend(backend, _dispatch.MOE_BACKENDS, op="moe")
+    if shared is not None:
+        residual = shared_expert(x, *_check_shared(shared, shared_gate, hidden), residual)
+    elif shared_gate is not None:
+        raise ValueError("moe: shared_gate needs a shared expert (shared=)")
     gate_up_meta = (w_gate_up.block_size, w_gate_up.layout)
     down_meta = (w_down.block_size, w_down.layout)
     if backend == "kernels":  # the platform-independent part of a forced backend, at trace time

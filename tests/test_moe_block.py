@@ -290,6 +290,48 @@ def test_grad_matches_a_dense_float64_model(device):
         )
 
 
+def shared_model(rng, x, hidden, inter, with_gate):
+    """A shared expert (w_gate_up, w_down), its gate weight or None, and its float64 output with
+    the bound of its roundings (the GEMV's hidden row, the output joining the residual)."""
+    packed, scale, gs = reference.random_weight(rng, 2 * inter, hidden, unit_gain=True)
+    gate_up = jax_fp4.NVFP4Weight(packed, scale, gs)
+    dense_gu = reference.dequantize(packed, scale, gs, 16)
+    packed, scale, gs = reference.random_weight(rng, hidden, inter, unit_gain=True)
+    down = jax_fp4.NVFP4Weight(packed, scale, gs)
+    dense_d = reference.dequantize(packed, scale, gs, 16)
+    x64 = np.asarray(x, np.float64)
+    g, u = x64 @ dense_gu[:inter].T, x64 @ dense_gu[inter:].T
+    hid = g / (1 + np.exp(-g)) * u
+    out = hid @ dense_d.T
+    bound = np.abs(hid) @ np.abs(dense_d).T + np.abs(out)
+    gate = None
+    if with_gate:
+        gate = jnp.asarray(rng.standard_normal((1, hidden)) / np.sqrt(hidden), jnp.float32)
+        sig = 1 / (1 + np.exp(-(x64 @ np.asarray(gate, np.float64)[0])))
+        out, bound = out * sig[:, None], bound * sig[:, None]
+    return (gate_up, down), gate, out, bound
+
+
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_a_shared_expert_joins_the_residual(device, with_gate):
+    rng = np.random.default_rng()
+    w_gu, w_d, dense_gu, dense_d = make_stacks(rng, 8, 128, 128)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    r = jax_fp4.route_top_k(jnp.asarray(rng.standard_normal((5, 8)), jnp.float32), 2)
+    shared, gate, out, out_bound = shared_model(rng, x, 128, 256, with_gate)
+    for backend in backends(device):
+        y = jax.jit(
+            lambda x, r, res, s, g, backend=backend: jax_fp4.moe(
+                x, r, w_gu, w_d, residual=res, shared=s, shared_gate=g, backend=backend
+            )
+        )(x, r, residual, shared, gate)
+        ref, bound = model(x, r, dense_gu, dense_d, residual, x.dtype)
+        ref = ref + out
+        bound = bound + 2 * EPS["bfloat16"] * (out_bound + np.abs(ref))
+        check(y, ref, bound, x.dtype)
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 
 
@@ -394,6 +436,26 @@ def test_bad_residual_and_backend():
     # K = 32: the kernels' 128-wide windows cannot take it, whatever the platform.
     with pytest.raises(ValueError, match=r"backend='kernels' cannot serve w_gate_up: K must be"):
         jax_fp4.moe(x, r, a, b, backend="kernels")
+
+
+def test_bad_shared_expert():
+    x, r, a, b = _args()
+    rng = np.random.default_rng()
+    gu = jax_fp4.NVFP4Weight(*reference.random_weight(rng, 16, 32))
+    dn = jax_fp4.NVFP4Weight(*reference.random_weight(rng, 32, 8))
+    jax_fp4.moe(x, r, a, b, shared=(gu, dn), shared_gate=jnp.ones((1, 32)))
+    with pytest.raises(TypeError, match=r"shared must be a pair"):
+        jax_fp4.moe(x, r, a, b, shared=gu)
+    with pytest.raises(TypeError, match=r"shared\[1\] must be an NVFP4Weight"):
+        jax_fp4.moe(x, r, a, b, shared=(gu, jnp.ones((32, 8))))
+    with pytest.raises(ValueError, match=r"shared\[1\] must be \[H, I_s\] = \(32, 8\)"):
+        jax_fp4.moe(x, r, a, b, shared=(gu, gu))
+    with pytest.raises(ValueError, match=r"shared\[0\] must be a fused gate/up weight"):
+        jax_fp4.moe(x, r, a, b, shared=(dn, dn))
+    with pytest.raises(ValueError, match=r"shared_gate must be a float weight \[H\]"):
+        jax_fp4.moe(x, r, a, b, shared=(gu, dn), shared_gate=jnp.ones((16,)))
+    with pytest.raises(ValueError, match=r"shared_gate needs a shared expert"):
+        jax_fp4.moe(x, r, a, b, shared_gate=jnp.ones((32,)))
 
 
 def test_forcing_the_kernels_on_the_cpu_names_the_platform():
