@@ -19,14 +19,18 @@ Paths (jax_fp4.dispatch.moe_plan):
             the down grouped GEMV keeps each pair's product in float32, weights it and, in the
             block that completes a token's k pairs, sums them in slot order and adds the
             residual: one rounding, bit-reproducible (no order-dependent atomics).
-Both are checked against a float64 model and against each other (tests/test_moe_block.py); the
-composition is the reference the kernels answer to.
+Both answer to the same float64 model of the formula, with each path's roundings in the bound
+(tests/test_moe_block.py, tests/test_moe_kernels.py).
 
-A routing need not come from route_top_k: any (weights, order, group_sizes) whose order lists the
-pairs grouped by expert, group_sizes[e] of them for expert e, serves (the inverse permutation is
-read by the composition only). Pairs past sum(group_sizes) contribute nothing (ragged_matmul's
+A routing need not come from route_top_k: any (weights, order, group_sizes) whose order is a
+permutation of the T k pairs listing them grouped by expert, group_sizes[e] of them for expert e,
+serves (the inverse permutation is read by the composition only; the kernels count each pair
+once, so an order that repeats a pair leaves its token's output unwritten). Pairs past sum(group_sizes) contribute nothing (ragged_matmul's
 rows past the groups), which is how an expert-parallel shard_map body leaves out the pairs of
 other shards' experts.
+
+An optional shared expert (a dense NVFP4 MLP every token takes, with Qwen2-MoE's sigmoid gate)
+runs first through jax_fp4.matmul and joins the residual (`shared_expert`).
 
 Transformations: jit; vmap (the batch's tokens join one block, one pass over the weights; with
 batched weight stacks, one block per element); the JVP is the composition's, so grad with respect
