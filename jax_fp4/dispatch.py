@@ -646,7 +646,8 @@ def moe_plan(
     it raises ValueError with the reason."""
     if backend not in MOE_BACKENDS:
         raise ValueError(f"backend must be one of {MOE_BACKENDS} (or None), got {backend!r}")
-    if backend == "composed" or gate_up.m == 0 or gate_up.groups == 0:
+    empty = 0 in (gate_up.m, gate_up.groups, gate_up.n, gate_up.k, down.n, down.k)
+    if backend == "composed" or empty:  # an empty block: ragged_matmul's empty path
         return "composed"
     reason = moe_kernels_unsupported_reason(gate_up, down, target, has_kernels=has_kernels)
     if backend == "kernels":

@@ -132,7 +132,9 @@ def composed(x, gate_up, down, routing, residual, *, gate_up_meta, down_meta):
     # fixed-order sum (a scatter-add of the pairs onto their tokens would add in whatever order
     # the GPU's atomics land).
     out = jnp.take(out, inverse, axis=0, mode="clip").astype(jnp.float32)
-    y = jnp.sum(out.reshape(tokens, k, -1) * weights.astype(jnp.float32)[..., None], axis=1)
+    y = jnp.sum(
+        out.reshape(tokens, k, out.shape[-1]) * weights.astype(jnp.float32)[..., None], axis=1
+    )
     if residual is not None:
         y = y + residual.astype(jnp.float32)
     return y.astype(x.dtype)

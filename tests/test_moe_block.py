@@ -491,6 +491,7 @@ def test_dispatch_takes_the_kernels_at_decode_sizes_only():
     assert plan(1, dtype="float32") == "composed"
     assert plan(1, hidden=2000) == "composed"
     assert plan(1, backend="composed") == "composed"
+    assert plan(0) == plan(0, backend="kernels") == "composed"  # no tokens: nothing to launch
     assert plan(500, backend="kernels") == "kernels"
     with pytest.raises(ValueError, match="lowered for 'cpu'"):
         plan(1, dispatch.Target("cpu"), backend="kernels")
@@ -614,3 +615,11 @@ def test_a_decode_block_is_the_routing_and_two_kernels(cuda_build):
     many = jnp.zeros((64, 256), jnp.bfloat16)
     prefill = _cuda_text(layer, many, jnp.zeros((64, 16), jnp.float32))
     assert moe_block.GATE_UP_TARGET not in prefill and "jax_fp4_grouped_gemm_cuda" in prefill
+
+
+def test_no_tokens_gives_an_empty_block(device):
+    rng = np.random.default_rng()
+    w_gu, w_d, _, _ = make_stacks(rng, 4, 128, 128)
+    r = jax_fp4.route_top_k(jnp.zeros((0, 4), jnp.float32), 2)
+    y = run(jnp.zeros((0, 128), jnp.bfloat16), r, w_gu, w_d)
+    assert y.shape == (0, 128) and y.dtype == jnp.bfloat16
