@@ -181,12 +181,10 @@ def test_the_block_s_kernels_give_the_direct_calls_bits():
     rng = np.random.default_rng()
     x, gu, dn, r, residual = problem(rng, 5, 16, 4, 256, 128, "random", "float16")
 
-    def weight(arrays):
-        return jax_fp4.prepack(jax_fp4.NVFP4Weight(*arrays, block_size=16))
-
-    y = jax.jit(
-        lambda x, r, res: jax_fp4.moe(x, r, weight(gu), weight(dn), residual=res, backend="kernels")
-    )(x, r, residual)
+    w_gu, w_d = (jax_fp4.prepack(jax_fp4.NVFP4Weight(*a, block_size=16)) for a in (gu, dn))
+    y = jax.jit(lambda x, r, res, a, b: jax_fp4.moe(x, r, a, b, residual=res, backend="kernels"))(
+        x, r, residual, w_gu, w_d
+    )
     direct = call(x, gu, dn, r, residual, tiled=True)[0]
     np.testing.assert_array_equal(np.asarray(y).view(np.uint16), direct.view(np.uint16))
 
