@@ -26,7 +26,8 @@ from jax_fp4 import layout as _layout
 from jax_fp4.moe_block import DOWN_TARGET, GATE_UP_TARGET, counter_tiles
 from tests import reference
 from tests._helpers import DTYPES, NP_DTYPES, poison
-from tests.test_grouped_kernels import EPS, _marks, random_experts
+from tests.test_grouped_kernels import EPS, _marks
+from tests.test_ragged_matmul import random_stack
 
 MARKS = _marks(GATE_UP_TARGET, (8, 0)) + _marks(DOWN_TARGET, (8, 0))
 pytestmark = MARKS
@@ -76,7 +77,8 @@ def model(x, gu, dn, routing, residual, sizes, dtype):
     tokens, k = weights.shape
     inter = gu[0].shape[1] // 2
     ref = np.zeros((tokens, dn[0].shape[1]))
-    mag = np.zeros_like(ref)
+    rounding = np.zeros_like(ref)  # the hidden rows' rounding (a float32 sum may flip it)
+    accumulation = np.zeros_like(ref)  # the float32 accumulations' error scale
     start = 0
     for e, size in enumerate(np.maximum(np.asarray(sizes, np.int64), 0)):
         end = min(start + size, order.size)
@@ -91,12 +93,12 @@ def model(x, gu, dn, routing, residual, sizes, dtype):
             ref[t] += weights[t, j] * (w_dn @ hid)
             ag = np.abs(w_gu[:inter]) @ np.abs(x64[t])
             au = np.abs(w_gu[inter:]) @ np.abs(x64[t])
-            mag[t] += abs(weights[t, j]) * (np.abs(w_dn) @ (np.abs(hid) + 1e-5 * 2.1 * ag * au))
+            rounding[t] += abs(weights[t, j]) * (np.abs(w_dn) @ np.abs(hid))
+            accumulation[t] += abs(weights[t, j]) * (np.abs(w_dn) @ (2.1 * ag * au))
         start = end
     if residual is not None:
         ref += np.asarray(residual, np.float64)
-        mag += np.abs(np.asarray(residual, np.float64))
-    return ref, 2 * EPS[dtype] * np.abs(ref) + 1e-5 * mag + 1e-30
+    return ref, 2 * EPS[dtype] * (np.abs(ref) + rounding) + 1e-5 * accumulation + 1e-30
 
 
 def check(y, ref, bound, dtype):
@@ -123,8 +125,10 @@ def logits(rng, kind, tokens, experts):
 
 
 def problem(rng, tokens, experts, k, hidden, inter, kind, dtype, renormalize=True):
-    gu = random_experts(rng, experts, 2 * inter, hidden)
-    dn = random_experts(rng, experts, hidden, inter)
+    """x, the stacks' (packed, scale bytes, global scales), the routing and a residual. Unit-gain
+    rows keep the hidden rows and outputs O(1) (two chained products overflow float16 otherwise)."""
+    gu = random_stack(rng, experts, 2 * inter, hidden, unit_gain=True)[1:]
+    dn = random_stack(rng, experts, hidden, inter, unit_gain=True)[1:]
     x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
     residual = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
     r = jax_fp4.route_top_k(
