@@ -610,6 +610,14 @@ def test_a_decode_block_is_the_routing_and_two_kernels(cuda_build):
         ["jax_fp4_top_k_routing_cuda", moe_block.GATE_UP_TARGET, moe_block.DOWN_TARGET]
     )
     assert "gather" not in text and "scatter" not in text
+    for target in (moe_block.GATE_UP_TARGET, moe_block.DOWN_TARGET):
+        config = re.search(rf"custom_call @{target}\(.*?backend_config = \{{([^}}]*)\}}", text)
+        assert dict(re.findall(r"(\w+) = ([\w.-]+)", config.group(1))) == {
+            "block_size": "16",
+            "tiled": "true",
+            "top_k": "4",
+        }
+    assert "output_operand_aliases" in text  # the counters pass through the down call
     batched = _cuda_text(jax.vmap(layer), x[None].repeat(2, 0), logits[None].repeat(2, 0))
     assert len(re.findall(rf"custom_call @{moe_block.GATE_UP_TARGET}", batched)) == 1
     many = jnp.zeros((64, 256), jnp.bfloat16)
