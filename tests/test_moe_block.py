@@ -631,3 +631,26 @@ def test_no_tokens_gives_an_empty_block(device):
     r = jax_fp4.route_top_k(jnp.zeros((0, 4), jnp.float32), 2)
     y = run(jnp.zeros((0, 128), jnp.bfloat16), r, w_gu, w_d)
     assert y.shape == (0, 128) and y.dtype == jnp.bfloat16
+
+
+def test_an_exported_block_runs_the_same():
+    """jax.export serializes the block for CPU and CUDA (jax_fp4's FFI targets waived) and the
+    deserialized program gives the same bits here."""
+    rng = np.random.default_rng()
+    w_gu, w_d, _, _ = make_stacks(rng, 8, 128, 128)
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+
+    def layer(x, logits, a, b):
+        return jax_fp4.moe(x, jax_fp4.route_top_k(logits, 2), a, b, residual=x)
+
+    exported = jax.export.export(
+        jax.jit(layer),
+        platforms=("cpu", "cuda"),
+        disabled_checks=jax_fp4.export_disabled_checks(),
+    )(x, logits, w_gu, w_d)
+    back = jax.export.deserialize(exported.serialize())
+    np.testing.assert_array_equal(
+        np.asarray(back.call(x, logits, w_gu, w_d)).view(np.uint16),
+        np.asarray(jax.jit(layer)(x, logits, w_gu, w_d)).view(np.uint16),
+    )
