@@ -2,6 +2,7 @@
 
     python benchmarks/moe.py                        # both parts; JSON: results/moe_<gpu>.json
     python benchmarks/moe.py --parts gemv           # the grouped decode GEMV alone
+    python benchmarks/moe.py --parts block          # the fused block (jax_fp4.moe) alone
     python benchmarks/moe.py --quick                # tiny shapes: a CPU smoke run (seconds)
     python benchmarks/moe.py --markdown-from benchmarks/results/moe_h200.json
 
@@ -28,6 +29,17 @@ Parts (--parts, default both):
            outputs at the same run's read bandwidth for that many bytes. Prints what XLA compiles
            ragged_dot to on this device (custom calls, fusions, dots and how much work the largest
            dot does against the ragged product: a dense dot over all experts shows as E x).
+
+  block    the mixture-of-experts block itself, routing included (jax_fp4.route_top_k on the
+           layer's router logits, then jax_fp4.moe with the layer's input as its residual), at
+           1, 8 and 32 tokens, both routings (the logits built so that the top-8 are the drawn
+           experts), on Qwen3-30B-A3B's experts: gate/up [128, 1536, 2048] with silu_mul, down
+           [128, 2048, 768]. Rows (one per stage): "routing" (route_top_k alone), "gate_up" (its
+           kernel alone), "down" (the kernels' chain less the gate/up chain: the down kernel with
+           its combine), "block" (routing and the block); each against the same run's streaming
+           read of the bytes the stage must move (the experts it touches, its activations and
+           outputs: the routing's logits and pairs), `fraction_of_read_bw`. Off the kernels' path
+           (a CPU, --quick) only the routing and block rows.
 
 Method (as benchmarks/bench.py): each grouped matmul runs as a jitted chain of L layers, every layer
 its own random weights (normal / sqrt(K), quantized by jax_fp4.quantize, prepacked with
@@ -65,7 +77,7 @@ import jax_fp4  # noqa: E402
 
 RESULTS_DIR = _BENCHMARKS / "results"
 
-PARTS = ("gemv", "prefill")
+PARTS = ("gemv", "prefill", "block")
 ROUTINGS = ("uniform", "zipf")
 
 
@@ -86,7 +98,7 @@ class ExpertShape:
         return self.n // 2 if self.activation == "silu_mul" else self.n
 
     def runs_in(self, part: str) -> bool:
-        return part == "gemv" or self.activation is None
+        return part == "gemv" or (part == "prefill" and self.activation is None)
 
     def nvfp4_bytes(self, experts: int | None = None) -> int:
         count = self.experts if experts is None else experts
@@ -112,6 +124,30 @@ QUICK_EXPERT_SHAPES = (
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockShape:
+    """The experts of one mixture-of-experts block: gate/up [experts, 2 inter, hidden] (silu_mul),
+    down [experts, hidden, inter]."""
+
+    experts: int
+    hidden: int
+    inter: int
+
+    @property
+    def gate_up(self) -> ExpertShape:
+        return ExpertShape(
+            "gate_up+silu_mul", self.experts, 2 * self.inter, self.hidden, "silu_mul"
+        )
+
+    @property
+    def down(self) -> ExpertShape:
+        return ExpertShape("down", self.experts, self.hidden, self.inter)
+
+
+QWEN3_BLOCK = BlockShape(experts=128, hidden=2048, inter=768)
+QUICK_BLOCK = BlockShape(experts=8, hidden=128, inter=128)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What runs: shapes, token counts and routings."""
 
@@ -123,6 +159,8 @@ class Plan:
     zipf: float = 1.2
     mem_cap_bytes: int = 10 * bench.GB  # most weight bytes one chain holds
     gemv_bf16: bool = False
+    block: BlockShape = QWEN3_BLOCK
+    block_tokens: tuple[int, ...] = (1, 8, 32)
 
 
 QUICK_PLAN = Plan(
@@ -131,6 +169,8 @@ QUICK_PLAN = Plan(
     gemv_tokens=(2,),
     prefill_tokens=16,
     mem_cap_bytes=64 * bench.MB,
+    block=QUICK_BLOCK,
+    block_tokens=(3,),
 )
 QUICK_MAX_LAYERS = 3  # --quick: chains of 1 and 3 layers
 
@@ -480,6 +520,188 @@ def format_grouped_row(r: GroupedRow) -> str:
     )
 
 
+# ---- the fused block (part "block") ----------------------------------------------------------------
+
+BLOCK_STAGES = ("routing", "gate_up", "down", "block")
+
+
+@dataclasses.dataclass
+class BlockRow:
+    """One stage of the block at one (tokens, routing): times per layer."""
+
+    part: str  # "block"
+    stage: str  # BLOCK_STAGES
+    experts: int
+    hidden: int
+    inter: int
+    tokens: int
+    top_k: int
+    routing: str
+    active_experts: int
+    max_group: int
+    path: str  # jax_fp4.moe's path ("kernels" or "composed")
+    layout: str
+    us: float
+    us_iqr: float
+    bytes: int  # what the stage must move (module docstring)
+    tbps: float
+    read_bw_tbps: float
+    fraction_of_read_bw: float
+    floor_us: float
+    layers: tuple[int, int]
+    noisy: bool
+
+
+def router_logits(choice: np.ndarray, experts: int, rng: np.random.Generator) -> np.ndarray:
+    """float32 logits [tokens, experts] whose top-k are `choice` [tokens, k] (in that order):
+    the chosen experts 8 and up, the others normal draws well below."""
+    tokens, k = choice.shape
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    np.put_along_axis(logits, choice, (8.0 + np.arange(k, 0, -1)).astype(np.float32), axis=1)
+    return logits
+
+
+def block_stage_bytes(shape: BlockShape, tokens: int, top_k: int, active: int, itemsize: int):
+    """{stage: bytes it must move}: the experts it touches, its activations and its outputs."""
+    pairs = tokens * top_k
+    routing = tokens * shape.experts * 4 + pairs * 4 * 4 + shape.experts * 4
+    # gate/up reads x and writes the hidden rows; down reads them and the residual and writes y.
+    gate_up = shape.gate_up.nvfp4_bytes(active) + (tokens * shape.hidden + pairs * shape.inter) * (
+        itemsize
+    )
+    down = shape.down.nvfp4_bytes(active) + (pairs * shape.inter + 2 * tokens * shape.hidden) * (
+        itemsize
+    )
+    return {"routing": routing, "gate_up": gate_up, "down": down, "block": routing + gate_up + down}
+
+
+def _block_layer(top_k: int):
+    def jax_fp4_moe_block(x, logits, w_gu, w_d):
+        r = jax_fp4.route_top_k(logits, top_k, renormalize=True)
+        return jax_fp4.moe(x, r, w_gu, w_d, residual=x)
+
+    return jax_fp4_moe_block
+
+
+def _routing_layer(top_k: int):
+    def jax_fp4_route_top_k(logits):
+        return jax_fp4.route_top_k(logits, top_k, renormalize=True).weights
+
+    return jax_fp4_route_top_k
+
+
+def _stage_layer(top_k: int, with_down: bool):
+    """The block's kernels on a fixed routing: the gate/up launch alone, or both launches."""
+    from jax_fp4 import moe_block  # noqa: PLC0415 - the kernels' own calls, not public API
+
+    def kernels(x, logits, w_gu, w_d):
+        r = jax_fp4.route_top_k(logits, top_k, renormalize=True)
+        routing = (r.weights, r.order, r.inverse, r.group_sizes)
+        gate_up, down = moe_block.stack_operands(w_gu), moe_block.stack_operands(w_d)
+        meta = dict(gate_up_meta=(w_gu.block_size, w_gu.layout))
+        hidden, counters = moe_block.gate_up_kernel(x, gate_up, routing, **meta)
+        if not with_down:
+            return hidden
+        return moe_block.down_kernel(
+            hidden,
+            counters,
+            down,
+            routing,
+            x,
+            down_meta=(w_d.block_size, w_d.layout),
+            dtype=x.dtype,
+        )
+
+    return kernels
+
+
+def block_rows(b: bench.Bench, plan: Plan, rng: np.random.Generator) -> list[BlockRow]:
+    """The block part's rows: per (tokens, routing) the routing alone, the block, and on the
+    kernels' path each kernel (module docstring)."""
+    s = b.settings
+    shape, top_k = plan.block, plan.top_k
+    itemsize = np.dtype(s.dtype).itemsize
+    held = shape.gate_up.nvfp4_bytes() + shape.down.nvfp4_bytes()
+    cases = []
+    for tokens in plan.block_tokens:
+        for routing in plan.routings:
+            choice = route(rng, routing, tokens, shape.experts, top_k, plan.zipf)
+            sizes = group_sizes(choice, shape.experts)
+            active = int(np.count_nonzero(sizes))
+            active_bytes = shape.gate_up.nvfp4_bytes(active) + shape.down.nvfp4_bytes(active)
+            lengths = _chain_lengths(active_bytes, held, plan, s.budget)
+            cases.append((tokens, routing, choice, sizes, active, lengths))
+    count = max(l2 for *_, (_, l2) in cases)
+    w_gu, _ = make_expert_weights(b, shape.gate_up, count, 0)
+    w_d, _ = make_expert_weights(b, shape.down, count, 0)
+    rows = []
+    for tokens, routing, choice, sizes, active, (l1, l2) in cases:
+        started = time.perf_counter()
+        xs = bench.make_activations(b._next_key(), tokens, shape.hidden, l2, s.dtype)
+        logits = [jnp.asarray(router_logits(choice, shape.experts, rng))] * l2
+        path = jax_fp4.moe_dispatch_path(
+            xs[0], top_k, w_gu[0], w_d[0], platform=jax.devices()[0].platform
+        )
+        stage_bytes = block_stage_bytes(shape, tokens, top_k, active, itemsize)
+        timings = {
+            "routing": b._time(bench.chain_of(_routing_layer(top_k)), (logits,), l1, l2),
+            "block": b._time(
+                bench.chain_of(_block_layer(top_k)), (xs, logits, w_gu[:l2], w_d[:l2]), l1, l2
+            ),
+        }
+        if path == "kernels":
+            operands = (xs, logits, w_gu[:l2], w_d[:l2])
+            both = b._time(bench.chain_of(_stage_layer(top_k, True)), operands, l1, l2)
+            gate_up = b._time(bench.chain_of(_stage_layer(top_k, False)), operands, l1, l2)
+            # Both chains route first (a fixed cost in each): the difference is the down kernel.
+            timings["gate_up"] = dataclasses.replace(gate_up, us=gate_up.us - timings["routing"].us)
+            timings["down"] = dataclasses.replace(
+                both, us=both.us - gate_up.us, noisy=both.noisy or gate_up.noisy
+            )
+        for stage in BLOCK_STAGES:
+            if stage not in timings:
+                continue
+            t, nbytes = timings[stage], stage_bytes[stage]
+            read = b.read_bandwidth(nbytes)
+            us = max(t.us, 1e-3)
+            row = BlockRow(
+                part="block",
+                stage=stage,
+                experts=shape.experts,
+                hidden=shape.hidden,
+                inter=shape.inter,
+                tokens=tokens,
+                top_k=top_k,
+                routing=routing,
+                active_experts=active,
+                max_group=int(sizes.max()),
+                path=path,
+                layout=w_gu[0].layout,
+                us=us,
+                us_iqr=t.iqr_us,
+                bytes=nbytes,
+                tbps=bench.tbps(nbytes, us),
+                read_bw_tbps=read.tbps,
+                fraction_of_read_bw=bench.tbps(nbytes, us) / read.tbps,
+                floor_us=nbytes / (read.tbps * 1e12) * 1e6,
+                layers=(l1, l2),
+                noisy=t.noisy or read.noisy or t.us <= 0,
+            )
+            b.log(f"{format_block_row(row)}   [{time.perf_counter() - started:.1f} s]")
+            rows.append(row)
+        del xs
+    return rows
+
+
+def format_block_row(r: BlockRow) -> str:
+    return (
+        f"block {r.stage} [{r.experts} experts, H {r.hidden}, I {r.inter}] {r.tokens} tokens x "
+        f"top-{r.top_k} {r.routing} ({r.active_experts} experts active): {r.path} {r.us:.2f} us, "
+        f"{r.tbps:.2f} TB/s = {100 * r.fraction_of_read_bw:.0f}% of read "
+        f"(floor {r.floor_us:.2f} us){' (noisy)' if r.noisy else ''}"
+    )
+
+
 # ---- output --------------------------------------------------------------------------------------
 
 
@@ -518,7 +740,19 @@ _MD_PREFILL = (
 )
 
 
-_TEXT_COLUMNS = ("weight", "routing", "path")
+_MD_BLOCK = (
+    ("stage", lambda r: r["stage"]),
+    ("tokens", lambda r: f"{r['tokens']} x top-{r['top_k']}"),
+    ("routing", lambda r: r["routing"]),
+    ("active", lambda r: f"{r['active_experts']}"),
+    ("path", lambda r: r["path"]),
+    ("us", lambda r: f"{r['us']:.1f}{_mark(r)}"),
+    ("TB/s", lambda r: f"{r['tbps']:.2f}"),
+    ("% of read BW", lambda r: f"{100 * r['fraction_of_read_bw']:.0f}%"),
+    ("floor us", lambda r: f"{r['floor_us']:.1f}"),
+)
+
+_TEXT_COLUMNS = ("weight", "routing", "path", "stage")
 
 
 def markdown(results: dict) -> str:
@@ -536,6 +770,13 @@ def markdown(results: dict) -> str:
             "Prefill (us per grouped matmul; (a) XLA's ragged_dot on bf16 experts, (b) the "
             "bf16 active-bytes floor)\n\n"
             + bench.markdown_table(_MD_PREFILL, prefill, _TEXT_COLUMNS)
+        )
+    block = [r for r in results["rows"] if r["part"] == "block"]
+    if block:
+        parts.append(
+            "The fused block, jax_fp4.moe with its routing (us per layer; down: the kernels' "
+            "chain less the gate/up chain; floor: each stage's bytes at read bandwidth)\n\n"
+            + bench.markdown_table(_MD_BLOCK, block, _TEXT_COLUMNS)
         )
     for summary in results.get("ragged_dot_hlo", []):
         parts.append(format_hlo_summary(summary))
@@ -605,6 +846,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_list(int),
         default=None,
         help="the gemv part's token counts (default 1,8,32)",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=_list(int),
+        default=None,
+        help="the block part's token counts (default 1,8,32)",
     )
     p.add_argument(
         "--prefill-tokens", type=int, default=None, help="the prefill part's tokens (default 4096)"
@@ -689,6 +936,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         zipf=args.zipf,
         mem_cap_bytes=int(args.mem_cap_gb * bench.GB) if args.mem_cap_gb else base.mem_cap_bytes,
         gemv_bf16=args.gemv_bf16 or base.gemv_bf16,
+        block_tokens=args.block_tokens or base.block_tokens,
     )
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     cache = (
@@ -726,7 +974,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     if not args.quick:
         bench.warm_up_device(1.0)
-    rows: list[GroupedRow] = []
+    rows: list[GroupedRow | BlockRow] = []
     hlo: list[dict] = []
 
     def write(complete: bool) -> dict:
@@ -735,10 +983,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench.write_json_file(json_path, results)
         return results
 
-    for shape in plan.shapes:  # --parts holds at least one of gemv and prefill
-        if any(map(shape.runs_in, args.parts)):
+    for shape in plan.shapes:
+        if any(map(shape.runs_in, (p for p in args.parts if p != "block"))):
             rows += grouped_rows(b, plan, shape, args.parts, rng)
             write(complete=False)
+    if "block" in args.parts:
+        rows += block_rows(b, plan, rng)
+        write(complete=False)
     if "prefill" in args.parts:
         for shape in filter(lambda s: s.runs_in("prefill"), plan.shapes):
             m = plan.prefill_tokens * plan.top_k

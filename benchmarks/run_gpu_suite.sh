@@ -3,9 +3,12 @@
 # the decode step and its GEMVs (decode.py), mixture-of-experts (moe.py, routing.py, and decode.py
 # on the MoE preset). The serving part (only when asked for) checks and times the GEMV's batched
 # kernel: its GPU tests, once under compute-sanitizer memcheck, and decode.py's chains at serving
-# batch sizes with the kernel forced and with the default dispatch.
+# batch sizes with the kernel forced and with the default dispatch. The moe_block part (only when
+# asked for) checks and times the mixture-of-experts block (jax_fp4.moe): its GPU tests, its
+# kernels' tests once under compute-sanitizer memcheck, and moe.py's block part.
 #
-#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe|serving] [OUTDIR]
+#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe|serving|moe_block]
+#                                    [OUTDIR]
 #
 # Run from the repository root, in the Python environment to test (jax with CUDA installed).
 # OUTDIR (default ./gpu_suite_out) receives build.log and a .log (and .json) per part.
@@ -15,13 +18,13 @@ build=1 only="" out=""
 while (($#)); do
   case "$1" in
     --skip-build) build=0 ;;
-    --only) only="${2:?--only takes tests, bench, decode, moe or serving}"; shift ;;
+    --only) only="${2:?--only takes tests, bench, decode, moe, serving or moe_block}"; shift ;;
     -h|--help) sed -n 2,8p "$0"; exit 0 ;;
     *) out="$1" ;;
   esac
   shift
 done
-case "$only" in ""|tests|bench|decode|moe|serving) ;; *) echo "--only takes tests, bench, decode, moe or serving, got '$only'" >&2; exit 2 ;; esac
+case "$only" in ""|tests|bench|decode|moe|serving|moe_block) ;; *) echo "--only takes tests, bench, decode, moe, serving or moe_block, got '$only'" >&2; exit 2 ;; esac
 out="${out:-./gpu_suite_out}"
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -91,6 +94,20 @@ if [[ "$only" == serving ]]; then
   ((PIPESTATUS[0] == 0)) || status=1
   python benchmarks/decode.py --no-runs --no-prefill --gemv-m "$ms" --gemv-shapes "$shapes" \
     --json "$out/serving_auto.json" 2>&1 | tee "$out/serving_auto.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+fi
+
+if [[ "$only" == moe_block ]]; then
+  echo "== the mixture-of-experts block"
+  python -m pytest -q -m gpu tests/test_moe_block.py tests/test_moe_kernels.py 2>&1 \
+    | tee "$out/moe_block_tests.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python -m pytest -q -x -m gpu tests/test_moe_kernels.py 2>&1 | tail -20 \
+    | tee "$out/moe_block_memcheck.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  python benchmarks/moe.py --parts block --json "$out/moe_block.json" 2>&1 \
+    | tee "$out/moe_block.log"
   ((PIPESTATUS[0] == 0)) || status=1
 fi
 

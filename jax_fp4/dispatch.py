@@ -601,3 +601,60 @@ def routing_path(tokens: int, experts: int, k: int, target: Target, *, has_kerne
     fits = tokens * k <= ROUTING_KERNEL_MAX_PAIRS and experts <= ROUTING_BLOCK_MAX_EXPERTS
     on_gpu = target.platform == "cuda" and target.has_cuda_kernels and has_kernel
     return "kernel" if on_gpu and fits else "xla"
+
+
+# ---- the mixture-of-experts block (jax_fp4.moe) --------------------------------------------------
+# Paths:
+#   kernels   CUDA: the gate/up grouped GEMV gathering its tokens by index with silu(gate) * up in
+#             its epilogue (jax_fp4_moe_gate_up_cuda), then the down grouped GEMV weighting each
+#             (token, slot) and summing each token's k outputs in slot order, plus the residual
+#             (jax_fp4_moe_down_cuda): two launches after the routing.
+#   composed  the gather, two ragged_matmul calls and the combine in XLA (any platform; each
+#             ragged_matmul takes its own path, so multi-device programs keep its sharding rules).
+# "auto" takes the kernels where the grouped GEMV would serve both products (few rows per expert:
+# decode) and composes past it, where the grouped GEMM's tiles pay for the extra launches.
+
+MOE_BACKENDS = ("auto", "composed", "kernels")
+
+
+def moe_kernels_unsupported_reason(
+    gate_up: GroupedProblem, down: GroupedProblem, target: Target, *, has_kernels: bool
+) -> str | None:
+    """Why the block's kernels cannot serve the two products on `target` (None: they can)."""
+    if target.platform != "cuda":
+        return f"they run on CUDA devices, and the computation is lowered for {target.platform!r}"
+    if not (target.has_cuda_kernels and has_kernels):
+        return "this build has no MoE block kernels for this GPU (`python -m jax_fp4 info`)"
+    # The down product's K is I: I % 128 == 0 also starts a tiled w_gate_up's up rows on a tile.
+    for name, p in (("w_gate_up", gate_up), ("w_down", down)):
+        reason = grouped_gemv_unsupported_reason(p, target.capability)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
+
+
+def moe_plan(
+    gate_up: GroupedProblem,
+    down: GroupedProblem,
+    target: Target,
+    backend: str = "auto",
+    *,
+    has_kernels: bool,
+) -> str:
+    """The path of one MoE block ("kernels" or "composed"); gate_up and down are its two grouped
+    products ([T k, H] x [E, 2 I, H] and [T k, I] x [E, H, I]). A forced backend that cannot serve
+    it raises ValueError with the reason."""
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"backend must be one of {MOE_BACKENDS} (or None), got {backend!r}")
+    empty = 0 in (gate_up.m, gate_up.groups, gate_up.n, gate_up.k, down.n, down.k)
+    if backend == "composed" or empty:  # an empty block: ragged_matmul's empty path
+        return "composed"
+    reason = moe_kernels_unsupported_reason(gate_up, down, target, has_kernels=has_kernels)
+    if backend == "kernels":
+        if reason is not None:
+            raise ValueError(f"backend='kernels' cannot serve this moe block: {reason}")
+        return "kernels"
+    few_rows = (
+        gate_up.rows_per_group <= grouped_crossovers(target.device_kind).gemv_max_rows_per_group
+    )
+    return "kernels" if reason is None and few_rows else "composed"

@@ -76,6 +76,8 @@ FFI_TARGETS = {
         "jax_fp4_grouped_gemv_cuda",
         "jax_fp4_grouped_gemm_cuda",
         "jax_fp4_top_k_routing_cuda",
+        "jax_fp4_moe_gate_up_cuda",
+        "jax_fp4_moe_down_cuda",
     ),
 }
 
@@ -123,6 +125,11 @@ COMMAND_BUFFER_TARGETS = (
     "jax_fp4_grouped_gemm_cuda",
     # Operand checks and one single-block launch.
     "jax_fp4_top_k_routing_cuda",
+    # The grouped GEMV's device-side schedule (as above), one launch each; the down call's
+    # per-token counters are zeroed by the gate/up launch (an output passed on to it), its float32
+    # pair products go to a scratch output.
+    "jax_fp4_moe_gate_up_cuda",
+    "jax_fp4_moe_down_cuda",
 )
 
 

@@ -165,3 +165,55 @@ def test_quick_run_of_the_grouped_parts_writes_json_and_tables(tmp_path, capsys)
     assert "a dense dot over all 8 experts" in printed
     assert moe.main(["--markdown-from", str(out)]) == 0
     assert capsys.readouterr().out.strip() == printed.split("\n", 1)[1].strip()
+
+
+def test_router_logits_route_to_the_drawn_experts():
+    import jax.numpy as jnp
+
+    import jax_fp4
+
+    rng = np.random.default_rng()
+    for kind in moe.ROUTINGS:
+        choice = moe.route(rng, kind, 9, 128, 8, 1.2)
+        r = jax_fp4.route_top_k(jnp.asarray(moe.router_logits(choice, 128, rng)), 8)
+        np.testing.assert_array_equal(np.asarray(r.experts), choice)
+        np.testing.assert_array_equal(np.asarray(r.group_sizes), moe.group_sizes(choice, 128))
+
+
+def test_block_stage_bytes_count_the_experts_touched_and_the_activations():
+    shape = moe.QWEN3_BLOCK
+    got = moe.block_stage_bytes(shape, tokens=1, top_k=8, active=8, itemsize=2)
+    expert = (1536 * 2048 + 2048 * 768) * 9 // 16  # codes and block scales
+    assert (
+        got["gate_up"] + got["down"] == 8 * (expert + 2 * 4) + (2048 + 2 * 8 * 768 + 2 * 2048) * 2
+    )
+    assert got["routing"] == 128 * 4 + 8 * 16 + 128 * 4
+    assert got["block"] == got["routing"] + got["gate_up"] + got["down"]
+
+
+def test_quick_run_of_the_block_part(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    rc = moe.main(
+        ["--quick", "--parts", "block", "--repeats", "1", "--warmup", "0"]
+        + [
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    plan = moe.QUICK_PLAN
+    # Off the kernels' path (the CPU): the routing and the block, per (tokens, routing).
+    assert len(rows) == 2 * len(plan.block_tokens) * len(plan.routings)
+    for r in rows:
+        assert r["part"] == "block" and r["stage"] in ("routing", "block")
+        assert r["path"] == "composed" and r["tokens"] in plan.block_tokens
+        assert 1 <= r["active_experts"] <= plan.block.experts
+        for field in ("us", "tbps", "read_bw_tbps", "fraction_of_read_bw", "floor_us"):
+            assert _positive_finite(r[field]), (field, r)
+        want = moe.block_stage_bytes(plan.block, r["tokens"], r["top_k"], r["active_experts"], 2)
+        assert r["bytes"] == want[r["stage"]]
+    printed = capsys.readouterr().out
+    assert "The fused block, jax_fp4.moe with its routing" in printed
+    assert "| block | 3 x top-2 | uniform |" in printed

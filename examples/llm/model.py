@@ -157,34 +157,42 @@ def experts_matmul(a, w, group_sizes, activation=None):
     return silu_mul(*jnp.split(y, 2, -1)) if activation == "silu_mul" else y
 
 
-def mixture_of_experts(cfg: Config, x, router, experts: dict):
-    """The MoE block on normed tokens x [T, H]: float32 [T, H], the sum over each token's top-k
-    experts of its router weight times the expert's down(silu(gate(x)) * up(x))."""
+def mixture_of_experts(cfg: Config, x, router, experts: dict, residual=None):
+    """The MoE block on normed tokens x [T, H]: residual (if given) + the sum over each token's
+    top-k experts of its router weight times the expert's down(silu(gate(x)) * up(x)), in float32
+    and rounded once to x's dtype."""
     t, k = x.shape[0], cfg.experts_per_token
     # The router's logits in x's dtype, as HF's; their float32 softmax, top k (renormalised where
     # norm_topk_prob) and the (token, slot) pairs grouped by expert: one GPU kernel when decoding.
     r = jax_fp4.route_top_k(linear(x, router), k, renormalize=cfg.norm_topk_prob)
+    fused, down = experts.get("gate_up_proj"), experts["down_proj"]
+    if isinstance(fused, jax_fp4.NVFP4Weight) and isinstance(down, jax_fp4.NVFP4Weight):
+        # The whole block in jax_fp4.moe: on a GPU at decode sizes two kernels after the routing
+        # (the tokens gathered inside the gate/up kernel, the weighted sum and the residual in the
+        # down kernel's epilogue).
+        return jax_fp4.moe(x, r, fused, down, residual=residual)
     group_sizes = r.group_sizes
     rows = x[r.order // k]
-    if "gate_up_proj" in experts:
-        hidden = experts_matmul(rows, experts["gate_up_proj"], group_sizes, "silu_mul")
+    if fused is not None:
+        hidden = experts_matmul(rows, fused, group_sizes, "silu_mul")
     else:
         gate = experts_matmul(rows, experts["gate_proj"], group_sizes)
         hidden = silu_mul(gate, experts_matmul(rows, experts["up_proj"], group_sizes))
-    out = experts_matmul(hidden, experts["down_proj"], group_sizes)
+    out = experts_matmul(hidden, down, group_sizes)
     # Back to (token, slot) order through the inverse permutation, then each token's k outputs
     # summed in slot order: a gather and a fixed-order sum, where a scatter-add of the pairs onto
     # their tokens would add in the order the GPU's atomics happen to land (not bit-reproducible).
     out = out[r.inverse].astype(jnp.float32).reshape(t, k, -1)
-    return jnp.sum(out * r.weights[..., None], axis=1)
+    y = jnp.sum(out * r.weights[..., None], axis=1)
+    return (y if residual is None else residual.astype(jnp.float32) + y).astype(x.dtype)
 
 
 def _moe(cfg: Config, h, layer):
     """h + the MoE block of h (its post-attention norm first)."""
     b, s, d = h.shape
     x = rms_norm(h, layer["post_attention_layernorm"], cfg.rms_eps).reshape(b * s, d)
-    y = mixture_of_experts(cfg, x, layer["router"], layer["experts"]).reshape(b, s, d)
-    return (h.astype(jnp.float32) + y).astype(h.dtype)
+    y = mixture_of_experts(cfg, x, layer["router"], layer["experts"], residual=h.reshape(b * s, d))
+    return y.reshape(b, s, d)
 
 
 def _attention(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):

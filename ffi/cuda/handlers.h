@@ -30,4 +30,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GroupedGemmCuda);
 // renormalize. One block: T k <= 1024, E <= 4096 (ffi/cuda/routing.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4TopKRoutingCuda);
 
+// The mixture-of-experts block's two products (ffi/cuda/grouped/moe_handler.cu): gate/up, (x [T,H],
+// packed [E,2I,H/2] u8, scale [E,2I,H/16] u8, global_scale [E] f32, group_sizes [E] s32, order
+// [T k] s32) -> (hidden [T k,I], counters [T,ceil(H/16)] s32); down, (hidden, packed [E,H,I/2],
+// scale, global_scale, group_sizes, order, weights [T,k] f32, residual [T,H] or [0], counters) ->
+// (y [T,H], counters, scratch [T k,H] f32). Attrs block_size (== 16), tiled, top_k.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4MoeGateUpCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4MoeDownCuda);
+
 #endif  // JAX_FP4_CUDA_HANDLERS_H_

@@ -25,6 +25,8 @@ NB_MODULE(_jax_fp4_cuda, m) {
     targets["jax_fp4_grouped_gemv_cuda"] = jax_fp4::FfiCapsule(JaxFp4GroupedGemvCuda);
     targets["jax_fp4_grouped_gemm_cuda"] = jax_fp4::FfiCapsule(JaxFp4GroupedGemmCuda);
     targets["jax_fp4_top_k_routing_cuda"] = jax_fp4::FfiCapsule(JaxFp4TopKRoutingCuda);
+    targets["jax_fp4_moe_gate_up_cuda"] = jax_fp4::FfiCapsule(JaxFp4MoeGateUpCuda);
+    targets["jax_fp4_moe_down_cuda"] = jax_fp4::FfiCapsule(JaxFp4MoeDownCuda);
     return targets;
   });
   m.def("architectures", []() { return std::string(JAX_FP4_CUDA_ARCHITECTURES); });

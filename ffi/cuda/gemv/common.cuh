@@ -36,12 +36,20 @@ constexpr int64_t kMaxGridY = 65535;  // grid.y limit: M chunks beyond it are st
 //   silu_mul  the weight's rows [0, N/2) are a gate and rows [N/2, N) an up projection: output
 //             [M, N/2], silu(gate + bias[j]) * (up + bias[N/2 + j]) from the f32 products;
 //   residual  residual[m, j] (T, [M, N_out]) added in f32 before the one rounding.
+//
+// The main loop (GemvMmaMainloop) takes the fusion's type as a template argument, so that other
+// epilogues (the MoE block's, ffi/cuda/grouped/moe.cuh) can extend it: kRowMap says whether
+// activation_row maps the call's rows to other rows of a (then read after the first weight loads),
+// and StoreFusedOutput is overloaded on the type.
 template <typename T>
 struct GemvFusion {
+  static constexpr bool kRowMap = false;
   const T* residual = nullptr;  // [M, N_out], or nullptr
   bool silu_mul = false;
 
   __host__ __device__ bool active() const { return residual != nullptr || silu_mul; }
+  // The row of a that row `row` of the call multiplies.
+  __device__ __forceinline__ int64_t activation_row(int64_t row) const { return row; }
 };
 
 __device__ __forceinline__ float Silu(float x) { return x / (1.0f + expf(-x)); }

@@ -238,12 +238,12 @@ constexpr size_t GemvMmaSmemBytes(int col_tiles, int k_split) {
 // column tile 0 holds the gate rows and tile 1 the matching up rows, so one lane (or, k_split > 1,
 // one reduced element) has both products of its output; col0 is then in outputs. Without Fused
 // the code is the plain kernel's.
-template <typename T, int CT, bool Fused = false>
+template <typename T, int CT, bool Fused = false, typename Fusion = GemvFusion<T>>
 __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* reduce_buf,
                                             int k_split, const float* __restrict__ global_scale,
                                             const T* __restrict__ bias, T* __restrict__ y,
                                             int64_t m, int64_t n, int64_t col0, int64_t m0,
-                                            const GemvFusion<T>& fusion = GemvFusion<T>{}) {
+                                            const Fusion& fusion = Fusion{}) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -315,12 +315,15 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // residual, MmaEpilogue); with silu_mul (CT == 2) a block computes 16 outputs from 16 gate
 // rows (tile 0) and the 16 matching up rows (tile 1), grid.x over N / 2 outputs. Without Fused
 // the code is the plain kernel's.
+// Fusion: GemvFusion or a type extending it (common.cuh); with Fusion::kRowMap row i of the call
+// multiplies a's row fusion.activation_row(i), read after the first window's weight loads are
+// issued (that read then overlaps them).
 template <typename T, int CT, int RT, typename Decode, int Chains, int L2PrefetchBytes, bool Tiled,
-          bool Fused = false>
+          bool Fused = false, typename Fusion = GemvFusion<T>>
 __device__ __forceinline__ void GemvMmaMainloop(
     const T* __restrict__ a, const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ y,
-    int64_t m, int64_t n, int64_t k, const GemvFusion<T>& fusion = GemvFusion<T>{}) {
+    int64_t m, int64_t n, int64_t k, const Fusion& fusion = Fusion{}) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   // Under a programmatic dependent launch (attribute programmatic): every operand may come from
   // the previous kernel, so nothing is loaded before it has finished; the next kernel may be
@@ -377,11 +380,14 @@ __device__ __forceinline__ void GemvMmaMainloop(
     // of the mma that is never stored (cheaper than zeroing the fragment).
     // MmaLoad advances these pointers by k_split windows.
     const T* ap[RT];
+    auto point_activations = [&] {
 #pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      const int64_t row = m0 + 8 * r + g;
-      ap[r] = a + (row < m ? row : m0) * k + 32 * t + warp * kGemvWindow;
-    }
+      for (int r = 0; r < RT; ++r) {
+        const int64_t row = m0 + 8 * r + g;
+        ap[r] = a + fusion.activation_row(row < m ? row : m0) * k + 32 * t + warp * kGemvWindow;
+      }
+    };
+    if constexpr (!Fusion::kRowMap) point_activations();
     const uint8_t* wp[CT][2];
     const uint8_t* sp[CT][2];
 #pragma unroll
@@ -416,7 +422,14 @@ __device__ __forceinline__ void GemvMmaMainloop(
     };
     MmaFragments<CT, RT> f0, f1;
     int64_t w = warp;
-    if (w < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled, !kActJit>(f0, wp, sp, ap, k_split);
+    if constexpr (Fusion::kRowMap) {
+      // The weight first: its address is known, the activation rows wait on the row map.
+      if (w < windows) MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled, false>(f0, wp, sp, ap, k_split);
+      point_activations();
+      if (!kActJit && w < windows) LoadActivations<T, RT>(f0.a, ap, k_split);
+    } else if (w < windows) {
+      MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled, !kActJit>(f0, wp, sp, ap, k_split);
+    }
     while (w < windows) {
       if (w + k_split < windows) {
         MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled, !kActJit>(f1, wp, sp, ap, k_split);
@@ -435,8 +448,8 @@ __device__ __forceinline__ void GemvMmaMainloop(
     MmaSumChains<Chains, RT, CT>(acc);
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-      MmaEpilogue<T, CT, Fused>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n, col0,
-                                m0 + 8 * r, fusion);
+      MmaEpilogue<T, CT, Fused, Fusion>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n,
+                                        col0, m0 + 8 * r, fusion);
     }
   }
 #else

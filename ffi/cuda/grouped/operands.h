@@ -17,6 +17,21 @@ struct GroupedShape {
   int64_t m = 0, n = 0, k = 0, g = 0;
 };
 
+// The MoE block's operands beyond a grouped call's (device pointers; ffi/cuda/grouped/moe.cuh). A
+// kernel argument of their own, next to GroupedOperands: ragged_matmul's kernels never see them.
+template <typename T>
+struct MoeOperands {
+  const int32_t* order = nullptr;  // [T k]: the pair of each row
+  const float* weights = nullptr;  // [T, k] (down)
+  const T* residual = nullptr;     // [T, H] or nullptr (down)
+  float* pair_out = nullptr;       // [T k, H] scratch (down)
+  int32_t* counters = nullptr;     // [T, counter_cols]
+  int64_t counter_count = 0;       // T * counter_cols
+  int64_t counter_cols = 0;        // ceil(H / 16)
+  T* out = nullptr;                // y [T, H] (down)
+  int top_k = 1;
+};
+
 // Operands of one grouped call (device pointers; bias nullptr when absent).
 template <typename T>
 struct GroupedOperands {
