@@ -441,6 +441,10 @@ class GroupedCrossovers:
     """Where "auto" moves from the grouped GEMV to the grouped GEMM, for one GPU."""
 
     gemv_max_rows_per_group: float  # the grouped GEMV while M / G is at most this
+    # "auto" runs jax_fp4.moe's own kernels (within the grouped GEMV's range): off until a GPU of
+    # this kind has run their tests and timed them against the composition; backend="kernels"
+    # runs them regardless.
+    moe_kernels: bool = False
 
 
 # An H100, G = 128 experts of 1536x2048 and 2048x768, uniform top-8 routing, ncu kernel times:
@@ -654,7 +658,6 @@ def moe_plan(
         if reason is not None:
             raise ValueError(f"backend='kernels' cannot serve this moe block: {reason}")
         return "kernels"
-    few_rows = (
-        gate_up.rows_per_group <= grouped_crossovers(target.device_kind).gemv_max_rows_per_group
-    )
-    return "kernels" if reason is None and few_rows else "composed"
+    crossovers = grouped_crossovers(target.device_kind)
+    few_rows = gate_up.rows_per_group <= crossovers.gemv_max_rows_per_group
+    return "kernels" if crossovers.moe_kernels and reason is None and few_rows else "composed"

@@ -12,6 +12,7 @@ parallelism under shard_map and N-split stacks under jit on 8 CPU devices.
 The kernels' own operand checks and edge cases, called through jax.ffi: tests/test_moe_kernels.py.
 """
 
+import dataclasses
 from types import SimpleNamespace
 
 import jax
@@ -478,12 +479,17 @@ def _qwen3(tokens, dtype="bfloat16", tiled=True, hidden=2048, inter=768, experts
     return gate_up, down
 
 
-def test_dispatch_takes_the_kernels_at_decode_sizes_only():
+def test_dispatch_takes_the_kernels_at_decode_sizes_only(monkeypatch):
     h100 = dispatch.Target("cuda", (9, 0), "NVIDIA H100 80GB HBM3", has_cuda_kernels=True)
 
     def plan(tokens, target=h100, has_kernels=True, backend="auto", **kw):
         return dispatch.moe_plan(*_qwen3(tokens, **kw), target, backend, has_kernels=has_kernels)
 
+    # Until a GPU's table turns them on, "auto" composes and the kernels run when forced.
+    assert [plan(t) for t in (1, 8, 32, 128)] == ["composed"] * 4
+    assert plan(1, backend="kernels") == "kernels"
+    on = dataclasses.replace(dispatch.GROUPED_DEFAULT, moe_kernels=True)
+    monkeypatch.setitem(dispatch.GROUPED_TABLES, h100.device_kind, on)
     assert [plan(t) for t in (1, 8, 32, 128)] == ["kernels"] * 4
     assert plan(129) == "composed"  # past 8 rows per expert: the grouped GEMM's regime
     assert plan(1, has_kernels=False) == "composed"
@@ -573,9 +579,13 @@ def test_jit_with_stacks_split_along_n_or_k(spec):
 
 @pytest.fixture
 def cuda_build(monkeypatch):
-    """Lower as for an H100 with every CUDA target of this package registered."""
+    """Lower as for an H100 with every CUDA target of this package registered, its dispatch table
+    taking the block's kernels."""
     from jax_fp4 import ffi as _ffi  # noqa: PLC0415
     from jax_fp4 import native as _native  # noqa: PLC0415
+
+    on = dataclasses.replace(dispatch.GROUPED_DEFAULT, moe_kernels=True)
+    monkeypatch.setitem(dispatch.GROUPED_TABLES, "NVIDIA H100 80GB HBM3", on)
 
     monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)
     monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.ALL_CUDA_ARCHITECTURES)
