@@ -3,9 +3,10 @@
 # the decode step and its GEMVs (decode.py), mixture-of-experts (moe.py, routing.py, and decode.py
 # on the MoE preset). The serving part (only when asked for) checks and times the GEMV's batched
 # kernel: its GPU tests, once under compute-sanitizer memcheck, and decode.py's chains at serving
-# batch sizes with the kernel forced and with the default dispatch. The moe_block part (only when
-# asked for) checks and times the mixture-of-experts block (jax_fp4.moe): its GPU tests, its
-# kernels' tests once under compute-sanitizer memcheck, and moe.py's block part.
+# batch sizes with the kernel forced (activations through L1, then staged) and with the default
+# dispatch. The moe_block part (only when asked for) checks and times the mixture-of-experts block
+# (jax_fp4.moe): its GPU tests, its kernels' tests once under compute-sanitizer memcheck, and
+# moe.py's block part.
 #
 #   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe|serving|moe_block]
 #                                    [OUTDIR]
@@ -89,9 +90,12 @@ if [[ "$only" == serving ]]; then
   ((PIPESTATUS[0] == 0)) || status=1
   shapes=6144x4096,4096x4096,4096x14336,17408x5120,28672x8192
   ms=1,2,4,8,12,16,24,32,48,64
-  python benchmarks/decode.py --no-runs --no-prefill --gemv-m "$ms" --gemv-shapes "$shapes" \
-    --backend gemv --tuning gemv_batched=1 --json "$out/serving_batched.json" 2>&1 | tee "$out/serving_batched.log"
-  ((PIPESTATUS[0] == 0)) || status=1
+  for staged in 0 1; do  # the activations through L1, then staged through shared memory
+    python benchmarks/decode.py --no-runs --no-prefill --gemv-m "$ms" --gemv-shapes "$shapes" \
+      --backend gemv --tuning "gemv_batched=1,gemv_staged=$staged" \
+      --json "$out/serving_batched_staged$staged.json" 2>&1 | tee "$out/serving_batched_staged$staged.log"
+    ((PIPESTATUS[0] == 0)) || status=1
+  done
   python benchmarks/decode.py --no-runs --no-prefill --gemv-m "$ms" --gemv-shapes "$shapes" \
     --json "$out/serving_auto.json" 2>&1 | tee "$out/serving_auto.log"
   ((PIPESTATUS[0] == 0)) || status=1
