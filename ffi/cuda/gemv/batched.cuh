@@ -13,7 +13,9 @@
 // 32 in one pass over the weight. Small weights (a few hundred column tiles) cannot fill the GPU
 // with column blocks alone, so the K windows are also split over a cluster of KS blocks (1, 1, KS),
 // which reduce through distributed shared memory in rank order: deterministic, no workspace, one
-// kernel.
+// kernel. A lane's 16-byte activation load touches 16 lines (8 rows x 2), ~4x the L1 wavefronts
+// of a coalesced load; the Staged instances copy each K lane's window into shared memory with
+// whole-row copies instead and read it conflict-free (BatchedStageChunk).
 #ifndef JAX_FP4_CUDA_GEMV_BATCHED_CUH_
 #define JAX_FP4_CUDA_GEMV_BATCHED_CUH_
 
