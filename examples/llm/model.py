@@ -246,7 +246,13 @@ def _cudnn_decode_attention(q, k_cache, v_cache, position):
     read the whole cache and the softmax takes kernels of its own. jax.nn.dot_product_attention's
     cuDNN path takes [B, T, heads, head_dim] operands only, into which the caches would be copied
     every layer of every step; the function under it takes their own layout ("BNTH")."""
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+    except ImportError as err:  # a private module: another jax may move it
+        raise ValueError(
+            f"attention 'cudnn' needs jax's cuDNN fused attention, which jax {jax.__version__} "
+            f"does not have where this example looks ({err}): use 'xla'"
+        ) from err
 
     if k_cache.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(
