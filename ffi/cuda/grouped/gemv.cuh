@@ -196,6 +196,19 @@ cudaError_t GetGroupedGemvWarps(GemvResidentWarps* out) {
   });
 }
 
+// The grouped GEMV's launch for `p` on `num_sms` SMs (grouped_launch_config with this layout's
+// resident warps; silu_mul pairs each gate tile with its up tile).
+template <typename T>
+cudaError_t GroupedGemvLaunchConfig(const GroupedOperands<T>& p, bool tiled, bool silu_mul,
+                                    int num_sms, GroupedLaunchConfig* cfg) {
+  GemvResidentWarps warps{};
+  const cudaError_t err =
+      tiled ? GetGroupedGemvWarps<T, true>(&warps) : GetGroupedGemvWarps<T, false>(&warps);
+  if (err != cudaSuccess) return err;
+  *cfg = grouped_launch_config(p.m, p.n, p.k, p.groups, num_sms, tiled, warps, silu_mul);
+  return cudaSuccess;
+}
+
 }  // namespace cuda
 }  // namespace jax_fp4
 

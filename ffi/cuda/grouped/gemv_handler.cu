@@ -34,12 +34,9 @@ namespace {
 template <typename T>
 cudaError_t RunGroupedGemv(cudaStream_t stream, bool tiled, bool silu_mul,
                            const GroupedOperands<T>& p, int num_sms) {
-  GemvResidentWarps warps{};
-  cudaError_t err =
-      tiled ? GetGroupedGemvWarps<T, true>(&warps) : GetGroupedGemvWarps<T, false>(&warps);
+  GroupedLaunchConfig cfg;
+  const cudaError_t err = GroupedGemvLaunchConfig(p, tiled, silu_mul, num_sms, &cfg);
   if (err != cudaSuccess) return err;
-  const GroupedLaunchConfig cfg =
-      grouped_launch_config(p.m, p.n, p.k, p.groups, num_sms, tiled, warps, silu_mul);
   const auto launch = tiled ? LaunchGroupedGemv<T, true> : LaunchGroupedGemv<T, false>;
   return launch(stream, p, cfg.gemv_col_tiles, cfg.gemv_row_tiles, cfg.gemv_k_split, silu_mul);
 }

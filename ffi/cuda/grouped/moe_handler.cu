@@ -78,15 +78,27 @@ ffi::Error CheckDevice(const char* name, const void* a, const void* packed, cons
   return ffi::Error::Success();
 }
 
+// The routing operands both block calls share: the pair order, the combine's counters (one per
+// token and 16-column tile of H) and k.
+template <typename T>
+MoeOperands<T> RoutingOperands(ffi::Buffer<ffi::S32> order,
+                               ffi::Result<ffi::Buffer<ffi::S32>>& counters, int64_t hidden_size,
+                               int64_t top_k) {
+  MoeOperands<T> moe;
+  moe.order = order.typed_data();
+  moe.counters = counters->typed_data();
+  moe.counter_count = static_cast<int64_t>(counters->element_count());
+  moe.counter_cols = CeilDiv(hidden_size, 16);
+  moe.top_k = static_cast<int>(top_k);
+  return moe;
+}
+
 template <typename T>
 cudaError_t RunGateUp(cudaStream_t stream, bool tiled, const GroupedOperands<T>& p,
                       const MoeOperands<T>& moe, int num_sms) {
-  GemvResidentWarps warps{};
-  cudaError_t err =
-      tiled ? GetGroupedGemvWarps<T, true>(&warps) : GetGroupedGemvWarps<T, false>(&warps);
+  GroupedLaunchConfig cfg;
+  const cudaError_t err = GroupedGemvLaunchConfig(p, tiled, /*silu_mul=*/true, num_sms, &cfg);
   if (err != cudaSuccess) return err;
-  const GroupedLaunchConfig cfg =
-      grouped_launch_config(p.m, p.n, p.k, p.groups, num_sms, tiled, warps, /*silu_mul=*/true);
   const auto launch = tiled ? LaunchMoeGateUp<T, true> : LaunchMoeGateUp<T, false>;
   return launch(stream, p, moe, cfg.gemv_row_tiles, cfg.gemv_k_split);
 }
@@ -94,12 +106,9 @@ cudaError_t RunGateUp(cudaStream_t stream, bool tiled, const GroupedOperands<T>&
 template <typename T>
 cudaError_t RunDown(cudaStream_t stream, bool tiled, const GroupedOperands<T>& p,
                     const MoeOperands<T>& moe, int num_sms) {
-  GemvResidentWarps warps{};
-  cudaError_t err =
-      tiled ? GetGroupedGemvWarps<T, true>(&warps) : GetGroupedGemvWarps<T, false>(&warps);
+  GroupedLaunchConfig cfg;
+  const cudaError_t err = GroupedGemvLaunchConfig(p, tiled, /*silu_mul=*/false, num_sms, &cfg);
   if (err != cudaSuccess) return err;
-  const GroupedLaunchConfig cfg =
-      grouped_launch_config(p.m, p.n, p.k, p.groups, num_sms, tiled, warps);
   const auto launch = tiled ? LaunchMoeDown<T, true> : LaunchMoeDown<T, false>;
   return launch(stream, p, moe, cfg.gemv_col_tiles, cfg.gemv_row_tiles, cfg.gemv_k_split);
 }
@@ -151,13 +160,8 @@ ffi::Error MoeGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                                shape.n,
                                shape.k,
                                static_cast<int>(shape.g)};
-    MoeOperands<T> moe;
-    moe.order = order.typed_data();
-    moe.counters = counters->typed_data();
-    moe.counter_count = static_cast<int64_t>(counters->element_count());
-    moe.counter_cols = CeilDiv(hidden_size, 16);
-    moe.top_k = static_cast<int>(top_k);
-    return RunGateUp(stream, tiled, p, moe, info.num_sms);
+    return RunGateUp(stream, tiled, p, RoutingOperands<T>(order, counters, hidden_size, top_k),
+                     info.num_sms);
   };
   const cudaError_t err =
       x.element_type() == ffi::DataType::F16 ? run(__half{}) : run(__nv_bfloat16{});
@@ -228,17 +232,12 @@ ffi::Error MoeDownImpl(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::Buffer<f
         shape.n,
         shape.k,
         static_cast<int>(shape.g)};
-    MoeOperands<T> moe;
-    moe.order = order.typed_data();
+    MoeOperands<T> moe = RoutingOperands<T>(order, counters, hidden_size, top_k);
     moe.weights = weights.typed_data();
     moe.residual =
         residual.element_count() != 0 ? static_cast<const T*>(residual.untyped_data()) : nullptr;
     moe.pair_out = scratch->typed_data();
-    moe.counters = counters->typed_data();
-    moe.counter_count = static_cast<int64_t>(counters->element_count());
-    moe.counter_cols = CeilDiv(hidden_size, 16);
     moe.out = static_cast<T*>(y->untyped_data());
-    moe.top_k = static_cast<int>(top_k);
     return RunDown(stream, tiled, p, moe, info.num_sms);
   };
   const cudaError_t err =
