@@ -82,46 +82,32 @@ __device__ __forceinline__ void BatchedStep(float (&acc)[RT][kBatchedColTiles][4
 }
 
 // The activation word W (k-steps 2W, 2W + 1) of every row tile: 16 bytes a lane, loaded right
-// before its two k-steps (L1 hits after the first warp of the K lane), so a warp holds RT
-// activation vectors, not 4 RT: 16 registers at M = 32 instead of 64.
-template <typename T, int W, int RT>
+// before its two k-steps, so a warp holds RT activation vectors, not 4 RT: 16 registers at M = 32
+// instead of 64. load(r, W) is the lane's word W of row tile r (from L1 or the staged window).
+template <typename T, int W, int RT, typename Load>
 __device__ __forceinline__ void BatchedWord(float (&acc)[RT][kBatchedColTiles][4],
                                             const MmaFragments<kBatchedColTiles, 1>& f,
                                             const uint32_t (&lo)[kBatchedColTiles][2],
-                                            const uint32_t (&hi)[kBatchedColTiles][2], const T* ap,
-                                            const int32_t (&row_off)[RT]) {
+                                            const uint32_t (&hi)[kBatchedColTiles][2],
+                                            const Load& load) {
   uint4 x[RT];
 #pragma unroll
-  for (int r = 0; r < RT; ++r) x[r] = ld_u4(ap + row_off[r] + 8 * W);
+  for (int r = 0; r < RT; ++r) x[r] = load(r, W);
   BatchedStep<T, 2 * W, RT>(acc, f, lo, hi, x);
   BatchedStep<T, 2 * W + 1, RT>(acc, f, lo, hi, x);
 }
 
-// BatchedWord with the activations from the K lane's staged window `stage` (shared address):
-// the lane's word W of row tile r at stage + 2048 r + word_off[W].
-template <typename T, int W, int RT>
-__device__ __forceinline__ void BatchedStagedWord(float (&acc)[RT][kBatchedColTiles][4],
-                                                  const MmaFragments<kBatchedColTiles, 1>& f,
-                                                  const uint32_t (&lo)[kBatchedColTiles][2],
-                                                  const uint32_t (&hi)[kBatchedColTiles][2],
-                                                  uint32_t stage, const uint32_t (&word_off)[4]) {
-  uint4 x[RT];
-#pragma unroll
-  for (int r = 0; r < RT; ++r) x[r] = LdShared128(stage + 2048 * r + word_off[W]);
-  BatchedStep<T, 2 * W, RT>(acc, f, lo, hi, x);
-  BatchedStep<T, 2 * W + 1, RT>(acc, f, lo, hi, x);
-}
-
-template <typename T, int RT>
-__device__ __forceinline__ void BatchedStagedWindow(float (&acc)[RT][kBatchedColTiles][4],
-                                                    const MmaFragments<kBatchedColTiles, 1>& f,
-                                                    uint32_t stage, const uint32_t (&word_off)[4]) {
+// One 128-wide window: the scales, then the four words of 2 k-steps each (BatchedWord's load).
+template <typename T, int RT, typename Load>
+__device__ __forceinline__ void BatchedWindow(float (&acc)[RT][kBatchedColTiles][4],
+                                              const MmaFragments<kBatchedColTiles, 1>& f,
+                                              const Load& load) {
   uint32_t lo[kBatchedColTiles][2], hi[kBatchedColTiles][2];
   ScalePairs<T, kBatchedColTiles, 1>(f, lo, hi);
-  BatchedStagedWord<T, 0, RT>(acc, f, lo, hi, stage, word_off);
-  BatchedStagedWord<T, 1, RT>(acc, f, lo, hi, stage, word_off);
-  BatchedStagedWord<T, 2, RT>(acc, f, lo, hi, stage, word_off);
-  BatchedStagedWord<T, 3, RT>(acc, f, lo, hi, stage, word_off);
+  BatchedWord<T, 0, RT>(acc, f, lo, hi, load);
+  BatchedWord<T, 1, RT>(acc, f, lo, hi, load);
+  BatchedWord<T, 2, RT>(acc, f, lo, hi, load);
+  BatchedWord<T, 3, RT>(acc, f, lo, hi, load);
 }
 
 // The K lane's copy of one activation window into shared memory: its CW x 32 threads take 16-byte
@@ -139,21 +125,6 @@ __device__ __forceinline__ void BatchedStageCopy(uint32_t dst, const void* src, 
               valid ? static_cast<const char*>(src) + q * kRowsPerPass * row_bytes : any_valid,
               valid ? 16 : 0);
   }
-}
-
-// One 128-wide window: the scales, then the four words of 2 k-steps each. ap + row_off[r]: this
-// lane's activations of the window in row tile r (row m0 + 8 r + g, elements 32 t ..); 32-bit
-// offsets from one pointer keep RT 64-bit pointers out of the register budget.
-template <typename T, int RT>
-__device__ __forceinline__ void BatchedWindow(float (&acc)[RT][kBatchedColTiles][4],
-                                              const MmaFragments<kBatchedColTiles, 1>& f,
-                                              const T* ap, const int32_t (&row_off)[RT]) {
-  uint32_t lo[kBatchedColTiles][2], hi[kBatchedColTiles][2];
-  ScalePairs<T, kBatchedColTiles, 1>(f, lo, hi);
-  BatchedWord<T, 0, RT>(acc, f, lo, hi, ap, row_off);
-  BatchedWord<T, 1, RT>(acc, f, lo, hi, ap, row_off);
-  BatchedWord<T, 2, RT>(acc, f, lo, hi, ap, row_off);
-  BatchedWord<T, 3, RT>(acc, f, lo, hi, ap, row_off);
 }
 
 // The weight words and scales of one window of both column tiles (tiled layout: a 1 KB run and a
@@ -288,7 +259,10 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock, 1)
           NamedBarrierSync(1 + kw, 32 * CW);
           if (w + 2 * kw_count < w_end) stage(w + 2 * kw_count, slot == 0 ? 2 : slot - 1);
           CpAsyncCommit();
-          BatchedStagedWindow<T, RT>(acc, f, stages + slot * kStage, word_off);
+          const uint32_t stage = stages + slot * kStage;
+          BatchedWindow<T, RT>(acc, f, [&](int r, int W) {
+            return LdShared128(stage + 2048 * r + word_off[W]);  // row 8 r + g, chunk 4 t + W
+          });
           slot = slot == 2 ? 0 : slot + 1;
         });
         CpAsyncWait<0>();
@@ -304,8 +278,11 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarpsPerBlock, 1)
           row_off[r] = static_cast<int32_t>(((row < m ? row : m0) - row0) * k);
         }
         const int64_t a_step = static_cast<int64_t>(kw_count) * kGemvWindow;
+        // 32-bit offsets from one pointer keep RT 64-bit pointers out of the register budget.
         for_each_window([&](const MmaFragments<kBatchedColTiles, 1>& f, int64_t) {
-          BatchedWindow<T, RT>(acc, f, ap, row_off);
+          BatchedWindow<T, RT>(acc, f, [&](int r, int W) {
+            return ld_u4(ap + row_off[r] + 8 * W);  // row m0 + 8 r + g, elements 32 t + 8 W
+          });
           ap += a_step;
         });
       }
