@@ -141,7 +141,8 @@ def composed(x, gate_up, down, routing, residual, *, gate_up_meta, down_meta):
 
 
 def counter_tiles(hidden_size: int) -> int:
-    """Columns of the down kernel's per-token counters: one per 16 output columns (its tiles)."""
+    """Columns of the down kernel's per-token counters: room for one per 16 output columns (a block
+    spanning several counts on the first)."""
     return -(-hidden_size // 16)
 
 

@@ -98,13 +98,18 @@ def test_auto_dispatch_targets_on_hopper(cuda_device):
     assert _targets(matmul, a, w) == FUSED
     a, w = _case(SPEC.gemv_max_m_small, n=SPEC.small_n + 16, k=4096)
     assert _targets(matmul, a, jax_fp4.prepack(w)) == FUSED
-    # The GEMV to gemv_max_m_small_weight on spec-layout weights of at most small_weight elements.
-    assert TILED.gemv_max_m_small_weight is None
-    bound, n = SPEC.gemv_max_m_small_weight, SPEC.small_weight // 4096
-    a, w = _case(bound, n=n, k=4096)
-    assert _targets(matmul, a, w) == GEMV
-    assert _targets(matmul, a, jax_fp4.prepack(w)) == FUSED
-    assert _targets(matmul, *_case(bound + 1, n=n, k=4096)) == FUSED
+    # The GEMV to gemv_max_m_small_weight on weights of at most small_weight elements (each
+    # layout its own bound and size).
+    for table, layout in ((SPEC, lambda w: w), (TILED, jax_fp4.prepack)):
+
+        def path(m, n):
+            a, w = _case(m, n=n, k=4096)
+            return _targets(matmul, a, layout(w))
+
+        bound, n = table.gemv_max_m_small_weight, table.small_weight // 4096
+        assert path(bound, n) == GEMV
+        assert path(bound, n + 32) == FUSED
+        assert path(bound + 1, n) == FUSED
     # Past fused_max_m to fused_max_m_large: the fused GEMM on large wide weights (N >= wide_n,
     # N * K >= large_weight) only.
     large = SPEC.fused_max_m_large

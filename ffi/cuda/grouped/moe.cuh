@@ -9,8 +9,10 @@
 //            and stored in float32 to pair_out[order[r]]; then MoeFinishPairs counts the pairs
 //            each token has finished in this column tile, and the block that finishes a token's
 //            k-th sums its k pair rows in slot order, adds the residual and rounds once.
-// The counters (one per token and 16-column tile of the output) start at 0: the gate/up launch
-// zeroes them (MoeZeroCounters), in stream order before the down launch reads them.
+// The counters (room for one per token and 16-column tile of the output) start at 0: the gate/up
+// launch zeroes them (MoeZeroCounters), in stream order before the down launch reads them. A block
+// spanning several 16-column tiles counts on its span's first tile only, so with 32-column spans
+// the odd tiles' counters stay 0.
 #ifndef JAX_FP4_CUDA_GROUPED_MOE_CUH_
 #define JAX_FP4_CUDA_GROUPED_MOE_CUH_
 
@@ -66,7 +68,8 @@ __device__ __forceinline__ void MoeZeroCounters(const MoeOperands<T>& moe) {
 }
 
 // After this block stored the pair rows pairs[0, count) of output columns [col0, col0 + cols)
-// (col0 a multiple of 16): counts them on their tokens' counters, and for each token whose k-th
+// (col0 a multiple of 16, every block of the launch spanning the same `cols`): counts them on their
+// tokens' counters at tile col0 / 16, and for each token whose k-th
 // pair this was, writes y[token, col0 .. col0 + cols) = round(sum over slots j in order of
 // pair_out[token k + j] + residual). Called by all threads of the block.
 template <typename T>
