@@ -25,9 +25,10 @@ Both answer to the same float64 model of the formula, with each path's roundings
 A routing need not come from route_top_k: any (weights, order, group_sizes) whose order is a
 permutation of the T k pairs listing them grouped by expert, group_sizes[e] of them for expert e,
 serves (the inverse permutation is read by the composition only; the kernels count each pair
-once, so an order that repeats a pair leaves its token's output unwritten). Pairs past sum(group_sizes) contribute nothing (ragged_matmul's
-rows past the groups), which is how an expert-parallel shard_map body leaves out the pairs of
-other shards' experts.
+once, so an order that repeats a pair leaves its token's output unwritten). Pairs past
+sum(group_sizes) contribute nothing (ragged_matmul's rows past the groups), which is how an
+expert-parallel shard_map body leaves out the pairs of other shards' experts. A negative size
+counts as 0 at run time; concrete negative sizes are refused.
 
 An optional shared expert (a dense NVFP4 MLP every token takes, with Qwen2-MoE's sigmoid gate)
 runs first through jax_fp4.matmul and joins the residual (`shared_expert`).
@@ -54,7 +55,7 @@ from jax_fp4 import ffi as _ffi
 from jax_fp4 import grouped as _grouped
 from jax_fp4 import sharding as _sharding
 from jax_fp4.explicit_axes import typed_mesh
-from jax_fp4.format import NVFP4Weight, not_a_weight_error, scale_as_bytes
+from jax_fp4.format import NVFP4Weight, host_values, not_a_weight_error, scale_as_bytes
 from jax_fp4.ops import (
     bind_per_batch_element,
     composition_jvp,
@@ -403,6 +404,12 @@ def _check_routing(routing, tokens: int, experts: int):
     for name, a in (("order", order), ("inverse", inverse), ("group_sizes", group_sizes)):
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise TypeError(f"moe: routing.{name} must be an integer array, got {a.dtype}")
+    sizes = host_values(group_sizes)  # None when traced: run-time sizes, negatives count as 0
+    if sizes is not None and (sizes < 0).any():
+        bad = int(np.argmax(sizes < 0))
+        raise ValueError(
+            f"moe: routing.group_sizes must be nonnegative, got {sizes[bad]} at index {bad}"
+        )
     experts_ = getattr(routing, "experts", None)
     if experts_ is not None and tuple(experts_.shape) != (tokens, k):
         raise ValueError(

@@ -378,6 +378,11 @@ def _other_experts(r):
             r"routing.weights must be \[T, k\] with T = 2",
         ),
         (
+            lambda x, r, a, b: (x, r._replace(group_sizes=r.group_sizes.at[1].set(-1)), a, b),
+            ValueError,
+            r"routing.group_sizes must be nonnegative, got -1 at index 1",
+        ),
+        (
             lambda x, r, a, b: (x, r._replace(order=r.order.astype(jnp.float32)), a, b),
             TypeError,
             "routing.order must be an integer array",
