@@ -747,7 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tuning",
         type=bench._tuning,
         default=None,
-        help="KernelTuning fields for the gemv and mlp rows, e.g. gemv_batched=0 (bench.py's "
+        help="KernelTuning fields for the gemv and mlp rows, e.g. gemv_k_split=4 (bench.py's "
         "--tuning)",
     )
     p.add_argument(

@@ -10,7 +10,7 @@ with TOKENS tokens routed uniformly at random to --top-k distinct experts each (
 rows; the grouped GEMV or GEMM, whichever the dispatch picks). Every case runs twice (compile +
 warm) before the profiled third call. `--layout tiled` prepacks the weights (jax_fp4.prepack), as
 the default bench sweep times them; `--tuning` fixes the matmul cases' kernel choices (e.g.
-`gemv_batched=1` for the batched GEMV).
+`gemv_k_split=4` for the GEMV's K split).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
         "--tuning",
         type=bench._tuning,
         default=None,
-        help="kernel choices for the matmul cases, as bench.py's --tuning (e.g. gemv_batched=1)",
+        help="kernel choices for the matmul cases, as bench.py's --tuning (e.g. gemv_k_split=4)",
     )
     args = ap.parse_args()
     tiled = args.layout == "tiled"

@@ -1,14 +1,11 @@
 #!/usr/bin/env bash
 # Build jax_fp4 for this machine's GPU, run the GPU tests, then the benchmarks: the default sweep,
 # the decode step and its GEMVs (decode.py), mixture-of-experts (moe.py, routing.py, and decode.py
-# on the MoE preset). The serving part (only when asked for) checks and times the GEMV's batched
-# kernel: its GPU tests, once under compute-sanitizer memcheck, and decode.py's chains at serving
-# batch sizes with the kernel forced (activations through L1, then staged) and with the default
-# dispatch. The moe_block part (only when asked for) checks and times the mixture-of-experts block
-# (jax_fp4.moe): its GPU tests, its kernels' tests once under compute-sanitizer memcheck, and
-# moe.py's block part.
+# on the MoE preset). The moe_block part (only when asked for) checks and times the
+# mixture-of-experts block (jax_fp4.moe): its GPU tests, its kernels' tests once under
+# compute-sanitizer memcheck, and moe.py's block part.
 #
-#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe|serving|moe_block]
+#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe|moe_block]
 #                                    [OUTDIR]
 #
 # Run from the repository root, in the Python environment to test (jax with CUDA installed).
@@ -19,13 +16,13 @@ build=1 only="" out=""
 while (($#)); do
   case "$1" in
     --skip-build) build=0 ;;
-    --only) only="${2:?--only takes tests, bench, decode, moe, serving or moe_block}"; shift ;;
-    -h|--help) sed -n 2,8p "$0"; exit 0 ;;
+    --only) only="${2:?--only takes tests, bench, decode, moe or moe_block}"; shift ;;
+    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
     *) out="$1" ;;
   esac
   shift
 done
-case "$only" in ""|tests|bench|decode|moe|serving|moe_block) ;; *) echo "--only takes tests, bench, decode, moe, serving or moe_block, got '$only'" >&2; exit 2 ;; esac
+case "$only" in ""|tests|bench|decode|moe|moe_block) ;; *) echo "--only takes tests, bench, decode, moe or moe_block, got '$only'" >&2; exit 2 ;; esac
 out="${out:-./gpu_suite_out}"
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -76,28 +73,6 @@ if [[ -z "$only" || "$only" == moe ]]; then
   ((${memory_mib:-0} >= 120000)) || layers=(--layers 24)
   python benchmarks/decode.py --model qwen3-30b-a3b "${layers[@]}" --batches 1,8 --no-gemv \
     --no-prefill --no-long-prompt --json "$out/moe_step.json" 2>&1 | tee "$out/moe_step.log"
-  ((PIPESTATUS[0] == 0)) || status=1
-fi
-
-if [[ "$only" == serving ]]; then
-  echo "== serving batches: the batched GEMV"
-  python -m pytest -q tests/test_gemv_kernel.py tests/test_fusions.py tests/test_cuda_lowering.py \
-    -k batched 2>&1 | tee "$out/serving_tests.log"
-  ((PIPESTATUS[0] == 0)) || status=1
-  JAX_FP4_GPU_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python -m pytest -q -x tests/test_gemv_kernel.py -k batched 2>&1 | tail -20 \
-    | tee "$out/serving_memcheck.log"
-  ((PIPESTATUS[0] == 0)) || status=1
-  shapes=6144x4096,4096x4096,4096x14336,17408x5120,28672x8192
-  ms=1,2,4,8,12,16,24,32,48,64
-  for staged in 0 1; do  # the activations through L1, then staged through shared memory
-    python benchmarks/decode.py --no-runs --no-prefill --gemv-m "$ms" --gemv-shapes "$shapes" \
-      --backend gemv --tuning "gemv_batched=1,gemv_staged=$staged" \
-      --json "$out/serving_batched_staged$staged.json" 2>&1 | tee "$out/serving_batched_staged$staged.log"
-    ((PIPESTATUS[0] == 0)) || status=1
-  done
-  python benchmarks/decode.py --no-runs --no-prefill --gemv-m "$ms" --gemv-shapes "$shapes" \
-    --json "$out/serving_auto.json" 2>&1 | tee "$out/serving_auto.log"
   ((PIPESTATUS[0] == 0)) || status=1
 fi
 

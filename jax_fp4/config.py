@@ -100,10 +100,6 @@ def cuda_capability_override() -> tuple[int, int] | None:
 _ALLOWED = {
     "gemv_col_tiles": (0, 1, 2),
     "gemv_rows_per_block": (0, 1, 2, 4),
-    "gemv_batched": (None, False, True),
-    "gemv_col_warps": (0, 2, 4),
-    "gemv_cluster": tuple(range(9)),
-    "gemv_staged": (None, False, True),
     "fused_split": tuple(range(9)),
     "fused_tile_m": (0, 16, 32, 64, 128, 256),
     "fused_tile_n": (0, 128, 256),
@@ -125,14 +121,8 @@ class KernelTuning:
 
       gemv_col_tiles       the GEMV's column tiles per warp: 1 or 2
       gemv_k_split         warps splitting K in the GEMV's block: >= 1 (clamped to the block's
-                           warp budget by the kernel); the batched kernel's K warps
+                           warp budget by the kernel)
       gemv_rows_per_block  the scalar GEMV's rows per block: 1, 2 or 4
-      gemv_batched         the GEMV's batched kernel (True; sm_90+, prepacked weights) or the
-                           plain one (False)
-      gemv_col_warps       the batched kernel's column warps per block: 2 or 4
-      gemv_cluster         the batched kernel's blocks per cluster splitting K: 1..8
-      gemv_staged          the batched kernel's activations through shared memory (True) or
-                           per-warp loads served by L1 (False)
       fused_split          the fused GEMM's split-K: 1..8
       fused_tile_m         the fused GEMM's activation tile: 16, 32, 64, 128 or 256 rows
       fused_tile_n         the fused GEMM's weight rows per CTA: 128 or 256
@@ -144,10 +134,6 @@ class KernelTuning:
     gemv_col_tiles: int = 0
     gemv_k_split: int = 0
     gemv_rows_per_block: int = 0
-    gemv_batched: bool | None = None
-    gemv_col_warps: int = 0
-    gemv_cluster: int = 0
-    gemv_staged: bool | None = None
     fused_split: int = 0
     fused_tile_m: int = 0
     fused_tile_n: int = 0
@@ -178,16 +164,12 @@ class KernelTuning:
 
     def gemv_attributes(self) -> dict:
         """The GEMV target's tuning attributes (INTERFACE: col_tiles, k_split, rows_per_block,
-        programmatic, col_warps, cluster, staged (-1: the heuristic); gemv_batched overrides the
-        plan's kernel choice in the lowering)."""
+        programmatic)."""
         return dict(
             col_tiles=self.gemv_col_tiles,
             k_split=self.gemv_k_split,
             rows_per_block=self.gemv_rows_per_block,
             programmatic=self.programmatic_launch,
-            col_warps=self.gemv_col_warps,
-            cluster=self.gemv_cluster,
-            staged=_TRI_STATE[self.gemv_staged],
         )
 
     def fused_attributes(self) -> dict:

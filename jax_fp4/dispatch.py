@@ -59,8 +59,6 @@ class Crossovers:
     gemv_max_m_small_weight: int | None = None  # ... N * K <= small_weight, tensor cores
     gemv_max_m_narrow_long: int | None = None  # ... N <= narrow_n and K >= long_k
     fused_min_m_wide_long: int | None = None  # the fused GEMM from here: N >= wide_n, K >= long_k
-    # the GEMV's batched kernel (prepacked, sm_90+) for DECODE_MAX_M < M <= this (None: never)
-    gemv_batched_max_m: int | None = None
     fused_max_m: int = 0  # the fused GEMM past the GEMV to here (0: never)
     fused_max_m_large: int = 0  # ... N >= wide_n and N * K >= large_weight
     small_n: int = 0
@@ -124,8 +122,6 @@ HOPPER_TILED = dataclasses.replace(
     gemv_max_m_narrow_long=32,
     # prepacked, the fused GEMM 6-19% faster than the GEMV at M = 9-16 on 28672x8192 (H200).
     fused_min_m_wide_long=DECODE_MAX_M + 1,
-    # the batched kernel has not been timed against the GEMV here: only when forced (tuning).
-    gemv_batched_max_m=None,
 )
 HOPPER = Entry(spec=HOPPER_SPEC, tiled=HOPPER_TILED)
 
@@ -191,7 +187,6 @@ class Target:
 class Plan:
     path: str
     gemv_tensor_cores: bool = False  # path "gemv": its mma.sync kernel (else the scalar one)
-    gemv_batched: bool = False  # path "gemv": its batched kernel (serving batches, sm_90+)
 
 
 def gemv_unsupported_reason(p: Problem) -> str | None:
@@ -228,22 +223,6 @@ def gemv_tensor_cores(p: Problem, target: Target) -> bool:
         and cap is not None
         and tuple(cap) >= (8, 0)
         and (p.tiled or p.k % 128 == 0)
-    )
-
-
-def gemv_batched(p: Problem, target: Target, tensor_cores: bool) -> bool:
-    """Whether the GEMV's tensor-core kernel runs as its batched kernel (a block's column warps
-    sharing each activation window, K split over a thread-block cluster: sm_90+, prepacked
-    weights) at this M: the table's range above the decode sizes. Passed to the kernel."""
-    cap = target.capability
-    bound = target.crossovers.for_layout(p.tiled).gemv_batched_max_m
-    return (
-        tensor_cores
-        and p.tiled
-        and cap is not None
-        and tuple(cap) >= (9, 0)
-        and bound is not None
-        and DECODE_MAX_M < p.m <= bound
     )
 
 
@@ -352,12 +331,7 @@ def plan(p: Problem, target: Target, backend: str = "auto") -> Plan:
     `backend` that cannot serve it raises ValueError with the reason."""
     tensor_cores = gemv_tensor_cores(p, target)
     path = _path(p, target, backend, tensor_cores)
-    gemv = path == "gemv"
-    return Plan(
-        path,
-        gemv_tensor_cores=gemv and tensor_cores,
-        gemv_batched=gemv and gemv_batched(p, target, tensor_cores),
-    )
+    return Plan(path, gemv_tensor_cores=path == "gemv" and tensor_cores)
 
 
 def _path(p: Problem, target: Target, backend: str, tensor_cores: bool) -> str:

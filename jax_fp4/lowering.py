@@ -201,29 +201,17 @@ def _gemv(
     residual=None,
     tiled=False,
     tensor_cores=False,
-    batched=False,
     row_tiling=True,
     tuning=_config.DEFAULT_TUNING,
     **_,
 ):
-    """The GEMV kernel: `batched` (dispatch.plan's, unless the tuning forces it) its batched
-    kernel. With `activation` or `residual` its fused instances, the epilogue fusions in the
-    kernel: the target's extra operand residual ([M, N_out], or [0] when absent) and its
+    """The GEMV kernel. With `activation` or `residual` its fused instances, the epilogue fusions
+    in the kernel: the target's extra operand residual ([M, N_out], or [0] when absent) and its
     attribute activation (0 none, 1 silu_mul)."""
-    if tuning.gemv_batched and not (tiled and tensor_cores):
-        raise ValueError(
-            "KernelTuning(gemv_batched=True): the batched GEMV reads prepacked weights "
-            "(jax_fp4.prepack) with its tensor-core kernel, got "
-            f"layout={'tiled' if tiled else 'spec'}, tensor cores {tensor_cores}"
-        )
     fused = activation is not None or residual is not None
     n_out = packed.shape[0] // 2 if activation == "silu_mul" else packed.shape[0]
     attributes = dict(
-        block_size=block_size,
-        tiled=tiled,
-        tensor_cores=tensor_cores,
-        row_tiling=row_tiling,
-        batched=batched if tuning.gemv_batched is None else tuning.gemv_batched,
+        block_size=block_size, tiled=tiled, tensor_cores=tensor_cores, row_tiling=row_tiling
     )
     fused_operands = []
     if fused:
@@ -415,10 +403,7 @@ def _kernel_attributes(plan: _dispatch.Plan, tuning) -> dict:
         return dict(avx512=_config.cpu_avx512())
     if plan.path == "gemv":
         return dict(
-            tensor_cores=plan.gemv_tensor_cores,
-            batched=plan.gemv_batched,
-            row_tiling=_config.gemv_row_tiling(),
-            tuning=tuning,
+            tensor_cores=plan.gemv_tensor_cores, row_tiling=_config.gemv_row_tiling(), tuning=tuning
         )
     if plan.path == "fused":
         return dict(tuning=tuning)

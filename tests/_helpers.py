@@ -210,10 +210,6 @@ def gemv_attributes(
         k_split=np.int64(t.gemv_k_split),
         rows_per_block=np.int64(t.gemv_rows_per_block),
         programmatic=bool(t.programmatic_launch),
-        batched=bool(t.gemv_batched),
-        col_warps=np.int64(t.gemv_col_warps),
-        cluster=np.int64(t.gemv_cluster),
-        staged=np.int64(t.gemv_attributes()["staged"]),
     )
 
 

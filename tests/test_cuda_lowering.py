@@ -223,19 +223,12 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "k_split": "0",
         "rows_per_block": "0",
         "programmatic": "false",
-        "batched": "false",
-        "col_warps": "0",
-        "cluster": "0",
-        "staged": "-1",
     }
     assert _attributes(matmul, *_case(4, k=160))["jax_fp4_gemv_cuda"]["tensor_cores"] == "false"
     tuning = jax_fp4.KernelTuning(
         gemv_col_tiles=2,
         gemv_k_split=4,
         gemv_rows_per_block=1,
-        gemv_col_warps=2,
-        gemv_cluster=5,
-        gemv_staged=True,
         fused_split=3,
         fused_tile_m=64,
         fused_tile_n=128,
@@ -253,10 +246,6 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "k_split": "4",
         "rows_per_block": "1",
         "programmatic": "true",
-        "batched": "false",
-        "col_warps": "2",
-        "cluster": "5",
-        "staged": "1",
     }
     assert _attributes(matmul, *_case(64))["jax_fp4_fused_cuda"] == {
         "block_size": "16",
@@ -348,28 +337,3 @@ def test_capability_override_lowers_for_another_gpu(cuda_device, monkeypatch):
         ValueError, match=r"JAX_FP4_CUDA_CAPABILITY: expected MAJOR.MINOR .* 'sm_90'"
     ):
         _targets(matmul, a, w)
-
-
-def test_the_batched_gemv_is_the_plans_choice(cuda_device):
-    """The GEMV's batched kernel runs where the table puts it (prepacked, sm_90+, past the decode
-    sizes up to gemv_batched_max_m) and nowhere else; a tuning may force either kernel."""
-
-    def batched(m, layout="tiled", tuning=None, backend="gemv"):
-        a, w = _case(m)
-        w = jax_fp4.prepack(w) if layout == "tiled" else w
-        f = lambda a, w: jax_fp4.matmul(a, w, backend=backend, tuning=tuning)  # noqa: E731
-        return _attributes(f, a, w)["jax_fp4_gemv_cuda"]["batched"]
-
-    top = TILED.gemv_batched_max_m
-    ms = (1, 8, 9, 16, 32, 33, 64)
-    expected = [str(top is not None and _dispatch.DECODE_MAX_M < m <= top).lower() for m in ms]
-    assert [batched(m) for m in ms] == expected
-    assert batched(16, layout="spec") == "false"
-    assert batched(16, tuning=jax_fp4.KernelTuning(gemv_batched=False)) == "false"
-    assert batched(64, tuning=jax_fp4.KernelTuning(gemv_batched=True)) == "true"
-    if top is not None and TILED.gemv_max_m >= 16:
-        assert batched(16, backend=None) == "true"  # auto takes the GEMV, batched, there
-    with pytest.raises(ValueError, match="gemv_batched=True.*layout=spec"):
-        batched(16, layout="spec", tuning=jax_fp4.KernelTuning(gemv_batched=True))
-    cuda_device((8, 0), kind=None)  # no clusters before sm_90
-    assert batched(16) == "false"

@@ -520,9 +520,6 @@ def test_kernel_tuning_attributes():
         gemv_col_tiles=2,
         gemv_k_split=4,
         gemv_rows_per_block=1,
-        gemv_col_warps=2,
-        gemv_cluster=6,
-        gemv_staged=False,
         fused_split=3,
         fused_tile_m=64,
         fused_tile_n=128,
@@ -530,15 +527,7 @@ def test_kernel_tuning_attributes():
         fused_stream_k=True,
         programmatic_launch=True,
     )
-    assert t.gemv_attributes() == dict(
-        col_tiles=2,
-        k_split=4,
-        rows_per_block=1,
-        programmatic=True,
-        col_warps=2,
-        cluster=6,
-        staged=0,
-    )
+    assert t.gemv_attributes() == dict(col_tiles=2, k_split=4, rows_per_block=1, programmatic=True)
     assert t.fused_attributes() == dict(
         split=3, tile_m=64, tile_n=128, warp_specialized=0, stream_k=1, programmatic=True
     )

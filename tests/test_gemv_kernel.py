@@ -27,7 +27,6 @@ from tests._helpers import (
     DTYPES,
     NP_DTYPES,
     SPECIAL_SCALES,
-    capability,
     chain_weights,
     gemv_attributes,
     gpus,
@@ -47,7 +46,6 @@ DEQUANT = "jax_fp4_dequant_cuda"
 # Importing jax_fp4 registers its FFI targets (the package's CUDA module).
 import jax_fp4  # noqa: E402,F401
 from jax_fp4 import KernelTuning  # noqa: E402
-from jax_fp4 import dispatch as _dispatch  # noqa: E402
 from jax_fp4 import layout as _layout  # noqa: E402
 
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -342,9 +340,6 @@ BAD_ATTRIBUTES = (
     [("col_tiles", 2, v) for v in (3, 4, -1)]
     + [("k_split", 4, v) for v in (-1,)]
     + [("rows_per_block", 4, v) for v in (3, 8, -1)]
-    + [("col_warps", 2, v) for v in (1, 3, 8, -1)]
-    + [("cluster", 8, v) for v in (9, -1)]
-    + [("staged", 1, v) for v in (2, -2)]
 )
 
 
@@ -718,123 +713,3 @@ def test_dequant_deterministic_and_large():
     again = dequant(packed, scale, gs, "bfloat16", 16)
     np.testing.assert_array_equal(first.view(np.uint16), again.view(np.uint16))
     _same_bits(first, reference_dequant(packed, scale, gs, 16, "bfloat16"))
-
-
-# ---------------------------------------------------------------------------------------------
-# The batched kernel (GemvBatchedKernel: sm_90+, the tiled layout, M = 9-32 by default): every
-# launch configuration forced, M not a multiple of 8 or 32, N not a multiple of the block's 32
-# column-warp outputs, K from one window to many, against the float64 reference.
-
-HAS_BATCHED = any((capability(d) or (0, 0)) >= (9, 0) for d in gpus())
-needs_batched = pytest.mark.skipif(not HAS_BATCHED, reason="the batched GEMV needs sm_90+")
-
-BATCHED_M = [9, 12, 16, 17, 23, 24, 31, 32, 33, 48, 64, 65]
-# (N, K): one 16-row tile, tiles that leave a column warp or a whole block without columns, one
-# window, an odd window count, many windows.
-BATCHED_NK = [(16, 128), (48, 256), (112, 384), (1008, 4096), (272, 2816), (4096, 1024)]
-# (col_warps, k_warps, cluster, staged): 0 / None = the heuristic.
-BATCHED_CONFIGS = [
-    (0, 0, 0, None),
-    (2, 1, 1, True),
-    (4, 4, 1, False),
-    (4, 1, 3, True),
-    (2, 8, 2, True),
-    (2, 8, 2, False),
-    (4, 2, 8, False),
-    (4, 2, 8, True),
-    (4, 4, 5, True),
-]
-if QUICK:
-    BATCHED_M = [9, 17, 33]
-    BATCHED_NK = [(16, 128), (272, 2816)]
-    BATCHED_CONFIGS = [(0, 0, 0, None), (2, 1, 1, True), (4, 2, 8, False), (4, 2, 8, True)]
-
-
-def batched_tuning(col_warps, k_warps, cluster, staged) -> KernelTuning:
-    return KernelTuning(
-        gemv_batched=True,
-        gemv_col_warps=col_warps,
-        gemv_k_split=k_warps,
-        gemv_cluster=cluster,
-        gemv_staged=staged,
-    )
-
-
-@needs_batched
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", BATCHED_CONFIGS, ids=lambda c: "cw{}-kw{}-cl{}-st{}".format(*c))
-def test_gemv_batched_every_launch_config(config, dtype):
-    """Exact inputs (any summation order gives the same fp32 sums): every (M, N, K) must match the
-    reference bit for bit, with and without bias, in every launch configuration."""
-    rng = np.random.default_rng()
-    tuning = batched_tuning(*config)
-    for i, m in enumerate(BATCHED_M):
-        n, k = BATCHED_NK[i % len(BATCHED_NK)]
-        a, packed, scale, gs, bias = exact_problem(rng, m, n, k, dtype, with_bias=i % 2 == 0)
-        expected = as_dtype(reference_gemv(a, packed, scale, gs, bias), dtype)
-        y = gemv(a, packed, scale, gs, bias, tiled=True, tuning=tuning)
-        np.testing.assert_array_equal(
-            y.view(np.uint16),
-            expected.view(np.uint16),
-            err_msg=f"batched config={config} M={m} N={n} K={k}",
-        )
-
-
-@needs_batched
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", BATCHED_M)
-def test_gemv_batched_random(m, dtype):
-    """Random inputs (special scales included) against the float64 reference, on every shape, with
-    the heuristic's launch and with a forced cluster, the activations through L1 and staged."""
-    rng = np.random.default_rng()
-    for j, (n, k) in enumerate(BATCHED_NK):
-        a, packed, scale, gs, bias = random_problem(rng, m, n, k, dtype, with_bias=j % 2 == 1)
-        ref = reference_gemv(a, packed, scale, gs, bias)
-        for config in ((0, 0, 0, None), (4, 2, 3, False), (4, 2, 3, True)):
-            y = gemv(a, packed, scale, gs, bias, tiled=True, tuning=batched_tuning(*config))
-            check_close(y, ref, dtype, f"batched {config} M={m} N={n} K={k}")
-
-
-@needs_batched
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_batched_reruns_are_bit_identical(dtype):
-    """Fixed split and reduction order (K warps, then the cluster's ranks): the same bits on every
-    run, with random inputs whose sums round differently in another order."""
-    rng = np.random.default_rng()
-    a, packed, scale, gs, bias = random_problem(rng, 29, 1008, 4096, dtype, with_bias=True)
-    tuning = batched_tuning(4, 2, 8, True)
-    first = gemv(a, packed, scale, gs, bias, tiled=True, tuning=tuning)
-    for _ in range(3):
-        again = gemv(a, packed, scale, gs, bias, tiled=True, tuning=tuning)
-        np.testing.assert_array_equal(again.view(np.uint16), first.view(np.uint16))
-
-
-@needs_batched
-def test_gemv_batched_runs_where_dispatch_plans_it():
-    """On a Hopper GPU, backend="gemv" at M = 24 on a prepacked weight runs the kernel the dispatch
-    plans for this GPU (batched where its table's range holds 24): the same bits as that kernel
-    forced, other bits than the other kernel forced somewhere (another summation order)."""
-    rng = np.random.default_rng()
-    a, packed, scale, gs, _ = random_problem(rng, 24, 1008, 4096, "bfloat16", with_bias=False)
-    w = jax_fp4.prepack(jax_fp4.NVFP4Weight(packed, scale, gs))
-    device = gpus()[0]
-    problem = _dispatch.Problem(m=24, n=1008, k=4096, block_size=16, dtype=a.dtype, tiled=True)
-    target = _dispatch.cuda_target(capability(device), device_kind=device.device_kind)
-    planned = _dispatch.plan(problem, target, "gemv").gemv_batched
-
-    def run(tuning=None):
-        f = jax.jit(lambda a, w: jax_fp4.matmul(a, w, backend="gemv", tuning=tuning))
-        return np.asarray(f(a, w)).view(np.uint16)
-
-    auto = run()
-    np.testing.assert_array_equal(auto, run(KernelTuning(gemv_batched=planned)))
-    assert not np.array_equal(auto, run(KernelTuning(gemv_batched=not planned)))
-
-
-@needs_batched
-def test_gemv_batched_rejects_what_it_cannot_run():
-    """Forcing the batched kernel on the spec layout is an error, not another kernel."""
-    rng = np.random.default_rng()
-    a, packed, scale, gs, bias = random_problem(rng, 16, 64, 256, "bfloat16", with_bias=False)
-    with pytest.raises(Exception, match="batched=true needs"):
-        gemv(a, packed, scale, gs, bias, tiled=False, tuning=KernelTuning(gemv_batched=True))

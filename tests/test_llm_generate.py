@@ -893,7 +893,7 @@ def test_kernel_breakdown_splits_a_step_into_matmuls_and_the_rest(example):
     fp4 = [
         ("void jax_fp4::cuda::GemvMmaKernel<4, 2, true>(jax_fp4::cuda::GemvArgs)", 10_000),
         ("void jax_fp4::cuda::GemvMmaKernel<8, 1, true>(jax_fp4::cuda::GemvArgs)", 12_000),
-        ("_ZN7jax_fp44cuda17GemvBatchedKernelILi8EEEvNS0_8GemvArgsE", 5_000),
+        ("_ZN7jax_fp44cuda16GemvScalarKernelILi8EEEvNS0_8GemvArgsE", 5_000),
     ]
     step = fp4 + [
         ("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNN", 240_000),  # lm_head

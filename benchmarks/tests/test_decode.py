@@ -220,7 +220,7 @@ def test_floors_and_the_m1_ratio():
 def test_forced_variants_are_records_of_their_own():
     """Rows of a forced backend or tuning do not replace the default's (and vice versa)."""
     plain = [{"n": 8, "k": 8, "m": 16, "layout": "tiled", "backend": None, "tuning": None}]
-    forced = [{**plain[0], "tuning": {"gemv_batched": False}}]
+    forced = [{**plain[0], "tuning": {"gemv_k_split": 4}}]
     assert decode.merged(plain, forced, decode.GEMV_KEY) == plain + forced
     again = [{**forced[0], "us": 1.0}]
     assert decode.merged(plain + forced, again, decode.GEMV_KEY) == plain + again

@@ -328,37 +328,6 @@ void TestResidentWarpsInput() {
   }
 }
 
-// The batched kernel's launch (gemv_batched_config): a block within the launch bounds, a cluster
-// within the portable size, every K warp of a split cluster with a window, one pass over the
-// weight for M <= 32, and two of its picks on 132 SMs.
-void TestBatchedConfig() {
-  using jax_fp4::GemvBatchedConfig;
-  for (const int64_t sms : {1, 78, 132}) {
-    for (const int64_t m : {1, 8, 9, 16, 17, 24, 25, 32, 33, 64, 65}) {
-      for (const int64_t n : {16, 48, 4096, 6144, 17408, 28672}) {
-        for (const int64_t k : {128, 384, 4096, 14336}) {
-          const GemvBatchedConfig c = jax_fp4::gemv_batched_config(m, n, k, sms);
-          const std::string what = "batched m=" + std::to_string(m) + " n=" + std::to_string(n) +
-                                   " k=" + std::to_string(k) + " sms=" + std::to_string(sms);
-          const int64_t windows = k / jax_fp4::kGemvWindow;
-          Check(c.col_warps == 4 && c.k_warps >= 1 &&
-                    c.col_warps * c.k_warps <= jax_fp4::kGemvMaxWarpsPerBlock,
-                what + ": block");
-          Check(c.cluster >= 1 && c.cluster <= jax_fp4::kGemvBatchedMaxCluster, what + ": cluster");
-          Check(c.cluster == 1 || c.cluster * c.k_warps <= windows, what + ": idle K warps");
-          const int want_rows = m <= 16 ? 2 : (m <= 24 ? 3 : 4);
-          Check(c.row_tiles == want_rows, what + ": row tiles");
-        }
-      }
-    }
-  }
-  // Two picks on 132 SMs at M = 32: a narrow weight split over clusters, a wide one not.
-  const GemvBatchedConfig small = jax_fp4::gemv_batched_config(32, 4096, 4096, 132);
-  Check(small.k_warps == 4 && small.cluster == 4, "batched 4096x4096: 128 blocks of 16 warps");
-  const GemvBatchedConfig wide = jax_fp4::gemv_batched_config(32, 28672, 8192, 132);
-  Check(wide.k_warps == 2 && wide.cluster == 1, "batched 28672x8192: 224 blocks of 8 warps");
-}
-
 }  // namespace
 
 int main() {
@@ -367,7 +336,6 @@ int main() {
   TestMonotoneInSms();
   TestDegenerateInputs();
   TestResidentWarpsInput();
-  TestBatchedConfig();
   std::printf("%d\n", failures);
   return failures != 0;
 }

@@ -1,6 +1,6 @@
 // CUDA decode GEMV: y[m, n] = round((sum_k a[m,k] * e2m1(code) * e4m3(scale[n, k/16])) * gs
 //                                   + bias[n]),
-// fp32 accumulation, NVFP4 weights decoded in registers (no dequantized copy of W). Three kernels:
+// fp32 accumulation, NVFP4 weights decoded in registers (no dequantized copy of W). Two kernels:
 //
 // * GemvMmaKernel (attribute tensor_cores; sm_80+, K % 128 == 0 or the tiled layout): mma.sync
 // m16n8k16 with the WEIGHT in the A slot
@@ -16,13 +16,7 @@
 //   of packed weight, two scale blocks) per lane per step, per-block fp32 partial sums, a warp
 //   shuffle reduction, and row tiling (RowsPerBlock rows of M share each decoded weight).
 //
-// * GemvBatchedKernel (attribute batched; sm_90+, the tiled layout; ffi/cuda/gemv/batched.cuh):
-//   the tensor-core kernel's mma for serving batches, a block's column warps sharing each
-//   activation window and K split over a thread-block cluster reduced through distributed shared
-//   memory; launch from gemv_batched_config, or the attributes col_warps / k_split / cluster /
-//   staged (the activation windows through shared memory instead of L1).
-//
-// All are deterministic (fixed work split and reduction order) and never touch memory outside
+// Both are deterministic (fixed work split and reduction order) and never touch memory outside
 // their operands: ragged N is clamped on loads and masked on stores, rows past M are never read.
 //
 // Epilogue fusions (GemvFusion in ffi/cuda/gemv/common.cuh), optional: a call with the operand
@@ -58,12 +52,12 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + what);
 }
 
-// The attributes: the plain call's twelve, and the one a fused call adds. Read from the
+// The attributes: the plain call's eight, and the one a fused call adds. Read from the
 // dictionary of all attributes (so that the fusion one can be absent); any other name is an
 // error, so that a misspelt attribute is not silently ignored.
-constexpr std::string_view kPlainAttributes[] = {
-    "block_size",     "tiled",        "tensor_cores", "row_tiling", "col_tiles", "k_split",
-    "rows_per_block", "programmatic", "batched",      "col_warps",  "cluster",   "staged"};
+constexpr std::string_view kPlainAttributes[] = {"block_size",     "tiled",       "tensor_cores",
+                                                 "row_tiling",     "col_tiles",   "k_split",
+                                                 "rows_per_block", "programmatic"};
 constexpr std::string_view kFusionAttributes[] = {"activation"};
 
 template <typename V>
@@ -92,10 +86,7 @@ struct GemvAttributes {
   bool tiled = false, tensor_cores = false, row_tiling = false;
   int64_t col_tiles = 0, k_split = 0, rows_per_block = 0;
   bool programmatic = false;
-  bool batched = false;                // the batched kernel (dispatch.gemv_batched decides)
-  int64_t col_warps = 0, cluster = 0;  // its launch (0: the heuristic)
-  int64_t staged = -1;                 // its activations through shared memory (-1: heuristic)
-  bool fused = false;                  // the fusion attribute is present
+  bool fused = false;  // the fusion attribute is present
   int64_t activation = 0;
 };
 
@@ -116,10 +107,6 @@ ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
   if ((err = ReadAttribute(attrs, "k_split", &out->k_split)).failure()) return err;
   if ((err = ReadAttribute(attrs, "rows_per_block", &out->rows_per_block)).failure()) return err;
   if ((err = ReadAttribute(attrs, "programmatic", &out->programmatic)).failure()) return err;
-  if ((err = ReadAttribute(attrs, "batched", &out->batched)).failure()) return err;
-  if ((err = ReadAttribute(attrs, "col_warps", &out->col_warps)).failure()) return err;
-  if ((err = ReadAttribute(attrs, "cluster", &out->cluster)).failure()) return err;
-  if ((err = ReadAttribute(attrs, "staged", &out->staged)).failure()) return err;
   out->fused = attrs.contains("activation");
   if (out->fused && (err = ReadAttribute(attrs, "activation", &out->activation)).failure()) {
     return err;
@@ -214,17 +201,6 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         "jax_fp4_gemv_cuda: rows_per_block must be 0 (the heuristic), 1, 2 or 4, got " +
         std::to_string(rows_per_block));
   }
-  if (!(at.col_warps == 0 || at.col_warps == 2 || at.col_warps == 4)) {
-    return Invalid("col_warps must be 0 (the heuristic), 2 or 4, got " +
-                   std::to_string(at.col_warps));
-  }
-  if (at.cluster < 0 || at.cluster > kGemvBatchedMaxCluster) {
-    return Invalid("cluster must be 0 (the heuristic) or 1.." +
-                   std::to_string(kGemvBatchedMaxCluster) + ", got " + std::to_string(at.cluster));
-  }
-  if (at.staged < -1 || at.staged > 1) {
-    return Invalid("staged must be -1 (the heuristic), 0 or 1, got " + std::to_string(at.staged));
-  }
   if (silu && tiled && (shape.n / 2) % kGemvTileCols != 0) {
     return Invalid("activation silu_mul on the tiled layout needs N / 2 % 16 == 0, got N = " +
                    std::to_string(shape.n));
@@ -253,36 +229,8 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         std::to_string(info.sm));
   }
   const bool f16 = a.element_type() == ffi::DataType::F16;
-  // Programmatic dependent launch: the tensor-core kernels on sm_90+ (elsewhere a plain launch).
+  // Programmatic dependent launch: the tensor-core kernel on sm_90+ (elsewhere a plain launch).
   const bool pdl = programmatic && info.sm >= 90;
-  // The batched kernel needs clusters and reads the tiled layout only.
-  if (at.batched && !(tensor_cores && tiled && info.sm >= 90)) {
-    return Invalid(
-        "batched=true needs tensor_cores=true, the tiled layout and an sm_90+ device, got "
-        "tensor_cores=" +
-        std::string(tensor_cores ? "true" : "false") + ", tiled=" + (tiled ? "true" : "false") +
-        " on sm_" + std::to_string(info.sm));
-  }
-  if (at.batched) {
-    GemvBatchedConfig bcfg = gemv_batched_config(shape.m, shape.n, shape.k, info.num_sms);
-    if (at.col_warps != 0) bcfg.col_warps = static_cast<int>(at.col_warps);
-    if (k_split != 0) {
-      bcfg.k_warps =
-          static_cast<int>(std::min<int64_t>(k_split, kGemvMaxWarpsPerBlock / bcfg.col_warps));
-    }
-    if (at.cluster != 0) bcfg.cluster = static_cast<int>(at.cluster);
-    if (at.staged >= 0) bcfg.staged = at.staged == 1;
-    auto launch_batched = [&](auto type_tag) {
-      using T = decltype(type_tag);
-      return LaunchGemvBatched<T>(stream, a.untyped_data(), packed.typed_data(), scale.typed_data(),
-                                  global_scale.typed_data(), bias_data, y->untyped_data(), shape.m,
-                                  shape.n, shape.k, bcfg, pdl, Fusion<T>(residual_data, silu));
-    };
-    err = f16 ? launch_batched(__half{}) : launch_batched(__nv_bfloat16{});
-    if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: batched kernel launch", err);
-    return ffi::Error::Success();
-  }
-
   GemvResidentWarps warps{};
   if (tensor_cores) {
     err = f16 ? (tiled ? GetGemvResidentWarps<__half, true>(&warps)

@@ -16,7 +16,6 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
-#include "cuda/gemv/batched.cuh"
 #include "cuda/gemv/common.cuh"
 #include "cuda/gemv/mma.cuh"
 #include "cuda/gemv/scalar.cuh"
@@ -220,88 +219,6 @@ cudaError_t LaunchGemv(cudaStream_t stream, const void* a, const uint8_t* packed
     default:
       return LaunchScalar<T, 1>(stream, at, packed, scale, gs, bt, yt, m, n, k);
   }
-}
-
-// The batched kernel (GemvBatchedKernel, sm_90+, tiled layout) with the launch `cfg`: grid
-// (column blocks of 32 col_warps outputs, M chunks, cluster), clusters (1, 1, cluster).
-template <typename T, int RT, int CW, bool Fused, bool Staged>
-cudaError_t LaunchBatchedInstance(cudaStream_t stream, const T* a, const uint8_t* packed,
-                                  const uint8_t* scale, const float* gs, const T* bias, T* y,
-                                  int64_t m, int64_t n, int64_t k, const GemvBatchedConfig& cfg,
-                                  bool programmatic, const GemvFusion<T>& fusion) {
-  constexpr auto* kKernel = GemvBatchedKernel<T, RT, CW, Fused, Staged>;
-  const int warps = CW * cfg.k_warps;
-  const size_t smem = GemvBatchedSmemBytes(RT, warps, CW, Staged);
-  cudaError_t err = AllowDynamicSmem<kKernel>(static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attrs[2];
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = 1;
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = static_cast<unsigned>(cfg.cluster);
-  attrs[1] = ProgrammaticLaunchAttribute();
-  cudaLaunchConfig_t config = {};
-  // Two column tiles (32 outputs; silu_mul: 16 gate outputs and their up rows) per column warp.
-  const int64_t pairs = CeilDiv(n, 2 * kGemvTileCols);
-  config.gridDim = dim3(static_cast<unsigned>(CeilDiv(pairs, CW)),
-                        static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)),
-                        static_cast<unsigned>(cfg.cluster));
-  config.blockDim = dim3(32 * warps);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attrs;
-  config.numAttrs = programmatic ? 2 : 1;
-  return cudaLaunchKernelEx(&config, kKernel, a, packed, scale, gs, bias, y, m, n, k, fusion);
-}
-
-template <typename T, int RT, bool Fused>
-cudaError_t LaunchBatchedRows(cudaStream_t stream, const T* a, const uint8_t* packed,
-                              const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
-                              int64_t n, int64_t k, const GemvBatchedConfig& cfg, bool programmatic,
-                              const GemvFusion<T>& fusion) {
-  auto launch = [&](auto col_warps, auto staged) {
-    return LaunchBatchedInstance<T, RT, decltype(col_warps)::value, Fused, decltype(staged)::value>(
-        stream, a, packed, scale, gs, bias, y, m, n, k, cfg, programmatic, fusion);
-  };
-  using Two = std::integral_constant<int, 2>;
-  using Four = std::integral_constant<int, 4>;
-  if (cfg.staged) {
-    return cfg.col_warps == 2 ? launch(Two{}, std::true_type{}) : launch(Four{}, std::true_type{});
-  }
-  return cfg.col_warps == 2 ? launch(Two{}, std::false_type{}) : launch(Four{}, std::false_type{});
-}
-
-template <typename T, bool Fused>
-cudaError_t LaunchBatchedFusion(cudaStream_t stream, const T* a, const uint8_t* packed,
-                                const uint8_t* scale, const float* gs, const T* bias, T* y,
-                                int64_t m, int64_t n, int64_t k, const GemvBatchedConfig& cfg,
-                                bool programmatic, const GemvFusion<T>& fusion) {
-  switch (cfg.row_tiles) {
-    case 2:
-      return LaunchBatchedRows<T, 2, Fused>(stream, a, packed, scale, gs, bias, y, m, n, k, cfg,
-                                            programmatic, fusion);
-    case 3:
-      return LaunchBatchedRows<T, 3, Fused>(stream, a, packed, scale, gs, bias, y, m, n, k, cfg,
-                                            programmatic, fusion);
-    default:
-      return LaunchBatchedRows<T, 4, Fused>(stream, a, packed, scale, gs, bias, y, m, n, k, cfg,
-                                            programmatic, fusion);
-  }
-}
-
-// The batched GEMV (the handler has checked: sm_90+, the tiled layout, silu_mul's N / 2 % 16).
-template <typename T>
-cudaError_t LaunchGemvBatched(cudaStream_t stream, const void* a, const uint8_t* packed,
-                              const uint8_t* scale, const float* gs, const void* bias, void* y,
-                              int64_t m, int64_t n, int64_t k, const GemvBatchedConfig& cfg,
-                              bool programmatic, const GemvFusion<T>& fusion) {
-  const T* at = static_cast<const T*>(a);
-  const T* bt = static_cast<const T*>(bias);
-  T* yt = static_cast<T*>(y);
-  return fusion.active() ? LaunchBatchedFusion<T, true>(stream, at, packed, scale, gs, bt, yt, m, n,
-                                                        k, cfg, programmatic, fusion)
-                         : LaunchBatchedFusion<T, false>(stream, at, packed, scale, gs, bt, yt, m,
-                                                         n, k, cfg, programmatic, fusion);
 }
 
 }  // namespace cuda
