@@ -68,10 +68,10 @@ __device__ __forceinline__ void MoeZeroCounters(const MoeOperands<T>& moe) {
 }
 
 // After this block stored the pair rows pairs[0, count) of output columns [col0, col0 + cols)
-// (col0 a multiple of 16, every block of the launch spanning the same `cols`): counts them on their
-// tokens' counters at tile col0 / 16, and for each token whose k-th
-// pair this was, writes y[token, col0 .. col0 + cols) = round(sum over slots j in order of
-// pair_out[token k + j] + residual). Called by all threads of the block.
+// (col0 a multiple of 16; every block of the launch spans the same `cols`): counts them on their
+// tokens' counters at tile col0 / 16, and for each token whose k-th pair this was, writes
+// y[token, col0 .. col0 + cols) = round(sum over slots j in order of pair_out[token k + j] +
+// residual). Called by all threads of the block.
 template <typename T>
 __device__ __forceinline__ void MoeFinishPairs(const MoeOperands<T>& moe, const int32_t* pairs,
                                                int64_t count, int64_t n, int64_t col0,
