@@ -10,7 +10,12 @@ with TOKENS tokens routed uniformly at random to --top-k distinct experts each (
 rows; the grouped GEMV or GEMM, whichever the dispatch picks). Every case runs twice (compile +
 warm) before the profiled third call. `--layout tiled` prepacks the weights (jax_fp4.prepack), as
 the default bench sweep times them; `--tuning` fixes the matmul cases' kernel choices (e.g.
-`gemv_k_split=4` for the GEMV's K split).
+`gemv_k_split=4` for the GEMV's K split). Given more than once, each matmul case runs under each
+tuning in turn ("" for the heuristics' own choices), so one process (one ncu report) compares
+them:
+
+    ncu ... python benchmarks/profile_kernels.py --layout tiled --cases fused:32:4096x4096 \
+        --tuning "" --tuning fused_split=4 --tuning fused_warp_specialized=0
 """
 
 from __future__ import annotations
@@ -66,11 +71,13 @@ def main() -> None:
     ap.add_argument(
         "--tuning",
         type=bench._tuning,
-        default=None,
-        help="kernel choices for the matmul cases, as bench.py's --tuning (e.g. gemv_k_split=4)",
+        action="append",
+        help="kernel choices for the matmul cases, as bench.py's --tuning (e.g. gemv_k_split=4); "
+        'repeat it to run each case under each ("" for the heuristics)',
     )
     args = ap.parse_args()
     tiled = args.layout == "tiled"
+    tunings = args.tuning or [None]
     for case in args.cases.split(","):
         backend, m, shape = case.split(":")
         n, k = (int(x) for x in shape.split("x"))
@@ -82,8 +89,12 @@ def main() -> None:
             )
             run_grouped_case(int(m), n, k, args.experts, args.top_k, tiled)
         else:
-            print(f"case {backend} M={m} N={n} K={k} layout {args.layout}", flush=True)
-            run_case(backend, int(m), n, k, tiled=tiled, tuning=args.tuning)
+            for tuning in tunings:
+                print(
+                    f"case {backend} M={m} N={n} K={k} layout {args.layout} tuning {tuning}",
+                    flush=True,
+                )
+                run_case(backend, int(m), n, k, tiled=tiled, tuning=tuning)
 
 
 if __name__ == "__main__":
