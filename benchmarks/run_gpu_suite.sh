@@ -3,10 +3,12 @@
 # the decode step and its GEMVs (decode.py), mixture-of-experts (moe.py, routing.py, and decode.py
 # on the MoE preset). The moe_block part (only when asked for) checks and times the
 # mixture-of-experts block (jax_fp4.moe): its GPU tests, its kernels' tests once under
-# compute-sanitizer memcheck, and moe.py's block part.
+# compute-sanitizer memcheck, and moe.py's block part. The serving part (only when asked for)
+# times the example's decode step at serving batches and profiles each matmul of its layer at
+# those M under Nsight Compute (the GEMV and the fused GEMM's configurations, stall reasons).
 #
-#   bash benchmarks/run_gpu_suite.sh [--skip-build] [--only tests|bench|decode|moe|moe_block]
-#                                    [OUTDIR]
+#   bash benchmarks/run_gpu_suite.sh [--skip-build]
+#                                    [--only tests|bench|decode|moe|moe_block|serving] [OUTDIR]
 #
 # Run from the repository root, in the Python environment to test (jax with CUDA installed).
 # OUTDIR (default ./gpu_suite_out) receives build.log and a .log (and .json) per part.
@@ -16,13 +18,13 @@ build=1 only="" out=""
 while (($#)); do
   case "$1" in
     --skip-build) build=0 ;;
-    --only) only="${2:?--only takes tests, bench, decode, moe or moe_block}"; shift ;;
-    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
+    --only) only="${2:?--only takes tests, bench, decode, moe, moe_block or serving}"; shift ;;
+    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
     *) out="$1" ;;
   esac
   shift
 done
-case "$only" in ""|tests|bench|decode|moe|moe_block) ;; *) echo "--only takes tests, bench, decode, moe or moe_block, got '$only'" >&2; exit 2 ;; esac
+case "$only" in ""|tests|bench|decode|moe|moe_block|serving) ;; *) echo "--only takes tests, bench, decode, moe, moe_block or serving, got '$only'" >&2; exit 2 ;; esac
 out="${out:-./gpu_suite_out}"
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -88,6 +90,35 @@ if [[ "$only" == moe_block ]]; then
   python benchmarks/moe.py --parts block --json "$out/moe_block.json" 2>&1 \
     | tee "$out/moe_block.log"
   ((PIPESTATUS[0] == 0)) || status=1
+fi
+
+if [[ "$only" == serving ]]; then
+  echo "== serving batches: the decode step, then each matmul of its layer under Nsight Compute"
+  python benchmarks/decode.py --batches 16,32,64 --no-gemv --no-prefill --no-long-prompt \
+    --json "$out/serving_decode.json" 2>&1 | tee "$out/serving_decode.log"
+  ((PIPESTATUS[0] == 0)) || status=1
+  if command -v ncu >/dev/null; then
+    # The layer's four matmuls (Llama-3-8B: q/k/v, o, gate/up, down) at each M; the GEMV as the
+    # dispatch runs it, the fused GEMM also with its multistage kernel and a fixed split of 4.
+    serving_cases() {
+      local cases=() m shape
+      for m in 16 32 64; do
+        for shape in 6144x4096 4096x4096 28672x4096 4096x14336; do cases+=("$1:$m:$shape"); done
+      done
+      (IFS=,; echo "${cases[*]}")
+    }
+    for backend in gemv fused; do
+      tunings=(--tuning "")
+      [[ $backend == fused ]] && tunings+=(--tuning fused_warp_specialized=0 --tuning fused_split=4)
+      ncu --clock-control none -k regex:"Gemv|Fused" --section SpeedOfLight --section LaunchStats \
+        --section Occupancy --section WarpStateStats --section SchedulerStats \
+        python benchmarks/profile_kernels.py --layout tiled --cases "$(serving_cases $backend)" \
+        "${tunings[@]}" >"$out/serving_ncu_$backend.log" 2>&1
+      (($? == 0)) || status=1
+    done
+  else
+    echo "ncu not found: the serving part's kernel profiles are skipped" | tee -a "$out/serving_decode.log"
+  fi
 fi
 
 echo "== logs in $out"
