@@ -818,6 +818,15 @@ def _check_activation(a, w: NVFP4Weight):
     return a
 
 
+def refuse_negative_sizes(group_sizes, name: str) -> None:
+    """ValueError naming `name` where concrete group sizes hold a negative one; traced sizes are
+    run-time values, where a negative size counts as 0 (group_ends)."""
+    values = host_values(group_sizes)
+    if values is not None and (values < 0).any():
+        bad = int(np.argmax(values < 0))
+        raise ValueError(f"{name} must be nonnegative, got {values[bad]} at index {bad}")
+
+
 def _check_group_sizes(group_sizes, groups: int):
     if not hasattr(group_sizes, "dtype"):
         group_sizes = jnp.asarray(group_sizes)
@@ -831,12 +840,7 @@ def _check_group_sizes(group_sizes, groups: int):
             f"ragged_matmul: group_sizes must have shape (G,) = ({groups},), one size per weight "
             f"of w, got {tuple(group_sizes.shape)}"
         )
-    values = host_values(group_sizes)  # None when traced: the sizes are then run-time values
-    if values is not None and (values < 0).any():
-        bad = int(np.argmax(values < 0))
-        raise ValueError(
-            f"ragged_matmul: group_sizes must be nonnegative, got {values[bad]} at index {bad}"
-        )
+    refuse_negative_sizes(group_sizes, "ragged_matmul: group_sizes")
     if np.dtype(group_sizes.dtype) != np.int32:
         info = np.iinfo(group_sizes.dtype)
         if info.max > _INT32.max or info.min < _INT32.min:  # out-of-range sizes saturate

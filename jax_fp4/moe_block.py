@@ -55,7 +55,7 @@ from jax_fp4 import ffi as _ffi
 from jax_fp4 import grouped as _grouped
 from jax_fp4 import sharding as _sharding
 from jax_fp4.explicit_axes import typed_mesh
-from jax_fp4.format import NVFP4Weight, host_values, not_a_weight_error, scale_as_bytes
+from jax_fp4.format import NVFP4Weight, not_a_weight_error, scale_as_bytes
 from jax_fp4.ops import (
     bind_per_batch_element,
     composition_jvp,
@@ -404,12 +404,7 @@ def _check_routing(routing, tokens: int, experts: int):
     for name, a in (("order", order), ("inverse", inverse), ("group_sizes", group_sizes)):
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise TypeError(f"moe: routing.{name} must be an integer array, got {a.dtype}")
-    sizes = host_values(group_sizes)  # None when traced: run-time sizes, negatives count as 0
-    if sizes is not None and (sizes < 0).any():
-        bad = int(np.argmax(sizes < 0))
-        raise ValueError(
-            f"moe: routing.group_sizes must be nonnegative, got {sizes[bad]} at index {bad}"
-        )
+    _grouped.refuse_negative_sizes(group_sizes, "moe: routing.group_sizes")
     experts_ = getattr(routing, "experts", None)
     if experts_ is not None and tuple(experts_.shape) != (tokens, k):
         raise ValueError(
