@@ -78,8 +78,8 @@ ffi::Error CheckDevice(const char* name, const void* a, const void* packed, cons
   return ffi::Error::Success();
 }
 
-// The routing operands both block calls share: the pair order, the combine's counters (one per
-// token and 16-column tile of H) and k.
+// The routing operands both block calls share: the pair order, the combine's counters (room for
+// one per token and 16-column tile of H: MoeFinishPairs) and k.
 template <typename T>
 MoeOperands<T> RoutingOperands(ffi::Buffer<ffi::S32> order,
                                ffi::Result<ffi::Buffer<ffi::S32>>& counters, int64_t hidden_size,
