@@ -5,7 +5,8 @@
 # mixture-of-experts block (jax_fp4.moe): its GPU tests, its kernels' tests once under
 # compute-sanitizer memcheck, and moe.py's block part. The serving part (only when asked for)
 # times the example's decode step at serving batches and profiles each matmul of its layer at
-# those M under Nsight Compute (the GEMV and the fused GEMM's configurations, stall reasons).
+# those M under Nsight Compute (the GEMV and the fused GEMM's configurations, and each one's stall
+# samples per SASS instruction at M = 32).
 #
 #   bash benchmarks/run_gpu_suite.sh [--skip-build]
 #                                    [--only tests|bench|decode|moe|moe_block|serving] [OUTDIR]
@@ -19,7 +20,7 @@ while (($#)); do
   case "$1" in
     --skip-build) build=0 ;;
     --only) only="${2:?--only takes tests, bench, decode, moe, moe_block or serving}"; shift ;;
-    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
     *) out="$1" ;;
   esac
   shift
@@ -114,6 +115,17 @@ if [[ "$only" == serving ]]; then
         --section Occupancy --section WarpStateStats --section SchedulerStats \
         python benchmarks/profile_kernels.py --layout tiled --cases "$(serving_cases $backend)" \
         "${tunings[@]}" >"$out/serving_ncu_$backend.log" 2>&1
+      (($? == 0)) || status=1
+    done
+    # Where the warps stall at M = 32 (the sections above give rates, not reasons): the third call
+    # of each kernel with its per-instruction stall samples, summarised by ncu_sass_summary.py.
+    for c in fused:32:4096x4096 fused:32:28672x4096 gemv:32:4096x4096; do
+      rep="$out/serving_stalls_${c//:/_}"
+      ncu --clock-control none -k regex:"Gemv|Fused" -s 2 -c 1 --section SourceCounters \
+        --section WarpStateStats -f -o "$rep" \
+        python benchmarks/profile_kernels.py --layout tiled --cases "$c" >"$rep.log" 2>&1 &&
+        ncu -i "$rep.ncu-rep" --page source --print-source sass --csv >"$rep.csv" &&
+        python benchmarks/ncu_sass_summary.py "$rep.csv" >"$rep.txt"
       (($? == 0)) || status=1
     done
   else
