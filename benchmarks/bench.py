@@ -312,7 +312,8 @@ def fp4_layer(backend: str | None, tuning: jax_fp4.KernelTuning | None = None) -
 def parse_tuning(text: str | None) -> jax_fp4.KernelTuning | None:
     """'fused_tile_m=64,programmatic_launch=1' -> KernelTuning(fused_tile_m=64,
     programmatic_launch=True): the kernel choices a measurement fixes (None for an empty text).
-    Booleans take 0/1/true/false; fused_warp_specialized and fused_stream_k also 'auto' (None)."""
+    Booleans take 0/1/true/false; the tri-state ones (default None: fused_warp_specialized,
+    fused_stream_k, fused_deep_ring) also 'auto' (None)."""
     if not text:
         return None
     fields = {f.name: f for f in dataclasses.fields(jax_fp4.KernelTuning)}
@@ -324,9 +325,10 @@ def parse_tuning(text: str | None) -> jax_fp4.KernelTuning | None:
                 f"tuning: expected NAME=VALUE with NAME one of {sorted(fields)}, got {item!r}"
             )
         raw = raw.strip().lower()
-        if name in ("fused_warp_specialized", "fused_stream_k", "programmatic_launch"):
+        default = fields[name].default
+        if default is None or isinstance(default, bool):
             booleans = {"1": True, "true": True, "0": False, "false": False}
-            if name != "programmatic_launch":
+            if default is None:
                 booleans["auto"] = None
             if raw not in booleans:
                 raise ValueError(f"tuning: {name} takes {'/'.join(booleans)}, got {raw!r}")
