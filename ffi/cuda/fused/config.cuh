@@ -130,8 +130,10 @@ inline bool SpreadsOneCtaPerSm(TileChoice tile, int64_t m, int64_t n, int64_t k,
   return tiles * (ks < kMaxSplit ? ks : kMaxSplit) < 2 * static_cast<int64_t>(sms);
 }
 
-// Whether the deep ring serves a tile by default: never; attribute deep_ring selects it.
-inline bool DeepRingByDefault(TileChoice, int64_t, int64_t, int64_t, int) { return false; }
+// Whether the deep ring serves a tile by default: where the CTAs spread one per SM.
+inline bool DeepRingByDefault(TileChoice tile, int64_t m, int64_t n, int64_t k, int sms) {
+  return SpreadsOneCtaPerSm(tile, m, n, k, sms);
+}
 
 }  // namespace fused_detail
 }  // namespace cuda
