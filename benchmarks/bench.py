@@ -313,7 +313,7 @@ def parse_tuning(text: str | None) -> jax_fp4.KernelTuning | None:
     """'fused_tile_m=64,programmatic_launch=1' -> KernelTuning(fused_tile_m=64,
     programmatic_launch=True): the kernel choices a measurement fixes (None for an empty text).
     Booleans take 0/1/true/false; the tri-state ones (default None: fused_warp_specialized,
-    fused_stream_k, fused_deep_ring) also 'auto' (None)."""
+    fused_stream_k) also 'auto' (None)."""
     if not text:
         return None
     fields = {f.name: f for f in dataclasses.fields(jax_fp4.KernelTuning)}

@@ -105,7 +105,6 @@ _ALLOWED = {
     "fused_tile_n": (0, 128, 256),
     "fused_warp_specialized": (None, False, True),
     "fused_stream_k": (None, False, True),
-    "fused_deep_ring": (None, False, True),
     "programmatic_launch": (False, True),
 }
 
@@ -129,8 +128,6 @@ class KernelTuning:
       fused_tile_n         the fused GEMM's weight rows per CTA: 128 or 256
       fused_warp_specialized  the warp-specialized kernel (True) or the multistage one (False)
       fused_stream_k       stream-K (True) or cluster split-K (False) in the warp-specialized kernel
-      fused_deep_ring      the 16- and 32-row tiles with one CTA per SM and a deep ring of 8-10
-                           stages (True) or two CTAs per SM and 3-5 stages (False)
       programmatic_launch  programmatic dependent launch (sm_90+) of the GEMV and the fused GEMM
     """
 
@@ -142,7 +139,6 @@ class KernelTuning:
     fused_tile_n: int = 0
     fused_warp_specialized: bool | None = None
     fused_stream_k: bool | None = None
-    fused_deep_ring: bool | None = None
     programmatic_launch: bool = False
 
     def __post_init__(self):
@@ -184,7 +180,6 @@ class KernelTuning:
             tile_n=self.fused_tile_n,
             warp_specialized=_TRI_STATE[self.fused_warp_specialized],
             stream_k=_TRI_STATE[self.fused_stream_k],
-            deep_ring=_TRI_STATE[self.fused_deep_ring],
             programmatic=self.programmatic_launch,
         )
 

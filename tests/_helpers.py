@@ -187,7 +187,6 @@ def fused_attributes(tuning=None) -> dict:
         tile_n=np.int64(t.fused_tile_n),
         warp_specialized=_tristate(t.fused_warp_specialized),
         stream_k=_tristate(t.fused_stream_k),
-        deep_ring=_tristate(t.fused_deep_ring),
         programmatic=bool(t.programmatic_launch),
     )
 

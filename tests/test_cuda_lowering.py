@@ -234,7 +234,6 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         fused_tile_n=128,
         fused_warp_specialized=False,
         fused_stream_k=True,
-        fused_deep_ring=False,
         programmatic_launch=True,
     )
     tuned = lambda backend: lambda a, w: jax_fp4.matmul(a, w, backend=backend, tuning=tuning)  # noqa: E731
@@ -256,7 +255,6 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "tile_n": "0",
         "warp_specialized": "-1",
         "stream_k": "-1",
-        "deep_ring": "-1",
         "programmatic": "false",
     }
     assert _attributes(tuned("fused"), a, jax_fp4.prepack(w))["jax_fp4_fused_cuda"] == {
@@ -267,7 +265,6 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "tile_n": "128",
         "warp_specialized": "0",
         "stream_k": "1",
-        "deep_ring": "0",
         "programmatic": "true",
     }
     monkeypatch.setenv("JAX_FP4_GEMV_ROW_TILING", "0")

@@ -503,7 +503,6 @@ def test_env_flag_rejects_garbage(monkeypatch):
         (dict(fused_tile_n=64), "fused_tile_n"),
         (dict(fused_warp_specialized=1), "fused_warp_specialized"),
         (dict(fused_stream_k="yes"), "fused_stream_k"),
-        (dict(fused_deep_ring=0), "fused_deep_ring"),
         (dict(programmatic_launch=None), "programmatic_launch"),
         (dict(fused_split=True), "fused_split"),
     ],
@@ -515,13 +514,7 @@ def test_kernel_tuning_validates_its_fields(fields, message):
 
 def test_kernel_tuning_attributes():
     assert _config.KernelTuning().fused_attributes() == dict(
-        split=0,
-        tile_m=0,
-        tile_n=0,
-        warp_specialized=-1,
-        stream_k=-1,
-        deep_ring=-1,
-        programmatic=False,
+        split=0, tile_m=0, tile_n=0, warp_specialized=-1, stream_k=-1, programmatic=False
     )
     t = _config.KernelTuning(
         gemv_col_tiles=2,
@@ -532,17 +525,10 @@ def test_kernel_tuning_attributes():
         fused_tile_n=128,
         fused_warp_specialized=False,
         fused_stream_k=True,
-        fused_deep_ring=True,
         programmatic_launch=True,
     )
     assert t.gemv_attributes() == dict(col_tiles=2, k_split=4, rows_per_block=1, programmatic=True)
     assert t.fused_attributes() == dict(
-        split=3,
-        tile_m=64,
-        tile_n=128,
-        warp_specialized=0,
-        stream_k=1,
-        deep_ring=1,
-        programmatic=True,
+        split=3, tile_m=64, tile_n=128, warp_specialized=0, stream_k=1, programmatic=True
     )
     assert hash(t) == hash(dataclasses.replace(t))

@@ -306,44 +306,6 @@ def test_tile_n_128_equals_default_tile(warp_specialized, tiled):
         np.testing.assert_array_equal(y.view(np.uint16), y_default.view(np.uint16))
 
 
-@needs_sm90
-@pytest.mark.parametrize("tile_m", [16, 32])
-@pytest.mark.parametrize("tiled", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_deep_ring_equals_two_cta_ring(tile_m, tiled, dtype):
-    """fused_deep_ring=True: the 16- and 32-row tiles with one CTA per SM and 8-10 stages in
-    flight. The same wgmma sequence per CTA and, at the same split, the same reduction as the
-    two-CTA ring: equal to the reference and bit-identical to it, with K runs shorter and longer
-    than the ring (2 to 41 stages per CTA) and ragged M and N."""
-    rng = np.random.default_rng()
-    for m, n, k, split in (
-        (tile_m - 3, 528, 256, 1),
-        (tile_m - 7, 400, 5248, 1),
-        (9, 784, 3072, 3),
-    ):
-        packed, scale, gs = random_weight(rng, n, k, special=True)
-        bias = rng.standard_normal(n).astype(NP_DTYPES[dtype])
-        a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
-        ys = {}
-        for deep in (True, False):
-            tuning = KernelTuning(fused_tile_m=tile_m, fused_split=split, fused_deep_ring=deep)
-            ys[deep] = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
-        check_close(ys[True], a, packed, scale, gs, bias, dtype)
-        np.testing.assert_array_equal(ys[True].view(np.uint16), ys[False].view(np.uint16))
-
-
-@needs_sm90
-def test_deep_ring_needs_a_small_tile():
-    """The deep ring is the 16- and 32-row tiles': forcing it at a larger tile is an error."""
-    rng = np.random.default_rng()
-    packed, scale, gs = random_weight(rng, 256, 256)
-    a = rng.standard_normal((40, 256)).astype(np.float16)  # the 64-row tile
-    with pytest.raises(Exception, match=r"(?i)deep_ring\W*(=\W*)?(1|true)\W* needs"):
-        fused(a, packed, scale, gs, tuning=KernelTuning(fused_deep_ring=True))
-    y = fused(a, packed, scale, gs, tuning=KernelTuning(fused_deep_ring=True, fused_tile_m=32))
-    check_close(y, a, packed, scale, gs, None, "float16")
-
-
 # Stream-K (fused_stream_k=True): (M, N, K, activation tile, weight tile) where the CTAs'
 # runs are single K stages of tiles split 9 ways, mixes of whole and partial tiles (136 tiles of 2
 # stages over at most 132 CTAs: runs of 3 stages store a whole tile mid-run, from registers: paired
@@ -455,7 +417,6 @@ BAD_ATTRIBUTES = [
     *[("tile_n", np.int64(v)) for v in (64, 512)],
     *[("warp_specialized", np.int64(v)) for v in (2, -2)],
     *[("stream_k", np.int64(v)) for v in (2, -2)],
-    *[("deep_ring", np.int64(v)) for v in (2, -2)],
 ]
 
 

@@ -498,7 +498,6 @@ BAD_TUNINGS = [
     *[("fused_tile_n", v) for v in (64, 512, -128)],
     *[("fused_warp_specialized", v) for v in (2, -1, "yes")],
     *[("fused_stream_k", v) for v in (2, -1, "on")],
-    *[("fused_deep_ring", v) for v in (2, 1, "on")],
     *[("gemv_col_tiles", v) for v in (3, 4, -1)],
     *[("gemv_k_split", v) for v in (-1, -4)],
     *[("gemv_rows_per_block", v) for v in (3, 8, -1)],

@@ -39,55 +39,36 @@ constexpr bool HasWarpSpecialized(int bm) { return bm >= 64; }
 // registers), so each decoded weight fragment feeds 256 activation rows.
 constexpr int DefaultTileN(int bm) { return bm == 256 ? 128 : 256; }
 
-// Whether a tile has the deep-ring variant (FusedConfig's Deep): the multistage kernel's 16- and
-// 32-row tiles.
-constexpr bool HasDeepRing(int bm) { return bm <= 32; }
-
-// Bytes of one pipeline stage of a BM x TN tile (activations, packed weight, scales).
-constexpr int StageBytes(int bm, int tn) {
-  return bm * kStageK * 2 + tn * kStageK / 2 + tn * kStageK / 16;
-}
-
 // The CTA tile: BM = activation rows (the wgmma N), TN = weight rows. BM: the smallest of 16 / 32
 // / 64 / 128 / 256 that covers M wastes the least tensor work; BM <= 32 fits two CTAs per SM
 // (<= 128 registers, <= 113 KB of shared memory, fewer stages), so that one CTA's decode hides
 // the other's waits. TN = 128 at BM = 128 (attribute tile_n, measurement only): twice the
 // CTAs, for grids that leave SMs idle (docs/design.md).
-// Deep (BM <= 32, attribute deep_ring): one CTA per SM with as many stages as a CTA's shared
-// memory holds (10 at BM = 16, 8 at BM = 32), for grids too small to place two CTAs on every SM:
-// there the two-CTA ring keeps one or three stages of one CTA in flight per SM, and the whole
-// K split of a CTA is ~5 stages. The same code and register cap as the two-CTA tile.
-template <int BM, int TN = DefaultTileN(BM), bool Deep = false>
+template <int BM, int TN = DefaultTileN(BM)>
 struct FusedConfig {
   static_assert(IsTileM(BM), "BM is 16, 32, 64, 128 or 256");
   static_assert(TN == DefaultTileN(BM) || (BM == 128 && TN == 128),
                 "TN is 256 up to BM = 64, 128 or 256 at BM = 128, 128 at BM = 256");
-  static_assert(!Deep || HasDeepRing(BM), "the deep ring is the 16- and 32-row tiles'");
   static constexpr int kBM = BM;
-  static constexpr bool kDeep = Deep;
   static constexpr int kTilesPerWarpgroup = TN / 128;     // m64 weight tiles
   static constexpr int kTileN = TN;                       // weight rows per CTA
   static constexpr int kGroups = 2 * kTilesPerWarpgroup;  // wgmma groups per stage
-  // Deep: still 2, which caps the registers at 128 as for the two-CTA tile (launch bounds).
   static constexpr int kMinBlocks = BM <= 32 ? 2 : 1;
   // Stages: as many as the shared memory allows, except BM = 32, where a 4th stage (fitting two
   // CTAs per SM) measured ~15% slower on 17408x5120 and 28672x8192 at M = 32
   // (benchmarks/RESULTS.md).
   static constexpr int kStages =
-      Deep ? (kMaxSmemPerCta - 1024) / StageBytes(BM, TN)
-           : (BM == 16 ? 5
-                       : (BM == 32 ? 3 : (BM == 64 ? 6 : (BM == 128 ? (TN == 128 ? 5 : 4) : 3))));
+      BM == 16 ? 5 : (BM == 32 ? 3 : (BM == 64 ? 6 : (BM == 128 ? (TN == 128 ? 5 : 4) : 3)));
   static constexpr int kActBytes = BM * kStageK * 2;         // two [BM][64] swizzled tiles
   static constexpr int kActSubBytes = BM * 128;              // one [BM][64] tile
   static constexpr int kPackedBytes = kTileN * kStageK / 2;  // 16 / 8 KB
   static constexpr int kScaleBytes = kTileN * kStageK / 16;  // 2 / 1 KB
-  static_assert(kActBytes + kPackedBytes + kScaleBytes == StageBytes(BM, TN), "one stage");
   static constexpr int kPipeBytes = kStages * (kActBytes + kPackedBytes + kScaleBytes);
   static constexpr int kEpiStride = kTileN + 4;  // floats; conflict-free staging
   static constexpr int kEpiBytes = BM * kEpiStride * 4;
   static constexpr int kSmemBytes = 1024 + (kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes);
   static_assert(kSmemBytes <= kMaxSmemPerCta, "shared memory over the sm_90 limit");
-  static_assert(Deep || kMinBlocks == 1 || kSmemBytes <= kSmemPerSm / kMinBlocks - 1024,
+  static_assert(kMinBlocks == 1 || kSmemBytes <= kSmemPerSm / kMinBlocks - 1024,
                 "kMinBlocks CTAs must fit one SM's shared memory");
   static_assert(kStages >= 3, "the refill after the barrier overwrites stage it - 2's slot");
   static_assert(kActSubBytes % 1024 == 0, "wgmma B tiles must stay 1024-byte aligned");
@@ -114,26 +95,10 @@ constexpr bool WarpSpecializedByDefault(int tile_m) { return HasWarpSpecialized(
 
 // The CTA tile and kernel of a call.
 struct TileChoice {
-  int m;      // activation rows (IsTileM)
-  int n;      // weight rows: DefaultTileN(m), or 128 at m = 128
-  bool ws;    // warp-specialized kernel (HasWarpSpecialized(m))
-  bool deep;  // the deep ring (HasDeepRing(m), multistage kernel)
+  int m;    // activation rows (IsTileM)
+  int n;    // weight rows: DefaultTileN(m), or 128 at m = 128
+  bool ws;  // warp-specialized kernel (HasWarpSpecialized(m))
 };
-
-// Whether a multistage tile's grid is too small to place kMinBlocks (2) CTAs on every SM even at
-// the largest split: then each CTA takes an SM of its own (launch.cuh) and, by default, the deep
-// ring.
-inline bool SpreadsOneCtaPerSm(TileChoice tile, int64_t m, int64_t n, int64_t k, int sms) {
-  if (tile.ws || !HasDeepRing(tile.m)) return false;
-  const int64_t tiles = ((n + tile.n - 1) / tile.n) * ((m + tile.m - 1) / tile.m);
-  const int64_t ks = k / kStageK;
-  return tiles * (ks < kMaxSplit ? ks : kMaxSplit) < 2 * static_cast<int64_t>(sms);
-}
-
-// Whether the deep ring serves a tile by default: where the CTAs spread one per SM.
-inline bool DeepRingByDefault(TileChoice tile, int64_t m, int64_t n, int64_t k, int sms) {
-  return SpreadsOneCtaPerSm(tile, m, n, k, sms);
-}
 
 }  // namespace fused_detail
 }  // namespace cuda

@@ -28,8 +28,7 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
                          ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t block_size,
                          bool tiled, int64_t split, int64_t tile_m, int64_t tile_n,
-                         int64_t warp_specialized, int64_t stream_k, int64_t deep_ring,
-                         bool programmatic) {
+                         int64_t warp_specialized, int64_t stream_k, bool programmatic) {
   constexpr const char* kName = "jax_fp4_fused_cuda";
   MatmulShape shape;
   const std::string problem = CheckMatmulOperands(
@@ -96,10 +95,6 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   if (stream_k < -1 || stream_k > 1) {
     return invalid("stream_k must be -1 (the heuristic), 0 or 1, got " + std::to_string(stream_k));
   }
-  if (deep_ring < -1 || deep_ring > 1) {
-    return invalid("deep_ring must be -1 (the heuristic), 0 or 1, got " +
-                   std::to_string(deep_ring));
-  }
   FusedTuning tuning;
   tuning.split = static_cast<int>(split);
   tuning.stream_k = static_cast<int>(stream_k);
@@ -119,13 +114,6 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
         "warp_specialized=1 needs 64-row or larger activation tiles (this "
         "call's are " +
         std::to_string(tile.m) + " rows)");
-  }
-  tile.deep = deep_ring < 0 ? DeepRingByDefault(tile, m, n, k, info.num_sms) : deep_ring == 1;
-  if (tile.deep && (tile.ws || !HasDeepRing(tile.m))) {
-    return invalid(
-        "deep_ring=1 needs the multistage kernel's 16- or 32-row activation tiles (this call's "
-        "are " +
-        std::to_string(tile.m) + " rows" + (tile.ws ? ", warp-specialized)" : ")"));
   }
   if (CeilDiv(m, tile.m) > fused::kMaxMTiles) {
     return invalid("M too large for " + std::to_string(tile.m) + "-row tiles");
@@ -180,6 +168,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FusedCuda, jax_fp4::cuda::fused_detail::Fuse
                                   .Attr<int64_t>("tile_n")            // 0 = heuristic, 128, 256
                                   .Attr<int64_t>("warp_specialized")  // -1 = heuristic, 0, 1
                                   .Attr<int64_t>("stream_k")          // -1 = heuristic, 0, 1
-                                  .Attr<int64_t>("deep_ring")         // -1 = heuristic, 0, 1
                                   .Attr<bool>("programmatic"),        // PDL
                               {ffi::Traits::kCmdBufferCompatible});

@@ -170,9 +170,10 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
   const int64_t ks = p.k / kStageK;
   // Too few CTAs, even at the largest split, to give every SM kMinBlocks: one per SM (the
   // scheduler would otherwise pack the clusters two to an SM and leave the rest idle).
-  const TileChoice tile{BM, Cfg::kTileN, WS, Cfg::kDeep};
-  const int smem =
-      SpreadsOneCtaPerSm(tile, p.m, p.n, p.k, sms) ? Cfg::kSpreadSmemBytes : Cfg::kSmemBytes;
+  const int64_t max_ctas = tiles_n * tiles_m * std::min<int64_t>(kMaxSplit, ks);
+  const int smem = Cfg::kMinBlocks > 1 && max_ctas < static_cast<int64_t>(Cfg::kMinBlocks) * sms
+                       ? Cfg::kSpreadSmemBytes
+                       : Cfg::kSmemBytes;
   constexpr auto* kKernel = kFusedKernel<T, Cfg, Tiled, WS>;
   cudaError_t err = AllowDynamicSmem<kKernel>(smem);
   // ChooseSplit's occupancy query asks the spec-layout kernel, which needs the same allowance.
@@ -235,28 +236,25 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
   return err;
 }
 
-// The launch of a tile's kernel: warp-specialized (ws, BM >= 64) or multistage, with the deep
-// ring (deep, BM <= 32) or not; the handler rejects the combinations a tile does not have.
 template <typename T, bool Tiled, int BM, int TN = DefaultTileN(BM)>
-constexpr auto LaunchFor(TileChoice tile) {
+constexpr auto LaunchFor(bool ws) {
   using Cfg = FusedConfig<BM, TN>;
   if constexpr (HasWarpSpecialized(BM)) {
-    return tile.ws ? LaunchFused<T, Cfg, Tiled, true> : LaunchFused<T, Cfg, Tiled, false>;
+    return ws ? LaunchFused<T, Cfg, Tiled, true> : LaunchFused<T, Cfg, Tiled, false>;
   } else {
-    using Deep = FusedConfig<BM, TN, true>;
-    return tile.deep ? LaunchFused<T, Deep, Tiled, false> : LaunchFused<T, Cfg, Tiled, false>;
+    return LaunchFused<T, Cfg, Tiled, false>;  // the handler rejects ws here
   }
 }
 
 template <typename T, bool Tiled>
 cudaError_t DispatchFusedLayout(cudaStream_t stream, int device, int sms, TileChoice tile,
                                 const FusedProblem& p, const FusedTuning& o) {
-  const auto launch = tile.m == 16    ? LaunchFor<T, Tiled, 16>(tile)
-                      : tile.m == 32  ? LaunchFor<T, Tiled, 32>(tile)
-                      : tile.m == 64  ? LaunchFor<T, Tiled, 64>(tile)
-                      : tile.m == 128 ? (tile.n == 128 ? LaunchFor<T, Tiled, 128, 128>(tile)
-                                                       : LaunchFor<T, Tiled, 128>(tile))
-                                      : LaunchFor<T, Tiled, 256>(tile);
+  const auto launch = tile.m == 16    ? LaunchFor<T, Tiled, 16>(tile.ws)
+                      : tile.m == 32  ? LaunchFor<T, Tiled, 32>(tile.ws)
+                      : tile.m == 64  ? LaunchFor<T, Tiled, 64>(tile.ws)
+                      : tile.m == 128 ? (tile.n == 128 ? LaunchFor<T, Tiled, 128, 128>(tile.ws)
+                                                       : LaunchFor<T, Tiled, 128>(tile.ws))
+                                      : LaunchFor<T, Tiled, 256>(tile.ws);
   return launch(stream, device, sms, p, o);
 }
 
