@@ -83,15 +83,26 @@ __device__ __forceinline__ void StoreTile(const Decoder& decode,
   decode.Stage(epi, acc);
   cluster.sync();
   const int splits = static_cast<int>(cluster.num_blocks());
+  // Every rank's float4 is loaded before the first add (independent distributed shared memory
+  // loads in flight together, not one round trip per rank), then summed in rank order.
   auto sum_ranks = [&](int ml, int col) {
+    float4 v[kMaxSplit];
+#pragma unroll
+    for (int q = 0; q < kMaxSplit; ++q) {
+      if (q < splits) {
+        const float* remote = cluster.map_shared_rank(epi, q);
+        v[q] = *reinterpret_cast<const float4*>(remote + ml * ST + col);
+      }
+    }
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q = 0; q < splits; ++q) {
-      const float* remote = cluster.map_shared_rank(epi, q);
-      const float4 v = *reinterpret_cast<const float4*>(remote + ml * ST + col);
-      sum.x += v.x;
-      sum.y += v.y;
-      sum.z += v.z;
-      sum.w += v.w;
+#pragma unroll
+    for (int q = 0; q < kMaxSplit; ++q) {
+      if (q < splits) {
+        sum.x += v[q].x;
+        sum.y += v[q].y;
+        sum.z += v[q].z;
+        sum.w += v[q].w;
+      }
     }
     return sum;
   };
