@@ -136,6 +136,17 @@ __device__ __forceinline__ void FenceMbarInit() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+// The two halves of a cluster barrier (sm_90). The arrival is relaxed: it publishes none of this
+// thread's writes, so it does not wait for them to drain; for a barrier that only has to follow
+// reads whose values are already consumed (distributed shared memory kept alive until every rank
+// has read it).
+__device__ __forceinline__ void ClusterArriveRelaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() {
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
 // Spins until the phase with parity `parity` has completed.
 __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
   asm volatile(
