@@ -38,8 +38,11 @@ Parts (--parts, default both):
            kernel alone), "down" (the kernels' chain less the gate/up chain: the down kernel with
            its combine), "block" (routing and the block); each against the same run's streaming
            read of the bytes the stage must move (the experts it touches, its activations and
-           outputs: the routing's logits and pairs), `fraction_of_read_bw`. Off the kernels' path
-           (a CPU, --quick) only the routing and block rows.
+           outputs: the routing's logits and pairs), `fraction_of_read_bw`. The block row once
+           per path jax_fp4.moe can take here, "composed" (two grouped matmuls) and, where they
+           serve, "kernels" (its own two kernels; the gate_up and down rows are theirs), so one
+           run compares them. Off the kernels' path (a CPU, --quick) only the routing and the
+           composed block.
 
 Method (as benchmarks/bench.py): each grouped matmul runs as a jitted chain of L layers, every layer
 its own random weights (normal / sqrt(K), quantized by jax_fp4.quantize, prepacked with
@@ -575,10 +578,10 @@ def block_stage_bytes(shape: BlockShape, tokens: int, top_k: int, active: int, i
     return {"routing": routing, "gate_up": gate_up, "down": down, "block": routing + gate_up + down}
 
 
-def _block_layer(top_k: int):
+def _block_layer(top_k: int, path: str):
     def jax_fp4_moe_block(x, logits, w_gu, w_d):
         r = jax_fp4.route_top_k(logits, top_k, renormalize=True)
-        return jax_fp4.moe(x, r, w_gu, w_d, residual=x)
+        return jax_fp4.moe(x, r, w_gu, w_d, residual=x, backend=path)
 
     return jax_fp4_moe_block
 
@@ -615,9 +618,20 @@ def _stage_layer(top_k: int, with_down: bool):
     return kernels
 
 
+def block_paths(x, top_k: int, w_gu, w_d) -> list[str]:
+    """The paths jax_fp4.moe can take for this block on this device: "composed", and "kernels"
+    where they serve."""
+    platform = jax.devices()[0].platform
+    try:
+        jax_fp4.moe_dispatch_path(x, top_k, w_gu, w_d, backend="kernels", platform=platform)
+    except ValueError:
+        return ["composed"]
+    return ["composed", "kernels"]
+
+
 def block_rows(b: bench.Bench, plan: Plan, rng: np.random.Generator) -> list[BlockRow]:
-    """The block part's rows: per (tokens, routing) the routing alone, the block, and on the
-    kernels' path each kernel (module docstring)."""
+    """The block part's rows: per (tokens, routing) the routing alone, the block on each path,
+    and each of the kernels' path's kernels (module docstring)."""
     s = b.settings
     shape, top_k = plan.block, plan.top_k
     itemsize = np.dtype(s.dtype).itemsize
@@ -639,29 +653,28 @@ def block_rows(b: bench.Bench, plan: Plan, rng: np.random.Generator) -> list[Blo
         started = time.perf_counter()
         xs = bench.make_activations(b._next_key(), tokens, shape.hidden, l2, s.dtype)
         logits = [jnp.asarray(router_logits(choice, shape.experts, rng))] * l2
-        path = jax_fp4.moe_dispatch_path(
-            xs[0], top_k, w_gu[0], w_d[0], platform=jax.devices()[0].platform
-        )
         stage_bytes = block_stage_bytes(shape, tokens, top_k, active, itemsize)
-        timings = {
-            "routing": b._time(bench.chain_of(_routing_layer(top_k)), (logits,), l1, l2),
-            "block": b._time(
-                bench.chain_of(_block_layer(top_k)), (xs, logits, w_gu[:l2], w_d[:l2]), l1, l2
-            ),
-        }
-        if path == "kernels":
-            operands = (xs, logits, w_gu[:l2], w_d[:l2])
+        operands = (xs, logits, w_gu[:l2], w_d[:l2])
+        routing_t = b._time(bench.chain_of(_routing_layer(top_k)), (logits,), l1, l2)
+        # (stage, path, timing): the routing is the same on both paths.
+        timings = [("routing", "composed", routing_t)]
+        for path in block_paths(xs[0], top_k, w_gu[0], w_d[0]):
+            block_t = b._time(bench.chain_of(_block_layer(top_k, path)), operands, l1, l2)
+            timings.append(("block", path, block_t))
+        if timings[-1][1] == "kernels":
             both = b._time(bench.chain_of(_stage_layer(top_k, True)), operands, l1, l2)
             gate_up = b._time(bench.chain_of(_stage_layer(top_k, False)), operands, l1, l2)
             # Both chains route first (a fixed cost in each): the difference is the down kernel.
-            timings["gate_up"] = dataclasses.replace(gate_up, us=gate_up.us - timings["routing"].us)
-            timings["down"] = dataclasses.replace(
+            timings.append(
+                ("gate_up", "kernels", dataclasses.replace(gate_up, us=gate_up.us - routing_t.us))
+            )
+            down_t = dataclasses.replace(
                 both, us=both.us - gate_up.us, noisy=both.noisy or gate_up.noisy
             )
-        for stage in BLOCK_STAGES:
-            if stage not in timings:
-                continue
-            t, nbytes = timings[stage], stage_bytes[stage]
+            timings.append(("down", "kernels", down_t))
+        timings.sort(key=lambda entry: BLOCK_STAGES.index(entry[0]))
+        for stage, path, t in timings:
+            nbytes = stage_bytes[stage]
             read = b.read_bandwidth(nbytes)
             us = max(t.us, 1e-3)
             row = BlockRow(

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import moe
 import numpy as np
 import pytest
 
+import jax_fp4
 from tests._helpers import load_repo_package
 
 
@@ -168,10 +171,6 @@ def test_quick_run_of_the_grouped_parts_writes_json_and_tables(tmp_path, capsys)
 
 
 def test_router_logits_route_to_the_drawn_experts():
-    import jax.numpy as jnp
-
-    import jax_fp4
-
     rng = np.random.default_rng()
     for kind in moe.ROUTINGS:
         choice = moe.route(rng, kind, 9, 128, 8, 1.2)
@@ -217,3 +216,21 @@ def test_quick_run_of_the_block_part(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "The fused block, jax_fp4.moe with its routing" in printed
     assert "| block | 3 x top-2 | uniform |" in printed
+
+
+def test_block_paths_times_the_kernels_where_they_serve(monkeypatch):
+    """The block row runs once per path jax_fp4.moe can take: here (a CPU) the composition only;
+    where its kernels serve, both, so one run compares them."""
+    x = jax.ShapeDtypeStruct((3, 256), jnp.bfloat16)
+    w_gu = jax_fp4.quantize(jnp.ones((4, 256, 256), jnp.float32))
+    w_d = jax_fp4.quantize(jnp.ones((4, 256, 128), jnp.float32))
+    assert moe.block_paths(x, 2, w_gu, w_d) == ["composed"]
+    asked = []
+
+    def serves(*args, backend=None, **kwargs):
+        asked.append(backend)
+        return "kernels"
+
+    monkeypatch.setattr(jax_fp4, "moe_dispatch_path", serves)
+    assert moe.block_paths(x, 2, w_gu, w_d) == ["composed", "kernels"]
+    assert asked == ["kernels"]
