@@ -1,8 +1,9 @@
 // Every inline-PTX wrapper of the CUDA kernels, in one place: byte permutes and conversions,
 // streaming global loads, cp.async into shared memory, shared-memory loads, named barriers,
-// GPU-scope acquire / release, (sm_90+) mbarriers, TMA copies and programmatic dependent launch,
-// mma.sync (sm_80+) and wgmma with its fences and shared-memory descriptors (sm_90a), setmaxnreg,
-// and the empty-asm register fences that pin values in registers. Device only.
+// GPU-scope acquire / release, (sm_90+) mbarriers, cluster barriers, TMA copies and programmatic
+// dependent launch, mma.sync (sm_80+) and wgmma with its fences and shared-memory descriptors
+// (sm_90a), setmaxnreg, and the empty-asm register fences that pin values in registers. Device
+// only.
 #ifndef JAX_FP4_CUDA_PTX_CUH_
 #define JAX_FP4_CUDA_PTX_CUH_
 
