@@ -283,6 +283,37 @@ def test_tiled_silu_mul_over_partial_tiles(device):
             check(_run(backend, a, w, kw), _expect(a, w, kw, backend), "bfloat16")
 
 
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+def test_gemv_four_row_tiles_with_the_fusions(device, fusion):
+    """KernelTuning(gemv_row_tiles=4) (prepacked weights, 32 rows of M per decoded weight
+    fragment) with each epilogue fusion: the float64 model, and bit for bit the one-row-tile
+    kernel at the same K split (each output row is the same mma chain and the same reduction)."""
+    if not device.is_gpu:
+        pytest.skip("the GEMV's launch tuning matters on a GPU only")
+    norm, activation, residual = FUSIONS[fusion]
+    rng = np.random.default_rng()
+    for m in (9, 31, 32, 45):
+        a, w, kw = random_fused_case(
+            rng,
+            (m,),
+            160,
+            1024,
+            "bfloat16",
+            bias=m % 2 == 1,
+            norm=norm,
+            activation=activation,
+            residual=residual,
+            layout="tiled",
+        )
+        ys = {}
+        for row_tiles in (4, 1):
+            tuning = jax_fp4.KernelTuning(gemv_row_tiles=row_tiles, gemv_k_split=2)
+            f = jax.jit(_call("gemv", activation=kw["activation"], tuning=tuning))
+            ys[row_tiles] = np.asarray(f(a, w, *fused_operands(kw)))
+        check(ys[4], _expect(a, w, kw, "gemv"), "bfloat16")
+        np.testing.assert_array_equal(ys[4].view(np.uint16), ys[1].view(np.uint16))
+
+
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_reruns_are_bit_identical(device, m):
     rng = np.random.default_rng()
