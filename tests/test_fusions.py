@@ -362,7 +362,7 @@ def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
     """A decode call takes the GEMV's fused kernel for silu_mul and the residual: 6 operands (the
     residual added, [0] when absent) and the attribute activation, after the RMSNorm (an XLA
     fusion); a plain call, or one with only the RMSNorm, keeps the plain target's 5 operands and
-    8 attributes."""
+    9 attributes."""
     a, w = _lowering_case(4, 256, 512)
     nw, res = jnp.ones((512,), jnp.float32), jnp.ones((4, 128), jnp.bfloat16)
 
@@ -372,13 +372,13 @@ def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
         )
 
     [(operands, attributes)] = _gemv_calls(fused, a, w, nw, res)
-    assert operands == 6 and attributes["activation"] == "1" and len(attributes) == 9
+    assert operands == 6 and attributes["activation"] == "1" and len(attributes) == 10
     for plain in (
         jax_fp4.matmul,
         lambda a, w: jax_fp4.matmul(a, w, norm_weight=jnp.ones((512,), jnp.bfloat16)),
     ):
         [(operands, attributes)] = _gemv_calls(plain, a, w)
-        assert operands == 5 and "activation" not in attributes and len(attributes) == 8
+        assert operands == 5 and "activation" not in attributes and len(attributes) == 9
     # the residual only: activation 0
     [(operands, attributes)] = _gemv_calls(
         lambda a, w, r: jax_fp4.matmul(a, w, residual=r), a, w, jnp.ones((4, 256), jnp.bfloat16)
