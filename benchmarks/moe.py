@@ -656,12 +656,13 @@ def block_rows(b: bench.Bench, plan: Plan, rng: np.random.Generator) -> list[Blo
         stage_bytes = block_stage_bytes(shape, tokens, top_k, active, itemsize)
         operands = (xs, logits, w_gu[:l2], w_d[:l2])
         routing_t = b._time(bench.chain_of(_routing_layer(top_k)), (logits,), l1, l2)
+        paths = block_paths(xs[0], top_k, w_gu[0], w_d[0])
         # (stage, path, timing): the routing is the same on both paths.
         timings = [("routing", "composed", routing_t)]
-        for path in block_paths(xs[0], top_k, w_gu[0], w_d[0]):
+        for path in paths:
             block_t = b._time(bench.chain_of(_block_layer(top_k, path)), operands, l1, l2)
             timings.append(("block", path, block_t))
-        if timings[-1][1] == "kernels":
+        if "kernels" in paths:
             both = b._time(bench.chain_of(_stage_layer(top_k, True)), operands, l1, l2)
             gate_up = b._time(bench.chain_of(_stage_layer(top_k, False)), operands, l1, l2)
             # Both chains route first (a fixed cost in each): the difference is the down kernel.

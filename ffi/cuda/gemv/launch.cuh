@@ -155,25 +155,18 @@ cudaError_t LaunchMma(cudaStream_t stream, bool tiled, const T* a, const uint8_t
                       const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
                       int64_t n, int64_t k, int k_split, bool programmatic,
                       const GemvFusion<T>& fusion = GemvFusion<T>{}) {
+  auto on_layout = [&](auto tiled_tag) {
+    constexpr bool kTiled = decltype(tiled_tag)::value;
+    return fusion.active()
+               ? LaunchMmaFusedLayout<T, CT, RT, kTiled>(stream, a, packed, scale, gs, bias, y, m,
+                                                         n, k, k_split, programmatic, fusion)
+               : LaunchMmaLayout<T, CT, RT, kTiled>(stream, a, packed, scale, gs, bias, y, m, n, k,
+                                                    k_split, programmatic);
+  };
   if constexpr (RT == 4) {  // built for the tiled layout only (the handler's check)
-    if (!tiled) return cudaErrorInvalidValue;
-    if (fusion.active()) {
-      return LaunchMmaFusedLayout<T, CT, RT, true>(stream, a, packed, scale, gs, bias, y, m, n, k,
-                                                   k_split, programmatic, fusion);
-    }
-    return LaunchMmaLayout<T, CT, RT, true>(stream, a, packed, scale, gs, bias, y, m, n, k, k_split,
-                                            programmatic);
+    return tiled ? on_layout(std::true_type{}) : cudaErrorInvalidValue;
   } else {
-    if (fusion.active()) {
-      return tiled ? LaunchMmaFusedLayout<T, CT, RT, true>(stream, a, packed, scale, gs, bias, y, m,
-                                                           n, k, k_split, programmatic, fusion)
-                   : LaunchMmaFusedLayout<T, CT, RT, false>(stream, a, packed, scale, gs, bias, y,
-                                                            m, n, k, k_split, programmatic, fusion);
-    }
-    return tiled ? LaunchMmaLayout<T, CT, RT, true>(stream, a, packed, scale, gs, bias, y, m, n, k,
-                                                    k_split, programmatic)
-                 : LaunchMmaLayout<T, CT, RT, false>(stream, a, packed, scale, gs, bias, y, m, n, k,
-                                                     k_split, programmatic);
+    return tiled ? on_layout(std::true_type{}) : on_layout(std::false_type{});
   }
 }
 
