@@ -25,7 +25,8 @@ every batch size). Per run the example's record (its --json "runs" entries): "nv
 busy time per step from a jax.profiler trace of --gpu-busy-steps more steps; null on a CPU) with,
 from the same trace, "non_matmul_ms" (the NVFP4 step's busy time outside jax_fp4's kernels and the
 lm_head GEMM: the attention, its dots included, the norms, RoPE, the cache writes, the converts;
-the example's kernel_breakdown) and "kernels_per_step" ("bf16_kernels_per_step" the twin's),
+the example's kernel_breakdown) and "kernels_per_step" ("bf16_kernels_per_step" the twin's;
+"nvfp4"'s "kernel_kinds": each kind of kernel's count and ms per step),
 "floor_ms" (the bytes a step reads, weights and KV cache, at the streaming-read bandwidth measured
 at the start), "nvfp4_over_floor" and "loop_over_gpu_busy"; a mixture-of-experts model's
 "active_experts" (the distinct experts a layer's decode step activated, averaged over the layers and

@@ -159,6 +159,7 @@ def generate(
 
         profile = gpu_step_profile(run, n)
         timings.update(
-            profile or dict.fromkeys(("gpu_busy_ms", "non_matmul_ms", "kernels_per_step"))
+            profile
+            or dict.fromkeys(("gpu_busy_ms", "non_matmul_ms", "kernels_per_step", "kernel_kinds"))
         )
     return tokens, timings

@@ -26,7 +26,9 @@ def gpu_step_profile(run: Callable[[], object], steps: int) -> dict | None:
     (`profile_summary`), per step: "gpu_busy_ms", the time the GPU's streams were busy (the union
     of their kernels' intervals; close to the wall time of the same steps run back to back, the
     GPU never waited for the host), "non_matmul_ms" (`kernel_breakdown`: the busy time but the
-    matmuls') and "kernels_per_step". None where the trace holds no GPU (a CPU run)."""
+    matmuls'), "kernels_per_step" and "kernel_kinds" (each kind of kernel's count and ms per
+    step, longest first: where the step's time and launches go). None where the trace holds no
+    GPU (a CPU run)."""
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         try:
@@ -43,6 +45,7 @@ def gpu_step_profile(run: Callable[[], object], steps: int) -> dict | None:
         "gpu_busy_ms": summary["gpu_busy_ms_per_step"],
         "non_matmul_ms": summary["non_matmul_ms_per_step"],
         "kernels_per_step": summary["gpu_events_per_step"],
+        "kernel_kinds": summary["gpu_kinds_per_step"],
     }
 
 
@@ -92,6 +95,7 @@ def profile_summary(xplane, steps: int) -> dict:
     events."""
     data = jax.profiler.ProfileData.from_file(str(xplane))
     gpu, gpu_lines, host, kernels = [], {}, collections.Counter(), collections.Counter()
+    counts = collections.Counter()  # kernels of each kind
     records = []  # (name, duration) of every GPU kernel
     for plane in data.planes:
         for line in plane.lines:
@@ -101,7 +105,9 @@ def profile_summary(xplane, steps: int) -> dict:
                 if line.name.startswith("Stream"):
                     gpu += events
                     for e in line.events:  # per kernel: "loop_fusion_12" -> "loop_fusion"
-                        kernels[re.sub(r"[._]\d+$", "", e.name.split("<")[0])[:60]] += e.duration_ns
+                        kind = re.sub(r"[._]\d+$", "", e.name.split("<")[0])[:60]
+                        kernels[kind] += e.duration_ns
+                        counts[kind] += 1
                         records.append((e.name, e.duration_ns))
             elif plane.name.startswith("/host:CPU") and line.name != "python":
                 for e in line.events:  # per kind of op: "ffi_call.25" -> "ffi_call"
@@ -118,6 +124,10 @@ def profile_summary(xplane, steps: int) -> dict:
         "gpu_window_ms_per_step": window / steps / 1e6,
         "gpu_lines": gpu_lines,
         "gpu_top_ms_per_step": {name: ns / steps / 1e6 for name, ns in kernels.most_common(16)},
+        "gpu_kinds_per_step": {
+            name: {"count": counts[name] / steps, "ms": ns / steps / 1e6}
+            for name, ns in kernels.most_common()
+        },
         "host_top_ms_per_step": {name: ns / steps / 1e6 for name, ns in host.most_common(12)},
     }
 

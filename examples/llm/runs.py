@@ -37,6 +37,7 @@ def _report(name: str, batch: int, timings: dict, weight_bytes: int, floor_bytes
         "floor_ms": floor_bytes / read_bps * 1e3 if read_bps else None,
         "gpu_busy_ms": timings.get("gpu_busy_ms"),
         "kernels_per_step": timings.get("kernels_per_step"),
+        "kernel_kinds": timings.get("kernel_kinds"),
     }
     if steps:
         step_s = timings["decode_s"] / steps
