@@ -100,8 +100,7 @@ if [[ "$only" == serving ]]; then
   ((PIPESTATUS[0] == 0)) || status=1
   if command -v ncu >/dev/null; then
     # The layer's four matmuls (Llama-3-8B: q/k/v, o, gate/up, down) at each M; the GEMV as the
-    # dispatch runs it and with four row tiles (32 rows of M per decoded weight fragment), the
-    # fused GEMM also with its multistage kernel and a fixed split of 4.
+    # dispatch runs it, the fused GEMM also with its multistage kernel and a fixed split of 4.
     serving_cases() {
       local cases=() m shape
       for m in 16 32 64; do
@@ -111,7 +110,6 @@ if [[ "$only" == serving ]]; then
     }
     for backend in gemv fused; do
       tunings=(--tuning "")
-      [[ $backend == gemv ]] && tunings+=(--tuning gemv_row_tiles=4)
       [[ $backend == fused ]] && tunings+=(--tuning fused_warp_specialized=0 --tuning fused_split=4)
       ncu --clock-control none -k regex:"Gemv|Fused" --section SpeedOfLight --section LaunchStats \
         --section Occupancy --section WarpStateStats --section SchedulerStats \

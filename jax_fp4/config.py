@@ -99,7 +99,6 @@ def cuda_capability_override() -> tuple[int, int] | None:
 
 _ALLOWED = {
     "gemv_col_tiles": (0, 1, 2),
-    "gemv_row_tiles": (0, 1, 2, 4),
     "gemv_rows_per_block": (0, 1, 2, 4),
     "fused_split": tuple(range(9)),
     "fused_tile_m": (0, 16, 32, 64, 128, 256),
@@ -121,8 +120,6 @@ class KernelTuning:
     program. Not needed for normal use: the heuristics are what the benchmarks chose.
 
       gemv_col_tiles       the GEMV's column tiles per warp: 1 or 2
-      gemv_row_tiles       the GEMV's 8-row activation tiles per warp: 1, 2, or 4 (prepacked
-                           weights only: 32 rows of M per decoded weight fragment)
       gemv_k_split         warps splitting K in the GEMV's block: >= 1 (clamped to the block's
                            warp budget by the kernel)
       gemv_rows_per_block  the scalar GEMV's rows per block: 1, 2 or 4
@@ -135,7 +132,6 @@ class KernelTuning:
     """
 
     gemv_col_tiles: int = 0
-    gemv_row_tiles: int = 0
     gemv_k_split: int = 0
     gemv_rows_per_block: int = 0
     fused_split: int = 0
@@ -167,11 +163,10 @@ class KernelTuning:
                 )
 
     def gemv_attributes(self) -> dict:
-        """The GEMV target's tuning attributes (INTERFACE: col_tiles, row_tiles, k_split,
-        rows_per_block, programmatic)."""
+        """The GEMV target's tuning attributes (INTERFACE: col_tiles, k_split, rows_per_block,
+        programmatic)."""
         return dict(
             col_tiles=self.gemv_col_tiles,
-            row_tiles=self.gemv_row_tiles,
             k_split=self.gemv_k_split,
             rows_per_block=self.gemv_rows_per_block,
             programmatic=self.programmatic_launch,

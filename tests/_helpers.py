@@ -207,7 +207,6 @@ def gemv_attributes(
         tensor_cores=dispatch.gemv_tensor_cores(problem, target),
         row_tiling=bool(row_tiling),
         col_tiles=np.int64(t.gemv_col_tiles),
-        row_tiles=np.int64(t.gemv_row_tiles),
         k_split=np.int64(t.gemv_k_split),
         rows_per_block=np.int64(t.gemv_rows_per_block),
         programmatic=bool(t.programmatic_launch),

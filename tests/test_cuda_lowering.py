@@ -220,7 +220,6 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "tensor_cores": "true",
         "row_tiling": "true",
         "col_tiles": "0",
-        "row_tiles": "0",
         "k_split": "0",
         "rows_per_block": "0",
         "programmatic": "false",
@@ -228,7 +227,6 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
     assert _attributes(matmul, *_case(4, k=160))["jax_fp4_gemv_cuda"]["tensor_cores"] == "false"
     tuning = jax_fp4.KernelTuning(
         gemv_col_tiles=2,
-        gemv_row_tiles=2,
         gemv_k_split=4,
         gemv_rows_per_block=1,
         fused_split=3,
@@ -245,7 +243,6 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
         "tensor_cores": "true",
         "row_tiling": "true",
         "col_tiles": "2",
-        "row_tiles": "2",
         "k_split": "4",
         "rows_per_block": "1",
         "programmatic": "true",

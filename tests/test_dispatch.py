@@ -496,7 +496,6 @@ def test_env_flag_rejects_garbage(monkeypatch):
     "fields, message",
     [
         (dict(gemv_col_tiles=3), "gemv_col_tiles must be one of 0, 1, 2, got 3"),
-        (dict(gemv_row_tiles=3), "gemv_row_tiles must be one of 0, 1, 2, 4, got 3"),
         (dict(gemv_k_split=-1), "gemv_k_split"),
         (dict(gemv_rows_per_block=3), "gemv_rows_per_block"),
         (dict(fused_split=9), "fused_split"),
@@ -519,7 +518,6 @@ def test_kernel_tuning_attributes():
     )
     t = _config.KernelTuning(
         gemv_col_tiles=2,
-        gemv_row_tiles=4,
         gemv_k_split=4,
         gemv_rows_per_block=1,
         fused_split=3,
@@ -529,9 +527,7 @@ def test_kernel_tuning_attributes():
         fused_stream_k=True,
         programmatic_launch=True,
     )
-    assert t.gemv_attributes() == dict(
-        col_tiles=2, row_tiles=4, k_split=4, rows_per_block=1, programmatic=True
-    )
+    assert t.gemv_attributes() == dict(col_tiles=2, k_split=4, rows_per_block=1, programmatic=True)
     assert t.fused_attributes() == dict(
         split=3, tile_m=64, tile_n=128, warp_specialized=0, stream_k=1, programmatic=True
     )

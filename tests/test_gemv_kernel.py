@@ -338,7 +338,6 @@ def test_gemv_every_launch_config(config, dtype):
 # (attribute, a valid value, an invalid value): the handler checks the attributes it is handed.
 BAD_ATTRIBUTES = (
     [("col_tiles", 2, v) for v in (3, 4, -1)]
-    + [("row_tiles", 2, v) for v in (3, 8, -1)]
     + [("k_split", 4, v) for v in (-1,)]
     + [("rows_per_block", 4, v) for v in (3, 8, -1)]
 )
@@ -539,39 +538,6 @@ def test_gemv_tiled_every_launch_config(config, dtype):
             expected.view(np.uint16),
             err_msg=f"tiled config={config} M={m} N={n} K={k}",
         )
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("col_tiles", [1, 2])
-def test_gemv_four_row_tiles_exact(col_tiles, dtype):
-    """KernelTuning(gemv_row_tiles=4) on prepacked weights (32 rows of M per decoded weight
-    fragment), on exact inputs: the reference bit for bit at M below, at and past 32 rows and
-    ragged, N past the last block, every K split the block allows."""
-    rng = np.random.default_rng()
-    for m, n, k in ((5, 48, 256), (17, 112, 2816), (32, 80, 1024), (45, 208, 512), (70, 16, 128)):
-        a, packed, scale, gs, bias = exact_problem(rng, m, n, k, dtype, with_bias=m % 2 == 1)
-        expected = as_dtype(reference_gemv(a, packed, scale, gs, bias), dtype)
-        for k_split in (0, 1, 3, 8):
-            tuning = KernelTuning(gemv_col_tiles=col_tiles, gemv_row_tiles=4, gemv_k_split=k_split)
-            y = gemv(a, packed, scale, gs, bias, tiled=True, tuning=tuning)
-            np.testing.assert_array_equal(
-                y.view(np.uint16),
-                expected.view(np.uint16),
-                err_msg=f"col_tiles={col_tiles} k_split={k_split} M={m} N={n} K={k}",
-            )
-
-
-def test_gemv_four_row_tiles_need_the_tiled_layout():
-    """Four row tiles are built for prepacked weights on tensor cores only: anything else is an
-    error naming the attribute, not a silent fallback."""
-    rng = np.random.default_rng()
-    a, packed, scale, gs, _ = random_problem(rng, 20, 48, 256, "bfloat16", with_bias=False)
-    tuning = KernelTuning(gemv_row_tiles=4)
-    for use_mma in (True, False):
-        with pytest.raises(Exception, match=r"row_tiles=4 needs the tiled layout"):
-            gemv(a, packed, scale, gs, None, use_mma=use_mma, tuning=tuning)
-    with pytest.raises(Exception, match=r"row_tiles=4 needs row_tiling=true"):
-        gemv(a, packed, scale, gs, None, tiled=True, row_tiling=False, tuning=tuning)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -499,7 +499,6 @@ BAD_TUNINGS = [
     *[("fused_warp_specialized", v) for v in (2, -1, "yes")],
     *[("fused_stream_k", v) for v in (2, -1, "on")],
     *[("gemv_col_tiles", v) for v in (3, 4, -1)],
-    *[("gemv_row_tiles", v) for v in (3, 8, -1)],
     *[("gemv_k_split", v) for v in (-1, -4)],
     *[("gemv_rows_per_block", v) for v in (3, 8, -1)],
     *[("programmatic_launch", v) for v in (2, "yes")],

@@ -9,7 +9,7 @@
 
 // Fused decode GEMV: (a [M,K] f16/bf16, packed [N,K/2] u8, scale [N,K/16] u8, global_scale f32[1],
 // bias [N] or [0]) -> y [M,N]; attrs block_size (== 16), tiled, tensor_cores, row_tiling,
-// col_tiles, row_tiles, k_split, rows_per_block, programmatic. K % 32 == 0.
+// col_tiles, k_split, rows_per_block, programmatic. K % 32 == 0.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4GemvCuda);
 
 // Dequantize: (packed [N,K/2] u8, scale [N,ceil(K/bs)] u8, global_scale f32[1]) -> w [N,K]

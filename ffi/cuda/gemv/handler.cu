@@ -52,12 +52,12 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: " + what);
 }
 
-// The attributes: the plain call's nine, and the one a fused call adds. Read from the
+// The attributes: the plain call's eight, and the one a fused call adds. Read from the
 // dictionary of all attributes (so that the fusion one can be absent); any other name is an
 // error, so that a misspelt attribute is not silently ignored.
-constexpr std::string_view kPlainAttributes[] = {"block_size", "tiled",          "tensor_cores",
-                                                 "row_tiling", "col_tiles",      "row_tiles",
-                                                 "k_split",    "rows_per_block", "programmatic"};
+constexpr std::string_view kPlainAttributes[] = {"block_size",     "tiled",       "tensor_cores",
+                                                 "row_tiling",     "col_tiles",   "k_split",
+                                                 "rows_per_block", "programmatic"};
 constexpr std::string_view kFusionAttributes[] = {"activation"};
 
 template <typename V>
@@ -84,7 +84,7 @@ GemvFusion<T> Fusion(const void* residual, bool silu_mul) {
 struct GemvAttributes {
   int64_t block_size = 0;
   bool tiled = false, tensor_cores = false, row_tiling = false;
-  int64_t col_tiles = 0, row_tiles = 0, k_split = 0, rows_per_block = 0;
+  int64_t col_tiles = 0, k_split = 0, rows_per_block = 0;
   bool programmatic = false;
   bool fused = false;  // the fusion attribute is present
   int64_t activation = 0;
@@ -104,7 +104,6 @@ ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
   if ((err = ReadAttribute(attrs, "tensor_cores", &out->tensor_cores)).failure()) return err;
   if ((err = ReadAttribute(attrs, "row_tiling", &out->row_tiling)).failure()) return err;
   if ((err = ReadAttribute(attrs, "col_tiles", &out->col_tiles)).failure()) return err;
-  if ((err = ReadAttribute(attrs, "row_tiles", &out->row_tiles)).failure()) return err;
   if ((err = ReadAttribute(attrs, "k_split", &out->k_split)).failure()) return err;
   if ((err = ReadAttribute(attrs, "rows_per_block", &out->rows_per_block)).failure()) return err;
   if ((err = ReadAttribute(attrs, "programmatic", &out->programmatic)).failure()) return err;
@@ -122,7 +121,7 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   GemvAttributes at;
   if (ffi::Error err = ReadAttributes(attrs, &at); err.failure()) return err;
   const int64_t block_size = at.block_size, col_tiles = at.col_tiles, k_split = at.k_split;
-  const int64_t rows_per_block = at.rows_per_block, row_tiles = at.row_tiles;
+  const int64_t rows_per_block = at.rows_per_block;
   const bool tiled = at.tiled, tensor_cores = at.tensor_cores, row_tiling = at.row_tiling;
   const bool programmatic = at.programmatic;
   if (residual.has_value() != at.fused) {
@@ -192,19 +191,6 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         "jax_fp4_gemv_cuda: col_tiles must be 0 (the heuristic), 1 or 2, got " +
         std::to_string(col_tiles));
   }
-  if (!(row_tiles == 0 || row_tiles == 1 || row_tiles == 2 || row_tiles == 4)) {
-    return Invalid("row_tiles must be 0 (the heuristic), 1, 2 or 4, got " +
-                   std::to_string(row_tiles));
-  }
-  if (row_tiles == 4 && !(tiled && tensor_cores)) {
-    return Invalid(
-        "row_tiles=4 needs the tiled layout (jax_fp4.prepack) on tensor cores: its kernel is built "
-        "for prepacked weights only");
-  }
-  if (row_tiles > 1 && !row_tiling) {
-    return Invalid("row_tiles=" + std::to_string(row_tiles) +
-                   " needs row_tiling=true (JAX_FP4_GEMV_ROW_TILING is off)");
-  }
   if (k_split < 0) {
     return ffi::Error::InvalidArgument(
         "jax_fp4_gemv_cuda: k_split must be 0 (the heuristic) or >= 1, got " +
@@ -253,18 +239,11 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
                        : GetGemvResidentWarps<__nv_bfloat16, false>(&warps));
     if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: occupancy query", err);
   }
-  if (row_tiles == 4) {
-    err = f16 ? GemvFourRowTileWarps<__half>(&warps) : GemvFourRowTileWarps<__nv_bfloat16>(&warps);
-    if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: occupancy query", err);
-  }
   GemvLaunchConfig cfg = gemv_launch_config(shape.m, shape.n, shape.k, info.num_sms, tiled, warps);
   // silu_mul pairs a gate and an up tile in each warp: two column tiles, the split for them.
   const int64_t want_col_tiles = silu && tensor_cores ? 2 : col_tiles;
-  const bool retile = (want_col_tiles != 0 && want_col_tiles != cfg.col_tiles) ||
-                      (row_tiles != 0 && row_tiles != cfg.row_tiles);
-  if (want_col_tiles != 0) cfg.col_tiles = static_cast<int>(want_col_tiles);
-  if (row_tiles != 0) cfg.row_tiles = static_cast<int>(row_tiles);
-  if (retile) {
+  if (want_col_tiles != 0 && want_col_tiles != cfg.col_tiles) {
+    cfg.col_tiles = static_cast<int>(want_col_tiles);
     cfg.k_split = gemv_mma_split(shape.m, shape.n, shape.k, info.num_sms, tiled, warps,
                                  cfg.col_tiles, cfg.row_tiles);
   }
@@ -301,8 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GemvCuda, jax_fp4::cuda::GemvCudaImpl,
                                   .Ret<ffi::AnyBuffer>()          // y [M, N_out]
                                   // block_size:i64, tiled (weight in the tiled layout),
                                   // tensor_cores (mma.sync kernel, else scalar), row_tiling,
-                                  // col_tiles (0 = heuristic, 1 or 2), row_tiles (0 =
-                                  // heuristic, 1, 2, or 4 prepacked), k_split (0 = heuristic,
+                                  // col_tiles (0 = heuristic, 1 or 2), k_split (0 = heuristic,
                                   // >= 1), rows_per_block (0 = heuristic, 1, 2, 4), programmatic
                                   // (PDL on sm_90+); fused calls: activation:i64
                                   .Attrs(),

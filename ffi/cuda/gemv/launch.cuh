@@ -134,22 +134,6 @@ cudaError_t GetGemvResidentWarps(GemvResidentWarps* out) {
   });
 }
 
-// The resident warps of the four-row-tile instances (tiled layout; the tuning attribute
-// row_tiles) on the current device, into warps->four_row_tiles and two_by_four. Asked only by the
-// calls that force them, and not cached.
-template <typename T>
-cudaError_t GemvFourRowTileWarps(GemvResidentWarps* warps) {
-  cudaError_t err = MinResidentWarps(GemvMmaKernel<T, 1, 4, 256, true>,
-                                     GemvMmaKernel<T, 1, 4, 0, true>, &warps->four_row_tiles);
-  if (err == cudaSuccess) {
-    err = MinResidentWarps(GemvMmaKernel<T, 2, 4, 256, true>, GemvMmaKernel<T, 2, 4, 0, true>,
-                           &warps->two_by_four);
-  }
-  warps->four_row_tiles = std::max(warps->four_row_tiles, 1);
-  warps->two_by_four = std::max(warps->two_by_four, 1);
-  return err;
-}
-
 template <typename T, int CT, int RT = 1>
 cudaError_t LaunchMma(cudaStream_t stream, bool tiled, const T* a, const uint8_t* packed,
                       const uint8_t* scale, const float* gs, const T* bias, T* y, int64_t m,
@@ -163,11 +147,7 @@ cudaError_t LaunchMma(cudaStream_t stream, bool tiled, const T* a, const uint8_t
                : LaunchMmaLayout<T, CT, RT, kTiled>(stream, a, packed, scale, gs, bias, y, m, n, k,
                                                     k_split, programmatic);
   };
-  if constexpr (RT == 4) {  // built for the tiled layout only (the handler's check)
-    return tiled ? on_layout(std::true_type{}) : cudaErrorInvalidValue;
-  } else {
-    return tiled ? on_layout(std::true_type{}) : on_layout(std::false_type{});
-  }
+  return tiled ? on_layout(std::true_type{}) : on_layout(std::false_type{});
 }
 
 template <typename T, int R>
@@ -208,12 +188,6 @@ cudaError_t LaunchGemv(cudaStream_t stream, const void* a, const uint8_t* packed
   if (tensor_cores) {
     const int ks = cfg.k_split;
     const bool pdl = programmatic;
-    if (row_tiling && cfg.row_tiles == 4) {
-      return cfg.col_tiles == 2 ? LaunchMma<T, 2, 4>(stream, tiled, at, packed, scale, gs, bt, yt,
-                                                     m, n, k, ks, pdl, fusion)
-                                : LaunchMma<T, 1, 4>(stream, tiled, at, packed, scale, gs, bt, yt,
-                                                     m, n, k, ks, pdl, fusion);
-    }
     if (row_tiling && cfg.row_tiles == 2) {
       return cfg.col_tiles == 2 ? LaunchMma<T, 2, 2>(stream, tiled, at, packed, scale, gs, bt, yt,
                                                      m, n, k, ks, pdl, fusion)

@@ -295,12 +295,11 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 
 // Two-tile warps are held to 128 registers (2 blocks of the largest size per SM: 4 blocks of
 // k_split 4 instead of 3 at the 137 they would take; no spills, ptxas -v).
-// RT (row tiles of 8 activation rows per warp) is 1, or 2 (M > 8), or on the tiled layout 4 (the
-// tuning attribute row_tiles: each decoded weight fragment feeds 32 rows of M, activations just
-// in time, GemvMmaShape). Two row tiles with two column tiles (activations read once per 32
-// output columns instead of 16) take 176-185 registers with both register buffers; on the tiled
-// layout they load the activations just in time (below) to fit 128, on the spec layout blocks of
-// at most 4 warps, 3 per SM, hold them to 168 (GemvMmaShape).
+// RT (row tiles of 8 activation rows per warp) is 1, or 2 (M > 8). Two row tiles with two column
+// tiles (activations read once per 32 output columns instead of 16) take 176-185 registers with
+// both register buffers; on the tiled layout they load the activations just in time (below) to
+// fit 128, on the spec layout blocks of at most 4 warps, 3 per SM, hold them to 168
+// (GemvMmaShape).
 // L2PrefetchBytes (0 or 256): the L2 prefetch size of the weight loads. 256 pays when k_split > 1,
 // where the block's other warps read the neighbouring windows of the same rows at the same time
 // (1-4% at M = 1 on the H200); a lone warp walking its row gains nothing from it.
@@ -373,8 +372,7 @@ __device__ __forceinline__ void GemvMmaMainloop(
   }
 
   static_assert(CT == 1 || CT == 2, "one or two column tiles (four: 198-244 registers)");
-  static_assert(RT == 1 || RT == 2 || (RT == 4 && Tiled),
-                "one or two row tiles of 8 activation rows, or four on the tiled layout");
+  static_assert(RT == 1 || RT == 2, "one or two row tiles of 8 activation rows");
   const int64_t m_chunks = CeilDiv(m, 8 * RT);
   for (int64_t chunk = blockIdx.y; chunk < m_chunks; chunk += gridDim.y) {
     const int64_t m0 = chunk * 8 * RT;

@@ -15,8 +15,7 @@ namespace jax_fp4 {
 
 struct GemvLaunchConfig {
   int col_tiles;       // mma path: 16-column tiles per warp (1 or 2), one activation fragment
-  int row_tiles;       // mma path: 8-row activation tiles per warp (1, or 2 when M > 8; 4 by
-                       // the tuning attribute only, prepacked weights)
+  int row_tiles;       // mma path: 8-row activation tiles per warp (1, or 2 when M > 8)
   int k_split;         // mma path: warps per block splitting K (1..8, not only powers of two)
   int rows_per_block;  // scalar path: rows of M per warp (1, 2 or 4)
 };
@@ -33,18 +32,13 @@ constexpr int kGemvScalarColsPerBlock = 8;  // scalar path: warps (= columns) pe
 // build) it gives 20 for one tile (93-96 registers: 5 warps per scheduler), 16 for two column
 // tiles, two row tiles, or both on the tiled layout (121-128 registers), and 12 for both on the
 // spec layout (161-168 registers).
-// The four-row-tile instances (tiled layout only, chosen by the tuning attribute row_tiles) are
-// queried only when a call asks for them (GemvFourRowTileWarps); 0 until then.
 struct GemvResidentWarps {
-  int one_tile;            // (1, 1)
-  int two_col_tiles;       // (2, 1)
-  int two_row_tiles;       // (1, 2)
-  int two_by_two;          // (2, 2)
-  int four_row_tiles = 0;  // (1, 4)
-  int two_by_four = 0;     // (2, 4)
+  int one_tile;       // (1, 1)
+  int two_col_tiles;  // (2, 1)
+  int two_row_tiles;  // (1, 2)
+  int two_by_two;     // (2, 2)
 
   constexpr int at(int col_tiles, int row_tiles) const {
-    if (row_tiles == 4) return col_tiles == 2 ? two_by_four : four_row_tiles;
     return col_tiles == 2 ? (row_tiles == 2 ? two_by_two : two_col_tiles)
                           : (row_tiles == 2 ? two_row_tiles : one_tile);
   }
@@ -61,21 +55,17 @@ struct GemvMmaShape {
   // other two-tile configs (24 bytes of spill, ptxas sm_90a). On the spec layout (two row
   // pointers per tile, the activation permutes) that spills ~250 bytes, so there they keep both
   // register buffers at 161-168 registers, in blocks of at most 4 warps, 3 per SM.
-  // Four row tiles (prepacked only) load them just in time too: 155 (one column tile) and 210
-  // (two) registers with no spill, against 64 more for a second activation buffer (ptxas sm_90a).
   constexpr bool activations_just_in_time() const {
-    return (col_tiles == 2 && row_tiles == 2 && tiled) || row_tiles == 4;
+    return col_tiles == 2 && row_tiles == 2 && tiled;
   }
   constexpr bool spec_two_by_two() const { return col_tiles == 2 && row_tiles == 2 && !tiled; }
   // The largest k_split (warps per block): the block's warp budget (the kernel's launch bounds).
-  // Four row tiles: 8 warps of one tile (a 16-warp budget would cap them at 128 registers,
-  // which spills), 4 of two.
   constexpr int max_split() const {
-    return spec_two_by_two() ? 4 : kGemvMaxWarpsPerBlock / col_tiles / (row_tiles == 4 ? 2 : 1);
+    return spec_two_by_two() ? 4 : kGemvMaxWarpsPerBlock / col_tiles;
   }
   // The kernel's minimum resident blocks (its __launch_bounds__): what caps its registers.
   constexpr int min_blocks_per_sm() const {
-    return spec_two_by_two() ? 3 : (col_tiles == 2 && row_tiles != 4 ? 2 : 1);
+    return spec_two_by_two() ? 3 : (col_tiles == 2 ? 2 : 1);
   }
 };
 // The k_split values the heuristic tries, largest first. 16 is never faster than 8 on the H200,
