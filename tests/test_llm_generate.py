@@ -5,6 +5,7 @@ attention recomputed at every length, no cache) on the checkpoint's dequantized 
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -884,6 +885,49 @@ def test_the_decode_step_never_transposes_a_cache(capsys):
     assert probe.main(["--preset", "demo", "--batch", "2", "--max-len", "256"]) == 0
     out = capsys.readouterr().out
     assert "cache-sized copies / transposes / converts" in out and "transpose(" not in out
+
+
+def test_kernel_census_counts_the_launches_of_a_compiled_step(capsys):
+    """benchmarks/probes/llm_step_hlo.py --census: every kernel-launching op outside fusion bodies
+    and reducers, a command buffer's computation walked like the ENTRY's; on the demo model's
+    compiled step, jax_fp4's four matmuls a layer among them."""
+    probe = load_repo_script("benchmarks/probes/llm_step_hlo.py")
+    hlo = """HloModule m
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+%fused_computation (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %e = f32[8]{0} exponential(%p)
+  ROOT %m = f32[8]{0} multiply(%e, %p)
+}
+%command_buffer (x: f32[8]) -> (f32[8], f32[]) {
+  %x = f32[8]{0} parameter(0)
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+  %z = f32[] constant(0)
+  %r = f32[] reduce(%f, %z), dimensions={0}, to_apply=%add
+  ROOT %t = (f32[8]{0}, f32[]) tuple(%f, %r)
+}
+ENTRY %main (x: f32[8]) -> (f32[8], f32[]) {
+  %x = f32[8]{0} parameter(0)
+  %c = (f32[8]{0}, f32[]) call(%x), to_apply=%command_buffer
+  %g = f32[8]{0} custom-call(%x), custom_call_target="my_kernel"
+  ROOT %t = (f32[8]{0}, f32[]) tuple(%g, %x)
+}
+"""
+    assert probe.kernel_census(hlo) == {
+        "fusion(kLoop): exponential, multiply": 1,
+        "reduce": 1,
+        "custom-call: my_kernel": 1,
+    }
+    assert probe.main(["--preset", "demo", "--batch", "1", "--max-len", "64", "--census"]) == 0
+    out = capsys.readouterr().out
+    layers = probe.llm.DEMO_CONFIG["num_hidden_layers"]
+    launches = re.search(r"(\d+) kernels a step", out)
+    assert launches and int(launches.group(1)) > 4 * layers
+    assert re.search(rf"^ +{4 * layers}  custom-call: jax_fp4_matmul_cpu$", out, re.MULTILINE)
 
 
 def test_kernel_breakdown_splits_a_step_into_matmuls_and_the_rest(example):
