@@ -244,6 +244,13 @@ def spec_arrays(w: NVFP4Weight):
     return w.packed, w.scale
 
 
+def kernel_scale(scale):
+    """E4M3 block scales as the primitives take them: as they are, float8_e4m3fn or uint8 bytes
+    (NVFP4Weight accepts no other type). The kernels read either; a bitcast to bytes here would
+    be a kernel in the caller's program copying every scale on every call."""
+    return jnp.asarray(scale)
+
+
 def scale_as_bytes(scale):
     """E4M3 scales as uint8 bytes, whether given as float8_e4m3fn or already as bytes."""
     if np.dtype(scale.dtype) == np.uint8:

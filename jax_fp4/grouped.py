@@ -8,8 +8,9 @@ group_sizes[g] rows and multiplies weight g of the stack w [G, N, K] (mixture-of
 a group per expert). Rows past sum(group_sizes) are zeros. The group sizes are run-time values:
 the program never depends on them at trace time, so one compiled program serves every routing.
 
-Operands of the primitive: a [M, K], packed uint8 [G, N, K/2], scale uint8 [G, N, ceil(K/bs)],
-global_scale float32 [G], group_sizes int32 [G], then bias [G, N] (a's dtype) when has_bias.
+Operands of the primitive: a [M, K], packed uint8 [G, N, K/2], scale [G, N, ceil(K/bs)] (E4M3,
+float8_e4m3fn or uint8 bytes), global_scale float32 [G], group_sizes int32 [G], then bias [G, N]
+(a's dtype) when has_bias.
 Result: [M, N] in a's dtype; [M, N / 2] with activation "silu_mul" (static): each weight a fused
 gate/up pair, silu(gate) * up taken from the float32 products with one rounding, in the grouped
 GEMV's kernel (its epilogue) and composed around the product on the other paths, as matmul's
@@ -58,7 +59,7 @@ from jax_fp4.explicit_axes import (
     typed_like,
     typed_mesh,
 )
-from jax_fp4.format import NVFP4Weight, host_values, not_a_weight_error, scale_as_bytes
+from jax_fp4.format import NVFP4Weight, host_values, kernel_scale, not_a_weight_error
 from jax_fp4.ops import (
     bind_per_batch_element,
     check_activation_name,
@@ -900,7 +901,7 @@ def ragged_matmul(
     return bind(
         a,
         w.packed,
-        scale_as_bytes(w.scale),
+        kernel_scale(w.scale),
         jnp.asarray(w.global_scale, jnp.float32),
         group_sizes,
         bias,

@@ -1,9 +1,9 @@
 """Lowering of the `nvfp4_matmul` primitive: the implementation of each path, and the rule that
 picks one per platform from static shapes (`dispatch.plan`).
 
-Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale uint8 [N, ceil(K/bs)],
-global_scale float32 [], bias [N] (a's dtype) when has_bias, and the prepacked SM120 scales
-(`prepack`) when has_swizzled. Static `layout`: the byte order of packed and scale ("spec" or
+Operands: a [..., K] (fp16/bf16/fp32), packed uint8 [N, K/2], scale [N, ceil(K/bs)] (E4M3,
+float8_e4m3fn or uint8 bytes as the weight holds them), global_scale float32 [], bias [N] (a's
+dtype) when has_bias, and the prepacked SM120 scales (`prepack`) when has_swizzled. Static `layout`: the byte order of packed and scale ("spec" or
 "tiled", jax_fp4/layout.py); the kernels (CPU, tensor-core GEMV, dequant, fused) read "tiled"
 directly, the reference, xla, native and scalar-GEMV paths through the inverse transform.
 The chosen path shows in the HLO as the FFI custom-call target, or, for pure-JAX paths, as a

@@ -55,7 +55,7 @@ from jax_fp4 import ffi as _ffi
 from jax_fp4 import grouped as _grouped
 from jax_fp4 import sharding as _sharding
 from jax_fp4.explicit_axes import typed_mesh
-from jax_fp4.format import NVFP4Weight, not_a_weight_error, scale_as_bytes
+from jax_fp4.format import NVFP4Weight, kernel_scale, not_a_weight_error
 from jax_fp4.ops import (
     bind_per_batch_element,
     composition_jvp,
@@ -420,8 +420,8 @@ def _check_routing(routing, tokens: int, experts: int):
 
 
 def stack_operands(w: NVFP4Weight):
-    """An expert stack as the primitive takes it: (packed, scale bytes, global_scale float32)."""
-    return (w.packed, scale_as_bytes(w.scale), jnp.asarray(w.global_scale, jnp.float32))
+    """An expert stack as the primitive takes it: (packed, scale, global_scale float32)."""
+    return (w.packed, kernel_scale(w.scale), jnp.asarray(w.global_scale, jnp.float32))
 
 
 def _check_shared(shared, shared_gate, hidden: int):

@@ -30,7 +30,7 @@ from jax_fp4 import lowering as _lowering
 from jax_fp4 import sharding as _sharding
 from jax_fp4.config import KernelTuning
 from jax_fp4.explicit_axes import axes_size, spec_axes, spec_entry
-from jax_fp4.format import NVFP4Weight, not_a_weight_error, scale_as_bytes
+from jax_fp4.format import NVFP4Weight, kernel_scale, not_a_weight_error
 
 nvfp4_matmul_p = Primitive("nvfp4_matmul")
 
@@ -539,7 +539,7 @@ def matmul(
     return bind(
         a,
         w.packed,
-        scale_as_bytes(w.scale),
+        kernel_scale(w.scale),
         jnp.asarray(w.global_scale, jnp.float32),
         bias,
         block_size=w.block_size,

@@ -279,6 +279,30 @@ def test_cpu_kernel_is_the_default_on_cpu():
     assert "jax_fp4_matmul_cpu" not in ref_hlo and "dot_general" in ref_hlo
 
 
+@pytest.mark.parametrize("m", [3, 100])
+@pytest.mark.parametrize("layout", ["spec", "tiled"])
+def test_float8_scales_reach_the_kernel_as_they_are(device, layout, m):
+    """A weight's float8_e4m3fn scales go to the kernel as they are, no bitcast_convert in the
+    compiled program (XLA runs one as a kernel copying every scale on every call), with the same
+    bits out as the same scales given as uint8 bytes, both the float64 reference's; at a decode
+    and a prefill M (on a GPU the GEMV, then a GEMM path)."""
+    rng = np.random.default_rng()
+    n, k = 256, 512
+    a = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    packed, scale_bytes, gs = reference.random_weight(rng, n, k, 16)
+    ref = reference.matmul(np.asarray(a, np.float64), packed, scale_bytes, gs, 16)
+    outs = []
+    for scale in (scale_bytes, scale_bytes.view(jnp.float8_e4m3fn)):
+        w = jax_fp4.NVFP4Weight(packed, scale, gs, block_size=16)
+        if layout == "tiled":
+            w = jax_fp4.prepack(w)
+        step = jax.jit(jax_fp4.matmul)
+        assert "bitcast-convert" not in step.lower(a, w).compile().as_text()
+        outs.append(np.asarray(step(a, w)))
+    np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+    _check(outs[1], ref, "bfloat16")
+
+
 def test_dispatch_path_follows_the_default_device(monkeypatch):
     """With a GPU first in jax.devices(), jax.default_device(cpu) still makes dispatch_path answer
     for the CPU, where matmul then runs (a device or a platform name)."""

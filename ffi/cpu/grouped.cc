@@ -27,12 +27,13 @@ namespace {
 // global_scale [G], group_sizes [G], bias [G, N] or empty, y [M, N]. Fills shape (m, n, k,
 // k_blocks) and groups. Returns "" when valid, else a description of the problem.
 std::string CheckGroupedOperands(ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
-                                 ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                                 ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
                                  ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer bias,
                                  const ffi::AnyBuffer& y, int64_t block_size, MatmulShape* shape,
                                  int64_t* groups) {
   const auto packed_dims = packed.dimensions();
   const auto scale_dims = scale.dimensions();
+  if (std::string bad = CheckScaleType(scale.element_type()); !bad.empty()) return bad;
   if (packed_dims.size() != 3) {
     return "packed must be [G, N, K/2] (rank 3), got " + DimsToString(packed_dims);
   }
@@ -65,7 +66,7 @@ std::string CheckGroupedOperands(ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
 }
 
 ffi::Error GroupedMatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
-                                ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::U8> scale,
+                                ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer scale,
                                 ffi::Buffer<ffi::F32> global_scale,
                                 ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer bias,
                                 ffi::Result<ffi::AnyBuffer> y, int64_t block_size, bool tiled,
@@ -105,7 +106,7 @@ ffi::Error GroupedMatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a,
     group.row0 = end;
     group.rows = rows;
     group.packed = packed.typed_data() + g * weight_bytes;
-    group.scale = scale.typed_data() + g * scale_bytes;
+    group.scale = ScaleBytes(scale) + g * scale_bytes;
     group.global_scale = global_scale.typed_data()[g];
     if (bias.element_count() != 0) {
       group.bias = static_cast<const char*>(bias.untyped_data()) + g * bias_bytes;
@@ -129,7 +130,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::ThreadPool>()        // XLA's intra-op threads
         .Arg<ffi::AnyBuffer>()         // a [M, K], rows sorted by group
         .Arg<ffi::Buffer<ffi::U8>>()   // packed [G, N, K/2]
-        .Arg<ffi::Buffer<ffi::U8>>()   // scale [G, N, ceil(K/block)]
+        .Arg<ffi::AnyBuffer>()         // scale [G, N, ceil(K/block)]
         .Arg<ffi::Buffer<ffi::F32>>()  // global scales [G]
         .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
         .Arg<ffi::AnyBuffer>()         // bias [G, N] or [0]

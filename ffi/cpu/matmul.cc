@@ -651,14 +651,15 @@ void Work(const std::shared_ptr<MatmulJob>& job) {
 }
 
 ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
-                         ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                         ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
                          ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y, int64_t block_size,
                          bool tiled, bool avx512) {
   MatmulShape shape;
-  const std::string problem = CheckMatmulOperands(
+  std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
       global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
       y->dimensions(), block_size, /*allow_f32=*/true, &shape);
+  if (problem.empty()) problem = CheckScaleType(scale.element_type());
   if (!problem.empty()) return ffi::Error::InvalidArgument("jax_fp4_matmul_cpu: " + problem);
   if (const std::string bad = tiled ? CheckTiledLayout(shape, block_size) : ""; !bad.empty()) {
     return ffi::Error::InvalidArgument("jax_fp4_matmul_cpu: " + bad);
@@ -675,7 +676,7 @@ ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a, ffi::Buf
   CpuGemmGroup group;
   group.rows = shape.m;
   group.packed = packed.typed_data();
-  group.scale = scale.typed_data();
+  group.scale = ScaleBytes(scale);
   group.global_scale = global_scale.typed_data()[0];
   group.bias = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   RunCpuGemm(thread_pool, gemm, {group});
@@ -765,7 +766,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::ThreadPool>()        // XLA's intra-op threads
         .Arg<ffi::AnyBuffer>()         // a [M, K]
         .Arg<ffi::Buffer<ffi::U8>>()   // packed [N, K/2]
-        .Arg<ffi::Buffer<ffi::U8>>()   // scale [N, ceil(K/block)]
+        .Arg<ffi::AnyBuffer>()         // scale [N, ceil(K/block)]
         .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
         .Arg<ffi::AnyBuffer>()         // bias [N] or [0]
         .Ret<ffi::AnyBuffer>()         // y [M, N]

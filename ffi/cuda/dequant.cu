@@ -177,12 +177,13 @@ cudaError_t LaunchDequant(cudaStream_t stream, const DeviceInfo& info, const uin
   return cudaGetLastError();
 }
 
-ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
-                           ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
-                           ffi::Result<ffi::AnyBuffer> w, int64_t block_size, bool tiled) {
+ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer scale,
+                           ffi::Buffer<ffi::F32> global_scale, ffi::Result<ffi::AnyBuffer> w,
+                           int64_t block_size, bool tiled) {
   MatmulShape shape;
-  const std::string problem = CheckWeightOperands(packed.dimensions(), scale.dimensions(),
-                                                  global_scale.element_count(), block_size, &shape);
+  std::string problem = CheckWeightOperands(packed.dimensions(), scale.dimensions(),
+                                            global_scale.element_count(), block_size, &shape);
+  if (problem.empty()) problem = CheckScaleType(scale.element_type());
   if (!problem.empty()) return ffi::Error::InvalidArgument("jax_fp4_dequant_cuda: " + problem);
   const ffi::DataType dtype = w->element_type();
   if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
@@ -210,11 +211,11 @@ ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
   cudaError_t err = GetDeviceInfo(&info);
   if (err != cudaSuccess) return CudaError("jax_fp4_dequant_cuda: device query", err);
   if (dtype == ffi::DataType::F16) {
-    err = LaunchDequant<__half>(stream, info, packed.typed_data(), scale.typed_data(),
+    err = LaunchDequant<__half>(stream, info, packed.typed_data(), ScaleBytes(scale),
                                 global_scale.typed_data(), w->untyped_data(), shape.n, shape.k,
                                 shape.k_blocks, block_size, tiled);
   } else {
-    err = LaunchDequant<__nv_bfloat16>(stream, info, packed.typed_data(), scale.typed_data(),
+    err = LaunchDequant<__nv_bfloat16>(stream, info, packed.typed_data(), ScaleBytes(scale),
                                        global_scale.typed_data(), w->untyped_data(), shape.n,
                                        shape.k, shape.k_blocks, block_size, tiled);
   }
@@ -230,7 +231,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantCuda, jax_fp4::cuda::DequantCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()   // packed [N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [N, ceil(K/bs)]
+                                  .Arg<ffi::AnyBuffer>()         // scale [N, ceil(K/bs)]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
                                   .Ret<ffi::AnyBuffer>()         // w [N, K] f16 / bf16
                                   .Attr<int64_t>("block_size")

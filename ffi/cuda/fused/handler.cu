@@ -24,17 +24,18 @@ namespace cuda {
 namespace fused_detail {  // named, not anonymous: helpers unused on non-sm_90a passes stay quiet
 
 ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
-                         ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                         ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
                          ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t block_size,
                          bool tiled, int64_t split, int64_t tile_m, int64_t tile_n,
                          int64_t warp_specialized, int64_t stream_k, bool programmatic) {
   constexpr const char* kName = "jax_fp4_fused_cuda";
   MatmulShape shape;
-  const std::string problem = CheckMatmulOperands(
+  std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
       global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
       y->dimensions(), block_size, /*allow_f32=*/false, &shape);
+  if (problem.empty()) problem = CheckScaleType(scale.element_type());
   auto invalid = [&](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
   };
@@ -59,7 +60,7 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   if (m == 0 || n == 0) return ffi::Error::Success();
   // Prepacked scales come by bulk copy (16-byte aligned runs), spec-layout ones 8 bytes a row.
   if (const std::string bad = CheckOperandAlignment(a.untyped_data(), packed.typed_data(),
-                                                    scale.typed_data(), tiled ? 16 : 8);
+                                                    ScaleBytes(scale), tiled ? 16 : 8);
       !bad.empty()) {
     return invalid(bad);
   }
@@ -130,7 +131,7 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   FusedProblem operands;
   operands.a = a.untyped_data();
   operands.packed = packed.typed_data();
-  operands.scale = scale.typed_data();
+  operands.scale = ScaleBytes(scale);
   operands.gs = global_scale.typed_data();
   operands.bias = bias.element_count() != 0 ? bias.untyped_data() : nullptr;
   operands.y = y->untyped_data();
@@ -156,7 +157,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FusedCuda, jax_fp4::cuda::fused_detail::Fuse
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // a [M, K] f16 / bf16
                                   .Arg<ffi::Buffer<ffi::U8>>()   // packed [N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [N, K/16] raw E4M3
+                                  .Arg<ffi::AnyBuffer>()         // scale [N, K/16] raw E4M3
                                   .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
                                   .Arg<ffi::AnyBuffer>()         // bias [N] or [0]
                                   .Ret<ffi::AnyBuffer>()         // y [M, N]

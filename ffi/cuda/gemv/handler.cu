@@ -115,7 +115,7 @@ ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
 }
 
 ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
-                        ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                        ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
                         ffi::AnyBuffer bias, std::optional<ffi::AnyBuffer> residual,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary attrs) {
   GemvAttributes at;
@@ -144,11 +144,12 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   const int64_t product_dims[2] = {y_dims.size() == 2 ? y_dims[0] : 0,
                                    y_dims.size() == 2 ? y_dims[1] * (silu ? 2 : 1) : 0};
   MatmulShape shape;
-  const std::string problem = CheckMatmulOperands(
+  std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
       global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
       silu ? ffi::Span<const int64_t>(product_dims, 2) : y_dims, block_size, /*allow_f32=*/false,
       &shape);
+  if (problem.empty()) problem = CheckScaleType(scale.element_type());
   if (!problem.empty()) return Invalid(problem);
   const int64_t n_out = silu ? shape.n / 2 : shape.n;
   const void* residual_data = nullptr;
@@ -254,7 +255,7 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   if (rows_per_block != 0) cfg.rows_per_block = static_cast<int>(rows_per_block);
   auto launch = [&](auto type_tag) {
     using T = decltype(type_tag);
-    return LaunchGemv<T>(stream, a.untyped_data(), packed.typed_data(), scale.typed_data(),
+    return LaunchGemv<T>(stream, a.untyped_data(), packed.typed_data(), ScaleBytes(scale),
                          global_scale.typed_data(), bias_data, y->untyped_data(), shape.m, shape.n,
                          shape.k, tensor_cores, tiled, row_tiling, cfg, pdl,
                          Fusion<T>(residual_data, silu));
@@ -273,7 +274,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GemvCuda, jax_fp4::cuda::GemvCudaImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()          // a [M, K] f16 / bf16
                                   .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // scale [N, K/16] (E4M3 bytes)
+                                  .Arg<ffi::AnyBuffer>()          // scale [N, K/16] (E4M3 bytes)
                                   .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
                                   .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
                                   .OptionalArg<ffi::AnyBuffer>()  // residual [M, N_out] or [0]

@@ -36,7 +36,7 @@ namespace {
 constexpr int64_t kMaxGridY = 65535;
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
-                               ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                               ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
                                ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer bias,
                                ffi::Result<ffi::AnyBuffer> y,
                                ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t block_size,
@@ -65,7 +65,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
   // TMA activation tiles and 16-byte weight copies; scales 8 bytes a row (tiled: 128-byte runs by
   // bulk copy). K % 128 == 0 keeps every expert's slices as aligned as the arrays.
   if (const std::string bad = CheckOperandAlignment(a.untyped_data(), packed.typed_data(),
-                                                    scale.typed_data(), tiled ? 16 : 8);
+                                                    ScaleBytes(scale), tiled ? 16 : 8);
       !bad.empty()) {
     return invalid(bad);
   }
@@ -104,7 +104,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GroupedGemmCuda, jax_fp4::cuda::GroupedGemmC
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // a [M, K], fragment K order
                                   .Arg<ffi::Buffer<ffi::U8>>()   // packed [G, N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [G, N, K/16] (E4M3)
+                                  .Arg<ffi::AnyBuffer>()         // scale [G, N, K/16] (E4M3)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // global_scale [G]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
                                   .Arg<ffi::AnyBuffer>()         // bias [G, N] or [0]

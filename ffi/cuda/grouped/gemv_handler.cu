@@ -42,7 +42,7 @@ cudaError_t RunGroupedGemv(cudaStream_t stream, bool tiled, bool silu_mul,
 }
 
 ffi::Error GroupedGemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
-                               ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                               ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
                                ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer bias,
                                ffi::Result<ffi::AnyBuffer> y, int64_t block_size, bool tiled,
                                int64_t activation) {
@@ -63,7 +63,7 @@ ffi::Error GroupedGemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
   // 16-byte loads of a and packed rows (K % 128 == 0 keeps every row and expert aligned), 2-byte
   // scale pairs (tiled: 4-byte words).
   if (const std::string bad = CheckOperandAlignment(a.untyped_data(), packed.typed_data(),
-                                                    scale.typed_data(), tiled ? 4 : 2);
+                                                    ScaleBytes(scale), tiled ? 4 : 2);
       !bad.empty()) {
     return invalid(bad);
   }
@@ -97,7 +97,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GroupedGemvCuda, jax_fp4::cuda::GroupedGemvC
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // a [M, K] f16 / bf16
                                   .Arg<ffi::Buffer<ffi::U8>>()   // packed [G, N, K/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [G, N, K/16] (E4M3)
+                                  .Arg<ffi::AnyBuffer>()         // scale [G, N, K/16] (E4M3)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // global_scale [G]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
                                   .Arg<ffi::AnyBuffer>()         // bias [G, N] or [0]

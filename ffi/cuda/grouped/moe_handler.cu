@@ -114,7 +114,7 @@ cudaError_t RunDown(cudaStream_t stream, bool tiled, const GroupedOperands<T>& p
 }
 
 ffi::Error MoeGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed,
-                         ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                         ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
                          ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> order,
                          ffi::Result<ffi::AnyBuffer> hidden,
                          ffi::Result<ffi::Buffer<ffi::S32>> counters, int64_t block_size,
@@ -134,6 +134,7 @@ ffi::Error MoeGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       x.element_type(), ffi::Span<const int64_t>(rows_dims, 2), packed.dimensions(),
       scale.dimensions(), global_scale.element_count(), group_sizes.element_count(),
       x.element_type(), 0, hidden->element_type(), hidden_dims, block_size, true, &shape);
+  if (problem.empty()) problem = CheckScaleType(scale.element_type());
   if (problem.empty()) problem = CheckGroupedKernelShape(shape, block_size, tiled, true);
   if (problem.empty()) {
     problem = CheckMoeRouting(tokens, top_k, shape.m, order.element_count(),
@@ -142,7 +143,7 @@ ffi::Error MoeGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (!problem.empty()) return Invalid(kName, problem);
   if (tokens == 0) return ffi::Error::Success();
   DeviceInfo info;
-  if (ffi::Error e = CheckDevice(kName, x.untyped_data(), packed.typed_data(), scale.typed_data(),
+  if (ffi::Error e = CheckDevice(kName, x.untyped_data(), packed.typed_data(), ScaleBytes(scale),
                                  tiled, &info);
       e.failure()) {
     return e;
@@ -151,7 +152,7 @@ ffi::Error MoeGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     using T = decltype(zero);
     const GroupedOperands<T> p{static_cast<const T*>(x.untyped_data()),
                                packed.typed_data(),
-                               scale.typed_data(),
+                               ScaleBytes(scale),
                                global_scale.typed_data(),
                                group_sizes.typed_data(),
                                nullptr,
@@ -170,7 +171,7 @@ ffi::Error MoeGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 }
 
 ffi::Error MoeDownImpl(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::Buffer<ffi::U8> packed,
-                       ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global_scale,
+                       ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
                        ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> order,
                        ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer residual,
                        ffi::Buffer<ffi::S32> /*counters_in: aliased to counters*/,
@@ -189,6 +190,7 @@ ffi::Error MoeDownImpl(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::Buffer<f
       hidden.element_type(), hidden_dims, packed.dimensions(), scale.dimensions(),
       global_scale.element_count(), group_sizes.element_count(), hidden.element_type(), 0,
       y->element_type(), ffi::Span<const int64_t>(pair_dims, 2), block_size, false, &shape);
+  if (problem.empty()) problem = CheckScaleType(scale.element_type());
   if (problem.empty()) problem = CheckGroupedKernelShape(shape, block_size, tiled, false);
   if (problem.empty()) {
     problem = CheckMoeRouting(tokens, top_k, shape.m, order.element_count(),
@@ -214,7 +216,7 @@ ffi::Error MoeDownImpl(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::Buffer<f
   if (tokens == 0 || hidden_size == 0) return ffi::Error::Success();
   DeviceInfo info;
   if (ffi::Error e = CheckDevice(kName, hidden.untyped_data(), packed.typed_data(),
-                                 scale.typed_data(), tiled, &info);
+                                 ScaleBytes(scale), tiled, &info);
       e.failure()) {
     return e;
   }
@@ -223,7 +225,7 @@ ffi::Error MoeDownImpl(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::Buffer<f
     const GroupedOperands<T> p{
         static_cast<const T*>(hidden.untyped_data()),
         packed.typed_data(),
-        scale.typed_data(),
+        ScaleBytes(scale),
         global_scale.typed_data(),
         group_sizes.typed_data(),
         nullptr,
@@ -255,7 +257,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4MoeGateUpCuda, jax_fp4::cuda::MoeGateUpImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // x [T, H] f16 / bf16
                                   .Arg<ffi::Buffer<ffi::U8>>()   // packed [E, 2 I, H/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [E, 2 I, H/16] (E4M3)
+                                  .Arg<ffi::AnyBuffer>()         // scale [E, 2 I, H/16] (E4M3)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // global_scale [E]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // order [T k]
@@ -271,7 +273,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4MoeDownCuda, jax_fp4::cuda::MoeDownImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // hidden [T k, I]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // packed [E, H, I/2]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // scale [E, H, I/16] (E4M3)
+                                  .Arg<ffi::AnyBuffer>()         // scale [E, H, I/16] (E4M3)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // global_scale [E]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // order [T k]

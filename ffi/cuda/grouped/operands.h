@@ -1,7 +1,7 @@
 // Operand checks of the grouped (mixture-of-experts) CUDA handlers: a [M, K], packed [G, N, K/2],
-// scale [G, N, ceil(K / block)], global_scale [G] f32, group_sizes [G] s32, bias [G, N] or [0] in
-// a's dtype, y [M, N] in a's dtype ([M, N / 2] with the GEMV's silu_mul) (host), and the kernels'
-// view of them (GroupedOperands, MakeGroupedOperands).
+// scale [G, N, ceil(K / block)] (float8_e4m3fn or its bytes), global_scale [G] f32, group_sizes [G]
+// s32, bias [G, N] or [0] in a's dtype, y [M, N] in a's dtype ([M, N / 2] with the GEMV's silu_mul)
+// (host), and the kernels' view of them (GroupedOperands, MakeGroupedOperands).
 #ifndef JAX_FP4_CUDA_GROUPED_OPERANDS_H_
 #define JAX_FP4_CUDA_GROUPED_OPERANDS_H_
 
@@ -126,16 +126,19 @@ inline std::string CheckGroupedKernelShape(const GroupedShape& shape, int64_t bl
 // can run them, else the problem. Fills *shape. silu_mul: the GEMV's fused epilogue.
 inline std::string CheckGroupedCall(const xla::ffi::AnyBuffer& a,
                                     const xla::ffi::Buffer<xla::ffi::U8>& packed,
-                                    const xla::ffi::Buffer<xla::ffi::U8>& scale,
+                                    const xla::ffi::AnyBuffer& scale,
                                     const xla::ffi::Buffer<xla::ffi::F32>& global_scale,
                                     const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
                                     const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& y,
                                     int64_t block_size, bool tiled, bool silu_mul,
                                     GroupedShape* shape) {
-  std::string problem = CheckGroupedOperands(
-      a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
-      global_scale.element_count(), group_sizes.element_count(), bias.element_type(),
-      bias.element_count(), y.element_type(), y.dimensions(), block_size, silu_mul, shape);
+  std::string problem = CheckScaleType(scale.element_type());
+  if (problem.empty()) {
+    problem = CheckGroupedOperands(
+        a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
+        global_scale.element_count(), group_sizes.element_count(), bias.element_type(),
+        bias.element_count(), y.element_type(), y.dimensions(), block_size, silu_mul, shape);
+  }
   if (problem.empty()) problem = CheckGroupedKernelShape(*shape, block_size, tiled, silu_mul);
   return problem;
 }
@@ -144,7 +147,7 @@ inline std::string CheckGroupedCall(const xla::ffi::AnyBuffer& a,
 template <typename T>
 GroupedOperands<T> MakeGroupedOperands(const xla::ffi::AnyBuffer& a,
                                        const xla::ffi::Buffer<xla::ffi::U8>& packed,
-                                       const xla::ffi::Buffer<xla::ffi::U8>& scale,
+                                       const xla::ffi::AnyBuffer& scale,
                                        const xla::ffi::Buffer<xla::ffi::F32>& global_scale,
                                        const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
                                        const xla::ffi::AnyBuffer& bias, xla::ffi::AnyBuffer& y,
@@ -152,7 +155,7 @@ GroupedOperands<T> MakeGroupedOperands(const xla::ffi::AnyBuffer& a,
   return GroupedOperands<T>{
       static_cast<const T*>(a.untyped_data()),
       packed.typed_data(),
-      scale.typed_data(),
+      ScaleBytes(scale),
       global_scale.typed_data(),
       group_sizes.typed_data(),
       bias.element_count() != 0 ? static_cast<const T*>(bias.untyped_data()) : nullptr,

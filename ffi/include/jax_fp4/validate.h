@@ -28,6 +28,20 @@ inline bool IsActivationType(xla::ffi::DataType dtype, bool allow_f32) {
          (allow_f32 && dtype == xla::ffi::DataType::F32);
 }
 
+// E4M3 block scales come as float8_e4m3fn, the type checkpoints and jax_fp4.NVFP4Weight hold
+// them in, or as their uint8 bytes: taking float8 as it is keeps a bitcast_convert out of the
+// caller's program, which XLA runs as a kernel copying every scale on every call. Returns "" for
+// either type.
+inline std::string CheckScaleType(xla::ffi::DataType dtype) {
+  if (dtype == xla::ffi::DataType::F8E4M3FN || dtype == xla::ffi::DataType::U8) return "";
+  return "scale must be float8_e4m3fn or uint8 (E4M3 bytes)";
+}
+
+// The bytes of a scale operand that passed CheckScaleType.
+inline const uint8_t* ScaleBytes(const xla::ffi::AnyBuffer& scale) {
+  return static_cast<const uint8_t*>(scale.untyped_data());
+}
+
 // Checks packed [N, K/2], scale [N, ceil(K/block)], global scale (1 element) and block size;
 // fills n, k, k_blocks. Returns "" when valid, else a description of the problem.
 inline std::string CheckWeightOperands(xla::ffi::Span<const int64_t> packed_dims,
