@@ -157,7 +157,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FusedCuda, jax_fp4::cuda::fused_detail::Fuse
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // a [M, K] f16 / bf16
                                   .Arg<ffi::Buffer<ffi::U8>>()   // packed [N, K/2]
-                                  .Arg<ffi::AnyBuffer>()         // scale [N, K/16] raw E4M3
+                                  .Arg<ffi::AnyBuffer>()         // scale [N, K/16] (E4M3)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
                                   .Arg<ffi::AnyBuffer>()         // bias [N] or [0]
                                   .Ret<ffi::AnyBuffer>()         // y [M, N]

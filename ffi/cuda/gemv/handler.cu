@@ -274,7 +274,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GemvCuda, jax_fp4::cuda::GemvCudaImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()          // a [M, K] f16 / bf16
                                   .Arg<ffi::Buffer<ffi::U8>>()    // packed [N, K/2]
-                                  .Arg<ffi::AnyBuffer>()          // scale [N, K/16] (E4M3 bytes)
+                                  .Arg<ffi::AnyBuffer>()          // scale [N, K/16] (E4M3)
                                   .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
                                   .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
                                   .OptionalArg<ffi::AnyBuffer>()  // residual [M, N_out] or [0]

@@ -4,7 +4,7 @@
 //   y[rows of group g] = round(a[rows of g] @ dequant(w[g])^T * gs[g] + bias[g]),
 //
 // rows past the groups 0. Operands (a [M, K] f16/bf16 in the fused GEMM's fragment K order
-// (jax_fp4/fused.py: to_fragment_order), packed [G, N, K/2] u8, scale [G, N, K/16] u8 E4M3
+// (jax_fp4/fused.py: to_fragment_order), packed [G, N, K/2] u8, scale [G, N, K/16] E4M3
 // (tiled: jax_fp4.prepack's arrays stacked on G), global_scale [G] f32, group_sizes [G] s32, bias
 // [G, N] or [0] in a's dtype) -> (y [M, N], workspace u8 [W]); attributes block_size (16) and
 // tiled. W = GroupedGemmWorkspaceBytes (0: the kernel needs none; the result keeps the interface

@@ -6,7 +6,7 @@
 // rows past the groups 0; with the attribute activation = 1 (silu_mul) each group's weight is a
 // gate [0, N/2) and up [N/2, N) pair and y [M, N/2] = round(silu(gate product) * up product), one
 // rounding (the decode GEMV's fused epilogue). Operands (a [M, K] f16/bf16, packed [G, N, K/2] u8,
-// scale [G, N, K/16] u8 E4M3 (tiled: jax_fp4.prepack's arrays stacked on G), global_scale [G] f32,
+// scale [G, N, K/16] E4M3 (tiled: jax_fp4.prepack's arrays stacked on G), global_scale [G] f32,
 // group_sizes [G] s32, bias [G, N] or [0] in a's dtype) -> y [M, N] (silu_mul: [M, N/2]);
 // attributes block_size (16), tiled and activation (0 none, 1 silu_mul). Needs K % 128 == 0 and an
 // sm_80+ device (the tensor-core GEMV). The launch depends on the shapes only: the group offsets

@@ -2,12 +2,12 @@
 // ffi/cuda/grouped/gemv.cuh with the stages of ffi/cuda/grouped/moe.cuh). P = T k pairs, rows in
 // the routing's expert order (row r is pair order[r] = t k + j).
 //
-// jax_fp4_moe_gate_up_cuda: (x [T, H] f16/bf16, packed [E, 2 I, H/2] u8, scale [E, 2 I, H/16] u8,
+// jax_fp4_moe_gate_up_cuda: (x [T, H] f16/bf16, packed [E, 2 I, H/2] u8, scale [E, 2 I, H/16] e4m3,
 //   global_scale [E] f32, group_sizes [E] s32, order [P] s32) -> (hidden [P, I] in x's type,
 //   counters [T, ceil(H / 16)] s32); attributes block_size (16), tiled, top_k.
 //   hidden[r] = round(silu(x[order[r] / k] @ gate_e^T) * (x[order[r] / k] @ up_e^T)) for row r of
 //   expert e; rows past the groups 0. The counters come back zeroed for the down call.
-// jax_fp4_moe_down_cuda: (hidden [P, I], packed [E, H, I/2] u8, scale [E, H, I/16] u8,
+// jax_fp4_moe_down_cuda: (hidden [P, I], packed [E, H, I/2] u8, scale [E, H, I/16] e4m3,
 //   global_scale [E] f32, group_sizes [E] s32, order [P] s32, weights [T, k] f32, residual [T, H]
 //   or [0] in hidden's type, counters [T, ceil(H / 16)] s32, aliased to result 1) -> (y [T, H],
 //   counters, scratch [P, H] f32); attributes block_size (16), tiled, top_k.
