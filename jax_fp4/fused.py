@@ -1,9 +1,10 @@
 """Static facts of the fused sm_90 NVFP4 GEMM (FFI target "jax_fp4_fused_cuda"): pure functions,
 kept in sync with ffi/cuda/fused/fused.h, usable (and tested) on any machine.
 
-The target takes (a [M, K] f16/bf16 in fragment K order (`to_fragment_order`), packed u8 [N, K/2], scale u8 [N, K/16], global_scale f32 [1],
-bias [N] or [0]) and returns (y [M, N] in a's dtype, workspace f32 [fused_workspace_elems(m, n, k)]),
-attribute block_size (int64, 16). It runs on compute capability 9.0 devices only (sm_90a code);
+The target takes (a [M, K] f16/bf16 in fragment K order (`to_fragment_order`), packed u8 [N, K/2],
+scale [N, K/16] (E4M3: float8_e4m3fn or u8 bytes), global_scale f32 [1], bias [N] or [0]) and
+returns (y [M, N] in a's dtype, workspace f32 [fused_workspace_elems(m, n, k)]), attribute
+block_size (int64, 16). It runs on compute capability 9.0 devices only (sm_90a code);
 the dispatcher must not choose it elsewhere.
 """
 
