@@ -575,6 +575,19 @@ def test_cpu_handler_validates_operands():
                 avx512=False,
             )
         )
+    with pytest.raises(Exception, match="scale must be float8_e4m3fn or uint8"):
+        jax.block_until_ready(
+            call(
+                jnp.ones((2, 32), jnp.float32),
+                w.packed,
+                np.asarray(w.scale_bytes).view(np.int8),
+                w.global_scale,
+                jnp.zeros((0,), jnp.float32),
+                block_size=np.int64(16),
+                tiled=False,
+                avx512=False,
+            )
+        )
     with pytest.raises(Exception, match="block_size must be positive"):
         jax.block_until_ready(
             call(

@@ -622,6 +622,7 @@ def test_cpu_handler_validates_operands():
     )
     bad = [
         ("scale", np.zeros((3, 8, 1), np.uint8), "scale must be"),
+        ("scale", np.asarray(w.scale_bytes).view(np.int8), "scale must be float8_e4m3fn or uint8"),
         ("packed", w.packed[0], "packed must be"),
         ("global_scale", w.global_scale[:2], "global_scale must hold G = 3"),
         ("group_sizes", jnp.asarray(SIZES[:2]), "group_sizes must hold G = 3"),

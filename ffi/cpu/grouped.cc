@@ -33,7 +33,6 @@ std::string CheckGroupedOperands(ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
                                  int64_t* groups) {
   const auto packed_dims = packed.dimensions();
   const auto scale_dims = scale.dimensions();
-  if (std::string bad = CheckScaleType(scale.element_type()); !bad.empty()) return bad;
   if (packed_dims.size() != 3) {
     return "packed must be [G, N, K/2] (rank 3), got " + DimsToString(packed_dims);
   }
@@ -43,10 +42,10 @@ std::string CheckGroupedOperands(ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
            DimsToString(scale_dims);
   }
   // One group's weight as the dense matmul's checks see it (its global scale: one element).
-  std::string problem =
-      CheckMatmulOperands(a.element_type(), a.dimensions(), packed_dims.last(2), scale_dims.last(2),
-                          1, bias.element_type(), 0, y.element_type(), y.dimensions(), block_size,
-                          /*allow_f32=*/true, shape);
+  std::string problem = CheckMatmulOperands(
+      a.element_type(), a.dimensions(), packed_dims.last(2), scale_dims.last(2),
+      scale.element_type(), 1, bias.element_type(), 0, y.element_type(), y.dimensions(), block_size,
+      /*allow_f32=*/true, shape);
   if (!problem.empty()) return problem;
   if (global_scale.element_count() != static_cast<size_t>(*groups)) {
     return "global_scale must hold G = " + std::to_string(*groups) + " elements, got " +

@@ -655,11 +655,10 @@ ffi::Error MatmulCpuImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer a, ffi::Buf
                          ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y, int64_t block_size,
                          bool tiled, bool avx512) {
   MatmulShape shape;
-  std::string problem = CheckMatmulOperands(
+  const std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
-      global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
-      y->dimensions(), block_size, /*allow_f32=*/true, &shape);
-  if (problem.empty()) problem = CheckScaleType(scale.element_type());
+      scale.element_type(), global_scale.element_count(), bias.element_type(), bias.element_count(),
+      y->element_type(), y->dimensions(), block_size, /*allow_f32=*/true, &shape);
   if (!problem.empty()) return ffi::Error::InvalidArgument("jax_fp4_matmul_cpu: " + problem);
   if (const std::string bad = tiled ? CheckTiledLayout(shape, block_size) : ""; !bad.empty()) {
     return ffi::Error::InvalidArgument("jax_fp4_matmul_cpu: " + bad);

@@ -181,9 +181,9 @@ ffi::Error DequantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi
                            ffi::Buffer<ffi::F32> global_scale, ffi::Result<ffi::AnyBuffer> w,
                            int64_t block_size, bool tiled) {
   MatmulShape shape;
-  std::string problem = CheckWeightOperands(packed.dimensions(), scale.dimensions(),
-                                            global_scale.element_count(), block_size, &shape);
-  if (problem.empty()) problem = CheckScaleType(scale.element_type());
+  const std::string problem =
+      CheckWeightOperands(packed.dimensions(), scale.dimensions(), scale.element_type(),
+                          global_scale.element_count(), block_size, &shape);
   if (!problem.empty()) return ffi::Error::InvalidArgument("jax_fp4_dequant_cuda: " + problem);
   const ffi::DataType dtype = w->element_type();
   if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {

@@ -31,11 +31,10 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
                          int64_t warp_specialized, int64_t stream_k, bool programmatic) {
   constexpr const char* kName = "jax_fp4_fused_cuda";
   MatmulShape shape;
-  std::string problem = CheckMatmulOperands(
+  const std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
-      global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
-      y->dimensions(), block_size, /*allow_f32=*/false, &shape);
-  if (problem.empty()) problem = CheckScaleType(scale.element_type());
+      scale.element_type(), global_scale.element_count(), bias.element_type(), bias.element_count(),
+      y->element_type(), y->dimensions(), block_size, /*allow_f32=*/false, &shape);
   auto invalid = [&](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
   };

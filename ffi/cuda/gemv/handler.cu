@@ -144,12 +144,11 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
   const int64_t product_dims[2] = {y_dims.size() == 2 ? y_dims[0] : 0,
                                    y_dims.size() == 2 ? y_dims[1] * (silu ? 2 : 1) : 0};
   MatmulShape shape;
-  std::string problem = CheckMatmulOperands(
+  const std::string problem = CheckMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
-      global_scale.element_count(), bias.element_type(), bias.element_count(), y->element_type(),
-      silu ? ffi::Span<const int64_t>(product_dims, 2) : y_dims, block_size, /*allow_f32=*/false,
-      &shape);
-  if (problem.empty()) problem = CheckScaleType(scale.element_type());
+      scale.element_type(), global_scale.element_count(), bias.element_type(), bias.element_count(),
+      y->element_type(), silu ? ffi::Span<const int64_t>(product_dims, 2) : y_dims, block_size,
+      /*allow_f32=*/false, &shape);
   if (!problem.empty()) return Invalid(problem);
   const int64_t n_out = silu ? shape.n / 2 : shape.n;
   const void* residual_data = nullptr;

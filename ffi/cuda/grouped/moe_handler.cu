@@ -132,9 +132,9 @@ ffi::Error MoeGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   GroupedShape shape;
   std::string problem = CheckGroupedOperands(
       x.element_type(), ffi::Span<const int64_t>(rows_dims, 2), packed.dimensions(),
-      scale.dimensions(), global_scale.element_count(), group_sizes.element_count(),
-      x.element_type(), 0, hidden->element_type(), hidden_dims, block_size, true, &shape);
-  if (problem.empty()) problem = CheckScaleType(scale.element_type());
+      scale.dimensions(), scale.element_type(), global_scale.element_count(),
+      group_sizes.element_count(), x.element_type(), 0, hidden->element_type(), hidden_dims,
+      block_size, true, &shape);
   if (problem.empty()) problem = CheckGroupedKernelShape(shape, block_size, tiled, true);
   if (problem.empty()) {
     problem = CheckMoeRouting(tokens, top_k, shape.m, order.element_count(),
@@ -186,11 +186,11 @@ ffi::Error MoeDownImpl(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::Buffer<f
   const auto hidden_dims = hidden.dimensions();
   const int64_t pair_dims[2] = {hidden_dims.size() == 2 ? hidden_dims[0] : -1, hidden_size};
   GroupedShape shape;
-  std::string problem = CheckGroupedOperands(
-      hidden.element_type(), hidden_dims, packed.dimensions(), scale.dimensions(),
-      global_scale.element_count(), group_sizes.element_count(), hidden.element_type(), 0,
-      y->element_type(), ffi::Span<const int64_t>(pair_dims, 2), block_size, false, &shape);
-  if (problem.empty()) problem = CheckScaleType(scale.element_type());
+  std::string problem =
+      CheckGroupedOperands(hidden.element_type(), hidden_dims, packed.dimensions(),
+                           scale.dimensions(), scale.element_type(), global_scale.element_count(),
+                           group_sizes.element_count(), hidden.element_type(), 0, y->element_type(),
+                           ffi::Span<const int64_t>(pair_dims, 2), block_size, false, &shape);
   if (problem.empty()) problem = CheckGroupedKernelShape(shape, block_size, tiled, false);
   if (problem.empty()) {
     problem = CheckMoeRouting(tokens, top_k, shape.m, order.element_count(),

@@ -51,9 +51,10 @@ struct GroupedOperands {
 inline std::string CheckGroupedOperands(
     xla::ffi::DataType a_type, xla::ffi::Span<const int64_t> a_dims,
     xla::ffi::Span<const int64_t> packed_dims, xla::ffi::Span<const int64_t> scale_dims,
-    size_t global_scale_count, size_t group_sizes_count, xla::ffi::DataType bias_type,
-    size_t bias_count, xla::ffi::DataType y_type, xla::ffi::Span<const int64_t> y_dims,
-    int64_t block_size, bool silu_mul, GroupedShape* shape) {
+    xla::ffi::DataType scale_type, size_t global_scale_count, size_t group_sizes_count,
+    xla::ffi::DataType bias_type, size_t bias_count, xla::ffi::DataType y_type,
+    xla::ffi::Span<const int64_t> y_dims, int64_t block_size, bool silu_mul, GroupedShape* shape) {
+  if (std::string bad = CheckScaleType(scale_type); !bad.empty()) return bad;
   if (block_size <= 0) return "block_size must be positive, got " + std::to_string(block_size);
   if (packed_dims.size() != 3) {
     return "packed must be rank 3 [G, N, K/2], got " + DimsToString(packed_dims);
@@ -132,13 +133,11 @@ inline std::string CheckGroupedCall(const xla::ffi::AnyBuffer& a,
                                     const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& y,
                                     int64_t block_size, bool tiled, bool silu_mul,
                                     GroupedShape* shape) {
-  std::string problem = CheckScaleType(scale.element_type());
-  if (problem.empty()) {
-    problem = CheckGroupedOperands(
-        a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
-        global_scale.element_count(), group_sizes.element_count(), bias.element_type(),
-        bias.element_count(), y.element_type(), y.dimensions(), block_size, silu_mul, shape);
-  }
+  std::string problem =
+      CheckGroupedOperands(a.element_type(), a.dimensions(), packed.dimensions(),
+                           scale.dimensions(), scale.element_type(), global_scale.element_count(),
+                           group_sizes.element_count(), bias.element_type(), bias.element_count(),
+                           y.element_type(), y.dimensions(), block_size, silu_mul, shape);
   if (problem.empty()) problem = CheckGroupedKernelShape(*shape, block_size, tiled, silu_mul);
   return problem;
 }

@@ -42,12 +42,13 @@ inline const uint8_t* ScaleBytes(const xla::ffi::AnyBuffer& scale) {
   return static_cast<const uint8_t*>(scale.untyped_data());
 }
 
-// Checks packed [N, K/2], scale [N, ceil(K/block)], global scale (1 element) and block size;
-// fills n, k, k_blocks. Returns "" when valid, else a description of the problem.
+// Checks packed [N, K/2], scale [N, ceil(K/block)] (CheckScaleType), global scale (1 element)
+// and block size; fills n, k, k_blocks. Returns "" when valid, else a description of the problem.
 inline std::string CheckWeightOperands(xla::ffi::Span<const int64_t> packed_dims,
                                        xla::ffi::Span<const int64_t> scale_dims,
-                                       size_t global_scale_count, int64_t block_size,
-                                       MatmulShape* shape) {
+                                       xla::ffi::DataType scale_type, size_t global_scale_count,
+                                       int64_t block_size, MatmulShape* shape) {
+  if (std::string bad = CheckScaleType(scale_type); !bad.empty()) return bad;
   if (block_size <= 0) return "block_size must be positive, got " + std::to_string(block_size);
   if (packed_dims.size() != 2) return "packed must be rank 2, got " + DimsToString(packed_dims);
   shape->n = packed_dims[0];
@@ -73,16 +74,14 @@ inline std::string CheckTiledLayout(const MatmulShape& shape, int64_t block_size
 }
 
 // Checks a matmul's operands: a [M, K], weight operands, bias [N] or empty, y [M, N].
-inline std::string CheckMatmulOperands(xla::ffi::DataType a_type,
-                                       xla::ffi::Span<const int64_t> a_dims,
-                                       xla::ffi::Span<const int64_t> packed_dims,
-                                       xla::ffi::Span<const int64_t> scale_dims,
-                                       size_t global_scale_count, xla::ffi::DataType bias_type,
-                                       size_t bias_count, xla::ffi::DataType y_type,
-                                       xla::ffi::Span<const int64_t> y_dims, int64_t block_size,
-                                       bool allow_f32, MatmulShape* shape) {
-  std::string problem =
-      CheckWeightOperands(packed_dims, scale_dims, global_scale_count, block_size, shape);
+inline std::string CheckMatmulOperands(
+    xla::ffi::DataType a_type, xla::ffi::Span<const int64_t> a_dims,
+    xla::ffi::Span<const int64_t> packed_dims, xla::ffi::Span<const int64_t> scale_dims,
+    xla::ffi::DataType scale_type, size_t global_scale_count, xla::ffi::DataType bias_type,
+    size_t bias_count, xla::ffi::DataType y_type, xla::ffi::Span<const int64_t> y_dims,
+    int64_t block_size, bool allow_f32, MatmulShape* shape) {
+  std::string problem = CheckWeightOperands(packed_dims, scale_dims, scale_type, global_scale_count,
+                                            block_size, shape);
   if (!problem.empty()) return problem;
   if (!IsActivationType(a_type, allow_f32)) return "a has an unsupported element type";
   if (a_dims.size() != 2 || a_dims[1] != shape->k) {
