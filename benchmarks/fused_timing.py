@@ -88,8 +88,10 @@ def fused_call(a, packed, scale, gs, tuning=None):
         scale,
         gs,
         jnp.zeros((0,), a.dtype),
+        jnp.zeros((0,), a.dtype),
         block_size=np.int64(16),
         tiled=TILED,
+        activation=np.int64(0),
         **_attributes(tuning.fused_attributes()),
     )
     return y

@@ -183,10 +183,20 @@ class Target:
         return entry_for(self.device_kind, self.capability)
 
 
+# The fused GEMM runs the epilogue fusions (silu_mul, the residual) in its kernel up to this M:
+# its 16- to 64-row tiles, which reduce split-K on chip in a cluster. Above, where stream-K may
+# run, they compose around its product: stream-K stores mid-run tiles from the accumulators, where
+# a warpgroup holds gate or up rows, never both (ffi/cuda/fused/epilogue.cuh, EpilogueFusion).
+FUSED_EPILOGUE_MAX_M = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     path: str
     gemv_tensor_cores: bool = False  # path "gemv": its mma.sync kernel (else the scalar one)
+    # silu_mul and the residual can run in the kernel's epilogue (the GEMV's fused instances, the
+    # fused GEMM's EpilogueFusion) rather than composed around the product.
+    epilogue_in_kernel: bool = False
 
 
 def gemv_unsupported_reason(p: Problem) -> str | None:
@@ -331,7 +341,10 @@ def plan(p: Problem, target: Target, backend: str = "auto") -> Plan:
     `backend` that cannot serve it raises ValueError with the reason."""
     tensor_cores = gemv_tensor_cores(p, target)
     path = _path(p, target, backend, tensor_cores)
-    return Plan(path, gemv_tensor_cores=path == "gemv" and tensor_cores)
+    in_kernel = path == "gemv" or (path == "fused" and p.m <= FUSED_EPILOGUE_MAX_M)
+    return Plan(
+        path, gemv_tensor_cores=path == "gemv" and tensor_cores, epilogue_in_kernel=in_kernel
+    )
 
 
 def _path(p: Problem, target: Target, backend: str, tensor_cores: bool) -> str:

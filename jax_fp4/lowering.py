@@ -14,12 +14,13 @@ GEMV's kernel variant (`dispatch.plan`), the user switches (jax_fp4/config.py), 
 Fusions (static `norm_eps`, `activation`, `has_residual`; operands norm_weight [K] and residual
 [..., N_out] after the others): an RMSNorm of `a` before the product, "silu_mul" on a gate/up
 weight, a residual added last, all in float32 with one rounding (`rms_norm`, `epilogue`). The
-decode GEMV runs silu_mul and the residual in its kernel's epilogue (`_gemv`), after the
-RMSNorm as its own XLA fusion; every other path, and the GEMV where its kernel cannot (a
-multi-device program, whose partitioning rules know the plain product only; on the tiled layout
-silu_mul with N / 2 % 16 != 0; a `tuning` with gemv_col_tiles=1 and silu_mul), composes all of
-them around its product (`_composed`), taken in float32 where the path can give it (reference,
-xla, cpu; dequant in single-device programs) and else rounded to a's dtype first.
+decode GEMV (`_gemv`) and the fused GEMM up to dispatch.FUSED_EPILOGUE_MAX_M rows
+(`_fused_gemm`) run silu_mul and the residual in their kernels' epilogues, after the RMSNorm as
+its own XLA fusion; every other path, and these where their kernels cannot (a multi-device
+program, whose partitioning rules know the plain product only; on the tiled layout silu_mul with
+N / 2 % 16 != 0; a `tuning` with gemv_col_tiles=1 and silu_mul, or fused_stream_k=True), composes
+all of them around its product (`_composed`), taken in float32 where the path can give it
+(reference, xla, cpu; dequant in single-device programs) and else rounded to a's dtype first.
 """
 
 from __future__ import annotations
@@ -263,13 +264,18 @@ def _fused_gemm(
     bias,
     *,
     block_size,
+    activation=None,
+    residual=None,
     tiled=False,
     tuning=_config.DEFAULT_TUNING,
     **_,
 ):
+    """The fused GEMM, with the epilogue fusions in its kernel: the operand residual ([M, N_out],
+    or [0] when absent) and the attribute activation (0 none, 1 silu_mul)."""
     m, n, k = a.shape[0], packed.shape[0], a.shape[1]
+    n_out = n // 2 if activation == "silu_mul" else n
     outs = (
-        jax.ShapeDtypeStruct((m, n), a.dtype),
+        jax.ShapeDtypeStruct((m, n_out), a.dtype),
         jax.ShapeDtypeStruct((_fused.fused_workspace_elems(m, n, k),), jnp.float32),
     )
     y, _ = jax.ffi.ffi_call(_fused.TARGET, outs)(
@@ -278,8 +284,10 @@ def _fused_gemm(
         scale,
         global_scale,
         _bias_operand(bias, a.dtype),
+        jnp.zeros((0,), a.dtype) if residual is None else residual.reshape(m, n_out),
         block_size=np.int64(block_size),
         tiled=tiled,
+        activation=np.int64(1 if activation == "silu_mul" else 0),
         **_int_attributes(tuning.fused_attributes()),
     )
     return y
@@ -516,17 +524,20 @@ def _partitioned(ctx, path: str) -> bool:
 def _fuses_in_kernel(
     plan: _dispatch.Plan, layout: str, n: int, activation, has_residual: bool, tuning
 ) -> bool:
-    """Whether `plan` runs silu_mul and the residual in its kernel (the GEMV's fused instances)
-    in a single-device program, rather than composed around its product. (An RMSNorm alone
-    leaves the kernel plain.)"""
-    if plan.path != "gemv" or (activation is None and not has_residual):
+    """Whether `plan` runs silu_mul and the residual in its kernel (the GEMV's fused instances,
+    the fused GEMM's epilogue) in a single-device program, rather than composed around its
+    product. (An RMSNorm alone leaves the kernel plain.)"""
+    if not plan.epilogue_in_kernel or (activation is None and not has_residual):
         return False
-    if activation == "silu_mul" and plan.gemv_tensor_cores:
-        # The tensor-core kernel pairs a 16-row gate tile with its up tile in each warp.
-        if layout == "tiled" and (n // 2) % 16:
-            return False
-        if tuning is not None and tuning.gemv_col_tiles == 1:
-            return False
+    tuning = _config.DEFAULT_TUNING if tuning is None else tuning
+    # The tiled kernels pair a 16-row gate tile with its up tile (a warp's two column tiles in
+    # the GEMV, the two halves of a CTA tile in the fused GEMM).
+    if activation == "silu_mul" and layout == "tiled" and (n // 2) % 16:
+        return False
+    if plan.path == "fused":
+        return tuning.fused_stream_k is not True  # stream-K runs no fusion
+    if activation == "silu_mul" and plan.gemv_tensor_cores and tuning.gemv_col_tiles == 1:
+        return False
     return True
 
 
@@ -560,11 +571,7 @@ def _fused_lowering(
         plan, layout, n, activation, fusions["has_residual"], attributes.get("tuning")
     )
     if in_kernel and not _partitioned(ctx, path):
-        # On the tiled layout the tensor-core kernel reads it, the scalar one the spec layout.
-        if layout == "spec":
-            impl = _gemv
-        else:
-            impl = _TILED_PATHS["gemv"] if plan.gemv_tensor_cores else _SCALAR_GEMV_ON_TILED
+        impl = _impl_for(plan, layout)
 
         def lowered(*ops):
             a, packed, scale, global_scale, bias, _, norm_weight, residual = split(ops)

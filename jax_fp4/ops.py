@@ -518,8 +518,9 @@ def matmul(
         Paths without those choices ignore it.
 
     The fusions follow the unfused composition in float32 with one rounding at the end (to
-    a's dtype). The CUDA decode GEMV runs them in its kernel; the other paths compose them around
-    their product (jax_fp4/lowering.py). Differentiable in a, bias, the global scale,
+    a's dtype). The CUDA decode GEMV, and the fused Hopper GEMM up to M = 64, run silu_mul and
+    the residual in their kernels; the other paths compose them around their product
+    (jax_fp4/lowering.py). Differentiable in a, bias, the global scale,
     norm_weight and residual.
 
     Returns:

@@ -250,6 +250,7 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
     assert _attributes(matmul, *_case(64))["jax_fp4_fused_cuda"] == {
         "block_size": "16",
         "tiled": "false",
+        "activation": "0",
         "split": "0",
         "tile_m": "0",
         "tile_n": "0",
@@ -260,6 +261,7 @@ def test_the_kernels_get_every_choice_as_attributes(cuda_device, monkeypatch):
     assert _attributes(tuned("fused"), a, jax_fp4.prepack(w))["jax_fp4_fused_cuda"] == {
         "block_size": "16",
         "tiled": "true",
+        "activation": "0",
         "split": "3",
         "tile_m": "64",
         "tile_n": "128",

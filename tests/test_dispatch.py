@@ -413,7 +413,9 @@ def test_the_gemv_variant_is_decided_once():
     assert not plan(tiled, dataclasses.replace(hopper, capability=(7, 5))).gemv_tensor_cores
     assert not plan(spec, dataclasses.replace(hopper, capability=None)).gemv_tensor_cores
     assert not plan(dataclasses.replace(spec, m=4096), hopper).gemv_tensor_cores  # not the GEMV
-    assert plan(spec, hopper, "gemv") == _dispatch.Plan("gemv", gemv_tensor_cores=True)
+    assert plan(spec, hopper, "gemv") == _dispatch.Plan(
+        "gemv", gemv_tensor_cores=True, epilogue_in_kernel=True
+    )
 
 
 DEFAULT_BUILD = "80-real;90a-real;120a-real;80-virtual"

@@ -35,6 +35,7 @@ from tests._helpers import (
     NP_DTYPES,
     SPECIAL_SCALES,
     chain_weights,
+    check,
     fused_attributes,
     has_sm90,
     plain_and_programmatic,
@@ -62,21 +63,35 @@ EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
 def fused(
-    a, packed, scale, gs, bias=None, *, block_size=16, tiled=False, tuning=None, attributes=None
+    a,
+    packed,
+    scale,
+    gs,
+    bias=None,
+    *,
+    block_size=16,
+    tiled=False,
+    silu_mul=False,
+    residual=None,
+    tuning=None,
+    attributes=None,
 ):
     """The fused target on spec-layout packed / scale (tiled=True: handed the tiled layout), with
-    the attributes of `tuning` (None: the heuristics), overridden by `attributes`."""
+    the epilogue fusions silu_mul and residual ([M, N_out]), and the attributes of `tuning` (None:
+    the heuristics), overridden by `attributes`."""
     a = jnp.asarray(a)
     m, k = a.shape
     n = packed.shape[0]
+    n_out = n // 2 if silu_mul else n
     if bias is None:
         bias = jnp.zeros((0,), a.dtype)
     if tiled:
         packed, scale = _layout.tile_packed(packed), _layout.tile_scale(scale)
     ws = _fused.fused_workspace_elems(m, n, k)
-    poison((m, n), a.dtype)
+    poison((m, n_out), a.dtype)
     call = jax.ffi.ffi_call(
-        TARGET, (jax.ShapeDtypeStruct((m, n), a.dtype), jax.ShapeDtypeStruct((ws,), jnp.float32))
+        TARGET,
+        (jax.ShapeDtypeStruct((m, n_out), a.dtype), jax.ShapeDtypeStruct((ws,), jnp.float32)),
     )
     y, _ = call(
         _fused.to_fragment_order(a, tiled),
@@ -84,8 +99,10 @@ def fused(
         jnp.asarray(scale),
         jnp.asarray(gs, jnp.float32).reshape(1),
         jnp.asarray(bias),
+        jnp.zeros((0,), a.dtype) if residual is None else jnp.asarray(residual, a.dtype),
         block_size=np.int64(block_size),
         tiled=bool(tiled),
+        activation=np.int64(1 if silu_mul else 0),
         **{**fused_attributes(tuning), **(attributes or {})},
     )
     return np.asarray(y)
@@ -278,6 +295,134 @@ def test_warp_specialized_equals_multistage(tile_m, tiled, dtype):
             ys[ws] = fused(a, packed, scale, gs, bias, tiled=tiled, tuning=tuning)
         check_close(ys[True], a, packed, scale, gs, bias, dtype)
         np.testing.assert_array_equal(ys[True].view(np.uint16), ys[False].view(np.uint16))
+
+
+def _fusion_reference(a, packed, scale, gs, bias, silu_mul, residual):
+    """silu(gate + bias) * (up + bias) (silu_mul) + residual of the float64 product: the epilogue
+    fusions in float64, no rounding before the last."""
+    y = reference.matmul(
+        np.asarray(a, np.float64),
+        packed,
+        scale,
+        gs,
+        16,
+        None if bias is None else np.asarray(bias, np.float64),
+    )
+    if silu_mul:
+        gate, up = y[:, : y.shape[1] // 2], y[:, y.shape[1] // 2 :]
+        y = gate / (1.0 + np.exp(-gate)) * up
+    return y if residual is None else y + np.asarray(residual, np.float64)
+
+
+# (tile_m, warp-specialized, split (0: the heuristic's), M): every kernel and tile that runs the
+# epilogue fusions, ragged M, cluster split-K.
+FUSION_TILES = [(16, False, 0, 9), (32, False, 3, 27), (64, True, 2, 50), (64, False, 0, 64)]
+FUSION_TILES_ALL = FUSION_TILES + [(128, True, 3, 100), (256, True, 2, 300), (256, False, 1, 260)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("tile_m, ws, split, m", FUSION_TILES if QUICK else FUSION_TILES_ALL)
+@pytest.mark.parametrize("tiled", [False, True], ids=["spec", "tiled"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_epilogue_fusions_match_reference(tile_m, ws, split, m, tiled, dtype):
+    """silu_mul (gate rows [0, N/2), up rows [N/2, N)) and the residual in the fused GEMM's
+    epilogue, with bias, against the float64 composition: gate/up halves of fewer rows than half
+    a CTA tile and of several tiles with a ragged last one, each alone and together."""
+    rng = np.random.default_rng()
+    k = 1152
+    for half in (40, 304) if not tiled else (48, 304):  # the tiled layout: N / 2 % 16 == 0
+        n = 2 * half
+        packed, scale, _ = random_weight(rng, n, k, special=True)
+        gs = np.float32(2.0 ** rng.integers(-6, -3))  # silu(gate) * up stays inside fp16
+        a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
+        bias = rng.standard_normal(n).astype(NP_DTYPES[dtype])
+        tuning = KernelTuning(
+            fused_tile_m=tile_m, fused_warp_specialized=ws, fused_split=split, fused_stream_k=False
+        )
+        for silu_mul, with_residual in ((True, False), (False, True), (True, True)):
+            n_out = half if silu_mul else n
+            residual = (
+                rng.standard_normal((m, n_out)).astype(NP_DTYPES[dtype]) if with_residual else None
+            )
+            y = fused(
+                a,
+                packed,
+                scale,
+                gs,
+                bias,
+                tiled=tiled,
+                silu_mul=silu_mul,
+                residual=residual,
+                tuning=tuning,
+            )
+            check(y, _fusion_reference(a, packed, scale, gs, bias, silu_mul, residual), dtype)
+
+
+@needs_sm90
+@pytest.mark.parametrize("tiled", [False, True], ids=["spec", "tiled"])
+def test_epilogue_fusions_rerun_bit_identical_and_agree_across_kernels(tiled):
+    """The fused epilogue on a gate/up weight of Llama-3-8B's shape at a serving batch: reruns
+    give the same bits, and the multistage and warp-specialized kernels (the 64-row tile) the
+    same bits as each other."""
+    rng = np.random.default_rng()
+    m, n, k = 40, 2 * 1536, 4096
+    packed, scale, _ = random_weight(rng, n, k)
+    gs = np.float32(2.0**-7)
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    residual = rng.standard_normal((m, n // 2)).astype(ml_dtypes.bfloat16)
+    args = dict(tiled=tiled, silu_mul=True, residual=residual)
+    first = fused(a, packed, scale, gs, **args)
+    check(first, _fusion_reference(a, packed, scale, gs, None, True, residual), "bfloat16")
+    for _ in range(2):
+        again = fused(a, packed, scale, gs, **args)
+        np.testing.assert_array_equal(again.view(np.uint16), first.view(np.uint16))
+    kernels = [
+        fused(a, packed, scale, gs, **args, tuning=KernelTuning(fused_warp_specialized=ws))
+        for ws in (True, False)
+    ]
+    np.testing.assert_array_equal(kernels[0].view(np.uint16), kernels[1].view(np.uint16))
+
+
+@needs_sm90
+def test_epilogue_fusions_are_checked():
+    """A silu_mul call whose y is not [M, N / 2], a residual of the wrong shape, an odd gate/up
+    split on the tiled layout, and stream-K forced with a fusion are refused."""
+    rng = np.random.default_rng()
+    m, k = 8, 256
+    packed, scale, gs = random_weight(rng, 96, k)
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    with pytest.raises(Exception, match="residual must be"):
+        fused(a, packed, scale, gs, residual=np.zeros((m, 95), ml_dtypes.bfloat16))
+    assert fused(a, packed, scale, gs, tiled=True, silu_mul=True).shape == (m, 48)
+    with pytest.raises(Exception, match="needs N / 2 % 16 == 0"):
+        fused(a, *random_weight(rng, 80, k)[:2], gs, tiled=True, silu_mul=True)  # N / 2 = 40
+    with pytest.raises(Exception, match="no epilogue fusion"):
+        fused(
+            rng.standard_normal((300, k)).astype(ml_dtypes.bfloat16),
+            packed,
+            scale,
+            gs,
+            silu_mul=True,
+            tuning=KernelTuning(fused_tile_m=256, fused_stream_k=True),
+        )
+    call = jax.ffi.ffi_call(
+        TARGET, (jax.ShapeDtypeStruct((m, 96), a.dtype), jax.ShapeDtypeStruct((0,), jnp.float32))
+    )
+    with pytest.raises(Exception, match="activation silu_mul needs an even N and y"):
+        np.asarray(
+            call(
+                _fused.to_fragment_order(a),
+                packed,
+                scale,
+                jnp.asarray([gs]),
+                jnp.zeros((0,), a.dtype),
+                jnp.zeros((0,), a.dtype),
+                block_size=np.int64(16),
+                tiled=False,
+                activation=np.int64(1),
+                **fused_attributes(),
+            )[0]
+        )
 
 
 @needs_sm90
@@ -538,8 +683,10 @@ def test_tiled_rejects_ragged_n():
                 scale,
                 jnp.asarray([gs]),
                 jnp.zeros((0,), a.dtype),
+                jnp.zeros((0,), a.dtype),
                 block_size=np.int64(16),
                 tiled=True,
+                activation=np.int64(0),
                 **fused_attributes(),
             )[0]
         )
@@ -687,12 +834,15 @@ class _Half:
         return x & 0x81C081C0
 
 
-def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=256, tile_n=None):
+def _model_fused(
+    a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=256, tile_n=None, silu_mul=False
+):
     """y[M, N] as FusedGemmKernel<T, FusedConfig<bm, tile_n>, tiled> computes it with `splits`
     K-splits (fp32 sums in float64); packed and scale are given in the spec layout (tiled:
     converted here). `loaders`: how many threads issue a stage's copies (StageLoader's kLoaders:
     256 in the multistage kernel, the 128 of the warp-specialized kernel's copier); `tile_n`:
-    weight rows per CTA (default DefaultTileN(bm))."""
+    weight rows per CTA (default DefaultTileN(bm)); `silu_mul`: the epilogue fusion (y [M, N / 2],
+    each CTA's second half of rows the up rows of its first half's gate rows: ColumnsOf)."""
     h16 = _Half(dtype)
     m, k = a.shape
     n = packed.shape[0]
@@ -704,9 +854,13 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
     tile_n = tile_n or _default_tile_n(bm)
     tj = tile_n // 128  # m64 weight tiles per warpgroup
     epi_stride = tile_n + 4
-    col_threads = tile_n // 4  # epilogue threads per staged row
-    y = np.full((m, n), np.nan)
-    for n0 in range(0, n, tile_n):
+    col_threads = tile_n // (8 if silu_mul else 4)  # epilogue threads per staged row
+    n_out = n // 2 if silu_mul else n
+    cta_cols = tile_n // 2 if silu_mul else tile_n  # outputs per CTA
+    up_shift = n // 2 - tile_n // 2 if silu_mul else 0
+    y = np.full((m, n_out), np.nan)
+    for n0 in range(0, n_out, cta_cols):
+        halves = (n0, n0 + tile_n // 2 + up_shift)  # each half's first weight row
         for m0 in range(0, m, bm):
             staged = []
             for z in range(splits):
@@ -726,11 +880,13 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
                                 ].view(np.uint8)
                     pk = np.zeros(tile_n * 64, np.uint8)
                     pk_rows = loaders // 4  # rows per pass
+                    half_passes = tile_n // pk_rows // 2
                     for tid in range(loaders):
                         q, r0 = tid & 3, tid >> 2
                         dst0 = r0 * 64 + ((q ^ (((r0 >> 1) & 1) << 1)) << 4)
                         for i in range(tile_n // pk_rows):
-                            row = min(n0 + r0 + pk_rows * i, n - 1)
+                            half, ih = divmod(i, half_passes)
+                            row = min(halves[half] + r0 + pk_rows * ih, n - 1)
                             if tiled:  # the row's quarter q of window c in its tile's 1 KB run
                                 src = (
                                     ((row // 16) * ks * 2 + (row // 8) % 2) * 512
@@ -751,15 +907,13 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
                     ):
                         if r >= tile_n:
                             continue
-                        if tiled:  # bytes 8 (r % 16).. of tile n0 / 16 + r / 16's 128-byte run
-                            src = (
-                                min(n0 // 16 + r // 16, n // 16 - 1) * ks * 128
-                                + (r % 16) * 8
-                                + 128 * c
-                            )
+                        half, rh = divmod(r, tile_n // 2)
+                        row = min(halves[half] + rh, n - 1)
+                        if tiled:  # bytes 8 (r % 16).. of the row's tile's 128-byte run
+                            src = (row // 16) * ks * 128 + (r % 16) * 8 + 128 * c
                             sc[8 * r : 8 * r + 8] = flat_scale[src : src + 8]
                         else:
-                            sc[8 * r : 8 * r + 8] = scale[min(n0 + r, n - 1), 8 * c : 8 * c + 8]
+                            sc[8 * r : 8 * r + 8] = scale[row, 8 * c : 8 * c + 8]
                     pk32 = pk.view(np.uint32)
                     for h in range(2):
                         b_mat = np.zeros((64, bm))  # B[k][act row] read through the descriptor
@@ -826,13 +980,19 @@ def _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled=False, loaders=2
                 for tid in range(256):
                     c4, ml = tid % col_threads, rank + splits * (tid // col_threads)
                     nn = n0 + 4 * c4
-                    while ml < bm and m0 + ml < m and nn < n:
-                        total = sum(
-                            e[ml * epi_stride + 4 * c4 : ml * epi_stride + 4 * c4 + 4]
-                            for e in staged
-                        )
-                        for e in range(min(4, n - nn)):
-                            y[m0 + ml, nn + e] = total[e] * 128.0 * gs
+                    while ml < bm and m0 + ml < m and nn < n_out:
+
+                        def staged_sum(col, ml=ml):
+                            return sum(
+                                e[ml * epi_stride + col : ml * epi_stride + col + 4] for e in staged
+                            )
+
+                        total = staged_sum(4 * c4) * 128.0 * gs
+                        if silu_mul:
+                            up = staged_sum(4 * c4 + tile_n // 2) * 128.0 * gs
+                            total = total / (1.0 + np.exp(-total)) * up
+                        for e in range(min(4, n_out - nn)):
+                            y[m0 + ml, nn + e] = total[e]
                         ml += splits * (256 // col_threads)
     return y
 
@@ -867,4 +1027,36 @@ def test_layout_model_matches_reference(m, n, k, dtype, bm, splits, tiled, loade
     y = _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled, loaders, tile_n)
     ref = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16)
     assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(
+    "m, n, k, dtype, bm, splits, tiled, loaders, tile_n",
+    [
+        # gate/up parts of fewer rows than half a CTA tile (I = 40 < 128), and of several tiles
+        # with a ragged last one (I = 300: 2 CTAs of 128 outputs + 44)
+        (5, 80, 256, "float16", 16, 1, False, 256, None),
+        (13, 600, 256, "bfloat16", 32, 2, False, 256, None),
+        (40, 600, 256, "float16", 64, 1, False, 128, None),
+        (13, 288, 256, "bfloat16", 16, 2, True, 256, None),  # I = 144: 128 + one 16-row tile
+        (70, 288, 384, "bfloat16", 128, 3, True, 128, None),
+        (70, 288, 256, "float16", 128, 1, True, 128, 128),
+        (300, 160, 256, "float16", 256, 2, False, 128, None),
+    ],
+)
+def test_layout_model_with_silu_mul_matches_reference(
+    m, n, k, dtype, bm, splits, tiled, loaders, tile_n
+):
+    """The epilogue fusion silu_mul in the host model: each CTA loads TN / 2 gate rows and their
+    up rows N / 2 further (StageLoader's two halves), and its epilogue pairs staged column c with
+    c + TN / 2; against silu(gate) * up of the float64 reference."""
+    rng = np.random.default_rng()
+    packed, scale, _ = random_weight(rng, n, k, special=True)
+    gs = np.float32(0.5)
+    a = rng.standard_normal((m, k)).astype(NP_DTYPES[dtype])
+    y = _model_fused(a, packed, scale, gs, dtype, bm, splits, tiled, loaders, tile_n, silu_mul=True)
+    full = reference.matmul(np.asarray(a, np.float64), packed, scale, gs, 16)
+    gate, up = full[:, : n // 2], full[:, n // 2 :]
+    ref = gate / (1.0 + np.exp(-gate)) * up
+    assert y.shape == ref.shape and np.isfinite(y).all()
     np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())

@@ -306,12 +306,12 @@ def cuda_device(monkeypatch):
     monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.ALL_CUDA_ARCHITECTURES)
 
 
-def _gemv_calls(fn, *args):
-    """[(operand count, {attribute: value})] of each jax_fp4_gemv_cuda call in fn's CUDA HLO."""
+def _gemv_calls(fn, *args, target="jax_fp4_gemv_cuda"):
+    """[(operand count, {attribute: value})] of each `target` call in fn's CUDA HLO."""
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = []
     for operands, config in re.findall(
-        r"custom_call @jax_fp4_gemv_cuda\(([^)]*)\).*?backend_config = \{([^}]*)\}", text
+        rf"custom_call @{target}\(([^)]*)\).*?backend_config = \{{([^}}]*)\}}", text
     ):
         attributes = dict(re.findall(r"(\w+) = ([\w.+-]+)", config))
         calls.append((len([x for x in operands.split(",") if x.strip()]), attributes))
@@ -379,6 +379,52 @@ def test_prefill_composes_around_its_gemm(cuda_device):
     )
     assert re.findall(r"custom_call @(\w+)", text) == ["jax_fp4_fused_cuda"]
     assert "exponential" in text and "rsqrt" in text  # silu and the RMSNorm, in XLA
+
+
+@pytest.mark.parametrize("layout", ["spec", "tiled"])
+def test_fused_gemm_runs_the_epilogue_fusions_in_its_kernel_up_to_64_rows(cuda_device, layout):
+    """Serving batches past the GEMV (M = 17-64, the fused GEMM on sm_90): silu_mul and the
+    residual in the fused GEMM's epilogue (6 operands, the attribute activation; no exponential
+    or float32 add left in XLA), after the RMSNorm; at M = 65 (where stream-K may run) and under
+    a tuning forcing stream-K they compose around the plain product (activation 0)."""
+    fused_target = "jax_fp4_fused_cuda"
+    k = 4096
+
+    def mlp_gate(tuning):
+        return lambda a, w, nw, res: jax_fp4.matmul(
+            a, w, norm_weight=nw, norm_eps=1e-5, activation="silu_mul", residual=res, tuning=tuning
+        )
+
+    for m, in_kernel, tuning in [
+        (32, True, None),
+        (64, True, None),
+        (65, False, None),
+        (32, False, jax_fp4.KernelTuning(fused_stream_k=True)),
+    ]:
+        a, w = _lowering_case(m, 8192, k, layout)  # 2^25 weights: the fused GEMM from M = 17
+        nw, res = jnp.ones((k,), jnp.float32), jnp.ones((m, 4096), jnp.bfloat16)
+        f = mlp_gate(tuning)
+        text = jax.jit(f).trace(a, w, nw, res).lower(lowering_platforms=("cuda",)).as_text()
+        [(operands, attributes)] = _gemv_calls(f, a, w, nw, res, target=fused_target)
+        assert operands == 6 and attributes["activation"] == ("1" if in_kernel else "0"), m
+        assert ("exponential" in text) != in_kernel and "rsqrt" in text
+    # The residual alone: activation 0, the residual as the sixth operand.
+    a, w = _lowering_case(32, 8192, k, layout)
+    [(operands, attributes)] = _gemv_calls(
+        lambda a, w, r: jax_fp4.matmul(a, w, residual=r),
+        a,
+        w,
+        jnp.ones((32, 8192), jnp.bfloat16),
+        target=fused_target,
+    )
+    assert operands == 6 and attributes["activation"] == "0"
+    text = (
+        jax.jit(lambda a, w, r: jax_fp4.matmul(a, w, residual=r))
+        .trace(a, w, jnp.ones((32, 8192), jnp.bfloat16))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert "stablehlo.add" not in text
 
 
 def test_tuning_with_one_column_tile_composes_silu_mul(cuda_device):

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "cuda/activations.cuh"
 #include "cuda/fused/config.cuh"
 #include "cuda/fused/mainloop.cuh"
 #include "cuda/fused/scheduler.cuh"
@@ -25,32 +26,76 @@ __device__ __forceinline__ float EpilogueScale(const float* global_scale) {
   return __ldg(global_scale) * 128.0f;
 }
 
-// Rows rank, rank + splits, ... of a staged fp32 tile (Decoder::Stage's layout) to y, 4 columns
-// per consumer thread (ctid): sum(ml, col) gives the float4 at staged row ml, column col; then
-// global scale, bias and an 8-byte store where y allows it (vec_store).
+// The epilogue fusions of a call (attribute activation, operand residual: jax_fp4.matmul's
+// activation="silu_mul" and residual), in f32 before the one rounding, as the GEMV's (GemvFusion):
+//   silu_mul  the weight's rows [0, N/2) are a gate and [N/2, N) an up projection. A CTA's first
+//             TN / 2 rows are gate rows j0 .., its last TN / 2 the matching up rows N/2 + j0 ..
+//             (StageLoader's up_shift), so its staged tile holds both products of each of its
+//             TN / 2 outputs: y [M, N/2] = silu(gate + bias[j]) * (up + bias[N/2 + j]);
+//   residual  residual[m, j] (T, [M, N_out]) added last.
+// The cluster split-K kernels run them; LaunchFused never takes stream-K for a fused call (its
+// mid-run tiles are stored from the accumulators, where a warpgroup holds gate or up rows, never
+// both).
+template <typename T>
+struct EpilogueFusion {
+  const T* residual = nullptr;  // [M, N_out], or nullptr
+  bool silu_mul = false;
+
+  __host__ __device__ bool active() const { return residual != nullptr || silu_mul; }
+};
+
+// Where the CTA of tile column x sits in N: its first output column, StageLoader's up_shift, and
+// the output width (silu_mul: TN / 2 outputs a CTA, y [M, N / 2]).
+struct CtaColumns {
+  int n0, up_shift, n_out;
+};
+template <typename Cfg, typename T>
+__device__ __forceinline__ CtaColumns ColumnsOf(int x, int n, const EpilogueFusion<T>& fusion) {
+  if (!fusion.silu_mul) return {x * Cfg::kTileN, 0, n};
+  return {x * (Cfg::kTileN / 2), n / 2 - Cfg::kTileN / 2, n / 2};
+}
+
+// Rows rank, rank + splits, ... of a staged fp32 tile (Decoder::Stage's layout) to y [m, n], 4
+// outputs per consumer thread (ctid): sum(ml, col) gives the float4 at staged row ml, column
+// col; then global scale, bias, the fusions and an 8-byte store where y allows it (vec_store).
+// n0 is the CTA's first output column; with silu_mul output col pairs staged columns col - n0
+// (gate) and col - n0 + TN / 2 (up), and bias holds the gate's n then the up's n.
 template <typename Decoder, typename T, typename SumStaged>
 __device__ __forceinline__ void StoreStagedRows(const SumStaged& sum_staged, int rank, int splits,
                                                 int ctid, int m0, int n0, int m, int n,
                                                 const float* global_scale, const T* bias, T* y,
-                                                int vec_store) {
+                                                int vec_store, const EpilogueFusion<T>& fusion) {
   using Cfg = typename Decoder::Cfg;
   using Tr = HalfTraits<T>;
   const float alpha = EpilogueScale(global_scale);
-  constexpr int kColThreads = Cfg::kTileN / 4;  // threads per staged row, 4 columns each
-  const int c4 = ctid % kColThreads;
+  const bool silu = fusion.silu_mul;
+  // Threads per staged row, 4 outputs each: a row gives TN outputs, or TN / 2 with silu_mul.
+  const int col_threads = silu ? Cfg::kTileN / 8 : Cfg::kTileN / 4;
+  const int rows_per_pass = kConsumerThreads / col_threads;
+  const int c4 = ctid % col_threads;
   const int nn = n0 + 4 * c4;
-  for (int ml = rank + splits * (ctid / kColThreads); ml < Cfg::kBM;
-       ml += splits * (kConsumerThreads / kColThreads)) {
+  for (int ml = rank + splits * (ctid / col_threads); ml < Cfg::kBM; ml += splits * rows_per_pass) {
     const int mm = m0 + ml;
     if (mm >= m || nn >= n) break;
     const float4 sum = sum_staged(ml, 4 * c4);
     const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+    float ups[4] = {0.f, 0.f, 0.f, 0.f};
+    if (silu) {
+      const float4 up = sum_staged(ml, 4 * c4 + Cfg::kTileN / 2);
+      ups[0] = up.x, ups[1] = up.y, ups[2] = up.z, ups[3] = up.w;
+    }
     T out[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int col = min(nn + e, n - 1);
-      const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.0f;
-      out[e] = Tr::from_float(fmaf(vals[e], alpha, b));
+      float v = fmaf(vals[e], alpha, bias != nullptr ? Tr::to_float(bias[col]) : 0.0f);
+      if (silu) {
+        v = Silu(v) * fmaf(ups[e], alpha, bias != nullptr ? Tr::to_float(bias[n + col]) : 0.0f);
+      }
+      if (fusion.residual != nullptr) {
+        v += Tr::to_float(fusion.residual[static_cast<int64_t>(mm) * n + col]);
+      }
+      out[e] = Tr::from_float(v);
     }
     T* dst = y + static_cast<int64_t>(mm) * n + nn;
     if (vec_store && nn + 3 < n) {
@@ -68,15 +113,16 @@ __device__ __forceinline__ void StoreStagedRows(const SumStaged& sum_staged, int
 }
 
 // The CTA's fp32 tile staged in `epi` (the drained pipeline's shared memory), then the split-K
-// reduction across the cluster (ranks = blockIdx.z), summed in rank order, global scale, bias and
-// the store; by the 256 consumer threads (ctid). Every live thread of the cluster calls it (the
-// cluster barriers; the warp-specialized kernel's copier has exited).
+// reduction across the cluster (ranks = blockIdx.z), summed in rank order, global scale, bias,
+// the fusions and the store to y [m, n] from output column n0; by the 256 consumer threads
+// (ctid). Every live thread of the cluster calls it (the cluster barriers; the warp-specialized
+// kernel's copier has exited).
 template <typename Decoder, typename T>
 __device__ __forceinline__ void StoreTile(const Decoder& decode,
                                           const float (&acc)[Decoder::TJ][Decoder::kAcc],
                                           float* epi, int ctid, int m0, int n0, int m, int n,
                                           const float* global_scale, const T* bias, T* y,
-                                          int vec_store) {
+                                          int vec_store, const EpilogueFusion<T>& fusion) {
   namespace cg = cooperative_groups;
   constexpr int ST = Decoder::Cfg::kEpiStride;
   cg::cluster_group cluster = cg::this_cluster();
@@ -107,7 +153,7 @@ __device__ __forceinline__ void StoreTile(const Decoder& decode,
     return sum;
   };
   StoreStagedRows<Decoder>(sum_ranks, static_cast<int>(cluster.block_rank()), splits, ctid, m0, n0,
-                           m, n, global_scale, bias, y, vec_store);
+                           m, n, global_scale, bias, y, vec_store, fusion);
   // Keep this CTA's shared memory alive until every rank has read it. A relaxed arrival: the
   // reads are done (their sums are stored), and a releasing one would first wait for this
   // thread's global stores to drain (at the 16-row tile on 4096x4096 the two cluster barriers'
@@ -270,7 +316,8 @@ __device__ __forceinline__ void StreamKStore(const Decoder& decode,
   auto staged = [&](int ml, int col) {
     return *reinterpret_cast<const float4*>(epi + ml * ST + col);
   };
-  StoreStagedRows<Decoder>(staged, 0, 1, ctid, m0, n0, m, n, global_scale, bias, y, vec_store);
+  StoreStagedRows<Decoder>(staged, 0, 1, ctid, m0, n0, m, n, global_scale, bias, y, vec_store,
+                           EpilogueFusion<T>{});
 }
 
 }  // namespace fused_detail

@@ -2,14 +2,17 @@
 //
 //   y[M, N] = round((sum_k a[m, k] * e2m1(packed[n, k]) * e4m3(scale[n, k / 16])) * gs + bias[n])
 //
-// Operands: a [M, K] f16/bf16; packed u8 [N, K/2]; scale u8 [N, K/16] (raw E4M3); global_scale
-// f32 [1] (device memory); bias [N] in a's dtype or [0]. Results: y [M, N] in a's dtype and an f32
-// workspace of WorkspaceElems(M, N, K) elements: the stream-K decomposition's partial tiles and
-// per-tile arrival counters (M > 64); empty otherwise (split-K inside a thread-block cluster
-// reduces on chip through distributed shared memory).
-// Attributes: block_size (int64, must be 16), tiled (bool), and the tuning attributes split,
-// tile_m, tile_n (0 = the heuristic), warp_specialized, stream_k (-1 = the heuristic) and
-// programmatic (bool); see fused/handler.cu.
+// Operands: a [M, K] f16/bf16; packed u8 [N, K/2]; scale [N, K/16] E4M3 (float8_e4m3fn or its
+// u8 bytes); global_scale f32 [1] (device memory); bias [N] in a's dtype or [0]; residual
+// [M, N_out] in a's dtype or [0]. Results: y [M, N_out] in a's dtype and an f32 workspace of
+// WorkspaceElems(M, N, K) elements: the stream-K decomposition's partial tiles and per-tile
+// arrival counters (M > 64); empty otherwise (split-K inside a thread-block cluster reduces on
+// chip through distributed shared memory).
+// Attributes: block_size (int64, must be 16), tiled (bool), activation (int64: 0 none, 1
+// silu_mul: rows [0, N/2) gate, [N/2, N) up, N_out = N / 2; tiled: N / 2 % 16 == 0), and the
+// tuning attributes split, tile_m, tile_n (0 = the heuristic), warp_specialized, stream_k (-1 =
+// the heuristic) and programmatic (bool); see fused/handler.cu. The epilogue fusions (activation,
+// residual) are applied in f32 before the one rounding, as the GEMV's fused instances do.
 //
 // Constraints (the handler returns InvalidArgument otherwise; jax_fp4/fused.py mirrors them):
 //   a is f16 or bf16, block_size == 16, K % 128 == 0 and K > 0, M >= 1, N >= 1,
@@ -52,7 +55,7 @@ inline constexpr int64_t WorkspaceElems(int64_t m, int64_t n, int64_t k) {
 }  // namespace fused
 }  // namespace jax_fp4
 
-// (a, packed, scale, global_scale, bias) -> (y, workspace); attributes above.
+// (a, packed, scale, global_scale, bias, residual) -> (y, workspace); attributes above.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp4FusedCuda);
 
 #endif  // JAX_FP4_CUDA_FUSED_FUSED_H_

@@ -25,16 +25,20 @@ namespace fused_detail {  // named, not anonymous: helpers unused on non-sm_90a 
 
 ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
                          ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
-                         ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::AnyBuffer bias, ffi::AnyBuffer residual,
+                         ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t block_size,
-                         bool tiled, int64_t split, int64_t tile_m, int64_t tile_n,
-                         int64_t warp_specialized, int64_t stream_k, bool programmatic) {
+                         bool tiled, int64_t activation, int64_t split, int64_t tile_m,
+                         int64_t tile_n, int64_t warp_specialized, int64_t stream_k,
+                         bool programmatic) {
   constexpr const char* kName = "jax_fp4_fused_cuda";
   MatmulShape shape;
-  const std::string problem = CheckMatmulOperands(
+  bool has_residual = false;
+  const std::string problem = CheckFusedMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
       scale.element_type(), global_scale.element_count(), bias.element_type(), bias.element_count(),
-      y->element_type(), y->dimensions(), block_size, /*allow_f32=*/false, &shape);
+      y->element_type(), y->dimensions(), block_size, activation, residual.element_type(),
+      residual.dimensions(), &shape, &has_residual);
   auto invalid = [&](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
   };
@@ -50,6 +54,13 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   if (const std::string bad = tiled ? CheckTiledLayout(shape, block_size) : ""; !bad.empty()) {
     return invalid(bad);
   }
+  const bool silu = activation == 1;
+  // silu_mul: the up rows start a 16-row tile of their own (StageLoader, the tiled layout's runs).
+  if (silu && tiled && (n / 2) % 16 != 0) {
+    return invalid("activation silu_mul on the tiled layout needs N / 2 % 16 == 0, got N = " +
+                   std::to_string(n));
+  }
+  const int64_t n_out = silu ? n / 2 : n;
   if (CeilDiv(m, fused::kTileMLarge) > fused::kMaxMTiles) return invalid("M too large");
   const int64_t ws_needed = fused::WorkspaceElems(m, n, k);
   const int64_t ws_elems = static_cast<int64_t>(workspace->element_count());
@@ -120,10 +131,10 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   }
   if (tuning.stream_k == 1) {
     const StreamKShape sk = PlanStreamK(tile.m, tile.n, m, n, k, info.num_sms);
-    if (!tile.ws || tuning.split > 0 || !sk.Fits(ws_elems)) {
+    if (!tile.ws || tuning.split > 0 || !sk.Fits(ws_elems) || silu || has_residual) {
       return invalid(
-          "stream_k=1 needs the warp-specialized kernel, split=0 and M > 64 (the "
-          "workspace)");
+          "stream_k=1 needs the warp-specialized kernel, split=0, M > 64 (the workspace) and no "
+          "epilogue fusion");
     }
   }
 
@@ -137,9 +148,11 @@ ffi::Error FusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi:
   operands.m = m;
   operands.n = n;
   operands.k = k;
-  operands.vec_store = n % 4 == 0 && IsAligned(y->untyped_data(), 8);
+  operands.vec_store = n_out % 4 == 0 && IsAligned(y->untyped_data(), 8);
   operands.workspace = workspace->typed_data();
   operands.workspace_elems = ws_elems;
+  operands.residual = has_residual ? residual.untyped_data() : nullptr;
+  operands.silu_mul = silu;
   const auto dispatch =
       a.element_type() == ffi::DataType::F16 ? DispatchFused<__half> : DispatchFused<__nv_bfloat16>;
   err = dispatch(stream, tiled, device, info.num_sms, tile, operands, tuning);
@@ -159,10 +172,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FusedCuda, jax_fp4::cuda::fused_detail::Fuse
                                   .Arg<ffi::AnyBuffer>()         // scale [N, K/16] (E4M3)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // global scale, one element
                                   .Arg<ffi::AnyBuffer>()         // bias [N] or [0]
-                                  .Ret<ffi::AnyBuffer>()         // y [M, N]
+                                  .Arg<ffi::AnyBuffer>()         // residual [M, N_out] or [0]
+                                  .Ret<ffi::AnyBuffer>()         // y [M, N_out]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // workspace (WorkspaceElems)
                                   .Attr<int64_t>("block_size")
                                   .Attr<bool>("tiled")                // weight in the tiled layout
+                                  .Attr<int64_t>("activation")        // 0 none, 1 silu_mul
                                   .Attr<int64_t>("split")             // 0 = heuristic, 1..8
                                   .Attr<int64_t>("tile_m")            // 0 = heuristic, 16..256
                                   .Attr<int64_t>("tile_n")            // 0 = heuristic, 128, 256

@@ -2,8 +2,9 @@
 // memory (cp.async, multi-stage), is decoded in registers straight into the wgmma A-operand
 // fragment with the E4M3 block scale folded in (exact), and feeds wgmma.mma_async (A = weight
 // from registers, B = activations from 128B-swizzled shared memory), fp32 accumulation; global
-// scale and bias in the epilogue. Split-K across the CTAs of a thread-block cluster, reduced
-// on chip through distributed shared memory in a fixed order (deterministic, no workspace).
+// scale, bias and the epilogue fusions (silu_mul, residual: EpilogueFusion) in the epilogue.
+// Split-K across the CTAs of a thread-block cluster, reduced on chip through distributed shared
+// memory in a fixed order (deterministic, no workspace).
 //
 // Roles of the GEMM dimensions (the weight is the wgmma "M" operand):
 //   wgmma M (64 per instruction) = weight rows n (output columns),
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
     FusedGemmKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                     const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                     const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
-                    int vec_store) {
+                    int vec_store, const EpilogueFusion<T> fusion) {
 #if JAX_FP4_SM90A
   WaitForPrerequisiteGrids();  // attribute programmatic: see FusedTuning::programmatic
   AllowDependentLaunch();
@@ -95,11 +96,12 @@ __global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
   uint8_t* smem;
   const SmemMap<Cfg> map(AlignedSmemBase(smem, smem_raw));
   const int tid = threadIdx.x;
-  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * Cfg::kTileN;
+  const int m0 = blockIdx.y * BM;
+  const CtaColumns cols = ColumnsOf<Cfg>(blockIdx.x, n, fusion);
   const int2 range = StageRange(k);
   const int kc0 = range.x, nst = range.y;
-  const StageLoader<T, Cfg, Tiled, kConsumerThreads> load(tid, a, packed, scale, m, n, k, m0, n0,
-                                                          map);
+  const StageLoader<T, Cfg, Tiled, kConsumerThreads> load(tid, a, packed, scale, m, n, k, m0,
+                                                          cols.n0, cols.up_shift, map);
   const Decoder decode(tid);
 
   float acc[Decoder::TJ][Decoder::kAcc];
@@ -129,8 +131,8 @@ __global__ void __launch_bounds__(kConsumerThreads, Cfg::kMinBlocks)
   decode.Drain(acc);
   CpAsyncWait<0>();
   __syncthreads();  // pipeline smem free: stage the fp32 tile
-  StoreTile(decode, acc, reinterpret_cast<float*>(smem), tid, m0, n0, m, n, global_scale, bias, y,
-            vec_store);
+  StoreTile(decode, acc, reinterpret_cast<float*>(smem), tid, m0, cols.n0, m, cols.n_out,
+            global_scale, bias, y, vec_store, fusion);
 #endif  // JAX_FP4_SM90A
 }
 
@@ -145,7 +147,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     FusedGemmWsKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                       const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                       const T* __restrict__ bias, T* __restrict__ y, int m, int n, int k,
-                      int vec_store, const __grid_constant__ CUtensorMap act_map) {
+                      int vec_store, const __grid_constant__ CUtensorMap act_map,
+                      const EpilogueFusion<T> fusion) {
 #if JAX_FP4_SM90A
   WaitForPrerequisiteGrids();  // attribute programmatic: see FusedTuning::programmatic
   AllowDependentLaunch();
@@ -157,7 +160,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const SmemMap<Cfg> map(AlignedSmemBase(smem, smem_raw));
   PipelineRing<Cfg::kStages> ring(bars);
   const int tid = threadIdx.x;
-  const int m0 = blockIdx.y * Cfg::kBM, n0 = blockIdx.x * Cfg::kTileN;
+  const int m0 = blockIdx.y * Cfg::kBM;
+  const CtaColumns cols = ColumnsOf<Cfg>(blockIdx.x, n, fusion);
   const int2 range = StageRange(k);
   const int kc0 = range.x, nst = range.y;
   if (tid == 0) ring.Init(Loader::kFullArrivals);
@@ -166,7 +170,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (tid < kProducerThreads) {
     SetMaxRegisters<kProducerRegisters, false>();
     if (tid < Loader::kCopyThreads) {
-      Loader load(tid, a, packed, scale, m, n, k, m0, n0, map);
+      Loader load(tid, a, packed, scale, m, n, k, m0, cols.n0, cols.up_shift, map);
       load.UseActivationTma(&act_map, m0);
       for (int c = 0; c < nst; ++c) ring.Copy(load, kc0 + c, tid);
     }
@@ -182,8 +186,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   uint32_t afrag[2][4][4] = {};
   ring.Consume(decode, acc, afrag, map, nst, ctid & 31);
   NamedBarrierSync(1, kConsumerThreads);  // both consumer warpgroups done with the pipeline smem
-  StoreTile(decode, acc, reinterpret_cast<float*>(smem), ctid, m0, n0, m, n, global_scale, bias, y,
-            vec_store);
+  StoreTile(decode, acc, reinterpret_cast<float*>(smem), ctid, m0, cols.n0, m, cols.n_out,
+            global_scale, bias, y, vec_store, fusion);
 #endif  // JAX_FP4_SM90A
 }
 
@@ -227,7 +231,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     SetMaxRegisters<kProducerRegisters, false>();
     if (tid < Loader::kCopyThreads) {
       for_each_segment([&](int, int kc, int nst, int m0, int n0, bool) {
-        Loader load(tid, a, packed, scale, m, n, k, m0, n0, map);
+        Loader load(tid, a, packed, scale, m, n, k, m0, n0, /*up_shift=*/0, map);
         load.UseActivationTma(&act_map, m0);
         for (int c = 0; c < nst; ++c) ring.Copy(load, kc + c, tid);
       });

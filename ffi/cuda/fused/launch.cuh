@@ -91,9 +91,11 @@ struct FusedProblem {
   const void* bias;  // or nullptr
   void* y;
   int64_t m, n, k;
-  bool vec_store;  // y rows 8-byte aligned, N % 4 == 0
+  bool vec_store;  // y rows 8-byte aligned, N_out % 4 == 0
   float* workspace;
   int64_t workspace_elems;
+  const void* residual;  // [M, N_out], or nullptr (EpilogueFusion)
+  bool silu_mul;         // y [M, N / 2] = silu(gate rows) * up rows (EpilogueFusion)
 };
 
 // A call's tuning attributes that reach the launch (the handler validates them and resolves the
@@ -165,7 +167,12 @@ template <typename T, typename Cfg, bool Tiled, bool WS>
 cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedProblem& p,
                         const FusedTuning& o) {
   constexpr int BM = Cfg::kBM;
-  const int64_t tiles_n = CeilDiv(p.n, Cfg::kTileN);
+  EpilogueFusion<T> fusion;
+  fusion.residual = static_cast<const T*>(p.residual);
+  fusion.silu_mul = p.silu_mul;
+  // silu_mul: a CTA's TN rows are TN / 2 gate rows and their up rows (ColumnsOf).
+  const int64_t tiles_n =
+      p.silu_mul ? CeilDiv(p.n / 2, Cfg::kTileN / 2) : CeilDiv(p.n, Cfg::kTileN);
   const int64_t tiles_m = CeilDiv(p.m, BM);
   const int64_t ks = p.k / kStageK;
   // Too few CTAs, even at the largest split, to give every SM kMinBlocks: one per SM (the
@@ -184,11 +191,12 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
       o.split > 0 ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(o.split, ks)))
                   : ChooseSplit<T, Cfg, WS>(device, tiles_n * tiles_m, ks, smem, &cluster_cost);
   if constexpr (WS) {
-    // Stream-K where its plan fits the workspace and (unless forced) its cost model wins.
+    // Stream-K where its plan fits the workspace and (unless forced) its cost model wins; never
+    // with the epilogue fusions (EpilogueFusion).
     static_assert(2 * Cfg::kSmemBytes > kSmemPerSm, "stream-K plans one CTA per SM");
     const StreamKShape sk = PlanStreamK(BM, Cfg::kTileN, p.m, p.n, p.k, sms);
     const bool by_cost = StreamKByDefault(BM) && StreamKCost2(sk) < 2 * cluster_cost;
-    if (o.split == 0 && o.stream_k != 0 && sk.Fits(p.workspace_elems) &&
+    if (!fusion.active() && o.split == 0 && o.stream_k != 0 && sk.Fits(p.workspace_elems) &&
         (o.stream_k == 1 || by_cost)) {
       return LaunchStreamK<T, Cfg, Tiled>(stream, p, sk, o.programmatic);
     }
@@ -219,10 +227,11 @@ cudaError_t LaunchFused(cudaStream_t stream, int device, int sms, const FusedPro
     const auto m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
     if constexpr (WS) {
       return cudaLaunchKernelEx(&config, kKernel, a, p.packed, p.scale, p.gs, bias,
-                                static_cast<T*>(p.y), m, n, k, p.vec_store ? 1 : 0, act_map);
+                                static_cast<T*>(p.y), m, n, k, p.vec_store ? 1 : 0, act_map,
+                                fusion);
     } else {
       return cudaLaunchKernelEx(&config, kKernel, a, p.packed, p.scale, p.gs, bias,
-                                static_cast<T*>(p.y), m, n, k, p.vec_store ? 1 : 0);
+                                static_cast<T*>(p.y), m, n, k, p.vec_store ? 1 : 0, fusion);
     }
   };
   err = launch();

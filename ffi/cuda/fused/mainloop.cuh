@@ -90,8 +90,11 @@ struct SmemMap {
 // the packed weight tile (4 chunks per row; rows ltid / 4 + kLoaders / 4 i) and the scale bytes
 // (8 per row; rows ltid + kLoaders i). Source rows are resolved once (per stage only the K offset
 // moves; the per-row index arithmetic was ~20% of BM = 256's instructions): the thread's rows
-// i < a_valid lie in M (the rest are zero-filled), its packed rows i < p_valid in N (the rest read
-// row N - 1, never stored).
+// i < a_valid lie in M (the rest are zero-filled), its packed rows in N are counted per half of
+// the CTA tile (p_valid0 / p_valid1; the rest read row N - 1, never stored).
+// The CTA tile's weight rows: [0, TN / 2) are rows n0 .., [TN / 2, TN) rows n0 + TN / 2 + up_shift
+// ..: up_shift is 0, or with silu_mul (EpilogueFusion) N / 2 - TN / 2, which puts the up rows
+// matching the first half's gate rows there.
 template <typename T, typename Cfg, bool Tiled, int kLoaders, bool kActTma = false>
 struct StageLoader {
   static constexpr int BM = Cfg::kBM;
@@ -99,9 +102,11 @@ struct StageLoader {
   static constexpr int kActPasses = BM / kActRows;
   static constexpr int kPkRows = kLoaders / 4;  // packed rows per pass
   static constexpr int kPkPasses = Cfg::kTileN / kPkRows;
+  static constexpr int kHalfPasses = kPkPasses / 2;  // packed passes per half of the CTA tile
   static constexpr int kScPasses = (Cfg::kTileN + kLoaders - 1) / kLoaders;
   static_assert(kActRows % 8 == 0 && kPkRows % 16 == 0, "passes keep the swizzle phase and tiles");
-  static_assert(BM % kActRows == 0 && Cfg::kTileN % kPkRows == 0, "whole passes");
+  static_assert(BM % kActRows == 0 && Cfg::kTileN % (2 * kPkRows) == 0,
+                "whole passes, each in one half of the CTA tile");
   // The warp-specialized producer's register budget (kProducerRegisters) holds the pass pointers
   // only if the compiler cannot hoist every pass's address out of the stage loop (it spilled).
   static constexpr bool kOpaquePasses = kLoaders == kProducerThreads;
@@ -130,17 +135,18 @@ struct StageLoader {
   int64_t a_step;
   int a_valid;
   uint32_t a_dst0;
-  const uint8_t* p_src0;
+  const uint8_t* p_src0;  // the thread's first row of each half of the CTA tile
+  const uint8_t* p_src1;
   const uint8_t* p_last;
   int64_t p_step;
-  int p_valid;
+  int p_valid0, p_valid1;  // the thread's passes in N of each half
   uint32_t p_dst0;
   const uint8_t* s_src[kScPasses];
   int s_rows;  // scale rows this thread copies
   SmemMap<Cfg> map;
 
   __device__ StageLoader(int ltid, const T* a, const uint8_t* packed, const uint8_t* scale, int m,
-                         int n, int k, int m0, int n0, SmemMap<Cfg> smem)
+                         int n, int k, int m0, int n0, int up_shift, SmemMap<Cfg> smem)
       : a_any(a), map(smem) {
     const int a_ch = ltid & 15, a_r0 = ltid >> 4;
     a_dst0 = (a_ch >> 3) * Cfg::kActSubBytes + a_r0 * 128 + (((a_ch & 7) ^ (a_r0 & 7)) << 4);
@@ -150,7 +156,12 @@ struct StageLoader {
 
     const int p_q = ltid & 3, p_r0 = ltid >> 2;
     p_dst0 = p_r0 * 64 + ((p_q ^ (((p_r0 >> 1) & 1) << 1)) << 4);
-    p_valid = min(max((n - n0 - p_r0 + kPkRows - 1) / kPkRows, 0), kPkPasses);
+    const int half0 = n0, half1 = n0 + Cfg::kTileN / 2 + up_shift;  // each half's first row
+    auto passes_in_n = [&](int first) {
+      return min(max((n - first - p_r0 + kPkRows - 1) / kPkRows, 0), kHalfPasses);
+    };
+    p_valid0 = passes_in_n(half0);
+    p_valid1 = passes_in_n(half1);
     const int64_t row_bytes = k / 2;
     const int64_t windows = k / kStageK;
     // Quarter p_q of a row's window 0: spec row-major; tiled in its tile's 1 KB run of the window
@@ -159,26 +170,33 @@ struct StageLoader {
       return packed +
              (Tiled ? tiled_packed_offset(row, 0, p_q, windows) : row * row_bytes + p_q * 16);
     };
-    p_src0 = packed_at(min(n0 + p_r0, n - 1));
+    p_src0 = packed_at(min(half0 + p_r0, n - 1));
+    p_src1 = packed_at(min(half1 + p_r0, n - 1));
     p_last = packed_at(n - 1);
     p_step = kPkRows * row_bytes;
 
-    // Spec: the 8 scale bytes of row n0 + r. Tiled: bytes 8 (r % 16) .. of the 128-byte run of
-    // tile n0 / 16 + r / 16 (stored in shared memory tile by tile, as in global memory).
+    // Spec: the 8 scale bytes of the weight row of CTA row r. Tiled: bytes 8 (r % 16) .. of the
+    // 128-byte run of its tile (stored in shared memory tile by tile, as in global memory; both
+    // halves start on a tile, so the row's place in its tile is r % 16).
     s_rows = 0;
 #pragma unroll
     for (int i = 0; i < kScPasses; ++i) {
       const int r = ltid + kLoaders * i;
       if (r < Cfg::kTileN) s_rows = i + 1;
-      const int64_t tile = min(n0 / 16 + r / 16, n / 16 - 1);
-      s_src[i] = Tiled ? scale + tile * windows * 128 + (r % 16) * 8
-                       : scale + static_cast<int64_t>(min(n0 + r, n - 1)) * (k / 16);
+      const int row = min(r < Cfg::kTileN / 2 ? half0 + r : half1 + r - Cfg::kTileN / 2, n - 1);
+      s_src[i] = Tiled ? scale + static_cast<int64_t>(row / 16) * windows * 128 + (r % 16) * 8
+                       : scale + static_cast<int64_t>(row) * (k / 16);
     }
     if constexpr (kWeightBulk) {
-      const int tiles_in_n = min(kTiles, n / 16 - n0 / 16);  // prepacked: N % 16 == 0
+      // Lanes [0, kTiles / 2) bring the first half's 16-row tiles, the others the second's.
+      // Prepacked: N % 16 == 0, so a tile is in N whole or not at all.
+      const int half_tiles = kTiles / 2;
+      const int tiles_in_n =
+          min(max((n - half0) / 16, 0), half_tiles) + min(max((n - half1) / 16, 0), half_tiles);
       weight_bytes = static_cast<uint32_t>(tiles_in_n) * (kPackedRun + kScaleRun);
-      if (ltid < tiles_in_n) {
-        const int64_t tile = n0 / 16 + ltid;
+      const int first = ltid < half_tiles ? half0 + 16 * ltid : half1 + 16 * (ltid - half_tiles);
+      if (ltid < kTiles && first < n) {
+        const int64_t tile = first / 16;
         pk_run = packed + tile * windows * kPackedRun;
         sc_run = scale + tile * windows * kScaleRun;
       }
@@ -249,11 +267,16 @@ struct StageLoader {
     // Per stage: the next 1 KB run of the row's tile (tiled), or the row's next 64 bytes (spec).
     constexpr int64_t kPkStage = Tiled ? 1024 : 64;
     const uint32_t pk_dst = map.PackedSlot(slot) + p_dst0;
-    const uint8_t* p_src = p_src0 + c * kPkStage;
 #pragma unroll
-    for (int i = 0; i < kPkPasses; ++i, p_src += p_step) {
-      if constexpr (kOpaquePasses) FencePtr(p_src);
-      CpAsync16(pk_dst + i * kPkRows * 64, i < p_valid ? p_src : p_last + c * kPkStage, 16u);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* p_src = (h == 0 ? p_src0 : p_src1) + c * kPkStage;
+      const int valid = h == 0 ? p_valid0 : p_valid1;
+#pragma unroll
+      for (int i = 0; i < kHalfPasses; ++i, p_src += p_step) {
+        if constexpr (kOpaquePasses) FencePtr(p_src);
+        CpAsync16(pk_dst + (h * kHalfPasses + i) * kPkRows * 64,
+                  i < valid ? p_src : p_last + c * kPkStage, 16u);
+      }
     }
     constexpr int64_t kScStage = Tiled ? 128 : 8;
 #pragma unroll

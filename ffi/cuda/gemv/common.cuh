@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cuda/activations.cuh"
 #include "jax_fp4/nvfp4_cuda.cuh"
 
 namespace jax_fp4 {
@@ -51,8 +52,6 @@ struct GemvFusion {
   // The row of a that row `row` of the call multiplies.
   __device__ __forceinline__ int64_t activation_row(int64_t row) const { return row; }
 };
-
-__device__ __forceinline__ float Silu(float x) { return x / (1.0f + expf(-x)); }
 
 // One output of a fused GEMV: `acc` (and, with silu_mul, `acc_up`, the product of the matching
 // up row) is the product in its true scale, before the global scale; bias [N] (with silu_mul the

@@ -129,39 +129,20 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
         "a fused call passes the operand residual and the attribute activation, a plain call "
         "neither");
   }
-  if (!(at.activation == 0 || at.activation == 1)) {
-    return Invalid("activation must be 0 (none) or 1 (silu_mul), got " +
-                   std::to_string(at.activation));
-  }
   const bool silu = at.activation == 1;
-  // silu_mul: y is [M, N / 2]; the operand checks below see it as the [M, N] product.
-  const auto y_dims = y->dimensions();
-  if (silu && (y_dims.size() != 2 || packed.dimensions().size() != 2 ||
-               packed.dimensions()[0] % 2 != 0 || 2 * y_dims[1] != packed.dimensions()[0])) {
-    return Invalid("activation silu_mul needs an even N and y [M, N / 2], got packed " +
-                   DimsToString(packed.dimensions()) + " and y " + DimsToString(y_dims));
-  }
-  const int64_t product_dims[2] = {y_dims.size() == 2 ? y_dims[0] : 0,
-                                   y_dims.size() == 2 ? y_dims[1] * (silu ? 2 : 1) : 0};
+  // A plain call checks as one with no fusions (an empty residual).
+  static constexpr int64_t kNoResidual[1] = {0};
   MatmulShape shape;
-  const std::string problem = CheckMatmulOperands(
+  bool has_residual = false;
+  const std::string problem = CheckFusedMatmulOperands(
       a.element_type(), a.dimensions(), packed.dimensions(), scale.dimensions(),
       scale.element_type(), global_scale.element_count(), bias.element_type(), bias.element_count(),
-      y->element_type(), silu ? ffi::Span<const int64_t>(product_dims, 2) : y_dims, block_size,
-      /*allow_f32=*/false, &shape);
+      y->element_type(), y->dimensions(), block_size, at.activation,
+      residual.has_value() ? residual->element_type() : a.element_type(),
+      residual.has_value() ? residual->dimensions() : ffi::Span<const int64_t>(kNoResidual, 1),
+      &shape, &has_residual);
   if (!problem.empty()) return Invalid(problem);
-  const int64_t n_out = silu ? shape.n / 2 : shape.n;
-  const void* residual_data = nullptr;
-  if (residual.has_value() &&
-      (residual->element_count() != 0 || residual->dimensions().size() != 1)) {
-    const auto dims = residual->dimensions();
-    if (residual->element_type() != a.element_type() || dims.size() != 2 || dims[0] != shape.m ||
-        dims[1] != n_out) {
-      return Invalid("residual must be [0] or [M, N_out] = [" + std::to_string(shape.m) + ", " +
-                     std::to_string(n_out) + "] in a's element type, got " + DimsToString(dims));
-    }
-    residual_data = residual->untyped_data();
-  }
+  const void* residual_data = has_residual ? residual->untyped_data() : nullptr;
   // The kernels index scales as one per 16 weights: another block size would read past them.
   if (block_size != 16) {
     return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: block_size must be 16, got " +

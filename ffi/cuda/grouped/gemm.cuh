@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (tid < kProducerThreads) {
     SetMaxRegisters<kProducerRegisters, false>();
     if (tid < Loader::kCopyThreads) {
-      Loader load(tid, p.a, packed, scale, m, n, k, m0, n0, map);
+      Loader load(tid, p.a, packed, scale, m, n, k, m0, n0, /*up_shift=*/0, map);
       load.UseActivationTma(&act_map, m0);
       for (int c = 0; c < nst; ++c) ring.Copy(load, c, tid);
     }
@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     return *reinterpret_cast<const float4*>(epi + ml * ST + col);
   };
   StoreStagedRows<Decoder>(staged, 0, 1, ctid, m0, n0, m_end, n, p.gs + g,
-                           p.bias != nullptr ? p.bias + g * p.n : nullptr, p.y, vec_store);
+                           p.bias != nullptr ? p.bias + g * p.n : nullptr, p.y, vec_store,
+                           EpilogueFusion<T>{});
 #endif  // JAX_FP4_SM90A
 }
 

@@ -100,6 +100,43 @@ inline std::string CheckMatmulOperands(
   return "";
 }
 
+// The epilogue fusions of a GEMV or fused GEMM call: activation 0 (none) or 1 (silu_mul: weight
+// rows [0, N/2) a gate and [N/2, N) an up projection, y [M, N / 2], N even), residual [M, N_out]
+// in a's type or [0] (none). Checks the product's operands (CheckMatmulOperands, y seen as the
+// [M, N] product) and then the fusions'; *has_residual says whether the residual is a real one.
+inline std::string CheckFusedMatmulOperands(
+    xla::ffi::DataType a_type, xla::ffi::Span<const int64_t> a_dims,
+    xla::ffi::Span<const int64_t> packed_dims, xla::ffi::Span<const int64_t> scale_dims,
+    xla::ffi::DataType scale_type, size_t global_scale_count, xla::ffi::DataType bias_type,
+    size_t bias_count, xla::ffi::DataType y_type, xla::ffi::Span<const int64_t> y_dims,
+    int64_t block_size, int64_t activation, xla::ffi::DataType residual_type,
+    xla::ffi::Span<const int64_t> residual_dims, MatmulShape* shape, bool* has_residual) {
+  if (activation != 0 && activation != 1) {
+    return "activation must be 0 (none) or 1 (silu_mul), got " + std::to_string(activation);
+  }
+  const bool silu = activation == 1;
+  if (silu && (y_dims.size() != 2 || packed_dims.size() != 2 || packed_dims[0] % 2 != 0 ||
+               2 * y_dims[1] != packed_dims[0])) {
+    return "activation silu_mul needs an even N and y [M, N / 2], got packed " +
+           DimsToString(packed_dims) + " and y " + DimsToString(y_dims);
+  }
+  const int64_t product_dims[2] = {y_dims.size() == 2 ? y_dims[0] : 0,
+                                   y_dims.size() == 2 ? y_dims[1] * (silu ? 2 : 1) : 0};
+  std::string problem = CheckMatmulOperands(
+      a_type, a_dims, packed_dims, scale_dims, scale_type, global_scale_count, bias_type,
+      bias_count, y_type, silu ? xla::ffi::Span<const int64_t>(product_dims, 2) : y_dims,
+      block_size, /*allow_f32=*/false, shape);
+  if (!problem.empty()) return problem;
+  const int64_t n_out = silu ? shape->n / 2 : shape->n;
+  *has_residual = !(residual_dims.size() == 1 && residual_dims[0] == 0);
+  if (*has_residual && (residual_type != a_type || residual_dims.size() != 2 ||
+                        residual_dims[0] != shape->m || residual_dims[1] != n_out)) {
+    return "residual must be [0] or [M, N_out] = [" + std::to_string(shape->m) + ", " +
+           std::to_string(n_out) + "] in a's element type, got " + DimsToString(residual_dims);
+  }
+  return "";
+}
+
 }  // namespace jax_fp4
 
 #endif  // JAX_FP4_VALIDATE_H_
