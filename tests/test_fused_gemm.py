@@ -108,6 +108,28 @@ def fused(
     return np.asarray(y)
 
 
+def call_as_given(a, packed, scale, gs, y_shape, *, tiled=False, activation=0):
+    """The target on operands exactly as given (no layout or K-order conversion), y of y_shape,
+    no bias or residual, the heuristics' attributes: for what its handler refuses."""
+    call = jax.ffi.ffi_call(
+        TARGET, (jax.ShapeDtypeStruct(y_shape, a.dtype), jax.ShapeDtypeStruct((0,), jnp.float32))
+    )
+    return np.asarray(
+        call(
+            a,
+            packed,
+            scale,
+            jnp.asarray([gs]),
+            jnp.zeros((0,), a.dtype),
+            jnp.zeros((0,), a.dtype),
+            block_size=np.int64(16),
+            tiled=tiled,
+            activation=np.int64(activation),
+            **fused_attributes(),
+        )[0]
+    )
+
+
 def random_weight(rng, n, k, special=False):
     packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
     scale = rng.integers(0x28, 0x48, size=(n, math.ceil(k / 16)), dtype=np.uint8)
@@ -405,24 +427,8 @@ def test_epilogue_fusions_are_checked():
             silu_mul=True,
             tuning=KernelTuning(fused_tile_m=256, fused_stream_k=True),
         )
-    call = jax.ffi.ffi_call(
-        TARGET, (jax.ShapeDtypeStruct((m, 96), a.dtype), jax.ShapeDtypeStruct((0,), jnp.float32))
-    )
     with pytest.raises(Exception, match="activation silu_mul needs an even N and y"):
-        np.asarray(
-            call(
-                _fused.to_fragment_order(a),
-                packed,
-                scale,
-                jnp.asarray([gs]),
-                jnp.zeros((0,), a.dtype),
-                jnp.zeros((0,), a.dtype),
-                block_size=np.int64(16),
-                tiled=False,
-                activation=np.int64(1),
-                **fused_attributes(),
-            )[0]
-        )
+        call_as_given(_fused.to_fragment_order(a), packed, scale, gs, (m, 96), activation=1)
 
 
 @needs_sm90
@@ -668,28 +674,12 @@ def test_tiled_rejects_ragged_n():
     rng = np.random.default_rng()
     packed, scale, gs = random_weight(rng, 40, 256)
     a = rng.standard_normal((8, 256)).astype(np.float16)
-    call = jax.ffi.ffi_call(
-        TARGET, (jax.ShapeDtypeStruct((8, 40), a.dtype), jax.ShapeDtypeStruct((0,), jnp.float32))
-    )
     with pytest.raises(
         Exception,
         match="tiled layout needs block_size 16, N % 16 == 0 and K % 128 == 0, "
         "got block_size 16, N = 40",
     ):
-        np.asarray(
-            call(
-                a,
-                packed,
-                scale,
-                jnp.asarray([gs]),
-                jnp.zeros((0,), a.dtype),
-                jnp.zeros((0,), a.dtype),
-                block_size=np.int64(16),
-                tiled=True,
-                activation=np.int64(0),
-                **fused_attributes(),
-            )[0]
-        )
+        call_as_given(a, packed, scale, gs, (8, 40), tiled=True)
 
 
 def test_tiled_fragment_order_is_the_spec_order_with_o_and_j0_swapped():
