@@ -566,57 +566,28 @@ def test_cpu_handler_validates_operands():
     # out of bounds.
     w = _weight()
     call = jax.ffi.ffi_call("jax_fp4_matmul_cpu", jax.ShapeDtypeStruct((2, 8), jnp.float32))
+
+    def run(scale, block_size=16, tiled=False):
+        return jax.block_until_ready(
+            call(
+                jnp.ones((2, 32), jnp.float32),
+                w.packed,
+                scale,
+                w.global_scale,
+                jnp.zeros((0,), jnp.float32),
+                block_size=np.int64(block_size),
+                tiled=tiled,
+                avx512=False,
+            )
+        )
+
     with pytest.raises(Exception, match="scale must be"):
-        jax.block_until_ready(
-            call(
-                jnp.ones((2, 32), jnp.float32),
-                w.packed,
-                np.zeros((8, 1), np.uint8),
-                w.global_scale,
-                jnp.zeros((0,), jnp.float32),
-                block_size=np.int64(16),
-                tiled=False,
-                avx512=False,
-            )
-        )
+        run(np.zeros((8, 1), np.uint8))
     with pytest.raises(Exception, match="scale must be float8_e4m3fn or uint8"):
-        jax.block_until_ready(
-            call(
-                jnp.ones((2, 32), jnp.float32),
-                w.packed,
-                np.asarray(w.scale_bytes).view(np.int8),
-                w.global_scale,
-                jnp.zeros((0,), jnp.float32),
-                block_size=np.int64(16),
-                tiled=False,
-                avx512=False,
-            )
-        )
+        run(np.asarray(w.scale_bytes).view(np.int8))
     with pytest.raises(Exception, match="block_size must be positive"):
-        jax.block_until_ready(
-            call(
-                jnp.ones((2, 32), jnp.float32),
-                w.packed,
-                w.scale_bytes,
-                w.global_scale,
-                jnp.zeros((0,), jnp.float32),
-                block_size=np.int64(0),
-                tiled=False,
-                avx512=False,
-            )
-        )
+        run(w.scale_bytes, block_size=0)
     with pytest.raises(
         Exception, match="tiled layout needs block_size 16, N % 16 == 0 and K % 128"
     ):
-        jax.block_until_ready(
-            call(
-                jnp.ones((2, 32), jnp.float32),
-                w.packed,
-                w.scale_bytes,
-                w.global_scale,
-                jnp.zeros((0,), jnp.float32),
-                block_size=np.int64(16),
-                tiled=True,
-                avx512=False,
-            )
-        )
+        run(w.scale_bytes, tiled=True)
