@@ -322,14 +322,7 @@ def test_warp_specialized_equals_multistage(tile_m, tiled, dtype):
 def _fusion_reference(a, packed, scale, gs, bias, silu_mul, residual):
     """silu(gate + bias) * (up + bias) (silu_mul) + residual of the float64 product: the epilogue
     fusions in float64, no rounding before the last."""
-    y = reference.matmul(
-        np.asarray(a, np.float64),
-        packed,
-        scale,
-        gs,
-        16,
-        None if bias is None else np.asarray(bias, np.float64),
-    )
+    y = reference.matmul(a, packed, scale, gs, 16, bias)
     if silu_mul:
         gate, up = y[:, : y.shape[1] // 2], y[:, y.shape[1] // 2 :]
         y = gate / (1.0 + np.exp(-gate)) * up
