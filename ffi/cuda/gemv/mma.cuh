@@ -172,13 +172,12 @@ __device__ __forceinline__ void DecodeStep(uint32_t (&frag)[4], const MmaFragmen
 }
 
 // The RMSNorm fold's lane state (GemvFusion::norm_weight): the lane's slice of the norm weight
-// in the current window (as MmaFragments::a holds the activations; `word`, its 8 elements of the
-// current two k-steps, loaded just before them: the whole slice at once spilled at 128 registers),
-// and per row tile the sums of squares of the activation rows so far, from an mma of each B
-// fragment with itself as the A rows 0-7 (rows 8-15 zero): D[g][2t + e] = sum_k a[g][k] a[2t +
-// e][k], whose diagonal (lane g = 2t + e, register e) is row g's sum. One mma per k-step and row
-// tile instead of ~8 conversions and FMAs; products of 16-bit values are exact in its f32
-// accumulation.
+// in the current window (as MmaFragments::a holds the activations; `word` holds the 8 elements of
+// the current two k-steps), and per row tile the sums of squares of the activation rows so far.
+// Those come from an mma of each B fragment with itself as rows 0-7 of A (rows 8-15 zero):
+// D[g][j] = sum_k a[g][k] a[j][k], whose diagonal D[g][g] lands in lane (g, t = g / 2), register
+// g % 2. One mma per k-step and row tile instead of ~8 conversions and FMAs; products of 16-bit
+// values are exact in its f32 accumulation.
 template <typename T, int RT>
 struct NormFragments {
   const T* slice;  // the window's 32 elements of this lane
