@@ -536,6 +536,44 @@ def test_tuning_with_one_column_tile_composes_silu_mul(cuda_device):
     assert operands == 7
 
 
+@pytest.mark.gpu
+def test_gemv_target_refuses_a_norm_weight_it_cannot_fold():
+    """jax_fp4_gemv_cuda called directly: the norm weight must be [K] of a's type, bfloat16 on
+    the tiled layout, and a fused call passes both fused operands (the handler's checks, since
+    the lowering never sends these)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng()
+    packed, scale, gs = reference.random_weight(rng, 32, 256)
+    spec = jax_fp4.NVFP4Weight(packed, scale, gs)
+    tiled = jax_fp4.prepack(spec)
+
+    def call(a, w, norm, *, operands=7, tiled_layout=True):
+        fused = [jnp.zeros((0,), a.dtype), norm][: operands - 5]
+        target = jax.ffi.ffi_call("jax_fp4_gemv_cuda", jax.ShapeDtypeStruct((2, 32), a.dtype))
+        return target(
+            a, w.packed, w.scale, w.global_scale, jnp.zeros((0,), a.dtype), *fused,
+            block_size=np.int64(16), tiled=tiled_layout, tensor_cores=True, row_tiling=True,
+            col_tiles=np.int64(0), k_split=np.int64(0), rows_per_block=np.int64(0),
+            programmatic=False, activation=np.int64(0), norm_eps=np.float32(1e-5),
+        )  # fmt: skip
+
+    a = jnp.ones((2, 256), jnp.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(call(a, tiled, jnp.ones((256,), jnp.bfloat16))),
+        np.asarray(jax_fp4.matmul(a, tiled, norm_weight=jnp.ones((256,), jnp.bfloat16))),
+    )
+    for args, kwargs, match in [
+        ((a.astype(jnp.float16), tiled, jnp.ones((256,), jnp.float16)), {}, "bfloat16"),
+        ((a, spec, jnp.ones((256,), jnp.bfloat16)), dict(tiled_layout=False), "tiled layout"),
+        ((a, tiled, jnp.ones((128,), jnp.bfloat16)), {}, r"norm_weight must be \[K\]"),
+        ((a, tiled, jnp.ones((256,), jnp.float32)), {}, "norm_weight must be"),
+        ((a, tiled, None), dict(operands=6), "a fused call passes the operands residual and"),
+    ]:
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(call(*args, **kwargs))
+
+
 # ---- bad input: errors at trace time naming the argument ----------------------------------------
 
 
