@@ -197,10 +197,6 @@ class Plan:
     # silu_mul and the residual can run in the kernel's epilogue (the GEMV's fused instances, the
     # fused GEMM's EpilogueFusion) rather than composed around the product.
     epilogue_in_kernel: bool = False
-    # An RMSNorm of the activations can fold into the kernel (the GEMV's norm instances: bfloat16
-    # activations on prepacked weights; ffi/cuda/gemv/common.cuh GemvFusion) rather than run as an
-    # XLA fusion before it.
-    norm_in_kernel: bool = False
 
 
 def gemv_unsupported_reason(p: Problem) -> str | None:
@@ -346,12 +342,8 @@ def plan(p: Problem, target: Target, backend: str = "auto") -> Plan:
     tensor_cores = gemv_tensor_cores(p, target)
     path = _path(p, target, backend, tensor_cores)
     in_kernel = path == "gemv" or (path == "fused" and p.m <= FUSED_EPILOGUE_MAX_M)
-    gemv_mma = path == "gemv" and tensor_cores
     return Plan(
-        path,
-        gemv_tensor_cores=gemv_mma,
-        epilogue_in_kernel=in_kernel,
-        norm_in_kernel=gemv_mma and p.tiled and p.dtype == np.dtype("bfloat16"),
+        path, gemv_tensor_cores=path == "gemv" and tensor_cores, epilogue_in_kernel=in_kernel
     )
 
 

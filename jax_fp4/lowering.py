@@ -16,10 +16,7 @@ Fusions (static `norm_eps`, `activation`, `has_residual`; operands norm_weight [
 weight, a residual added last, all in float32 with one rounding (`rms_norm`, `epilogue`). The
 decode GEMV (`_gemv`) and the fused GEMM up to dispatch.FUSED_EPILOGUE_MAX_M rows
 (`_fused_gemm`) run silu_mul and the residual in their kernels' epilogues, after the RMSNorm as
-its own XLA fusion, except that on bfloat16 activations with a bfloat16 norm weight and a
-prepacked weight the GEMV folds the RMSNorm into its product too (`_norm_folds`: the rounded
-a * norm_weight multiplied, each row's 1 / RMS applied in the epilogue, no normalized copy of a
-rounded); every other path, and these where their kernels cannot (a multi-device
+its own XLA fusion; every other path, and these where their kernels cannot (a multi-device
 program, whose partitioning rules know the plain product only; on the tiled layout silu_mul with
 N / 2 % 16 != 0; a `tuning` with gemv_col_tiles=1 and silu_mul, or fused_stream_k=True), composes
 all of them around its product (`_composed`), taken in float32 where the path can give it
@@ -203,31 +200,26 @@ def _gemv(
     block_size,
     activation=None,
     residual=None,
-    norm_weight=None,
-    norm_eps=None,
     tiled=False,
     tensor_cores=False,
     row_tiling=True,
     tuning=_config.DEFAULT_TUNING,
     **_,
 ):
-    """The GEMV kernel. With `activation`, `residual` or `norm_weight` its fused instances, the
-    fusions in the kernel: the target's extra operands residual ([M, N_out]) and norm_weight ([K],
-    a's dtype: the RMSNorm folded into the product), each [0] when absent, and its attributes
-    activation (0 none, 1 silu_mul) and norm_eps."""
-    fused = activation is not None or residual is not None or norm_weight is not None
+    """The GEMV kernel. With `activation` or `residual` its fused instances, the epilogue fusions
+    in the kernel: the target's extra operand residual ([M, N_out], or [0] when absent) and its
+    attribute activation (0 none, 1 silu_mul)."""
+    fused = activation is not None or residual is not None
     n_out = packed.shape[0] // 2 if activation == "silu_mul" else packed.shape[0]
     attributes = dict(
         block_size=block_size, tiled=tiled, tensor_cores=tensor_cores, row_tiling=row_tiling
     )
-    fused_operands, fused_attributes = [], {}
+    fused_operands = []
     if fused:
-        fused_operands = [
-            jnp.zeros((0,), a.dtype) if residual is None else residual.reshape(a.shape[0], n_out),
-            jnp.zeros((0,), a.dtype) if norm_weight is None else norm_weight,
-        ]
+        fused_operands.append(
+            jnp.zeros((0,), a.dtype) if residual is None else residual.reshape(a.shape[0], n_out)
+        )
         attributes["activation"] = 1 if activation == "silu_mul" else 0
-        fused_attributes["norm_eps"] = np.float32(0.0 if norm_eps is None else norm_eps)
     call = jax.ffi.ffi_call("jax_fp4_gemv_cuda", jax.ShapeDtypeStruct((a.shape[0], n_out), a.dtype))
     return call(
         a,
@@ -237,7 +229,6 @@ def _gemv(
         _bias_operand(bias, a.dtype),
         *fused_operands,
         **_int_attributes({**attributes, **tuning.gemv_attributes()}),
-        **fused_attributes,
     )
 
 
@@ -531,19 +522,12 @@ def _partitioned(ctx, path: str) -> bool:
 
 
 def _fuses_in_kernel(
-    plan: _dispatch.Plan,
-    layout: str,
-    n: int,
-    activation,
-    has_residual: bool,
-    tuning,
-    norm_folds: bool = False,
+    plan: _dispatch.Plan, layout: str, n: int, activation, has_residual: bool, tuning
 ) -> bool:
     """Whether `plan` runs silu_mul and the residual in its kernel (the GEMV's fused instances,
     the fused GEMM's epilogue) in a single-device program, rather than composed around its
-    product; `norm_folds`: the call's RMSNorm folds into the GEMV (`_norm_folds`), which then
-    takes its fused instances for the RMSNorm alone too."""
-    if not plan.epilogue_in_kernel or (activation is None and not has_residual and not norm_folds):
+    product. (An RMSNorm alone leaves the kernel plain.)"""
+    if not plan.epilogue_in_kernel or (activation is None and not has_residual):
         return False
     tuning = _config.DEFAULT_TUNING if tuning is None else tuning
     # The tiled kernels pair a 16-row gate tile with its up tile (a warp's two column tiles in
@@ -555,14 +539,6 @@ def _fuses_in_kernel(
     if activation == "silu_mul" and plan.gemv_tensor_cores and tuning.gemv_col_tiles == 1:
         return False
     return True
-
-
-def _norm_folds(plan: _dispatch.Plan, a_dtype, norm_dtype) -> bool:
-    """Whether an RMSNorm folds into `plan`'s kernel: the GEMV's norm instances
-    (dispatch.Plan.norm_in_kernel) with the norm weight in a's dtype, which the kernel multiplies
-    the activations by (a float32 norm weight rounded to bfloat16 first would be a second
-    rounding, so it stays an XLA fusion)."""
-    return plan.norm_in_kernel and np.dtype(norm_dtype) == np.dtype(a_dtype)
 
 
 def _wrapped_impl(ctx, plan, attributes, block_size, layout, has_bias):
@@ -591,10 +567,8 @@ def _fused_lowering(
     def split(ops):
         return split_fused_operands(ops, has_bias, has_swizzled, has_norm, fusions["has_residual"])
 
-    a_aval, norm_aval = ctx.avals_in[0], split(ctx.avals_in)[6]
-    norm_folds = has_norm and _norm_folds(plan, a_aval.dtype, norm_aval.dtype)
     in_kernel = _fuses_in_kernel(
-        plan, layout, n, activation, fusions["has_residual"], attributes.get("tuning"), norm_folds
+        plan, layout, n, activation, fusions["has_residual"], attributes.get("tuning")
     )
     if in_kernel and not _partitioned(ctx, path):
         impl = _impl_for(plan, layout)
@@ -602,11 +576,9 @@ def _fused_lowering(
         def lowered(*ops):
             a, packed, scale, global_scale, bias, _, norm_weight, residual = split(ops)
             with jax.named_scope(f"jax_fp4/{path}"):
-                # The RMSNorm folds into the GEMV's norm instances where `_norm_folds`; elsewhere
-                # it is an XLA fusion before the kernel (normalizing in the kernel before the
-                # first mma measured slower: docs/design.md).
-                norm = dict(norm_weight=norm_weight, norm_eps=norm_eps) if norm_folds else {}
-                a_n = rms_norm(a, norm_weight, norm_eps) if has_norm and not norm_folds else a
+                # The RMSNorm stays an XLA fusion: in the kernel (each block normalizing its rows
+                # before its first mma) it measured slower than the separate fusion (docs/design.md).
+                a_n = rms_norm(a, norm_weight, norm_eps) if has_norm else a
                 return impl(
                     a_n,
                     packed,
@@ -616,7 +588,6 @@ def _fused_lowering(
                     block_size=block_size,
                     activation=activation,
                     residual=residual,
-                    **norm,
                     **attributes,
                 )
 

@@ -504,11 +504,7 @@ def matmul(
       bias: optional [N], cast to a's dtype.
       norm_weight: optional [K] (any float dtype): an RMSNorm of each row of `a` first,
         a_n = (a32 * rsqrt(mean(a32 ** 2, -1) + norm_eps) * norm_weight32).astype(a.dtype) with
-        a32 = a in float32; the product is a_n @ dequant(W)^T. Where the CUDA decode GEMV folds
-        it into its kernel (bfloat16 `a` and norm_weight, a prepacked weight) the product is
-        instead (a * norm_weight rounded once to bfloat16) @ dequant(W)^T, scaled by each row's
-        rsqrt(mean(a32 ** 2) + norm_eps) in float32: the same values up to where that one
-        rounding falls.
+        a32 = a in float32; the product is a_n @ dequant(W)^T.
       norm_eps: the RMSNorm's epsilon (a static Python float, >= 0).
       activation: None, or "silu_mul": w is a fused gate/up weight [2 I, K] (rows [:I] the gate,
         [I:] the up projection, e.g. jax_fp4.checkpoint.fuse([gate, up])), bias (if any) [2 I],
@@ -523,8 +519,7 @@ def matmul(
 
     The fusions follow the unfused composition in float32 with one rounding at the end (to
     a's dtype). The CUDA decode GEMV, and the fused Hopper GEMM up to M = 64, run silu_mul and
-    the residual in their kernels, the GEMV also the RMSNorm (as above); the other paths compose
-    them around their product
+    the residual in their kernels; the other paths compose them around their product
     (jax_fp4/lowering.py). Differentiable in a, bias, the global scale,
     norm_weight and residual.
 

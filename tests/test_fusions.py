@@ -328,10 +328,10 @@ def _lowering_case(m, n, k, layout="spec"):
 
 
 def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
-    """A decode call takes the GEMV's fused kernel for silu_mul and the residual: 7 operands (the
-    residual and the norm weight added, [0] when absent) and the attributes activation and
-    norm_eps, after the RMSNorm (an XLA fusion on the spec layout); a plain call, or one with
-    only the RMSNorm on the spec layout, keeps the plain target's 5 operands and 8 attributes."""
+    """A decode call takes the GEMV's fused kernel for silu_mul and the residual: 6 operands (the
+    residual added, [0] when absent) and the attribute activation, after the RMSNorm (an XLA
+    fusion); a plain call, or one with only the RMSNorm, keeps the plain target's 5 operands and
+    8 attributes."""
     a, w = _lowering_case(4, 256, 512)
     nw, res = jnp.ones((512,), jnp.float32), jnp.ones((4, 128), jnp.bfloat16)
 
@@ -341,7 +341,7 @@ def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
         )
 
     [(operands, attributes)] = _gemv_calls(fused, a, w, nw, res)
-    assert operands == 7 and attributes["activation"] == "1" and len(attributes) == 10
+    assert operands == 6 and attributes["activation"] == "1" and len(attributes) == 9
     for plain in (
         jax_fp4.matmul,
         lambda a, w: jax_fp4.matmul(a, w, norm_weight=jnp.ones((512,), jnp.bfloat16)),
@@ -352,103 +352,7 @@ def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
     [(operands, attributes)] = _gemv_calls(
         lambda a, w, r: jax_fp4.matmul(a, w, residual=r), a, w, jnp.ones((4, 256), jnp.bfloat16)
     )
-    assert operands == 7 and attributes["activation"] == "0"
-
-
-def _has_rsqrt(fn, *args):
-    """Whether fn's CUDA HLO computes an RMSNorm in XLA (its rsqrt)."""
-    return "rsqrt" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def test_gemv_folds_the_rmsnorm_into_its_kernel_on_bfloat16_and_prepacked_weights(cuda_device):
-    """bfloat16 activations, a bfloat16 norm weight and a prepacked weight: the GEMV takes the
-    norm weight as its seventh operand (norm_eps its attribute) and XLA computes no RMSNorm, with
-    or without the other fusions. A float32 norm weight (a second rounding in the kernel), float16
-    activations or the spec layout keep the RMSNorm an XLA fusion before the kernel."""
-    a, w = _lowering_case(4, 256, 512, "tiled")
-    bf16_nw = jnp.ones((512,), jnp.bfloat16)
-
-    def normed(**fusions):
-        return lambda a, w, nw: jax_fp4.matmul(a, w, norm_weight=nw, norm_eps=1e-5, **fusions)
-
-    for fusions in ({}, dict(activation="silu_mul")):
-        [(operands, attributes)] = _gemv_calls(normed(**fusions), a, w, bf16_nw)
-        assert operands == 7 and attributes["norm_eps"].startswith("9.99999"), fusions
-        assert not _has_rsqrt(normed(**fusions), a, w, bf16_nw)
-    spec_a, spec_w = _lowering_case(4, 256, 512)
-    for args in (
-        (a, w, jnp.ones((512,), jnp.float32)),
-        (a.astype(jnp.float16), w, jnp.ones((512,), jnp.float16)),
-        (spec_a, spec_w, bf16_nw),
-    ):
-        [(operands, attributes)] = _gemv_calls(normed(), *args)
-        assert operands == 5 and "norm_eps" not in attributes
-        assert _has_rsqrt(normed(), *args)
-
-
-def fold_reference(a, w, bias, norm_weight, activation, residual):
-    """The GEMV's RMSNorm fold in float64: each a[m, k] * norm_weight[k] rounded once to
-    bfloat16, times the weight, the row's product scaled by 1 / rms(a[m]) (+ bias), then
-    silu_mul and the residual: the kernel's computation, one rounding per value."""
-    a64 = np.asarray(a, np.float64)
-    inv = 1.0 / np.sqrt(np.mean(a64**2, axis=-1, keepdims=True) + EPSILON)
-    aw = reference.round_once(a64 * np.asarray(norm_weight, np.float64), a.dtype)
-    w = jax_fp4.unprepack(w) if w.layout == "tiled" else w
-    y = inv * reference.matmul(
-        aw.astype(np.float64), w.packed, w.scale_bytes, w.global_scale, w.block_size
-    )
-    if bias is not None:
-        y = y + np.asarray(bias, np.float64)
-    if activation == "silu_mul":
-        gate, up = np.split(y, 2, axis=-1)
-        y = gate / (1.0 + np.exp(-gate)) * up
-    return y if residual is None else y + np.asarray(residual, np.float64)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 21])
-@pytest.mark.parametrize("fusion", ["norm", "norm+residual", "norm+silu_mul+residual"])
-@pytest.mark.parametrize(
-    "tuning",
-    [None, dict(gemv_k_split=1), dict(gemv_k_split=3), dict(gemv_col_tiles=1, gemv_k_split=4)],
-    ids=["heuristic", "split1", "split3", "onetile-split4"],
-)
-def test_rmsnorm_fold_matches_its_float64_model(m, fusion, tuning):
-    """The GEMV with the RMSNorm folded in (bfloat16, prepacked) against the float64 model of
-    its computation (`fold_reference`, at the kernel's own rounding) and against the unfused
-    composition, whose rounding of the normalized activations it does not share: rows of RMS
-    0.05-20, K of 7 windows (a ragged share per warp at split 3 and 4), M past one and two row
-    tiles, every split of the block's K over its warps; bit-identical on a rerun."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a CUDA device")
-    norm, activation, residual = FUSIONS[fusion]
-    rng = np.random.default_rng()
-    a, w, kw = random_fused_case(
-        rng,
-        (m,),
-        96 if activation else 80,
-        896,
-        "bfloat16",
-        bias=m % 2 == 1,
-        norm=norm,
-        activation=activation,
-        residual=residual,
-        layout="tiled",
-    )
-    # silu_mul needs two column tiles in the kernel: with one, every fusion composes.
-    folds = not (activation and tuning and tuning.get("gemv_col_tiles") == 1)
-    tuning = None if tuning is None else jax_fp4.KernelTuning(**tuning)
-    f = jax.jit(_call("gemv", activation=activation, tuning=tuning))
-    args = (a, w, *fused_operands(kw))
-    assert _gemv_calls(f, *args)[0][0] == (7 if folds else 5)
-    y = f(*args)
-    if folds:
-        bias, norm_weight, residual = fused_operands(kw)
-        check(y, fold_reference(a, w, bias, norm_weight, activation, residual), "bfloat16")
-    check(y, _expect(a, w, kw, "gemv"), "bfloat16")
-    np.testing.assert_array_equal(
-        np.asarray(f(*args)).view(np.uint16), np.asarray(y).view(np.uint16)
-    )
+    assert operands == 6 and attributes["activation"] == "0"
 
 
 def test_tiled_silu_mul_needs_whole_tiles_in_each_half(cuda_device):
@@ -457,7 +361,7 @@ def test_tiled_silu_mul_needs_whole_tiles_in_each_half(cuda_device):
     a, w = _lowering_case(2, 96, 256, "tiled")  # I = 48: whole tiles
     silu = lambda a, w: jax_fp4.matmul(a, w, activation="silu_mul")  # noqa: E731
     [(operands, attributes)] = _gemv_calls(silu, a, w)
-    assert operands == 7 and attributes["activation"] == "1"
+    assert operands == 6 and attributes["activation"] == "1"
     a, w = _lowering_case(2, 48, 256, "tiled")  # I = 24
     [(operands, attributes)] = _gemv_calls(silu, a, w)
     assert operands == 5 and "activation" not in attributes
@@ -533,45 +437,7 @@ def test_tuning_with_one_column_tile_composes_silu_mul(cuda_device):
     [(operands, attributes)] = _gemv_calls(
         lambda a, w: jax_fp4.matmul(a, w, activation="silu_mul", tuning=None), a, w
     )
-    assert operands == 7
-
-
-@pytest.mark.gpu
-def test_gemv_target_refuses_a_norm_weight_it_cannot_fold():
-    """jax_fp4_gemv_cuda called directly: the norm weight must be [K] of a's type, bfloat16 on
-    the tiled layout, and a fused call passes both fused operands (the handler's checks, since
-    the lowering never sends these)."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a CUDA device")
-    rng = np.random.default_rng()
-    packed, scale, gs = reference.random_weight(rng, 32, 256)
-    spec = jax_fp4.NVFP4Weight(packed, scale, gs)
-    tiled = jax_fp4.prepack(spec)
-
-    def call(a, w, norm, *, operands=7, tiled_layout=True):
-        fused = [jnp.zeros((0,), a.dtype), norm][: operands - 5]
-        target = jax.ffi.ffi_call("jax_fp4_gemv_cuda", jax.ShapeDtypeStruct((2, 32), a.dtype))
-        return target(
-            a, w.packed, w.scale, w.global_scale, jnp.zeros((0,), a.dtype), *fused,
-            block_size=np.int64(16), tiled=tiled_layout, tensor_cores=True, row_tiling=True,
-            col_tiles=np.int64(0), k_split=np.int64(0), rows_per_block=np.int64(0),
-            programmatic=False, activation=np.int64(0), norm_eps=np.float32(1e-5),
-        )  # fmt: skip
-
-    a = jnp.ones((2, 256), jnp.bfloat16)
-    np.testing.assert_array_equal(
-        np.asarray(call(a, tiled, jnp.ones((256,), jnp.bfloat16))),
-        np.asarray(jax_fp4.matmul(a, tiled, norm_weight=jnp.ones((256,), jnp.bfloat16))),
-    )
-    for args, kwargs, match in [
-        ((a.astype(jnp.float16), tiled, jnp.ones((256,), jnp.float16)), {}, "bfloat16"),
-        ((a, spec, jnp.ones((256,), jnp.bfloat16)), dict(tiled_layout=False), "tiled layout"),
-        ((a, tiled, jnp.ones((128,), jnp.bfloat16)), {}, r"norm_weight must be \[K\]"),
-        ((a, tiled, jnp.ones((256,), jnp.float32)), {}, "norm_weight must be"),
-        ((a, tiled, None), dict(operands=6), "a fused call passes the operands residual and"),
-    ]:
-        with pytest.raises(Exception, match=match):
-            jax.block_until_ready(call(*args, **kwargs))
+    assert operands == 6
 
 
 # ---- bad input: errors at trace time naming the argument ----------------------------------------

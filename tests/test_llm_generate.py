@@ -404,19 +404,18 @@ def test_generate_is_greedy_and_the_cli_runs(example, tmp_path, capsys, monkeypa
     runs = record["runs"]
     assert [run["batch"] for run in runs] == [2, 3]
     # A step reads every weight but the embedding table: the projections and lm_head (bf16, or
-    # NVFP4 at ~0.28 of it), the norms (bf16, the values the checkpoint holds) and the fp32 RoPE
-    # frequencies.
+    # NVFP4 at ~0.28 of it), the fp32 norms and RoPE frequencies.
     cfg = example.Config.from_json(example.DEMO_CONFIG)
     projections = cfg.layers * (
         (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim * cfg.hidden
         + cfg.heads * cfg.head_dim * cfg.hidden
         + 3 * cfg.hidden * cfg.intermediate
     )
-    small = 2 * (cfg.layers * 2 * cfg.hidden + cfg.hidden) + 4 * (cfg.head_dim // 2)
-    dense_bytes = 2 * (projections + cfg.vocab * cfg.hidden) + small
+    fp32 = cfg.layers * 2 * cfg.hidden + cfg.hidden + cfg.head_dim // 2
+    dense_bytes = 2 * (projections + cfg.vocab * cfg.hidden) + 4 * fp32
     # NVFP4: half a byte a weight, a byte a block of 16, a float32 global scale a matrix (four a
     # layer: q/k/v and gate/up fused).
-    nvfp4_bytes = projections * 9 // 16 + 4 * 4 * cfg.layers + 2 * cfg.vocab * cfg.hidden + small
+    nvfp4_bytes = projections * 9 // 16 + 4 * 4 * cfg.layers + 2 * cfg.vocab * cfg.hidden + 4 * fp32
     for run in runs:
         assert run["context"] == 7 + 5 and run["prompt_len"] == 7 and run["new_tokens"] == 5
         assert run["paths"]["decode"] == "cpu"  # tests/conftest.py: the CPU device beside a GPU

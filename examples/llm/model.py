@@ -26,8 +26,7 @@ def linear(x, w, bias=None, *, norm=None, norm_eps=1e-6, activation=None, residu
     applied to x first (eps `norm_eps`); activation "silu_mul" for a fused gate/up weight [2I, K]
     (rows [:I] gate, [I:] up), giving silu(gate) * up [..., I]; `residual` [..., N out] added last.
     An NVFP4 weight runs through jax_fp4.matmul, which takes them as arguments (the decode GEMV
-    applies them in its kernel, the norm too where its weight is in x's dtype, bfloat16: no
-    separate launches, no normed copy of x); a dense one through
+    applies them in its kernel: no separate launches, no normed copy of x); a dense one through
     XLA's dot, the norm before it and the rest after it in float32, rounded once (XLA fuses them
     into the ops around the dot)."""
     if activation not in ACTIVATIONS:
@@ -304,8 +303,7 @@ def hidden_states(cfg: Config, params: dict, tokens, start, k_cache, v_cache):
 
 def lm_logits(cfg: Config, params: dict, h):
     """Logits [..., vocab] (float32) of hidden states h [..., hidden]: the final norm, lm_head."""
-    head = linear(h, params["lm_head"], norm=params["norm"], norm_eps=cfg.rms_eps)
-    return head.astype(jnp.float32)
+    return linear(rms_norm(h, params["norm"], cfg.rms_eps), params["lm_head"]).astype(jnp.float32)
 
 
 def _decoder(layer_step, params: dict, tokens, k_cache, v_cache):

@@ -62,16 +62,6 @@ def _has(tensors: Mapping, name: str) -> bool:
     return name in tensors or f"{name}.weight" in tensors
 
 
-def _norm_weight(tensors: Mapping, name: str, dtype):
-    """An RMSNorm weight that a projection's matmul takes (model.linear's `norm`): in the compute
-    dtype where that holds the checkpoint's values exactly (as bfloat16 checkpoints store them),
-    so that the decode GEMV folds the norm into its kernel (jax_fp4.matmul: a bfloat16 norm weight
-    on bfloat16 activations); else in float32, the values as stored."""
-    w = np.asarray(tensors[name], np.float32)
-    same = np.array_equal(np.asarray(w.astype(dtype), np.float32), w)
-    return jnp.asarray(w, dtype if same else jnp.float32)
-
-
 def _projection(tensors: Mapping, name: str, dtype, quantize: bool = False):
     """An NVFP4Weight as loaded, or a dense [..., N, K] weight: in the compute dtype, or quantized
     here (jax_fp4.quantize, ModelOpt's algorithm) if `quantize`."""
@@ -311,7 +301,7 @@ def _assemble_layer(cfg: Config, tensors, i: int, dtype, quantize: bool, fuse: b
         layer.update(_fused_group(tensors, prefix, "gate_up_proj", dtype, quantize, fuse))
         layer["down_proj"] = _projection(tensors, f"{prefix}.mlp.down_proj", dtype, quantize)
     for norm in ("input_layernorm", "post_attention_layernorm"):
-        layer[norm] = _norm_weight(tensors, f"{prefix}.{norm}.weight", dtype)
+        layer[norm] = jnp.asarray(tensors[f"{prefix}.{norm}.weight"], jnp.float32)
     for norm in ("q_norm", "k_norm"):  # Qwen3
         if f"{prefix}.self_attn.{norm}.weight" in tensors:
             layer[norm] = jnp.asarray(tensors[f"{prefix}.self_attn.{norm}.weight"], jnp.float32)
@@ -360,7 +350,7 @@ def assemble(
         "embed": embed,
         "layers": _stack(layers) if stack_layers else layers,
         "lm_head": _laid_out(jax.device_put(head), layout),
-        "norm": _norm_weight(tensors, "model.norm.weight", dtype),
+        "norm": jnp.asarray(tensors["model.norm.weight"], jnp.float32),
         "inv_freq": jnp.asarray(rope_frequencies(cfg), jnp.float32),
     }
 

@@ -254,30 +254,6 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
 #endif
 }
 
-// The same mma with only the upper rows' half of C kept: c[0..1] += rows 0-7 of A * B, where A's
-// rows 8-15 (a1, a3) are zero. Their outputs are discarded, so they hold no register between
-// calls (the decode GEMV's sums of squares, ffi/cuda/gemv/mma.cuh NormFragments).
-template <typename T>
-__device__ __forceinline__ void Mma16816UpperRows(float (&c)[2], uint32_t a0, uint32_t a2,
-                                                  uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  float unused0, unused1;
-  if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %8, %5, %8}, {%6, %7}, {%0, %1, %9, %9};"
-        : "+f"(c[0]), "+f"(c[1]), "=f"(unused0), "=f"(unused1)
-        : "r"(a0), "r"(a2), "r"(b0), "r"(b1), "r"(0u), "f"(0.0f));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %8, %5, %8}, {%6, %7}, {%0, %1, %9, %9};"
-        : "+f"(c[0]), "+f"(c[1]), "=f"(unused0), "=f"(unused1)
-        : "r"(a0), "r"(a2), "r"(b0), "r"(b1), "r"(0u), "f"(0.0f));
-  }
-#endif
-}
-
 // ---- wgmma, setmaxnreg (sm_90a) ----------------------------------------------------------------
 
 __device__ __forceinline__ void FenceProxyAsync() {

@@ -33,15 +33,10 @@ __device__ __forceinline__ void StoreOutput(T* y, const T* bias, int64_t n, int6
 
 constexpr int64_t kMaxGridY = 65535;  // grid.y limit: M chunks beyond it are strided
 
-// The epilogue fusions of the GEMV (its fused kernel instances; all off: the plain GEMV).
+// The epilogue fusions of the GEMV (its fused kernel instances; both off: the plain GEMV).
 //   silu_mul  the weight's rows [0, N/2) are a gate and rows [N/2, N) an up projection: output
 //             [M, N/2], silu(gate + bias[j]) * (up + bias[N/2 + j]) from the f32 products;
-//   residual  residual[m, j] (T, [M, N_out]) added in f32 before the one rounding;
-//   norm      an RMSNorm of a's rows folded into the product (its norm instances, bfloat16 on
-//             tensor cores): sum_k a[m,k] w[k] W[n,k] / rms(a[m]) is the product of the rounded
-//             a[m,k] * w[k] (one rounding, in the mma's B fragment) scaled by
-//             rsqrt(mean_k a[m,k]^2 + eps) in f32 in the epilogue, so the kernel needs no
-//             normalized copy of a and no pass over a's rows before its first mma.
+//   residual  residual[m, j] (T, [M, N_out]) added in f32 before the one rounding.
 //
 // The main loop (GemvMmaMainloop) takes the fusion's type as a template argument, so that other
 // epilogues (the MoE block's, ffi/cuda/grouped/moe.cuh) can extend it: kRowMap says whether
@@ -52,12 +47,8 @@ struct GemvFusion {
   static constexpr bool kRowMap = false;
   const T* residual = nullptr;  // [M, N_out], or nullptr
   bool silu_mul = false;
-  const T* norm_weight = nullptr;  // [K], or nullptr
-  float norm_eps = 0.0f;
 
-  __host__ __device__ bool active() const {
-    return residual != nullptr || silu_mul || norm_weight != nullptr;
-  }
+  __host__ __device__ bool active() const { return residual != nullptr || silu_mul; }
   // The row of a that row `row` of the call multiplies.
   __device__ __forceinline__ int64_t activation_row(int64_t row) const { return row; }
 };

@@ -48,35 +48,23 @@ cudaError_t LaunchMmaLayout(cudaStream_t stream, const T* a, const uint8_t* pack
 }
 
 // The fused instances (GemvMmaFusedKernel), with the plain launch's config; silu_mul (CT == 2)
-// covers N / 2 outputs, 16 a block; the norm fold (fusion.norm_weight) on bfloat16 and the tiled
-// layout only (on the spec layout its instances spill 160-350 bytes at 128 registers, ptxas).
+// covers N / 2 outputs, 16 a block.
 template <typename T, int CT, int RT, bool Tiled>
 cudaError_t LaunchMmaFusedLayout(cudaStream_t stream, const T* a, const uint8_t* packed,
                                  const uint8_t* scale, const float* gs, const T* bias, T* y,
                                  int64_t m, int64_t n, int64_t k, int k_split, bool programmatic,
                                  const GemvFusion<T>& fusion) {
   if (CT != 2 && fusion.silu_mul) return cudaErrorInvalidValue;  // gate and up tiles pair up
-  const bool norm = fusion.norm_weight != nullptr;
   const int64_t blocks_x =
       CT == 2 && fusion.silu_mul ? CeilDiv(n / 2, kGemvTileCols) : GemvMmaColumnBlocks(n, CT);
   const dim3 grid(static_cast<unsigned>(blocks_x),
                   static_cast<unsigned>(std::min<int64_t>(CeilDiv(m, 8 * RT), kMaxGridY)));
   const dim3 block(32 * k_split);
-  const size_t smem = GemvMmaSmemBytes(CT, k_split, norm);
-  auto launch = [&](auto* kernel) {
-    return LaunchKernel(kernel, grid, block, smem, stream, programmatic, a, packed, scale, gs, bias,
-                        y, m, n, k, fusion);
-  };
-  if (norm) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16> && Tiled) {
-      return k_split > 1 ? launch(GemvMmaFusedKernel<T, CT, RT, 256, Tiled, true>)
-                         : launch(GemvMmaFusedKernel<T, CT, RT, 0, Tiled, true>);
-    } else {
-      return cudaErrorInvalidValue;  // the handler's check: bfloat16 on the tiled layout only
-    }
-  }
-  return k_split > 1 ? launch(GemvMmaFusedKernel<T, CT, RT, 256, Tiled, false>)
-                     : launch(GemvMmaFusedKernel<T, CT, RT, 0, Tiled, false>);
+  const size_t smem = GemvMmaSmemBytes(CT, k_split);
+  auto* kernel = k_split > 1 ? GemvMmaFusedKernel<T, CT, RT, 256, Tiled>
+                             : GemvMmaFusedKernel<T, CT, RT, 0, Tiled>;
+  return LaunchKernel(kernel, grid, block, smem, stream, programmatic, a, packed, scale, gs, bias,
+                      y, m, n, k, fusion);
 }
 
 // Warps of a tensor-core kernel resident per SM on the current device, from the occupancy API with

@@ -171,41 +171,14 @@ __device__ __forceinline__ void DecodeStep(uint32_t (&frag)[4], const MmaFragmen
   }
 }
 
-// The RMSNorm fold's lane state (GemvFusion::norm_weight): the lane's slice of the norm weight
-// in the current window (as MmaFragments::a holds the activations; `word` holds the 8 elements of
-// the current two k-steps), and per row tile the sums of squares of the activation rows so far.
-// Those come from an mma of each B fragment with itself as rows 0-7 of A (rows 8-15 zero):
-// D[g][j] = sum_k a[g][k] a[j][k], whose diagonal D[g][g] lands in lane (g, t = g / 2), register
-// g % 2. One mma per k-step and row tile instead of ~8 conversions and FMAs; products of 16-bit
-// values are exact in its f32 accumulation.
-template <typename T, int RT>
-struct NormFragments {
-  const T* slice;  // the window's 32 elements of this lane
-  uint4 word;
-  float ss[RT][2];  // rows g = 2t and 2t + 1 of the diagonal: c0, c1 of lane (g, t)
-};
-
-template <typename T, int S, int CT, int RT, typename Decode, bool Norm>
+template <typename T, int S, int CT, int RT, typename Decode>
 __device__ __forceinline__ void DecodeAndMmaStep(float (&acc)[RT][CT][4],
                                                  const MmaFragments<CT, RT>& f,
                                                  const uint32_t (&lo)[CT][2],
-                                                 const uint32_t (&hi)[CT][2],
-                                                 NormFragments<T, RT>& nf) {
+                                                 const uint32_t (&hi)[CT][2]) {
   uint32_t b0[RT], b1[RT];  // one activation fragment per row tile for every column tile
 #pragma unroll
   for (int r = 0; r < RT; ++r) Decode::template Activations<S>(f.a[r][S / 2], b0[r], b1[r]);
-  if constexpr (Norm) {
-    // The norm weight's pairs in the activations' slot order; a * w rounded once (HMUL2).
-    if constexpr (S % 2 == 0) nf.word = ld_u4(nf.slice + 8 * (S / 2));
-    uint32_t w0, w1;
-    Decode::template Activations<S>(nf.word, w0, w1);
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      Mma16816UpperRows<T>(nf.ss[r], b0[r], b1[r], b0[r], b1[r]);
-      b0[r] = HalfTraits<T>::pair_mul(b0[r], w0);
-      b1[r] = HalfTraits<T>::pair_mul(b1[r], w1);
-    }
-  }
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
     uint32_t frag[4];
@@ -220,22 +193,20 @@ __device__ __forceinline__ void DecodeAndMmaStep(float (&acc)[RT][CT][4],
 // One window: 8 k-steps of decode + mma per column tile. K-step s accumulates into chain
 // s % Chains: Chains independent accumulators shorten the dependent-HMMA chain of a window from 8
 // to 8 / Chains (summed in chain order at the end, MmaSumChains).
-// Norm: nf's norm weight is the window's, and its sums of squares take the window's activations.
-template <typename T, int CT, int RT, typename Decode, int Chains, bool Norm = false>
+template <typename T, int CT, int RT, typename Decode, int Chains>
 __device__ __forceinline__ void MmaCompute(float (&acc)[Chains][RT][CT][4],
-                                           const MmaFragments<CT, RT>& f,
-                                           NormFragments<T, RT>& nf) {
+                                           const MmaFragments<CT, RT>& f) {
   static_assert(Chains == 1 || Chains == 2 || Chains == 4, "Chains divides the 8 k-steps");
   uint32_t lo[CT][2], hi[CT][2];
   ScalePairs<T, CT, RT>(f, lo, hi);
-  DecodeAndMmaStep<T, 0, CT, RT, Decode, Norm>(acc[0 % Chains], f, lo, hi, nf);
-  DecodeAndMmaStep<T, 1, CT, RT, Decode, Norm>(acc[1 % Chains], f, lo, hi, nf);
-  DecodeAndMmaStep<T, 2, CT, RT, Decode, Norm>(acc[2 % Chains], f, lo, hi, nf);
-  DecodeAndMmaStep<T, 3, CT, RT, Decode, Norm>(acc[3 % Chains], f, lo, hi, nf);
-  DecodeAndMmaStep<T, 4, CT, RT, Decode, Norm>(acc[4 % Chains], f, lo, hi, nf);
-  DecodeAndMmaStep<T, 5, CT, RT, Decode, Norm>(acc[5 % Chains], f, lo, hi, nf);
-  DecodeAndMmaStep<T, 6, CT, RT, Decode, Norm>(acc[6 % Chains], f, lo, hi, nf);
-  DecodeAndMmaStep<T, 7, CT, RT, Decode, Norm>(acc[7 % Chains], f, lo, hi, nf);
+  DecodeAndMmaStep<T, 0, CT, RT, Decode>(acc[0 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 1, CT, RT, Decode>(acc[1 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 2, CT, RT, Decode>(acc[2 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 3, CT, RT, Decode>(acc[3 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 4, CT, RT, Decode>(acc[4 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 5, CT, RT, Decode>(acc[5 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 6, CT, RT, Decode>(acc[6 % Chains], f, lo, hi);
+  DecodeAndMmaStep<T, 7, CT, RT, Decode>(acc[7 % Chains], f, lo, hi);
 }
 
 // acc[0] += acc[1] + ... in a fixed order (deterministic).
@@ -254,17 +225,10 @@ __device__ __forceinline__ void MmaSumChains(float (&acc)[Chains][RT][CT][4]) {
   }
 }
 
-// Dynamic shared memory of GemvMmaKernel: MmaEpilogue's reduce_buf, needed only when k_split > 1
-// (with the norm fold, each warp's 8 rows' sums of squares after it).
-constexpr size_t GemvMmaSmemBytes(int col_tiles, int k_split, bool norm = false) {
-  return k_split > 1 ? sizeof(float) * k_split * (col_tiles * 4 * 32 + (norm ? 8 : 0)) : 0;
+// Dynamic shared memory of GemvMmaKernel: MmaEpilogue's reduce_buf, needed only when k_split > 1.
+constexpr size_t GemvMmaSmemBytes(int col_tiles, int k_split) {
+  return k_split > 1 ? sizeof(float) * k_split * col_tiles * 4 * 32 : 0;
 }
-
-// The norm fold's share of one lane in the epilogue of a row tile: the sums of squares of its
-// output rows 2t and 2t + 1 over the warp's windows (from the lanes holding the diagonal).
-struct NormRows {
-  float ss[2] = {0.0f, 0.0f};
-};
 
 // Epilogue of the mma kernel, run by all k_split warps of the block.
 // Accumulator r of tile ct holds column col0 + 16 ct + g + 8 (r >= 2), row m0 + 2t + (r & 1).
@@ -274,17 +238,12 @@ struct NormRows {
 // column tile 0 holds the gate rows and tile 1 the matching up rows, so one lane (or, k_split > 1,
 // one reduced element) has both products of its output; col0 is then in outputs. Without Fused
 // the code is the plain kernel's.
-// Norm (the norm instances): `rows` holds the lane's partial sums of squares (NormRows); every
-// output row's product is scaled by rsqrt(sum / K + eps), the sums of a k_split block's warps
-// added in warp order after the products' (norm_buf, after reduce_buf).
-template <typename T, int CT, bool Fused = false, typename Fusion = GemvFusion<T>,
-          bool Norm = false>
+template <typename T, int CT, bool Fused = false, typename Fusion = GemvFusion<T>>
 __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* reduce_buf,
                                             int k_split, const float* __restrict__ global_scale,
                                             const T* __restrict__ bias, T* __restrict__ y,
                                             int64_t m, int64_t n, int64_t col0, int64_t m0,
-                                            const Fusion& fusion = Fusion{}, int64_t k = 0,
-                                            const NormRows& rows = NormRows{}) {
+                                            const Fusion& fusion = Fusion{}) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -298,14 +257,6 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
       StoreOutput(y, bias, n, row, col, sum, gs);
     }
   };
-  // The product's scale: 2^7 undoes the decode's exponent offset; Norm: the row's 1 / RMS.
-  auto scale_of = [&](float ss) {
-    if constexpr (Norm) {
-      return 128.0f * rsqrtf(ss / static_cast<float>(k) + fusion.norm_eps);
-    } else {
-      return 128.0f;
-    }
-  };
   if (k_split == 1) {
 #pragma unroll
     for (int ct = 0; ct < (silu ? 1 : CT); ++ct) {
@@ -314,41 +265,30 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
         const int64_t col = col0 + kGemvTileCols * ct + g + (r >= 2 ? 8 : 0);
         const int64_t row = m0 + 2 * t + (r & 1);
         if (col < n_out && row < m) {
-          const float s = scale_of(rows.ss[r & 1]);
-          store(row, col, acc[ct][r] * s, acc[CT - 1][r] * s);
+          store(row, col, acc[ct][r] * 128.0f, acc[CT - 1][r] * 128.0f);
         }
       }
     }
     return;
   }
   constexpr int kPerWarp = CT * 4 * 32;
-  float* norm_buf = reduce_buf + k_split * kPerWarp;  // Norm: [k_split][8 rows]
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) reduce_buf[warp * kPerWarp + (ct * 4 + r) * 32 + lane] = acc[ct][r];
   }
-  if (Norm && g == 0) {
-    norm_buf[warp * 8 + 2 * t] = rows.ss[0];
-    norm_buf[warp * 8 + 2 * t + 1] = rows.ss[1];
-  }
   __syncthreads();
   const int outputs = silu ? 4 * 32 : kPerWarp;  // silu: tile 0's elements, tile 1's 128 later
   for (int e = threadIdx.x; e < outputs; e += 32 * k_split) {
-    const int el = e & 31, r = (e >> 5) & 3, ct = e >> 7;
-    const int row_in_tile = 2 * (el & 3) + (r & 1);
-    float sum = 0.0f, sum_up = 0.0f, ss = 0.0f;
+    float sum = 0.0f, sum_up = 0.0f;
     for (int w2 = 0; w2 < k_split; ++w2) {
       sum += reduce_buf[w2 * kPerWarp + e];
       if (silu) sum_up += reduce_buf[w2 * kPerWarp + 4 * 32 + e];
-      if (Norm) ss += norm_buf[w2 * 8 + row_in_tile];
     }
+    const int el = e & 31, r = (e >> 5) & 3, ct = e >> 7;
     const int64_t col = col0 + kGemvTileCols * ct + (el >> 2) + (r >= 2 ? 8 : 0);
-    const int64_t row = m0 + row_in_tile;
-    if (col < n_out && row < m) {
-      const float s = scale_of(ss);
-      store(row, col, sum * s, sum_up * s);
-    }
+    const int64_t row = m0 + 2 * (el & 3) + (r & 1);
+    if (col < n_out && row < m) store(row, col, sum * 128.0f, sum_up * 128.0f);
   }
   __syncthreads();  // reduce_buf is reused by the next M chunk
 }
@@ -378,11 +318,8 @@ __device__ __forceinline__ void MmaEpilogue(const float (&acc)[CT][4], float* re
 // Fusion: GemvFusion or a type extending it (common.cuh); with Fusion::kRowMap row i of the call
 // multiplies a's row fusion.activation_row(i), read after the first window's weight loads are
 // issued (that read then overlaps them).
-// Norm (the norm instances, GemvMmaNormKernel): the RMSNorm fold of GemvFusion::norm_weight, the
-// norm weight's slice of each window loaded beside the activations (NormFragments), the rows'
-// sums of squares taken by the mma, and their 1 / RMS applied in the epilogue (MmaEpilogue).
 template <typename T, int CT, int RT, typename Decode, int Chains, int L2PrefetchBytes, bool Tiled,
-          bool Fused = false, typename Fusion = GemvFusion<T>, bool Norm = false>
+          bool Fused = false, typename Fusion = GemvFusion<T>>
 __device__ __forceinline__ void GemvMmaMainloop(
     const T* __restrict__ a, const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ y,
@@ -484,19 +421,6 @@ __device__ __forceinline__ void GemvMmaMainloop(
       if constexpr (kActJit) LoadActivations<T, RT>(f.a, ap, k_split);
     };
     MmaFragments<CT, RT> f0, f1;
-    NormFragments<T, RT> nf;  // Norm only
-    if constexpr (Norm) {
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) nf.ss[r][e] = 0.0f;
-      }
-    }
-    // The norm weight's slice of window `win` (like the activations: L1/L2 hits, shared by
-    // every row and column tile).
-    auto norm_window = [&](int64_t win) {
-      if constexpr (Norm) nf.slice = fusion.norm_weight + win * kGemvWindow + 32 * t;
-    };
     int64_t w = warp;
     if constexpr (Fusion::kRowMap) {
       // The weight first: its address is known, the activation rows wait on the row map.
@@ -511,28 +435,21 @@ __device__ __forceinline__ void GemvMmaMainloop(
         MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled, !kActJit>(f1, wp, sp, ap, k_split);
       }
       act_jit(f0);
-      norm_window(w);
-      MmaCompute<T, CT, RT, Decode, Chains, Norm>(acc, f0, nf);
+      MmaCompute<T, CT, RT, Decode, Chains>(acc, f0);
       w += k_split;
       if (w >= windows) break;
       if (w + k_split < windows) {
         MmaLoad<T, CT, RT, L2PrefetchBytes, Tiled, !kActJit>(f0, wp, sp, ap, k_split);
       }
       act_jit(f1);
-      norm_window(w);
-      MmaCompute<T, CT, RT, Decode, Chains, Norm>(acc, f1, nf);
+      MmaCompute<T, CT, RT, Decode, Chains>(acc, f1);
       w += k_split;
     }
     MmaSumChains<Chains, RT, CT>(acc);
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-      NormRows rows;
-      if constexpr (Norm) {  // row 2t's sum sits in lane 4 (2t) + t, row 2t + 1's in 4 (2t + 1) + t
-        rows.ss[0] = __shfl_sync(0xFFFFFFFFu, nf.ss[r][0], 9 * t);
-        rows.ss[1] = __shfl_sync(0xFFFFFFFFu, nf.ss[r][1], 9 * t + 4);
-      }
-      MmaEpilogue<T, CT, Fused, Fusion, Norm>(acc[0][r], reduce_buf, k_split, global_scale, bias, y,
-                                              m, n, col0, m0 + 8 * r, fusion, k, rows);
+      MmaEpilogue<T, CT, Fused, Fusion>(acc[0][r], reduce_buf, k_split, global_scale, bias, y, m, n,
+                                        col0, m0 + 8 * r, fusion);
     }
   }
 #else
@@ -557,18 +474,16 @@ __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
 }
 
 // The fused instances of the production kernel (GemvFusion): same tiles, launch bounds and
-// decode; `fusion` says which epilogue fusions apply. The norm instances also fold the RMSNorm
-// of fusion.norm_weight into the product (launched for bfloat16 on the tiled layout: a * w
-// rounded to fp16 could overflow where the normalized value would not).
-template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled, bool Norm>
+// decode; `fusion` says which epilogue fusions apply.
+template <typename T, int CT, int RT, int L2PrefetchBytes, bool Tiled>
 __global__ void __launch_bounds__(32 * GemvMmaShape{CT, RT, Tiled}.max_split(),
                                   GemvMmaShape{CT, RT, Tiled}.min_blocks_per_sm())
     GemvMmaFusedKernel(const T* __restrict__ a, const uint8_t* __restrict__ packed,
                        const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
                        const T* __restrict__ bias, T* __restrict__ y, int64_t m, int64_t n,
                        int64_t k, const GemvFusion<T> fusion) {
-  GemvMmaMainloop<T, CT, RT, GemvLayoutDecode<Tiled>, 1, L2PrefetchBytes, Tiled, true,
-                  GemvFusion<T>, Norm>(a, packed, scale, global_scale, bias, y, m, n, k, fusion);
+  GemvMmaMainloop<T, CT, RT, GemvLayoutDecode<Tiled>, 1, L2PrefetchBytes, Tiled, true>(
+      a, packed, scale, global_scale, bias, y, m, n, k, fusion);
 }
 
 }  // namespace cuda
