@@ -32,8 +32,9 @@ at the start), "nvfp4_over_floor" and "loop_over_gpu_busy"; a mixture-of-experts
 "active_experts" (the distinct experts a layer's decode step activated, averaged over the layers and
 steps, measured on the generated tokens: the experts its floor reads) beside
 "expected_active_experts" (uniform random routing's). --attention xla,cudnn runs each case with
-each way of running the decode steps' attention in turn (the example's --attention; each record's
-"attention"). Each batch compiles its prefill and decode step once per model and attention.
+each way of running the decode steps' attention in turn (the example's --attention, default auto;
+each record's "attention" says which ran, auto resolved). Each batch compiles its prefill and
+decode step once per model and attention.
 
 prefill: the example's prefill of the same model (the prompt's forward pass writing the caches and
 choosing the first token, as a run starts) at each --prefill-lens prompt length and
@@ -195,7 +196,7 @@ def decode_runs(
     *,
     gpu_busy_steps: int,
     read_bps: float,
-    attention: Sequence[str] = ("xla",),
+    attention: Sequence[str] = ("auto",),
     log: Callable[[str], None] = _log,
 ) -> list[dict]:
     """The example's run record for each (batch, prompt length) of `cases` and each way of
@@ -204,12 +205,15 @@ def decode_runs(
     `read_bps` the streaming-read bandwidth of the floors."""
     llm = load_example()
     runs = []
+    cache_dtype = model.params["embed"].dtype
     for batch, prompt_len in cases:
         prompt = llm.random_prompts(model.cfg.vocab, batch, prompt_len)
-        for kind in attention:
+        for asked in attention:
             started = time.perf_counter()
+            cfg = dataclasses.replace(model.cfg, attention=asked)
+            kind = llm.decode_attention(cfg, cache_dtype)  # "auto" resolved
             run = llm.run_batch(
-                dataclasses.replace(model.cfg, attention=kind),
+                cfg,
                 model.params,
                 model.dense,
                 prompt,
@@ -619,8 +623,11 @@ def _ints(text: str) -> list[int]:
 
 def _attention_kinds(text: str) -> list[str]:
     kinds = text.replace(",", " ").split()
-    if not kinds or any(k not in ("xla", "cudnn") for k in kinds) or len(set(kinds)) < len(kinds):
-        raise argparse.ArgumentTypeError(f"expected xla, cudnn or xla,cudnn; got {text!r}")
+    known = ("auto", "xla", "cudnn")
+    if not kinds or any(k not in known for k in kinds) or len(set(kinds)) < len(kinds):
+        raise argparse.ArgumentTypeError(
+            f"expected some of auto, xla, cudnn, e.g. xla,cudnn; got {text!r}"
+        )
     return kinds
 
 
@@ -688,10 +695,10 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument(
         "--attention",
         type=_attention_kinds,
-        default=["xla"],
-        help="what runs the decode steps' attention, one or both in turn per run: xla (XLA's "
-        "batched dots and softmax; the default) and cudnn (cuDNN's fused attention: a CUDA GPU), "
-        "e.g. xla,cudnn",
+        default=["auto"],
+        help="what runs the decode steps' attention, each in turn per run: xla (XLA's batched "
+        "dots and softmax), cudnn (cuDNN's fused attention: a CUDA GPU) and auto (cudnn where it "
+        "runs, else xla: the example's default), e.g. xla,cudnn",
     )
     runs.add_argument("--no-runs", action="store_true", help="skip the runs")
     prefill = p.add_argument_group("prefill (the example's prefill, compiled once, timed warm)")

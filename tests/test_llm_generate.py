@@ -958,13 +958,21 @@ def test_kernel_breakdown_splits_a_step_into_matmuls_and_the_rest(example):
 
 
 def test_the_attention_choice_and_what_cudnn_refuses(example):
-    """Config.attention: "xla" or "cudnn", nothing else; "cudnn" takes a decode step's attention
-    only (a prefill's stays XLA's, the same program on any device) and refuses float32 caches at
-    trace time."""
+    """Config.attention: "auto" (the default), "xla" or "cudnn", nothing else; "cudnn" takes a
+    decode step's attention only (a prefill's stays XLA's, the same program on any device) and
+    refuses float32 caches at trace time, where "auto" takes XLA's (as on any device but a CUDA
+    GPU)."""
     cfg, params = example.random_model(example.DEMO_CONFIG, dtype=jnp.float32)
-    assert cfg.attention == "xla"
-    with pytest.raises(ValueError, match="attention must be one of .'xla', 'cudnn'., got 'flash'"):
+    assert cfg.attention == "auto" and example.decode_attention(cfg, jnp.float32) == "xla"
+    pattern = "attention must be one of .'auto', 'xla', 'cudnn'., got 'flash'"
+    with pytest.raises(ValueError, match=pattern):
         dataclasses.replace(cfg, attention="flash")
+    for kind in ("xla", "cudnn"):
+        assert (
+            example.decode_attention(dataclasses.replace(cfg, attention=kind), "bfloat16") == kind
+        )
+    on_gpu = jax.devices()[0].platform == "gpu"
+    assert example.decode_attention(cfg, jnp.bfloat16) == ("cudnn" if on_gpu else "xla")
     cudnn = dataclasses.replace(cfg, attention="cudnn")
     tokens = jnp.asarray(example.random_prompts(cfg.vocab, 2, 5), jnp.int32)
     caches = example.empty_cache(cfg, params, 2, 8)
@@ -977,10 +985,13 @@ def test_the_attention_choice_and_what_cudnn_refuses(example):
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["gpu"], indirect=True)
 def test_cudnn_decode_attention_matches_xla(example, device):
-    """A decode step's logits with cuDNN's fused attention as with XLA's, after a prefill, at
-    batch 3 (each row its own prompt, so each attends to its own cache)."""
+    """A decode step's logits with cuDNN's fused attention (the default "auto" on a GPU of
+    compute capability 8.0+) as with XLA's, after a prefill, at batch 3 (each row its own prompt,
+    so each attends to its own cache)."""
     cfg, params = example.random_model(example.DEMO_CONFIG)
     cudnn = dataclasses.replace(cfg, attention="cudnn")
+    assert example.decode_attention(cfg, params["embed"].dtype) == "cudnn"
+    cfg = dataclasses.replace(cfg, attention="xla")
     forward = jax.jit(example.forward, static_argnums=0)
     prompt = jnp.asarray(example.random_prompts(cfg.vocab, 3, 9), jnp.int32)
     _, k_cache, v_cache = forward(cfg, params, prompt, 0, *example.empty_cache(cfg, params, 3, 16))

@@ -40,7 +40,7 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     assert results["runs_setup"]["command"] == results["gemv_setup"]["command"] == command
     assert results["runs_setup"]["model"] == "quick" and results["gemv_setup"]["seed"] == 3
     assert results["runs_setup"]["config"]["layers"] == 2  # --layers over the config's 1
-    assert results["runs_setup"]["attention"] == ["xla"]
+    assert results["runs_setup"]["attention"] == ["auto"]
 
     quick = decode.QUICK
     expected = [(b, quick["prompt_len"]) for b in quick["batches"]] + [(1, quick["long_prompt"])]
@@ -48,6 +48,7 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     assert [(r["batch"], r["context"] - quick["new_tokens"]) for r in runs] == expected
     for r in runs:
         assert all(field in r for field in RUN_FIELDS), sorted(r)
+        assert r["attention"] == "xla"  # "auto" resolved: no cuDNN on a CPU
         assert r["model"] == "quick" and r["layers"] == 2 and r["command"] == command
         assert r["attention"] == "xla"
         assert _positive(r["nvfp4_ms"]) and _positive(r["bf16_ms"]) and _positive(r["floor_ms"])
@@ -251,6 +252,7 @@ def test_bad_arguments_are_refused():
         with pytest.raises(SystemExit):
             decode.main(["--attention", attention])
     assert decode._attention_kinds("xla,cudnn") == ["xla", "cudnn"]
+    assert decode._attention_kinds("auto") == ["auto"]
 
 
 def test_fit_width_slices_or_repeats_columns():

@@ -43,9 +43,10 @@ The layers are unrolled by default, each weight its own buffer, which every kern
 lies; --scan-layers stacks them under lax.scan instead (one layer compiled), where XLA copies each
 layer's dense weights out of the stack before their dot: on an H100 the bf16 step took 2.5x as
 long that way, the NVFP4 one 1.1x (benchmarks/RESULTS.md). Unrolled, each layer's KV cache is its
-own buffer, updated in place. A decode step's attention runs as XLA's batched dots around a
-float32 softmax, or with --attention cudnn as cuDNN's fused attention kernel, which reads only the
-cached positions so far (a CUDA GPU and bf16 caches; the prefill's attention stays XLA's).
+own buffer, updated in place. A decode step's attention runs as cuDNN's fused attention kernel,
+which reads only the cached positions so far, where it can (a CUDA GPU and bf16 caches: the
+default --attention auto), or as XLA's batched dots around a float32 softmax (--attention xla, and
+where cuDNN's cannot run); the prefill's attention stays XLA's.
 
 Mixed-precision exports (ModelOpt quant_algo "MIXED_PRECISION", compressed-tensors format
 "mixed-precision") run their FP8 layers dense: each dequantized at load with its own scale
@@ -172,9 +173,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--attention",
         choices=ATTENTION,
-        default="xla",
-        help="what runs a decode step's attention: XLA's batched dots and softmax (default), or "
-        "cuDNN's fused attention (a CUDA GPU, bf16 caches)",
+        default="auto",
+        help="what runs a decode step's attention: XLA's batched dots and softmax (xla), "
+        "cuDNN's fused attention (cudnn: a CUDA GPU, bf16 caches), or cudnn where it runs and "
+        "xla elsewhere (auto, the default)",
     )
     parser.add_argument(
         "--scan-layers",

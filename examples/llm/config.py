@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-ATTENTION = ("xla", "cudnn")  # Config.attention's choices
+ATTENTION = ("auto", "xla", "cudnn")  # Config.attention's choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +43,10 @@ class Config:
     # contiguous rows are one group (examples/llm_tensor_parallel.py). 1: the parts in order.
     shards: int = 1
     # What runs a decode step's attention (model.attend): "xla", XLA's batched dots and softmax
-    # (every device), or "cudnn", cuDNN's fused attention (a CUDA GPU, bf16 or fp16 caches).
-    attention: str = "xla"
+    # (every device); "cudnn", cuDNN's fused attention (a CUDA GPU of compute capability 8.0+,
+    # bf16 or fp16 caches); "auto", cudnn where it runs and xla elsewhere
+    # (model.decode_attention).
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.attention not in ATTENTION:

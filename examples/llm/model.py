@@ -217,13 +217,34 @@ def _attention(cfg: Config, inv_freq, positions, h, layer, k_cache, v_cache):
     return linear(attn, layer["o_proj"], residual=h), k_cache, v_cache
 
 
+def decode_attention(cfg: Config, cache_dtype) -> str:
+    """What runs a decode step's attention on caches of `cache_dtype`: Config.attention, with
+    "auto" resolved to "cudnn" where cuDNN's fused attention runs (the default device a CUDA GPU
+    of compute capability 8.0+, bfloat16 or float16 caches, jax's cuDNN attention module present)
+    and to "xla" elsewhere. One kernel for the scores, softmax and values instead of ~4 measured
+    4-5% faster a step at batch 1 and even at batch 16 (H100; docs/design.md)."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    if np.dtype(cache_dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        return "xla"
+    device = jax.devices()[0]
+    capability = str(getattr(device, "compute_capability", "") or "")
+    if device.platform != "gpu" or not capability or int(capability.split(".")[0]) < 8:
+        return "xla"
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo  # noqa: F401
+    except ImportError:
+        return "xla"
+    return "cudnn"
+
+
 def attend(cfg: Config, q, k_cache, v_cache, positions):
     """Grouped-query attention of q [B, S, heads, head_dim] at positions [S] over the caches
     [B, kv_heads, T, head_dim] holding them, each query seeing the positions up to its own:
-    [B, S, heads, head_dim] in the caches' dtype. Config.attention "cudnn" runs a decode step's
-    (S = 1) as cuDNN's fused attention (`_cudnn_decode_attention`); "xla", and every prefill, as
-    XLA's batched dots around a float32 softmax."""
-    if cfg.attention == "cudnn" and q.shape[1] == 1:
+    [B, S, heads, head_dim] in the caches' dtype. A decode step's (S = 1) runs as
+    `decode_attention` says: cuDNN's fused attention (`_cudnn_decode_attention`) or, like every
+    prefill, XLA's batched dots around a float32 softmax."""
+    if q.shape[1] == 1 and decode_attention(cfg, k_cache.dtype) == "cudnn":
         return _cudnn_decode_attention(q, k_cache, v_cache, positions[0])
     # On the caches' own dtype, accumulated in float32 (the product with the values rounds to that
     # dtype, as the next projection takes it): no float32 copy of the caches to read (an H100 at
