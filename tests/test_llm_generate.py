@@ -971,8 +971,11 @@ def test_the_attention_choice_and_what_cudnn_refuses(example):
         assert (
             example.decode_attention(dataclasses.replace(cfg, attention=kind), "bfloat16") == kind
         )
-    on_gpu = jax.devices()[0].platform == "gpu"
-    assert example.decode_attention(cfg, jnp.bfloat16) == ("cudnn" if on_gpu else "xla")
+    assert example.decode_attention(cfg, jnp.bfloat16) == "xla"  # the CPU device (conftest.py)
+    with jax.default_device(jax.devices()[0]):  # a GPU where there is one
+        on_gpu = jax.devices()[0].platform == "gpu"
+        assert example.decode_attention(cfg, jnp.bfloat16) == ("cudnn" if on_gpu else "xla")
+    assert example.decode_attention(dataclasses.replace(cfg, shards=2), jnp.bfloat16) == "xla"
     cudnn = dataclasses.replace(cfg, attention="cudnn")
     tokens = jnp.asarray(example.random_prompts(cfg.vocab, 2, 5), jnp.int32)
     caches = example.empty_cache(cfg, params, 2, 8)

@@ -221,13 +221,19 @@ def decode_attention(cfg: Config, cache_dtype) -> str:
     """What runs a decode step's attention on caches of `cache_dtype`: Config.attention, with
     "auto" resolved to "cudnn" where cuDNN's fused attention runs (the default device a CUDA GPU
     of compute capability 8.0+, bfloat16 or float16 caches, jax's cuDNN attention module present)
-    and to "xla" elsewhere. One kernel for the scores, softmax and values instead of ~4 measured
-    4-5% faster a step at batch 1 and even at batch 16 (H100; docs/design.md)."""
+    and to "xla" elsewhere, and in a tensor-parallel placement (Config.shards > 1, where cuDNN's
+    kernel over sharded heads is not measured). One kernel for the scores, softmax and values
+    instead of ~4 measured 4-5% faster a step at batch 1 and even at batch 16 (H100;
+    docs/design.md)."""
     if cfg.attention != "auto":
         return cfg.attention
+    if cfg.shards > 1:
+        return "xla"
     if np.dtype(cache_dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
         return "xla"
-    device = jax.devices()[0]
+    device = jax.config.jax_default_device or jax.devices()[0]  # jax.default_device's, if set
+    if isinstance(device, str):
+        device = jax.devices(device)[0]
     capability = str(getattr(device, "compute_capability", "") or "")
     if device.platform != "gpu" or not capability or int(capability.split(".")[0]) < 8:
         return "xla"
