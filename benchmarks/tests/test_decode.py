@@ -48,9 +48,8 @@ def test_quick_run_writes_runs_and_gemv_rows(tmp_path, capsys):
     assert [(r["batch"], r["context"] - quick["new_tokens"]) for r in runs] == expected
     for r in runs:
         assert all(field in r for field in RUN_FIELDS), sorted(r)
-        assert r["attention"] == "xla"  # "auto" resolved: no cuDNN on a CPU
         assert r["model"] == "quick" and r["layers"] == 2 and r["command"] == command
-        assert r["attention"] == "xla"
+        assert r["attention"] == "xla"  # "auto" resolved: no cuDNN on a CPU
         assert _positive(r["nvfp4_ms"]) and _positive(r["bf16_ms"]) and _positive(r["floor_ms"])
         assert r["ratio"] == pytest.approx(r["bf16_ms"] / r["nvfp4_ms"])
         assert r["gpu_busy_ms"] is None  # no GPU in the trace
