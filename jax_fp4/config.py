@@ -106,6 +106,7 @@ _ALLOWED = {
     "fused_warp_specialized": (None, False, True),
     "fused_stream_k": (None, False, True),
     "programmatic_launch": (False, True),
+    "gemv_norm_scale": (False, True),
 }
 
 
@@ -129,6 +130,10 @@ class KernelTuning:
       fused_warp_specialized  the warp-specialized kernel (True) or the multistage one (False)
       fused_stream_k       stream-K (True) or cluster split-K (False) in the warp-specialized kernel
       programmatic_launch  programmatic dependent launch (sm_90+) of the GEMV and the fused GEMM
+      gemv_norm_scale      a bfloat16 GEMV call's RMSNorm split around the product: a * norm_weight
+                           and the rows' sums of squares in one XLA fusion before the kernel, each
+                           row's 1 / RMS in its epilogue (jax_fp4/lowering.py), where the RMSNorm
+                           is otherwise an XLA fusion of its own
     """
 
     gemv_col_tiles: int = 0
@@ -140,6 +145,7 @@ class KernelTuning:
     fused_warp_specialized: bool | None = None
     fused_stream_k: bool | None = None
     programmatic_launch: bool = False
+    gemv_norm_scale: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

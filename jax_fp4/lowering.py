@@ -16,7 +16,8 @@ Fusions (static `norm_eps`, `activation`, `has_residual`; operands norm_weight [
 weight, a residual added last, all in float32 with one rounding (`rms_norm`, `epilogue`). The
 decode GEMV (`_gemv`) and the fused GEMM up to dispatch.FUSED_EPILOGUE_MAX_M rows
 (`_fused_gemm`) run silu_mul and the residual in their kernels' epilogues, after the RMSNorm as
-its own XLA fusion; every other path, and these where their kernels cannot (a multi-device
+its own XLA fusion (or, on the GEMV under KernelTuning.gemv_norm_scale, split around it:
+`_norm_scaled`); every other path, and these where their kernels cannot (a multi-device
 program, whose partitioning rules know the plain product only; on the tiled layout silu_mul with
 N / 2 % 16 != 0; a `tuning` with gemv_col_tiles=1 and silu_mul, or fused_stream_k=True), composes
 all of them around its product (`_composed`), taken in float32 where the path can give it
@@ -200,26 +201,31 @@ def _gemv(
     block_size,
     activation=None,
     residual=None,
+    row_sq_sum=None,
+    norm_eps=None,
     tiled=False,
     tensor_cores=False,
     row_tiling=True,
     tuning=_config.DEFAULT_TUNING,
     **_,
 ):
-    """The GEMV kernel. With `activation` or `residual` its fused instances, the epilogue fusions
-    in the kernel: the target's extra operand residual ([M, N_out], or [0] when absent) and its
-    attribute activation (0 none, 1 silu_mul)."""
-    fused = activation is not None or residual is not None
+    """The GEMV kernel. With `activation`, `residual` or `row_sq_sum` its fused instances, the
+    epilogue fusions in the kernel: the target's extra operands residual ([M, N_out]) and
+    row_sq_sum ([M] float32: each row's product scaled by rsqrt(row_sq_sum / K + norm_eps)), each
+    [0] when absent, and its attributes activation (0 none, 1 silu_mul) and norm_eps."""
+    fused = activation is not None or residual is not None or row_sq_sum is not None
     n_out = packed.shape[0] // 2 if activation == "silu_mul" else packed.shape[0]
     attributes = dict(
         block_size=block_size, tiled=tiled, tensor_cores=tensor_cores, row_tiling=row_tiling
     )
-    fused_operands = []
+    fused_operands, fused_attributes = [], {}
     if fused:
-        fused_operands.append(
-            jnp.zeros((0,), a.dtype) if residual is None else residual.reshape(a.shape[0], n_out)
-        )
+        fused_operands = [
+            jnp.zeros((0,), a.dtype) if residual is None else residual.reshape(a.shape[0], n_out),
+            jnp.zeros((0,), jnp.float32) if row_sq_sum is None else row_sq_sum.reshape(-1),
+        ]
         attributes["activation"] = 1 if activation == "silu_mul" else 0
+        fused_attributes["norm_eps"] = np.float32(0.0 if norm_eps is None else norm_eps)
     call = jax.ffi.ffi_call("jax_fp4_gemv_cuda", jax.ShapeDtypeStruct((a.shape[0], n_out), a.dtype))
     return call(
         a,
@@ -229,6 +235,7 @@ def _gemv(
         _bias_operand(bias, a.dtype),
         *fused_operands,
         **_int_attributes({**attributes, **tuning.gemv_attributes()}),
+        **fused_attributes,
     )
 
 
@@ -522,12 +529,18 @@ def _partitioned(ctx, path: str) -> bool:
 
 
 def _fuses_in_kernel(
-    plan: _dispatch.Plan, layout: str, n: int, activation, has_residual: bool, tuning
+    plan: _dispatch.Plan,
+    layout: str,
+    n: int,
+    activation,
+    has_residual: bool,
+    tuning,
+    norm_scaled: bool = False,
 ) -> bool:
     """Whether `plan` runs silu_mul and the residual in its kernel (the GEMV's fused instances,
     the fused GEMM's epilogue) in a single-device program, rather than composed around its
-    product. (An RMSNorm alone leaves the kernel plain.)"""
-    if not plan.epilogue_in_kernel or (activation is None and not has_residual):
+    product. An RMSNorm alone leaves the kernel plain, unless `norm_scaled` (`_norm_scaled`)."""
+    if not plan.epilogue_in_kernel or (activation is None and not has_residual and not norm_scaled):
         return False
     tuning = _config.DEFAULT_TUNING if tuning is None else tuning
     # The tiled kernels pair a 16-row gate tile with its up tile (a warp's two column tiles in
@@ -539,6 +552,26 @@ def _fuses_in_kernel(
     if activation == "silu_mul" and plan.gemv_tensor_cores and tuning.gemv_col_tiles == 1:
         return False
     return True
+
+
+def _norm_scaled(plan: _dispatch.Plan, a_dtype, tuning) -> bool:
+    """Whether a call's RMSNorm is split around the GEMV (KernelTuning.gemv_norm_scale, on
+    bfloat16 activations: a * norm_weight rounded to float16 could overflow where the normalized
+    value would not): `_norm_operands` before it, each row's 1 / RMS in its epilogue."""
+    return (
+        tuning is not None
+        and tuning.gemv_norm_scale
+        and plan.path == "gemv"
+        and np.dtype(a_dtype) == np.dtype(jnp.bfloat16)
+    )
+
+
+def _norm_operands(a, norm_weight):
+    """The GEMV's operands of a split RMSNorm: a * norm_weight in float32 rounded once to a's
+    dtype, and each row's sum of squares over K in float32 ([M]); one XLA fusion of a."""
+    a32 = a.astype(jnp.float32)
+    scaled = (a32 * _replicated(norm_weight.astype(jnp.float32))).astype(a.dtype)
+    return scaled, jnp.sum(a32 * a32, axis=-1)
 
 
 def _wrapped_impl(ctx, plan, attributes, block_size, layout, has_bias):
@@ -567,8 +600,10 @@ def _fused_lowering(
     def split(ops):
         return split_fused_operands(ops, has_bias, has_swizzled, has_norm, fusions["has_residual"])
 
+    tuning = attributes.get("tuning")
+    norm_scaled = has_norm and _norm_scaled(plan, ctx.avals_in[0].dtype, tuning)
     in_kernel = _fuses_in_kernel(
-        plan, layout, n, activation, fusions["has_residual"], attributes.get("tuning")
+        plan, layout, n, activation, fusions["has_residual"], tuning, norm_scaled
     )
     if in_kernel and not _partitioned(ctx, path):
         impl = _impl_for(plan, layout)
@@ -576,9 +611,15 @@ def _fused_lowering(
         def lowered(*ops):
             a, packed, scale, global_scale, bias, _, norm_weight, residual = split(ops)
             with jax.named_scope(f"jax_fp4/{path}"):
-                # The RMSNorm stays an XLA fusion: in the kernel (each block normalizing its rows
-                # before its first mma) it measured slower than the separate fusion (docs/design.md).
-                a_n = rms_norm(a, norm_weight, norm_eps) if has_norm else a
+                # The RMSNorm is an XLA fusion before the kernel (in the kernel, each block
+                # normalizing its rows before its first mma, or folded into the GEMV's loop, it
+                # measured slower: docs/design.md), or with `norm_scaled` split around it.
+                norm = {}
+                if norm_scaled:
+                    a_n, row_sq_sum = _norm_operands(a, norm_weight)
+                    norm = dict(row_sq_sum=row_sq_sum, norm_eps=norm_eps)
+                else:
+                    a_n = rms_norm(a, norm_weight, norm_eps) if has_norm else a
                 return impl(
                     a_n,
                     packed,
@@ -588,6 +629,7 @@ def _fused_lowering(
                     block_size=block_size,
                     activation=activation,
                     residual=residual,
+                    **norm,
                     **attributes,
                 )
 

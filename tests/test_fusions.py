@@ -328,10 +328,10 @@ def _lowering_case(m, n, k, layout="spec"):
 
 
 def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
-    """A decode call takes the GEMV's fused kernel for silu_mul and the residual: 6 operands (the
-    residual added, [0] when absent) and the attribute activation, after the RMSNorm (an XLA
-    fusion); a plain call, or one with only the RMSNorm, keeps the plain target's 5 operands and
-    8 attributes."""
+    """A decode call takes the GEMV's fused kernel for silu_mul and the residual: 7 operands (the
+    residual and row_sq_sum added, [0] when absent) and the attributes activation and norm_eps,
+    after the RMSNorm (an XLA fusion); a plain call, or one with only the RMSNorm, keeps the
+    plain target's 5 operands and 8 attributes."""
     a, w = _lowering_case(4, 256, 512)
     nw, res = jnp.ones((512,), jnp.float32), jnp.ones((4, 128), jnp.bfloat16)
 
@@ -341,7 +341,7 @@ def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
         )
 
     [(operands, attributes)] = _gemv_calls(fused, a, w, nw, res)
-    assert operands == 6 and attributes["activation"] == "1" and len(attributes) == 9
+    assert operands == 7 and attributes["activation"] == "1" and len(attributes) == 10
     for plain in (
         jax_fp4.matmul,
         lambda a, w: jax_fp4.matmul(a, w, norm_weight=jnp.ones((512,), jnp.bfloat16)),
@@ -352,7 +352,37 @@ def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
     [(operands, attributes)] = _gemv_calls(
         lambda a, w, r: jax_fp4.matmul(a, w, residual=r), a, w, jnp.ones((4, 256), jnp.bfloat16)
     )
-    assert operands == 6 and attributes["activation"] == "0"
+    assert operands == 7 and attributes["activation"] == "0"
+
+
+def _has_rsqrt(fn, *args):
+    """Whether fn's CUDA HLO computes an RMSNorm's 1 / RMS in XLA (its rsqrt)."""
+    return "rsqrt" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("layout", ["spec", "tiled"])
+def test_gemv_norm_scale_splits_the_rmsnorm_around_the_kernel(cuda_device, layout):
+    """KernelTuning(gemv_norm_scale=True) on bfloat16: the GEMV takes the rows' sums of squares
+    as its seventh operand and norm_eps as an attribute, and XLA computes no 1 / RMS (the kernel's
+    epilogue does), with or without the other fusions; on float16 activations, and without the
+    tuning, the RMSNorm stays whole in XLA."""
+    a, w = _lowering_case(4, 256, 512, layout)
+    nw = jnp.ones((512,), jnp.float32)
+    split = jax_fp4.KernelTuning(gemv_norm_scale=True)
+
+    def normed(tuning, **fusions):
+        return lambda a, w, nw: jax_fp4.matmul(
+            a, w, norm_weight=nw, norm_eps=1e-5, tuning=tuning, **fusions
+        )
+
+    for fusions in ({}, dict(activation="silu_mul")):
+        [(operands, attributes)] = _gemv_calls(normed(split, **fusions), a, w, nw)
+        assert operands == 7 and attributes["norm_eps"].startswith("9.99999"), fusions
+        assert not _has_rsqrt(normed(split, **fusions), a, w, nw)
+    for tuning, args in ((split, (a.astype(jnp.float16), w, nw)), (None, (a, w, nw))):
+        [(operands, attributes)] = _gemv_calls(normed(tuning), *args)
+        assert operands == 5 and "norm_eps" not in attributes
+        assert _has_rsqrt(normed(tuning), *args)
 
 
 def test_tiled_silu_mul_needs_whole_tiles_in_each_half(cuda_device):
@@ -361,7 +391,7 @@ def test_tiled_silu_mul_needs_whole_tiles_in_each_half(cuda_device):
     a, w = _lowering_case(2, 96, 256, "tiled")  # I = 48: whole tiles
     silu = lambda a, w: jax_fp4.matmul(a, w, activation="silu_mul")  # noqa: E731
     [(operands, attributes)] = _gemv_calls(silu, a, w)
-    assert operands == 6 and attributes["activation"] == "1"
+    assert operands == 7 and attributes["activation"] == "1"
     a, w = _lowering_case(2, 48, 256, "tiled")  # I = 24
     [(operands, attributes)] = _gemv_calls(silu, a, w)
     assert operands == 5 and "activation" not in attributes
@@ -437,7 +467,113 @@ def test_tuning_with_one_column_tile_composes_silu_mul(cuda_device):
     [(operands, attributes)] = _gemv_calls(
         lambda a, w: jax_fp4.matmul(a, w, activation="silu_mul", tuning=None), a, w
     )
-    assert operands == 6
+    assert operands == 7
+
+
+def norm_scale_reference(a, w, bias, norm_weight, activation, residual):
+    """The GEMV with its RMSNorm split around it (KernelTuning.gemv_norm_scale) in float64: each
+    a[m, k] * norm_weight[k] rounded once to bfloat16, times the weight, the row's product scaled
+    by 1 / rms(a[m]) (+ bias), then silu_mul and the residual: one rounding per value."""
+    a64 = np.asarray(a, np.float64)
+    inv = 1.0 / np.sqrt(np.mean(a64**2, axis=-1, keepdims=True) + EPSILON)
+    scaled = reference.round_once(a64 * np.asarray(norm_weight, np.float64), a.dtype)
+    w = jax_fp4.unprepack(w) if w.layout == "tiled" else w
+    y = inv * reference.matmul(
+        scaled.astype(np.float64), w.packed, w.scale_bytes, w.global_scale, w.block_size
+    )
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    if activation == "silu_mul":
+        gate, up = np.split(y, 2, axis=-1)
+        y = gate / (1.0 + np.exp(-gate)) * up
+    return y if residual is None else y + np.asarray(residual, np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 21])
+@pytest.mark.parametrize("fusion", ["norm", "norm+residual", "norm+silu_mul+residual"])
+@pytest.mark.parametrize("layout", ["spec", "tiled"])
+@pytest.mark.parametrize(
+    "tuning",
+    [{}, dict(gemv_k_split=1), dict(gemv_k_split=3), dict(gemv_col_tiles=1, gemv_k_split=4)],
+    ids=["heuristic", "split1", "split3", "onetile-split4"],
+)
+def test_gemv_norm_scale_matches_its_float64_model(m, fusion, layout, tuning):
+    """The GEMV with its RMSNorm split around it (bfloat16) against the float64 model of that
+    computation (`norm_scale_reference`) and against the unfused composition, whose rounding of
+    the normalized activations it does not share: rows of RMS 0.05-20, K of 7 windows (a ragged
+    share per warp at splits 3 and 4), M past one and two row tiles, both layouts, the norm
+    weight in float32 or bfloat16; bit-identical on a rerun."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA device")
+    norm, activation, residual = FUSIONS[fusion]
+    rng = np.random.default_rng()
+    a, w, kw = random_fused_case(
+        rng,
+        (m,),
+        96 if activation else 80,
+        896,
+        "bfloat16",
+        bias=m % 2 == 1,
+        norm=norm,
+        activation=activation,
+        residual=residual,
+        layout=layout,
+        norm_dtype="float32" if m % 2 else None,
+    )
+    # silu_mul needs two column tiles in the tensor-core kernel: with one, every fusion composes.
+    split = not (activation and tuning.get("gemv_col_tiles") == 1)
+    f = jax.jit(
+        _call(
+            "gemv",
+            activation=activation,
+            tuning=jax_fp4.KernelTuning(gemv_norm_scale=True, **tuning),
+        )
+    )
+    args = (a, w, *fused_operands(kw))
+    assert _gemv_calls(f, *args)[0][0] == (7 if split else 5)
+    y = f(*args)
+    if split:
+        bias, norm_weight, residual = fused_operands(kw)
+        check(y, norm_scale_reference(a, w, bias, norm_weight, activation, residual), "bfloat16")
+    check(y, _expect(a, w, kw, "gemv"), "bfloat16")
+    np.testing.assert_array_equal(
+        np.asarray(f(*args)).view(np.uint16), np.asarray(y).view(np.uint16)
+    )
+
+
+@pytest.mark.gpu
+def test_gemv_target_checks_row_sq_sum():
+    """jax_fp4_gemv_cuda called directly (the lowering never sends these): row_sq_sum must be
+    float32 [M] or [0], and a fused call passes both fused operands; a valid one scales each
+    row's product by rsqrt(row_sq_sum / K + norm_eps)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA device")
+    packed, scale, gs = reference.random_weight(np.random.default_rng(), 32, 256)
+    w = jax_fp4.NVFP4Weight(packed, scale, gs)
+    a = jnp.asarray(np.random.default_rng().standard_normal((2, 256)), jnp.bfloat16)
+
+    def call(*fused):
+        target = jax.ffi.ffi_call("jax_fp4_gemv_cuda", jax.ShapeDtypeStruct((2, 32), a.dtype))
+        return target(
+            a, w.packed, w.scale, w.global_scale, jnp.zeros((0,), a.dtype), *fused,
+            block_size=np.int64(16), tiled=False, tensor_cores=True, row_tiling=True,
+            col_tiles=np.int64(0), k_split=np.int64(0), rows_per_block=np.int64(0),
+            programmatic=False, activation=np.int64(0), norm_eps=np.float32(0.0),
+        )  # fmt: skip
+
+    no_residual = jnp.zeros((0,), a.dtype)
+    ss = jnp.asarray([256.0 * 4.0, 256.0 / 9.0], jnp.float32)  # 1 / RMS = 1 / 2 and 3
+    plain = np.asarray(jax_fp4.matmul(a, w), np.float32)
+    got = np.asarray(call(no_residual, ss), np.float32)
+    np.testing.assert_allclose(got, plain * np.array([[0.5], [3.0]]), rtol=2**-7, atol=1e-6)
+    for fused, match in [
+        ((no_residual, jnp.ones((3,), jnp.float32)), r"row_sq_sum must be float32 \[M\]"),
+        ((no_residual, jnp.ones((2,), jnp.bfloat16)), "row_sq_sum must be float32"),
+        ((no_residual,), "a fused call passes the operands residual and row_sq_sum"),
+    ]:
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(call(*fused))
 
 
 # ---- bad input: errors at trace time naming the argument ----------------------------------------

@@ -530,6 +530,7 @@ BAD_TUNINGS = [
     *[("gemv_k_split", v) for v in (-1, -4)],
     *[("gemv_rows_per_block", v) for v in (3, 8, -1)],
     *[("programmatic_launch", v) for v in (2, "yes")],
+    *[("gemv_norm_scale", v) for v in (1, None, "yes")],
 ]
 
 

@@ -36,7 +36,10 @@ constexpr int64_t kMaxGridY = 65535;  // grid.y limit: M chunks beyond it are st
 // The epilogue fusions of the GEMV (its fused kernel instances; both off: the plain GEMV).
 //   silu_mul  the weight's rows [0, N/2) are a gate and rows [N/2, N) an up projection: output
 //             [M, N/2], silu(gate + bias[j]) * (up + bias[N/2 + j]) from the f32 products;
-//   residual  residual[m, j] (T, [M, N_out]) added in f32 before the one rounding.
+//   residual  residual[m, j] (T, [M, N_out]) added in f32 before the one rounding;
+//   row scale an RMSNorm split around the product: a holds x * norm_weight rounded once, and
+//             row_sq_sum[m] (f32, [M]) the sum over K of x[m]^2; each product is scaled by
+//             rsqrt(row_sq_sum[m] / K + norm_eps) before the bias (lowering.py says when).
 //
 // The main loop (GemvMmaMainloop) takes the fusion's type as a template argument, so that other
 // epilogues (the MoE block's, ffi/cuda/grouped/moe.cuh) can extend it: kRowMap says whether
@@ -47,8 +50,13 @@ struct GemvFusion {
   static constexpr bool kRowMap = false;
   const T* residual = nullptr;  // [M, N_out], or nullptr
   bool silu_mul = false;
+  const float* row_sq_sum = nullptr;  // [M], or nullptr
+  float norm_eps = 0.0f;
+  float norm_k = 1.0f;  // K, the count row_sq_sum's mean divides by
 
-  __host__ __device__ bool active() const { return residual != nullptr || silu_mul; }
+  __host__ __device__ bool active() const {
+    return residual != nullptr || silu_mul || row_sq_sum != nullptr;
+  }
   // The row of a that row `row` of the call multiplies.
   __device__ __forceinline__ int64_t activation_row(int64_t row) const { return row; }
 };
@@ -61,6 +69,11 @@ __device__ __forceinline__ void StoreFusedOutput(T* y, const T* bias, const Gemv
                                                  int64_t n_out, int64_t row, int64_t col, float acc,
                                                  float acc_up, float gs) {
   using Tr = HalfTraits<T>;
+  if (fusion.row_sq_sum != nullptr) {
+    const float inv_rms = rsqrtf(fusion.row_sq_sum[row] / fusion.norm_k + fusion.norm_eps);
+    acc *= inv_rms;
+    acc_up *= inv_rms;
+  }
   float v = fmaf(acc, gs, bias != nullptr ? Tr::to_float(bias[col]) : 0.0f);
   if (fusion.silu_mul) {
     const float up = fmaf(acc_up, gs, bias != nullptr ? Tr::to_float(bias[n_out + col]) : 0.0f);

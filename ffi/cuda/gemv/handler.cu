@@ -19,10 +19,12 @@
 // Both are deterministic (fixed work split and reduction order) and never touch memory outside
 // their operands: ragged N is clamped on loads and masked on stores, rows past M are never read.
 //
-// Epilogue fusions (GemvFusion in ffi/cuda/gemv/common.cuh), optional: a call with the operand
-// residual and the attribute activation runs the kernels' fused instances; a call without them
-// (5 operands, the plain attributes) is the plain GEMV.
+// Epilogue fusions (GemvFusion in ffi/cuda/gemv/common.cuh), optional: a call with the operands
+// residual and row_sq_sum and the attributes activation and norm_eps runs the kernels' fused
+// instances; a call without them (5 operands, the plain attributes) is the plain GEMV.
 //   residual [M, N_out] (a's type), added in f32 before the rounding, or [0];
+//   row_sq_sum [M] (f32), or [0]: each row's product scaled by rsqrt(row_sq_sum / K + norm_eps)
+//     (norm_eps: f32), an RMSNorm whose a * norm_weight the caller has applied;
 //   activation (i64): 0 none, 1 silu_mul (rows [0, N/2) gate, [N/2, N) up; y [M, N/2]; N even;
 //     tiled: N/2 % 16 == 0; tensor cores: two column tiles, col_tiles 0 or 2).
 #include <cuda_bf16.h>
@@ -58,7 +60,7 @@ ffi::Error Invalid(const std::string& what) {
 constexpr std::string_view kPlainAttributes[] = {"block_size",     "tiled",       "tensor_cores",
                                                  "row_tiling",     "col_tiles",   "k_split",
                                                  "rows_per_block", "programmatic"};
-constexpr std::string_view kFusionAttributes[] = {"activation"};
+constexpr std::string_view kFusionAttributes[] = {"activation", "norm_eps"};
 
 template <typename V>
 ffi::Error ReadAttribute(const ffi::Dictionary& attrs, std::string_view name, V* out) {
@@ -72,12 +74,17 @@ ffi::Error ReadAttribute(const ffi::Dictionary& attrs, std::string_view name, V*
   return ffi::Error::Success();
 }
 
-// The epilogue fusions of a call: the residual operand's data (or nullptr) and silu_mul.
+// The epilogue fusions of a call: the residual and row_sq_sum operands' data (or nullptr),
+// silu_mul, and the RMSNorm's epsilon and K.
 template <typename T>
-GemvFusion<T> Fusion(const void* residual, bool silu_mul) {
+GemvFusion<T> Fusion(const void* residual, bool silu_mul, const float* row_sq_sum, float eps,
+                     int64_t k) {
   GemvFusion<T> fusion;
   fusion.residual = static_cast<const T*>(residual);
   fusion.silu_mul = silu_mul;
+  fusion.row_sq_sum = row_sq_sum;
+  fusion.norm_eps = eps;
+  fusion.norm_k = static_cast<float>(k);
   return fusion;
 }
 
@@ -86,8 +93,9 @@ struct GemvAttributes {
   bool tiled = false, tensor_cores = false, row_tiling = false;
   int64_t col_tiles = 0, k_split = 0, rows_per_block = 0;
   bool programmatic = false;
-  bool fused = false;  // the fusion attribute is present
+  bool fused = false;  // the fusion attributes are present
   int64_t activation = 0;
+  float norm_eps = 0.0f;
 };
 
 ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
@@ -107,9 +115,10 @@ ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
   if ((err = ReadAttribute(attrs, "k_split", &out->k_split)).failure()) return err;
   if ((err = ReadAttribute(attrs, "rows_per_block", &out->rows_per_block)).failure()) return err;
   if ((err = ReadAttribute(attrs, "programmatic", &out->programmatic)).failure()) return err;
-  out->fused = attrs.contains("activation");
-  if (out->fused && (err = ReadAttribute(attrs, "activation", &out->activation)).failure()) {
-    return err;
+  out->fused = attrs.contains("activation") || attrs.contains("norm_eps");
+  if (out->fused) {
+    if ((err = ReadAttribute(attrs, "activation", &out->activation)).failure()) return err;
+    if ((err = ReadAttribute(attrs, "norm_eps", &out->norm_eps)).failure()) return err;
   }
   return ffi::Error::Success();
 }
@@ -117,17 +126,18 @@ ffi::Error ReadAttributes(const ffi::Dictionary& attrs, GemvAttributes* out) {
 ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> packed,
                         ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> global_scale,
                         ffi::AnyBuffer bias, std::optional<ffi::AnyBuffer> residual,
-                        ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary attrs) {
+                        std::optional<ffi::AnyBuffer> row_sq_sum, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Dictionary attrs) {
   GemvAttributes at;
   if (ffi::Error err = ReadAttributes(attrs, &at); err.failure()) return err;
   const int64_t block_size = at.block_size, col_tiles = at.col_tiles, k_split = at.k_split;
   const int64_t rows_per_block = at.rows_per_block;
   const bool tiled = at.tiled, tensor_cores = at.tensor_cores, row_tiling = at.row_tiling;
   const bool programmatic = at.programmatic;
-  if (residual.has_value() != at.fused) {
+  if (residual.has_value() != at.fused || row_sq_sum.has_value() != at.fused) {
     return Invalid(
-        "a fused call passes the operand residual and the attribute activation, a plain call "
-        "neither");
+        "a fused call passes the operands residual and row_sq_sum and the attributes activation "
+        "and norm_eps, a plain call none of them");
   }
   const bool silu = at.activation == 1;
   // A plain call checks as one with no fusions (an empty residual).
@@ -143,6 +153,16 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
       &shape, &has_residual);
   if (!problem.empty()) return Invalid(problem);
   const void* residual_data = has_residual ? residual->untyped_data() : nullptr;
+  const float* row_sq_sum_data = nullptr;
+  if (row_sq_sum.has_value() && row_sq_sum->element_count() != 0) {
+    if (row_sq_sum->element_type() != ffi::DataType::F32 ||
+        row_sq_sum->element_count() != shape.m) {
+      return Invalid("row_sq_sum must be float32 [M] = [" + std::to_string(shape.m) +
+                     "], or [0] for none; got " + std::to_string(row_sq_sum->element_count()) +
+                     " elements");
+    }
+    row_sq_sum_data = static_cast<const float*>(row_sq_sum->untyped_data());
+  }
   // The kernels index scales as one per 16 weights: another block size would read past them.
   if (block_size != 16) {
     return ffi::Error::InvalidArgument("jax_fp4_gemv_cuda: block_size must be 16, got " +
@@ -238,7 +258,7 @@ ffi::Error GemvCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::
     return LaunchGemv<T>(stream, a.untyped_data(), packed.typed_data(), ScaleBytes(scale),
                          global_scale.typed_data(), bias_data, y->untyped_data(), shape.m, shape.n,
                          shape.k, tensor_cores, tiled, row_tiling, cfg, pdl,
-                         Fusion<T>(residual_data, silu));
+                         Fusion<T>(residual_data, silu, row_sq_sum_data, at.norm_eps, shape.k));
   };
   err = f16 ? launch(__half{}) : launch(__nv_bfloat16{});
   if (err != cudaSuccess) return CudaError("jax_fp4_gemv_cuda: kernel launch", err);
@@ -258,11 +278,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4GemvCuda, jax_fp4::cuda::GemvCudaImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // global scale, one element
                                   .Arg<ffi::AnyBuffer>()          // bias [N] or [0]
                                   .OptionalArg<ffi::AnyBuffer>()  // residual [M, N_out] or [0]
+                                  .OptionalArg<ffi::AnyBuffer>()  // row_sq_sum [M] (f32) or [0]
                                   .Ret<ffi::AnyBuffer>()          // y [M, N_out]
                                   // block_size:i64, tiled (weight in the tiled layout),
                                   // tensor_cores (mma.sync kernel, else scalar), row_tiling,
                                   // col_tiles (0 = heuristic, 1 or 2), k_split (0 = heuristic,
                                   // >= 1), rows_per_block (0 = heuristic, 1, 2, 4), programmatic
-                                  // (PDL on sm_90+); fused calls: activation:i64
+                                  // (PDL on sm_90+); fused calls: activation:i64,
+                                  // norm_eps:f32
                                   .Attrs(),
                               {ffi::Traits::kCmdBufferCompatible});
