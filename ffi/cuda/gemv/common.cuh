@@ -33,7 +33,7 @@ __device__ __forceinline__ void StoreOutput(T* y, const T* bias, int64_t n, int6
 
 constexpr int64_t kMaxGridY = 65535;  // grid.y limit: M chunks beyond it are strided
 
-// The epilogue fusions of the GEMV (its fused kernel instances; both off: the plain GEMV).
+// The epilogue fusions of the GEMV (its fused kernel instances; all off: the plain GEMV).
 //   silu_mul  the weight's rows [0, N/2) are a gate and rows [N/2, N) an up projection: output
 //             [M, N/2], silu(gate + bias[j]) * (up + bias[N/2 + j]) from the f32 products;
 //   residual  residual[m, j] (T, [M, N_out]) added in f32 before the one rounding;
