@@ -623,7 +623,7 @@ def _ints(text: str) -> list[int]:
 
 def _attention_kinds(text: str) -> list[str]:
     kinds = text.replace(",", " ").split()
-    known = ("auto", "xla", "cudnn")
+    known = load_example().ATTENTION
     if not kinds or any(k not in known for k in kinds) or len(set(kinds)) < len(kinds):
         raise argparse.ArgumentTypeError(
             f"expected some of auto, xla, cudnn, e.g. xla,cudnn; got {text!r}"

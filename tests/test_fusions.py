@@ -18,7 +18,7 @@ import jax_fp4
 from jax_fp4 import ffi as _ffi
 from jax_fp4 import native as _native
 from tests import reference
-from tests._helpers import EPS, check
+from tests._helpers import EPS, check, gemv_attributes
 
 EPSILON = 1e-5  # the RMSNorm's epsilon in these tests
 
@@ -306,9 +306,14 @@ def cuda_device(monkeypatch):
     monkeypatch.setattr(_ffi, "cuda_architectures", lambda: _ffi.ALL_CUDA_ARCHITECTURES)
 
 
+def _cuda_hlo(fn, *args):
+    """The text of jax.jit(fn) lowered for CUDA on args."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def _gemv_calls(fn, *args, target="jax_fp4_gemv_cuda"):
     """[(operand count, {attribute: value})] of each `target` call in fn's CUDA HLO."""
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_hlo(fn, *args)
     calls = []
     for operands, config in re.findall(
         rf"custom_call @{target}\(([^)]*)\).*?backend_config = \{{([^}}]*)\}}", text
@@ -357,7 +362,7 @@ def test_gemv_runs_the_epilogue_fusions_in_its_kernel(cuda_device):
 
 def _has_rsqrt(fn, *args):
     """Whether fn's CUDA HLO computes an RMSNorm's 1 / RMS in XLA (its rsqrt)."""
-    return "rsqrt" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return "rsqrt" in _cuda_hlo(fn, *args)
 
 
 @pytest.mark.parametrize("layout", ["spec", "tiled"])
@@ -401,11 +406,8 @@ def test_prefill_composes_around_its_gemm(cuda_device):
     """Past the GEMV (here the fused GEMM on sm_90) the fusions are composed around the product."""
     a, w = _lowering_case(256, 2112, 4096)
     nw = jnp.ones((4096,), jnp.bfloat16)
-    text = (
-        jax.jit(lambda a, w, nw: jax_fp4.matmul(a, w, norm_weight=nw, activation="silu_mul"))
-        .trace(a, w, nw)
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
+    text = _cuda_hlo(
+        lambda a, w, nw: jax_fp4.matmul(a, w, norm_weight=nw, activation="silu_mul"), a, w, nw
     )
     assert re.findall(r"custom_call @(\w+)", text) == ["jax_fp4_fused_cuda"]
     assert "exponential" in text and "rsqrt" in text  # silu and the RMSNorm, in XLA
@@ -434,7 +436,7 @@ def test_fused_gemm_runs_the_epilogue_fusions_in_its_kernel_up_to_64_rows(cuda_d
         a, w = _lowering_case(m, 8192, k, layout)  # 2^25 weights: the fused GEMM from M = 17
         nw, res = jnp.ones((k,), jnp.float32), jnp.ones((m, 4096), jnp.bfloat16)
         f = mlp_gate(tuning)
-        text = jax.jit(f).trace(a, w, nw, res).lower(lowering_platforms=("cuda",)).as_text()
+        text = _cuda_hlo(f, a, w, nw, res)
         [(operands, attributes)] = _gemv_calls(f, a, w, nw, res, target=fused_target)
         assert operands == 6 and attributes["activation"] == ("1" if in_kernel else "0"), m
         assert ("exponential" in text) != in_kernel and "rsqrt" in text
@@ -448,11 +450,8 @@ def test_fused_gemm_runs_the_epilogue_fusions_in_its_kernel_up_to_64_rows(cuda_d
         target=fused_target,
     )
     assert operands == 6 and attributes["activation"] == "0"
-    text = (
-        jax.jit(lambda a, w, r: jax_fp4.matmul(a, w, residual=r))
-        .trace(a, w, jnp.ones((32, 8192), jnp.bfloat16))
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
+    text = _cuda_hlo(
+        lambda a, w, r: jax_fp4.matmul(a, w, residual=r), a, w, jnp.ones((32, 8192), jnp.bfloat16)
     )
     assert "stablehlo.add" not in text
 
@@ -557,9 +556,8 @@ def test_gemv_target_checks_row_sq_sum():
         target = jax.ffi.ffi_call("jax_fp4_gemv_cuda", jax.ShapeDtypeStruct((2, 32), a.dtype))
         return target(
             a, w.packed, w.scale, w.global_scale, jnp.zeros((0,), a.dtype), *fused,
-            block_size=np.int64(16), tiled=False, tensor_cores=True, row_tiling=True,
-            col_tiles=np.int64(0), k_split=np.int64(0), rows_per_block=np.int64(0),
-            programmatic=False, activation=np.int64(0), norm_eps=np.float32(0.0),
+            block_size=np.int64(16), activation=np.int64(0), norm_eps=np.float32(0.0),
+            **gemv_attributes(256),
         )  # fmt: skip
 
     no_residual = jnp.zeros((0,), a.dtype)
